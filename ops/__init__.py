@@ -1,0 +1,1 @@
+"""Packing-safe Mamba kernels (causal conv1d, selective scan) and modules."""

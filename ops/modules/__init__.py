@@ -1,0 +1,1 @@
+"""Mamba modules that consume packed batches."""

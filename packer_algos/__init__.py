@@ -1,0 +1,1 @@
+"""Numba bin-packing: sequence lengths in, packed rows (a PackPlan) out."""
