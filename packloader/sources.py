@@ -1,0 +1,960 @@
+"""Token shards in: Arrow IPC (memory-mapped), Parquet and WebDataset tar shards.
+
+A *shard* is one file of tokenized sequences. :func:`open_shard` picks a reader by the file's suffix and
+returns a :class:`Shard`, which yields :class:`SequenceBatch` es: flat ``int32`` token arrays plus
+``int64`` offsets, read through pyarrow record batches (``.values`` / ``.offsets``) or straight out of
+a memory-mapped tar, without a Python loop per token.
+
+========================================  ==========================================================
+suffix                                    reader
+========================================  ==========================================================
+``.arrow`` / ``.ipc`` / ``.feather``      Arrow IPC file (or stream), memory-mapped, zero-copy
+``.parquet`` / ``.pq``                    Parquet, read in record batches of ``batch_rows`` rows
+``.tar``                                  WebDataset tar; members ``KEY.input_ids.npy`` (or
+                                          ``KEY.npy``) and optional ``KEY.labels.npy``
+========================================  ==========================================================
+
+Example::
+
+    >>> from packloader.sources import resolve_sources, open_shard
+    >>> paths = resolve_sources(["data/shard-{000..003}.arrow"])        # doctest: +SKIP
+    >>> shard = open_shard(paths[0])                                     # doctest: +SKIP
+    >>> len(shard), shard.lengths()[:3]                                  # doctest: +SKIP
+    (5000, array([212, 87, 1033]))
+    >>> for b in shard.iter_batches():                                   # doctest: +SKIP
+    ...     first = b.tokens[b.offsets[0]:b.offsets[1]]                  # sequence b.row_start
+
+Token columns are ``list<int32>`` or ``large_list<int32>`` (other integer value types are accepted and
+converted when every id fits in int32); float values, nulls, negative ids, a missing column and a corrupt
+file raise :class:`~packloader.errors.DataError` naming the file and the row.
+"""
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from packloader.errors import DataError
+
+__all__ = [
+    "SequenceBatch",
+    "Shard",
+    "ArrowShard",
+    "ParquetShard",
+    "TarShard",
+    "open_shard",
+    "resolve_sources",
+    "expand_braces",
+    "shard_format",
+    "ARROW_SUFFIXES",
+    "PARQUET_SUFFIXES",
+    "TAR_SUFFIXES",
+]
+
+ARROW_SUFFIXES = (".arrow", ".ipc", ".feather")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+TAR_SUFFIXES = (".tar",)
+SUPPORTED_SUFFIXES = ARROW_SUFFIXES + PARQUET_SUFFIXES + TAR_SUFFIXES
+
+#: rows per :class:`SequenceBatch` for Parquet and tar shards (Arrow IPC keeps its own record batches)
+DEFAULT_BATCH_ROWS = 16384
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+# --------------------------------------------------------------------------------------------------
+# path patterns
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Expand shell-style brace patterns, as webdataset accepts them.
+
+    ``{a,b}`` alternates, ``{000..127}`` counts (keeping the zero padding of the wider bound),
+    ``{0..10..2}`` counts by a step and ``{a..e}`` runs over letters; braces nest and several may appear.
+    A brace with neither ``,`` nor ``..`` is left as text.
+
+    Args:
+        pattern: the pattern.
+
+    Returns:
+        The expanded strings, in order.
+
+    Example::
+
+        >>> expand_braces("shard-{00..02}.{arrow,tar}")
+        ['shard-00.arrow', 'shard-00.tar', 'shard-01.arrow', 'shard-01.tar', 'shard-02.arrow', 'shard-02.tar']
+    """
+    open_at = -1
+    depth = 0
+    for i, ch in enumerate(pattern):
+        if ch == "{":
+            if depth == 0:
+                open_at = i
+            depth += 1
+        elif ch == "}" and depth > 0:
+            depth -= 1
+            if depth == 0:
+                head, body, tail = pattern[:open_at], pattern[open_at + 1:i], pattern[i + 1:]
+                options = _brace_options(body)
+                if options is None:  # literal braces: keep them, expand what follows
+                    return [head + "{" + body + "}" + t for t in expand_braces(tail)]
+                out = []
+                for opt in options:
+                    for expanded in expand_braces(head + opt):
+                        for t in expand_braces(tail):
+                            out.append(expanded + t)
+                return out
+    return [pattern]
+
+
+def _brace_options(body: str) -> list[str] | None:
+    m = re.fullmatch(r"(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?", body)
+    if m:
+        a, b = int(m.group(1)), int(m.group(2))
+        step = abs(int(m.group(3))) if m.group(3) else 1
+        if step == 0:
+            step = 1
+        padded = any(len(g.lstrip("-")) > 1 and g.lstrip("-").startswith("0") for g in m.group(1, 2))
+        width = max(len(m.group(1)), len(m.group(2))) if padded else 0
+        values = range(a, b + 1, step) if a <= b else range(a, b - 1, -step)
+        return [str(v).zfill(width) if width else str(v) for v in values]
+    m = re.fullmatch(r"([A-Za-z])\.\.([A-Za-z])", body)
+    if m:
+        a, b = ord(m.group(1)), ord(m.group(2))
+        step = 1 if a <= b else -1
+        return [chr(c) for c in range(a, b + step, step)]
+    # top-level commas
+    parts, depth, cur = [], 0, []
+    for ch in body:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if not parts:
+        return None
+    parts.append("".join(cur))
+    return parts
+
+
+def shard_format(path) -> str:
+    """Return ``"arrow"``, ``"parquet"`` or ``"tar"`` for a shard path, from its suffix.
+
+    Raises:
+        DataError: the suffix is not one of the supported ones.
+    """
+    name = os.fspath(path).lower()
+    if name.endswith(ARROW_SUFFIXES):
+        return "arrow"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(TAR_SUFFIXES):
+        return "tar"
+    raise DataError(
+        f"unsupported shard suffix; expected one of {', '.join(SUPPORTED_SUFFIXES)}", path=path
+    )
+
+
+def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
+    """Expand shard patterns into a list of existing shard files.
+
+    Each pattern is brace-expanded (:func:`expand_braces`), then glob-expanded (``*``, ``?``, ``[...]``,
+    ``**``); the matches of each glob are sorted. A directory stands for every supported shard
+    (``.arrow``, ``.ipc``, ``.feather``, ``.parquet``, ``.pq``, ``.tar``) directly inside it, sorted.
+    Duplicates are dropped, keeping the first occurrence.
+
+    Args:
+        patterns: one pattern or an iterable of patterns (str or path-like).
+
+    Returns:
+        Paths (str), in pattern order.
+
+    Raises:
+        DataError: a pattern matches no file, or names a file with an unsupported suffix.
+
+    Example::
+
+        >>> resolve_sources(["data/shard-{000..127}.tar", "more/*.parquet"])   # doctest: +SKIP
+    """
+    if isinstance(patterns, (str, os.PathLike)):
+        patterns = [patterns]
+    out: list[str] = []
+    seen: set[str] = set()
+    for pattern in patterns:
+        pattern = os.fspath(pattern)
+        matched: list[str] = []
+        for expanded in expand_braces(pattern):
+            if glob.has_magic(expanded):
+                hits = sorted(glob.glob(expanded, recursive=True))
+                hits = [h for h in hits if os.path.isfile(h) and h.lower().endswith(SUPPORTED_SUFFIXES)]
+            elif os.path.isdir(expanded):
+                hits = sorted(
+                    os.path.join(expanded, n) for n in os.listdir(expanded)
+                    if n.lower().endswith(SUPPORTED_SUFFIXES) and os.path.isfile(os.path.join(expanded, n))
+                )
+            elif os.path.isfile(expanded):
+                shard_format(expanded)  # raises on an unsupported suffix
+                hits = [expanded]
+            else:
+                raise DataError(f"no such shard file (from pattern {pattern!r})", path=expanded)
+            matched.extend(hits)
+        if not matched:
+            raise DataError(f"pattern {pattern!r} matches no shard file")
+        for p in matched:
+            if p not in seen:
+                seen.add(p)
+                out.append(p)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# batches
+
+
+@dataclass
+class SequenceBatch:
+    """A run of consecutive sequences of one shard, as flat arrays.
+
+    Args:
+        row_start: index, in the shard, of the first sequence of this batch.
+        offsets: int64 ``[n + 1]``; sequence ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``;
+            ``offsets[0] == 0``.
+        tokens: int32 ``[offsets[-1]]`` token ids (all >= 0).
+        labels: int32 ``[offsets[-1]]`` labels aligned with ``tokens``, or None when the shard has no
+            labels (the labels are then the inputs).
+
+    Example::
+
+        >>> import numpy as np
+        >>> b = SequenceBatch(10, np.array([0, 2, 5]), np.arange(5, dtype=np.int32), None)
+        >>> len(b), b.lengths().tolist(), b.sequence(1).tolist()
+        (2, [2, 3], [2, 3, 4])
+    """
+
+    row_start: int
+    offsets: np.ndarray
+    tokens: np.ndarray
+    labels: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def lengths(self) -> np.ndarray:
+        """int64 ``[n]`` sequence lengths."""
+        return np.diff(self.offsets)
+
+    def sequence(self, i: int) -> np.ndarray:
+        """Tokens of the ``i``-th sequence of this batch (a view)."""
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def label_sequence(self, i: int) -> np.ndarray:
+        """Labels of the ``i``-th sequence of this batch (the tokens when the shard has no labels)."""
+        src = self.tokens if self.labels is None else self.labels
+        return src[self.offsets[i]:self.offsets[i + 1]]
+
+
+# --------------------------------------------------------------------------------------------------
+# shards
+
+
+class Shard:
+    """One shard of tokenized sequences (base class; use :func:`open_shard`).
+
+    Attributes:
+        path: the file (str).
+        token_column: the name of the token column / tar member extension stem.
+        labels_column: the name of the labels column / member, or None.
+        has_labels: whether the shard carries labels.
+
+    ``len(shard)`` is the number of sequences; :meth:`lengths` their lengths; :meth:`iter_batches`
+    yields :class:`SequenceBatch` es in shard order.
+    """
+
+    path: str
+    token_column: str
+    labels_column: str | None
+    has_labels: bool = False
+    format: str = ""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def lengths(self) -> np.ndarray:
+        """int64 ``[len(self)]``: the token count of every sequence."""
+        raise NotImplementedError
+
+    def iter_batches(self, start: int = 0) -> Iterator[SequenceBatch]:
+        """Yield :class:`SequenceBatch` es in shard order, beginning at sequence ``start``."""
+        raise NotImplementedError
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths().sum())
+
+    def close(self) -> None:
+        """Release the file (memory map) held by the shard."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r}, sequences={len(self)})"
+
+    def _check_start(self, start: int) -> int:
+        n = len(self)
+        if start < 0 or start > n:
+            raise IndexError(f"{self.path}: start {start} out of range for {n} sequences")
+        return int(start)
+
+
+def open_shard(
+    path,
+    token_column: str = "input_ids",
+    labels_column: str | None = "labels",
+    *,
+    batch_rows: int = DEFAULT_BATCH_ROWS,
+) -> Shard:
+    """Open one shard, choosing the reader by its suffix.
+
+    Args:
+        path: the shard file (``.arrow`` / ``.ipc`` / ``.feather``, ``.parquet`` / ``.pq``, ``.tar``).
+        token_column: the column (or, in a tar, the member ``KEY.<token_column>.npy``; ``KEY.npy`` is
+            accepted too) holding the token ids. Default ``"input_ids"``.
+        labels_column: the optional labels column / member (``-100`` marks tokens without loss). When
+            the shard lacks it, the labels are the inputs (``SequenceBatch.labels is None``). ``None``
+            ignores labels altogether.
+        batch_rows: sequences per batch for Parquet and tar shards.
+
+    Returns:
+        An :class:`ArrowShard`, :class:`ParquetShard` or :class:`TarShard`.
+
+    Raises:
+        DataError: unsupported suffix, unreadable or corrupt file, missing token column, wrong type.
+    """
+    fmt = shard_format(path)
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise DataError("no such file", path=path)
+    if fmt == "arrow":
+        return ArrowShard(path, token_column, labels_column)
+    if fmt == "parquet":
+        return ParquetShard(path, token_column, labels_column, batch_rows=batch_rows)
+    return TarShard(path, token_column, labels_column, batch_rows=batch_rows)
+
+
+# ---- pyarrow helpers -------------------------------------------------------------------------------
+
+
+def _check_list_type(path, schema: pa.Schema, column: str, *, required: bool, what: str):
+    """Return the field index of ``column`` (None when absent and not required); check its type."""
+    idx = schema.get_field_index(column)
+    if idx < 0:
+        if required:
+            raise DataError(
+                f"{what} column {column!r} not found; columns are {schema.names}", path=path
+            )
+        return None
+    typ = schema.field(idx).type
+    if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
+        raise DataError(
+            f"{what} column {column!r} has type {typ}; expected list<int32> or large_list<int32>",
+            path=path,
+        )
+    vt = typ.value_type
+    if not pa.types.is_integer(vt):
+        raise DataError(
+            f"{what} column {column!r} has type {typ}: values must be integers "
+            "(list<int32> or large_list<int32>), not {vt}".replace("{vt}", str(vt)),
+            path=path,
+        )
+    return idx
+
+
+def _list_arrays(path, arr: pa.Array, column: str, row0: int, *, allow_negative: bool):
+    """(offsets int64 zero-based, values int32) of a (possibly sliced) list array; checks nulls, ids."""
+    if arr.null_count:
+        first = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
+        raise DataError(f"column {column!r} has a null sequence", path=path, row=row0 + first)
+    offs = arr.offsets.to_numpy()  # respects the slice (absolute positions into .values)
+    lo, hi = int(offs[0]), int(offs[-1])
+    values = arr.values  # ignores the slice: cut by the offsets
+    if lo != 0 or hi != len(values):
+        values = values.slice(lo, hi - lo)
+    if values.null_count:
+        pos = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+        row = int(np.searchsorted(offs, pos + lo, side="right") - 1)
+        raise DataError(f"column {column!r} has a null token id", path=path, row=row0 + row)
+    offsets = offs.astype(np.int64, copy=False)
+    if lo:
+        offsets = offsets - lo
+    vals = values.to_numpy(zero_copy_only=False) if len(values) else np.empty(0, np.int32)
+    vals = _to_int32(path, vals, offsets, column, row0, allow_negative=allow_negative)
+    return offsets, vals
+
+
+def _to_int32(path, vals: np.ndarray, offsets: np.ndarray, column: str, row0: int, *, allow_negative: bool):
+    """Convert an integer array to int32 (a view when already int32); check the id range.
+
+    ``offsets`` (zero-based, int64) map a bad position back to its row for the error message.
+    """
+
+    def row_of(pos: int) -> int:
+        return row0 + int(np.searchsorted(offsets, pos, side="right") - 1)
+
+    if vals.dtype.kind not in "iu":
+        raise DataError(f"{column!r} values have dtype {vals.dtype}; expected integers", path=path, row=row0)
+    if len(vals) == 0:
+        return vals.astype(np.int32, copy=False)
+    if vals.dtype != np.int32:
+        wide = vals.dtype.itemsize > 4 or (vals.dtype.kind == "u" and vals.dtype.itemsize == 4)
+        if wide:
+            hi = vals > _INT32_MAX
+            lo = vals < np.iinfo(np.int32).min if vals.dtype.kind == "i" else None
+            bad = hi if lo is None else (hi | lo)
+            if bad.any():
+                pos = int(np.argmax(bad))
+                raise DataError(f"{column!r} has id {int(vals[pos])} that does not fit in int32",
+                                path=path, row=row_of(pos))
+        vals = vals.astype(np.int32)
+    if not allow_negative and int(vals.min()) < 0:
+        pos = int(np.argmax(vals < 0))
+        row = row_of(pos)
+        raise DataError(
+            f"{column!r} has a negative token id ({int(vals[pos])}) at position "
+            f"{pos - int(offsets[row - row0])} of the sequence",
+            path=path, row=row,
+        )
+    return vals
+
+
+def _labels_arrays(path, arr, column, row0, tok_offsets):
+    offsets, vals = _list_arrays(path, arr, column, row0, allow_negative=True)
+    if len(offsets) != len(tok_offsets) or not np.array_equal(offsets, tok_offsets):
+        lt, ll = np.diff(tok_offsets), np.diff(offsets)
+        bad = int(np.flatnonzero(lt != ll)[0])
+        raise DataError(
+            f"labels column {column!r} has {int(ll[bad])} labels for {int(lt[bad])} tokens",
+            path=path, row=row0 + bad,
+        )
+    return vals
+
+
+def _column(batch, idx):
+    col = batch.column(idx)
+    if isinstance(col, pa.ChunkedArray):  # tables
+        col = col.combine_chunks()
+    return col
+
+
+class ArrowShard(Shard):
+    """An Arrow IPC file (or stream), memory-mapped: token arrays are views of the file's pages.
+
+    Args:
+        path: the ``.arrow`` / ``.ipc`` / ``.feather`` file.
+        token_column: the ``list<int32>`` / ``large_list<int32>`` token column. Default ``"input_ids"``.
+        labels_column: optional labels column (same row lengths); None to ignore.
+
+    Example::
+
+        >>> shard = ArrowShard("shard-000.arrow")                  # doctest: +SKIP
+        >>> b = next(shard.iter_batches()); b.tokens.base is not None
+        True
+    """
+
+    format = "arrow"
+
+    def __init__(self, path, token_column: str = "input_ids", labels_column: str | None = "labels"):
+        self.path = os.fspath(path)
+        self.token_column = token_column
+        self.labels_column = labels_column
+        try:
+            self._source = pa.memory_map(self.path, "r")
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"cannot open Arrow file: {e}", path=self.path) from None
+        try:
+            try:
+                reader = pa.ipc.open_file(self._source)
+                self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+                schema = reader.schema
+            except pa.ArrowInvalid:
+                self._source.seek(0)
+                stream = pa.ipc.open_stream(self._source)
+                schema = stream.schema
+                self._batches = list(stream)
+        except (pa.ArrowException, OSError) as e:
+            self._source.close()
+            raise DataError(f"corrupt or unreadable Arrow IPC file: {e}", path=self.path) from None
+        self.schema = schema
+        self._tok_idx = _check_list_type(self.path, schema, token_column, required=True, what="token")
+        self._lab_idx = (
+            None if labels_column is None
+            else _check_list_type(self.path, schema, labels_column, required=False, what="labels")
+        )
+        self.has_labels = self._lab_idx is not None
+        self._rows = np.cumsum([0] + [b.num_rows for b in self._batches]).astype(np.int64)
+        self._lengths = None
+
+    def __len__(self) -> int:
+        return int(self._rows[-1])
+
+    def lengths(self) -> np.ndarray:
+        if self._lengths is None:
+            parts = []
+            for bi, b in enumerate(self._batches):
+                arr = b.column(self._tok_idx)
+                if arr.null_count:
+                    _list_arrays(self.path, arr, self.token_column, int(self._rows[bi]), allow_negative=True)
+                parts.append(np.diff(arr.offsets.to_numpy()).astype(np.int64, copy=False))
+            self._lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return self._lengths
+
+    def iter_batches(self, start: int = 0) -> Iterator[SequenceBatch]:
+        start = self._check_start(start)
+        first = int(np.searchsorted(self._rows, start, side="right") - 1)
+        for bi in range(max(first, 0), len(self._batches)):
+            row0 = int(self._rows[bi])
+            batch = self._batches[bi]
+            if row0 < start:
+                batch = batch.slice(start - row0)
+                row0 = start
+            if batch.num_rows == 0:
+                continue
+            try:
+                offsets, tokens = _list_arrays(
+                    self.path, batch.column(self._tok_idx), self.token_column, row0, allow_negative=False
+                )
+                labels = None
+                if self._lab_idx is not None:
+                    labels = _labels_arrays(
+                        self.path, batch.column(self._lab_idx), self.labels_column, row0, offsets
+                    )
+            except pa.ArrowException as e:
+                raise DataError(f"corrupt Arrow data: {e}", path=self.path, row=row0) from None
+            yield SequenceBatch(row0, offsets, tokens, labels)
+
+    def close(self) -> None:
+        self._batches = []
+        self._rows = np.zeros(1, np.int64)
+        self._source.close()
+
+
+class ParquetShard(Shard):
+    """A Parquet file, read column by column in record batches of ``batch_rows`` rows.
+
+    Args:
+        path: the ``.parquet`` / ``.pq`` file.
+        token_column: the ``list<int32>`` / ``large_list<int32>`` token column. Default ``"input_ids"``.
+        labels_column: optional labels column; None to ignore.
+        batch_rows: rows per yielded batch.
+
+    Example::
+
+        >>> shard = ParquetShard("train-0000.parquet", token_column="tokens")   # doctest: +SKIP
+    """
+
+    format = "parquet"
+
+    def __init__(self, path, token_column: str = "input_ids", labels_column: str | None = "labels",
+                 *, batch_rows: int = DEFAULT_BATCH_ROWS):
+        import pyarrow.parquet as pq
+
+        self.path = os.fspath(path)
+        self.token_column = token_column
+        self.labels_column = labels_column
+        self.batch_rows = int(batch_rows)
+        try:
+            self._pf = pq.ParquetFile(self.path, memory_map=True)
+            schema = self._pf.schema_arrow
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"corrupt or unreadable Parquet file: {e}", path=self.path) from None
+        self.schema = schema
+        _check_list_type(self.path, schema, token_column, required=True, what="token")
+        lab = None if labels_column is None else _check_list_type(
+            self.path, schema, labels_column, required=False, what="labels")
+        self.has_labels = lab is not None
+        self._columns = [token_column] + ([labels_column] if self.has_labels else [])
+        md = self._pf.metadata
+        self._groups = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)]).astype(np.int64)
+        self._lengths = None
+
+    def __len__(self) -> int:
+        return int(self._groups[-1])
+
+    def lengths(self) -> np.ndarray:
+        if self._lengths is None:
+            parts = []
+            row = 0
+            try:
+                for rb in self._pf.iter_batches(batch_size=self.batch_rows, columns=[self.token_column]):
+                    arr = rb.column(0)
+                    if arr.null_count:
+                        _list_arrays(self.path, arr, self.token_column, row, allow_negative=True)
+                    parts.append(np.diff(arr.offsets.to_numpy()).astype(np.int64, copy=False))
+                    row += rb.num_rows
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(f"corrupt Parquet data: {e}", path=self.path, row=row) from None
+            self._lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return self._lengths
+
+    def iter_batches(self, start: int = 0) -> Iterator[SequenceBatch]:
+        start = self._check_start(start)
+        if start == len(self):
+            return
+        g = int(np.searchsorted(self._groups, start, side="right") - 1)
+        row = int(self._groups[g])
+        skip = start - row
+        try:
+            it = self._pf.iter_batches(
+                batch_size=self.batch_rows, columns=self._columns,
+                row_groups=list(range(g, len(self._groups) - 1)),
+            )
+            for rb in it:
+                if skip >= rb.num_rows:
+                    skip -= rb.num_rows
+                    row += rb.num_rows
+                    continue
+                if skip:
+                    rb = rb.slice(skip)
+                    row += skip
+                    skip = 0
+                offsets, tokens = _list_arrays(self.path, rb.column(0), self.token_column, row,
+                                               allow_negative=False)
+                labels = None
+                if self.has_labels:
+                    labels = _labels_arrays(self.path, rb.column(1), self.labels_column, row, offsets)
+                yield SequenceBatch(row, offsets, tokens, labels)
+                row += rb.num_rows
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"corrupt Parquet data: {e}", path=self.path, row=row) from None
+
+    def close(self) -> None:
+        try:
+            self._pf.close()
+        except AttributeError:
+            pass
+
+
+# ---- WebDataset tar -------------------------------------------------------------------------------
+
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_DESCR = re.compile(rb"""['"]descr['"]\s*:\s*['"]([^'"]+)['"]""")
+_NPY_SHAPE = re.compile(rb"""['"]shape['"]\s*:\s*\(([^)]*)\)""")
+_NPY_FORTRAN = re.compile(rb"""['"]fortran_order['"]\s*:\s*(True|False)""")
+# webdataset: the key is everything up to the first dot of the base name; the extension the rest
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")
+
+
+def _octal(field: bytes, path, where: str) -> int:
+    if field[:1] and field[0] & 0x80:  # GNU base-256 for big sizes
+        return int.from_bytes(bytes([field[0] & 0x7F]) + field[1:], "big")
+    text = field.split(b"\0", 1)[0].strip()
+    if not text:
+        return 0
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise DataError(f"corrupt tar: bad number field {field!r} in the header {where}", path=path) from None
+
+
+class TarShard(Shard):
+    """A WebDataset tar shard of ``.npy`` token arrays, memory-mapped and indexed once.
+
+    Each sample is the run of consecutive members sharing a key (the member name up to the first dot of
+    its base name, as in webdataset): ``KEY.input_ids.npy`` (or ``KEY.npy``) holds the 1-D integer
+    token array, ``KEY.labels.npy`` the optional labels; other members (``.json``, ``.txt``, ...) are
+    ignored. Tar headers are parsed directly from the memory map (checksums verified), so the file is
+    read once and the token arrays are copied straight from the page cache into each batch.
+
+    Args:
+        path: the ``.tar`` file.
+        token_column: member extension stem of the tokens (``KEY.<token_column>.npy``). Default
+            ``"input_ids"``.
+        labels_column: member extension stem of the labels; None to ignore labels.
+        batch_rows: samples per yielded batch.
+
+    Raises:
+        DataError: corrupt or truncated tar (bad header checksum, member beyond the end of the file),
+            a sample without a token member, a member that is not a 1-D integer ``.npy`` array, or
+            labels whose length differs from the tokens'; the message names the member and row.
+
+    Example::
+
+        >>> shard = TarShard("shard-000.tar")                       # doctest: +SKIP
+        >>> shard.keys[:2]                                         # doctest: +SKIP
+        ['sample000000', 'sample000001']
+    """
+
+    format = "tar"
+
+    def __init__(self, path, token_column: str = "input_ids", labels_column: str | None = "labels",
+                 *, batch_rows: int = DEFAULT_BATCH_ROWS):
+        self.path = os.fspath(path)
+        self.token_column = token_column
+        self.labels_column = labels_column
+        self.batch_rows = int(batch_rows)
+        self._file = open(self.path, "rb")
+        size = os.fstat(self._file.fileno()).st_size
+        if size == 0:
+            self._mm = None
+            self._buf = np.zeros(0, np.uint8)
+        else:
+            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+        try:
+            self._index()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- indexing --
+
+    def _index(self) -> None:
+        buf, mm, path = self._buf, self._mm, self.path
+        size = len(buf)
+        tok_ext = f"{self.token_column}.npy".lower()
+        lab_ext = None if self.labels_column is None else f"{self.labels_column}.npy".lower()
+        keys: list[str] = []
+        tok_off: list[int] = []   # byte offset of the array data
+        tok_n: list[int] = []
+        tok_dt: list[str] = []
+        lab_off: list[int] = []
+        lab_n: list[int] = []
+        lab_dt: list[str] = []
+        cur_key = None
+        cur_tok = cur_lab = None
+        cur_first_member = None
+        long_name = None
+        pax_name = None
+        pos = 0
+        prev_member = None
+
+        def finish():
+            if cur_key is None:
+                return
+            row = len(keys)
+            if cur_tok is None:
+                raise DataError(
+                    f"sample {cur_key!r} has no {tok_ext!r} (or '.npy') member", path=path,
+                    member=cur_first_member, row=row,
+                )
+            keys.append(cur_key)
+            tok_off.append(cur_tok[0]); tok_n.append(cur_tok[1]); tok_dt.append(cur_tok[2])
+            if cur_lab is not None:
+                if cur_lab[1] != cur_tok[1]:
+                    raise DataError(
+                        f"sample {cur_key!r} has {cur_lab[1]} labels for {cur_tok[1]} tokens",
+                        path=path, member=cur_lab[3], row=row,
+                    )
+                lab_off.append(cur_lab[0]); lab_n.append(cur_lab[1]); lab_dt.append(cur_lab[2])
+            else:
+                lab_off.append(-1); lab_n.append(0); lab_dt.append("")
+
+        while True:
+            if pos >= size:
+                break  # no end-of-archive blocks: tolerated when the last member is complete
+            if pos + 512 > size:
+                raise DataError(
+                    f"corrupt tar: truncated header at byte {pos} (after member {prev_member!r})", path=path
+                )
+            header = mm[pos:pos + 512]
+            if header.count(0) == 512:
+                break  # end of archive
+            where = f"at byte {pos} (after member {prev_member!r})"
+            stored = _octal(header[148:156], path, where)
+            computed = sum(header) - sum(header[148:156]) + 8 * 32
+            if stored != computed:
+                raise DataError(f"corrupt tar: bad header checksum {where}", path=path)
+            msize = _octal(header[124:136], path, where)
+            typeflag = header[156:157]
+            name = header[0:100].split(b"\0", 1)[0]
+            if header[257:262] == b"ustar":
+                prefix = header[345:500].split(b"\0", 1)[0]
+                if prefix:
+                    name = prefix + b"/" + name
+            data = pos + 512
+            end = data + msize
+            if end > size:
+                raise DataError(
+                    f"corrupt tar: member is truncated ({msize} bytes declared, {size - data} left)",
+                    path=path, member=name.decode("utf-8", "replace"),
+                )
+            pos = data + (msize + 511) // 512 * 512
+            if typeflag == b"L":  # GNU long name for the next member
+                long_name = mm[data:end].split(b"\0", 1)[0]
+                continue
+            if typeflag in (b"x", b"X"):  # pax extended header for the next member
+                pax_name = self._pax_path(mm[data:end]) or pax_name
+                continue
+            if typeflag == b"g":
+                continue
+            if long_name is not None:
+                name, long_name = long_name, None
+            if pax_name is not None:
+                name, pax_name = pax_name, None
+            sname = name.decode("utf-8", "replace")
+            prev_member = sname
+            if typeflag not in (b"0", b"\0", b"7"):
+                continue  # directories, links, ...
+            m = _KEY_EXT.match(sname)
+            if m is None:
+                continue
+            key, ext = m.group(1), m.group(2).lower()
+            if key != cur_key:
+                finish()
+                cur_key, cur_tok, cur_lab, cur_first_member = key, None, None, sname
+            if ext == tok_ext or (ext == "npy" and cur_tok is None):  # KEY.npy: bare tokens
+                off, n, dt = self._npy(data, msize, sname, len(keys))
+                cur_tok = (off, n, dt, sname)
+            elif lab_ext is not None and ext == lab_ext:
+                off, n, dt = self._npy(data, msize, sname, len(keys))
+                cur_lab = (off, n, dt, sname)
+        finish()
+        self.keys = keys
+        self._tok_off = np.asarray(tok_off, np.int64)
+        self._tok_n = np.asarray(tok_n, np.int64)
+        self._tok_dt = tok_dt
+        self._lab_off = np.asarray(lab_off, np.int64)
+        self._lab_n = np.asarray(lab_n, np.int64)
+        self._lab_dt = lab_dt
+        self.has_labels = bool(len(self._lab_off)) and bool((self._lab_off >= 0).any())
+        self._fast_tok = all(d == "<i4" for d in tok_dt) and not (self._tok_off % 4).any()
+        self._fast_lab = (
+            self.has_labels and all(d == "<i4" for d, o in zip(lab_dt, lab_off) if o >= 0)
+            and not (self._lab_off[self._lab_off >= 0] % 4).any()
+        )
+
+    @staticmethod
+    def _pax_path(block: bytes) -> bytes | None:
+        out = None
+        i = 0
+        while i < len(block):
+            sp = block.find(b" ", i)
+            if sp < 0:
+                break
+            try:
+                n = int(block[i:sp])
+            except ValueError:
+                break
+            rec = block[sp + 1:i + n - 1]
+            if rec.startswith(b"path="):
+                out = rec[5:]
+            i += n if n > 0 else len(block)
+        return out
+
+    def _npy(self, data: int, msize: int, member: str, row: int):
+        mm, path = self._mm, self.path
+        if msize < 10 or mm[data:data + 6] != _NPY_MAGIC:
+            raise DataError("member is not a .npy array (bad magic)", path=path, member=member, row=row)
+        major = mm[data + 6]
+        if major == 1:
+            hlen = int.from_bytes(mm[data + 8:data + 10], "little")
+            hstart = data + 10
+        else:
+            hlen = int.from_bytes(mm[data + 8:data + 12], "little")
+            hstart = data + 12
+        header = mm[hstart:hstart + hlen]
+        d = _NPY_DESCR.search(header)
+        s = _NPY_SHAPE.search(header)
+        if d is None or s is None or hstart + hlen > data + msize:
+            raise DataError("member has a corrupt .npy header", path=path, member=member, row=row)
+        descr = d.group(1).decode()
+        try:
+            dtype = np.dtype(descr)
+        except TypeError:
+            raise DataError(f"member has an unknown dtype {descr!r}", path=path, member=member, row=row) from None
+        if dtype.kind not in "iu":
+            raise DataError(
+                f"member holds {dtype} values; token ids must be integers", path=path, member=member, row=row
+            )
+        dims = [int(x) for x in s.group(1).replace(b" ", b"").split(b",") if x]
+        if len(dims) > 1 and sum(1 for x in dims if x != 1) > 1:
+            raise DataError(f"member has shape {tuple(dims)}; expected a 1-D array", path=path,
+                            member=member, row=row)
+        n = int(np.prod(dims)) if dims else 1
+        off = hstart + hlen
+        if off + n * dtype.itemsize > data + msize:
+            raise DataError(
+                f"member is truncated: shape {tuple(dims)} needs {n * dtype.itemsize} bytes, "
+                f"{data + msize - off} present",
+                path=path, member=member, row=row,
+            )
+        return off, n, dtype.str
+
+    # -- reading --
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def lengths(self) -> np.ndarray:
+        return self._tok_n.copy()
+
+    def _gather(self, offs, counts, dtypes, fast, rows, row0, column, allow_negative, out_offsets):
+        total = int(out_offsets[-1])
+        if fast:
+            src = self._buf[: len(self._buf) // 4 * 4].view(np.int32)
+            parts = [src[o // 4:o // 4 + c] for o, c in zip(offs.tolist(), counts.tolist())]
+            vals = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+            if not allow_negative and total and int(vals.min()) < 0:
+                _to_int32(self.path, vals, out_offsets, column, row0, allow_negative=False)
+            return vals
+        vals = np.empty(total, np.int32)
+        for i, (o, c, dt) in enumerate(zip(offs.tolist(), counts.tolist(), dtypes)):
+            if o < 0:
+                continue
+            a = np.frombuffer(self._mm, dtype=np.dtype(dt), count=c, offset=o)
+            a = _to_int32(self.path, a, np.array([0, c]), column, row0 + i, allow_negative=allow_negative)
+            vals[out_offsets[i]:out_offsets[i + 1]] = a
+        if not allow_negative and total and int(vals.min()) < 0:
+            _to_int32(self.path, vals, out_offsets, column, row0, allow_negative=False)
+        return vals
+
+    def iter_batches(self, start: int = 0) -> Iterator[SequenceBatch]:
+        start = self._check_start(start)
+        n = len(self)
+        for row0 in range(start, n, self.batch_rows):
+            row1 = min(n, row0 + self.batch_rows)
+            counts = self._tok_n[row0:row1]
+            offsets = np.zeros(len(counts) + 1, np.int64)
+            np.cumsum(counts, out=offsets[1:])
+            tokens = self._gather(self._tok_off[row0:row1], counts, self._tok_dt[row0:row1], self._fast_tok,
+                                  None, row0, self.token_column, False, offsets)
+            labels = None
+            if self.has_labels:
+                loff = self._lab_off[row0:row1]
+                missing = loff < 0
+                if missing.all():
+                    labels = tokens.copy()
+                else:
+                    fast = self._fast_lab and not missing.any()
+                    labels = self._gather(loff, counts, self._lab_dt[row0:row1], fast, None, row0,
+                                          self.labels_column, True, offsets)
+                    for i in np.flatnonzero(missing).tolist():
+                        labels[offsets[i]:offsets[i + 1]] = tokens[offsets[i]:offsets[i + 1]]
+            yield SequenceBatch(row0, offsets, tokens, labels)
+
+    def close(self) -> None:
+        self._buf = np.zeros(0, np.uint8)
+        mm = getattr(self, "_mm", None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # a batch still views the map; it is released with the last view
+                pass
+        self._file.close()
