@@ -1,0 +1,226 @@
+"""Packed batch layout and the collation that builds it.
+
+This module is the one place that defines what a training step receives from
+:class:`packloader.PackedDataLoader`. A *packed row* holds several whole sequences (or pieces of
+split ones) back to back, followed by padding up to ``capacity`` (= ``L``) tokens::
+
+    capacity L = 12       seq A (5)        seq B (3)   seq C (3)  pad
+    input_ids     [ a0 a1 a2 a3 a4 | b0 b1 b2 | c0 c1 c2 | 0 ]
+    labels        [  - a1 a2 a3 a4 |  - b1 b2 |  - c1 c2 | - ]     (- = -100: no loss)
+    position_ids  [  0  1  2  3  4 |  0  1  2 |  0  1  2 | 0 ]
+    seq_idx       [  0  0  0  0  0 |  1  1  1 |  2  2  2 | 3 ]
+    cu_seqlens    [0, 5, 8, 11, 12,  <row 2 continues at 12 + ...>]
+
+Batch keys (``B`` = batch size in rows, ``L`` = capacity, ``S`` = number of segments in the batch,
+counting the padding tail of each row that has one as its own segment):
+
+=====================  ===============  =======  =============================================================
+key                    shape            dtype    meaning
+=====================  ===============  =======  =============================================================
+``input_ids``          [B, L]           int64    token ids; padding is 0 (or what the pre-packed file holds)
+``labels``             [B, L]           int64    ``labels[t] = input_ids[t]`` (the model shifts), except -100 at
+                                                 the first token of every segment and on padding; any -100 in
+                                                 the source's own ``labels`` column is kept
+``position_ids``       [B, L]           int64    0, 1, 2, ... restarting at every segment start; the padding
+                                                 tail counts up from 0 as its own segment
+``seq_idx``            [B, L]           int32    segment number inside the row, from 0; the padding tail is
+                                                 its own (last) segment
+``cu_seqlens``         [S + 1]          int32    cumulative segment lengths over the flattened ``B*L`` tokens
+                                                 (row-major); starts at 0 and ends at ``B*L``
+``max_seqlen``         python int       --       longest segment in ``cu_seqlens`` (padding tails included)
+``num_loss_tokens``    python int       --       ``(labels != -100).sum()``: normalise the summed loss by it
+``cu_seq_lens_q/k``    [S + 1]          int32    only with ``hf_compat=True``: same tensor as ``cu_seqlens``
+                                                 (names of Hugging Face's padding-free attention path)
+``max_length_q/k``     python int       --       only with ``hf_compat=True``: same as ``max_seqlen``
+``row_ids``            [B]              int64    only with ``return_ids=True`` and a pre-packed source: row of
+                                                 the pre-packed dataset, -1 for a padding row
+``sample_ids``         [S_real, 3]      int64    only with ``return_ids=True`` and a streaming source: for each
+                                                 non-padding segment, (source file index, row in that file,
+                                                 first token within the row's sequence)
+=====================  ===============  =======  =============================================================
+
+A *padding row* (used to give every rank the same number of batches, see
+:mod:`packloader.distributed`) is all padding: ``input_ids`` 0, ``labels`` -100, one segment of length
+``L``; it carries no loss tokens.
+
+Boundaries reach Mamba kernels through ``position_ids`` (a scan resets its state where
+``position_ids == 0``; see ``docs/architecture.md``), so a padding tail never leaks state into the next
+row's first sequence and vice versa.
+
+:func:`collate_numpy` does all per-token work in one Numba pass (no per-token Python), and
+:func:`collate_packed` wraps its arrays as torch tensors without copying.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+IGNORE_INDEX = -100
+
+__all__ = ["IGNORE_INDEX", "BATCH_KEYS", "collate_numpy", "collate_packed", "padding_row_layout"]
+
+#: key -> (shape, dtype) as documented above (``None`` dtype: a python int)
+BATCH_KEYS: dict[str, tuple[str, str | None]] = {
+    "input_ids": ("[B, L]", "int64"),
+    "labels": ("[B, L]", "int64"),
+    "position_ids": ("[B, L]", "int64"),
+    "seq_idx": ("[B, L]", "int32"),
+    "cu_seqlens": ("[S + 1]", "int32"),
+    "max_seqlen": ("int", None),
+    "num_loss_tokens": ("int", None),
+}
+
+
+@njit(cache=True, nogil=True)
+def _collate_kernel(input_ids, labels, has_labels, offsets, seq_lens,
+                    out_ids, out_labels, out_pos, out_seq, out_cu):
+    """One pass over the batch. Returns (n_segments, max_seqlen, num_loss_tokens, bad_row) where
+    bad_row >= 0 names a row whose sequence lengths do not fit (or are not positive)."""
+    B, L = input_ids.shape
+    n_seg = 0
+    max_len = 0
+    n_loss = 0
+    base = 0
+    out_cu[0] = 0
+    for b in range(B):
+        t = 0
+        s = 0
+        for k in range(offsets[b], offsets[b + 1]):
+            n = seq_lens[k]
+            if n <= 0 or t + n > L:
+                return n_seg, max_len, n_loss, b
+            for j in range(n):
+                x = input_ids[b, t + j]
+                out_ids[b, t + j] = x
+                out_pos[b, t + j] = j
+                out_seq[b, t + j] = s
+                if j == 0:
+                    lab = IGNORE_INDEX
+                elif has_labels:
+                    lab = labels[b, t + j]
+                else:
+                    lab = x
+                out_labels[b, t + j] = lab
+                if lab != IGNORE_INDEX:
+                    n_loss += 1
+            t += n
+            s += 1
+            n_seg += 1
+            out_cu[n_seg] = base + t
+            if n > max_len:
+                max_len = n
+        if t < L:
+            for j in range(L - t):
+                out_ids[b, t + j] = input_ids[b, t + j]
+                out_pos[b, t + j] = j
+                out_seq[b, t + j] = s
+                out_labels[b, t + j] = IGNORE_INDEX
+            n_seg += 1
+            out_cu[n_seg] = base + L
+            if L - t > max_len:
+                max_len = L - t
+        base += L
+    return n_seg, max_len, n_loss, -1
+
+
+def collate_numpy(input_ids: np.ndarray, labels: np.ndarray | None, seq_lens_offsets: np.ndarray,
+                  seq_lens: np.ndarray) -> dict[str, Any]:
+    """Build the packed batch (numpy arrays) from packed rows.
+
+    Args:
+        input_ids: [B, L] integer token ids of the packed rows (int32 or int64; any values in the
+            padding tail are copied as they are).
+        labels: [B, L] integer labels or ``None`` (then labels are the input ids). Positions holding
+            -100 stay -100; the first token of every segment and the padding tail become -100.
+        seq_lens_offsets: int64 [B + 1]: row ``b``'s sequences are ``seq_lens[offsets[b]:offsets[b+1]]``.
+        seq_lens: [m] positive lengths of the sequences of each row, in order from position 0; each
+            row's lengths sum to at most L (the rest is padding).
+
+    Returns:
+        a dict with the keys documented in this module's docstring (numpy arrays, python ints).
+
+    Raises:
+        ValueError: shapes disagree, or a row's lengths are not positive or overflow ``L`` (names the row).
+    """
+    input_ids = np.asarray(input_ids)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be 2-D [B, L], got shape {input_ids.shape}")
+    B, L = input_ids.shape
+    has_labels = labels is not None
+    if has_labels:
+        labels = np.asarray(labels)
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {labels.shape} != input_ids shape {input_ids.shape}")
+    else:
+        labels = input_ids
+    offsets = np.asarray(seq_lens_offsets, dtype=np.int64)
+    if offsets.shape != (B + 1,):
+        raise ValueError(f"seq_lens_offsets must have B+1 = {B + 1} entries, got {offsets.shape}")
+    seq_lens = np.asarray(seq_lens)
+    if offsets[0] < 0 or offsets[-1] > len(seq_lens) or np.any(np.diff(offsets) < 0):
+        raise ValueError("seq_lens_offsets must be non-decreasing and within seq_lens")
+    out_ids = np.empty((B, L), dtype=np.int64)
+    out_labels = np.empty((B, L), dtype=np.int64)
+    out_pos = np.empty((B, L), dtype=np.int64)
+    out_seq = np.empty((B, L), dtype=np.int32)
+    out_cu = np.empty(int(offsets[-1] - offsets[0]) + B + 1, dtype=np.int32)
+    n_seg, max_len, n_loss, bad = _collate_kernel(input_ids, labels, has_labels, offsets, seq_lens,
+                                                  out_ids, out_labels, out_pos, out_seq, out_cu)
+    if bad >= 0:
+        lens = seq_lens[offsets[bad]:offsets[bad + 1]]
+        raise ValueError(f"row {bad}: sequence lengths {lens.tolist()} are not all positive or sum to "
+                         f"{int(lens.sum())} > capacity {L}")
+    return {
+        "input_ids": out_ids,
+        "labels": out_labels,
+        "position_ids": out_pos,
+        "seq_idx": out_seq,
+        "cu_seqlens": out_cu[: n_seg + 1],
+        "max_seqlen": int(max_len),
+        "num_loss_tokens": int(n_loss),
+    }
+
+
+def collate_packed(input_ids, labels, seq_lens_offsets, seq_lens, *, hf_compat: bool = False,
+                   return_tensors: str = "pt") -> dict[str, Any]:
+    """Build the packed training batch (see the key table in this module's docstring).
+
+    Example::
+
+        >>> import numpy as np
+        >>> from packloader import collate_packed
+        >>> ids = np.array([[5, 6, 7, 8, 9, 0]], dtype=np.int32)      # sequences of 3 and 2, 1 pad
+        >>> b = collate_packed(ids, None, np.array([0, 2]), np.array([3, 2]))
+        >>> b["position_ids"].tolist(), b["labels"].tolist(), b["cu_seqlens"].tolist()
+        ([[0, 1, 2, 0, 1, 0]], [[-100, 6, 7, -100, 9, -100]], [0, 3, 5, 6])
+
+    Args:
+        input_ids, labels, seq_lens_offsets, seq_lens: as in :func:`collate_numpy`.
+        hf_compat: also add ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/``max_length_k``
+            (the names of Hugging Face's padding-free path; same values as ``cu_seqlens``/``max_seqlen``).
+        return_tensors: ``"pt"`` (torch tensors sharing memory with the numpy arrays) or ``"np"``.
+    """
+    out = collate_numpy(input_ids, labels, seq_lens_offsets, seq_lens)
+    if return_tensors == "pt":
+        import torch
+
+        for k, v in list(out.items()):
+            if isinstance(v, np.ndarray):
+                out[k] = torch.from_numpy(v)
+    elif return_tensors != "np":
+        raise ValueError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}")
+    if hf_compat:
+        out["cu_seq_lens_q"] = out["cu_seqlens"]
+        out["cu_seq_lens_k"] = out["cu_seqlens"]
+        out["max_length_q"] = out["max_seqlen"]
+        out["max_length_k"] = out["max_seqlen"]
+    return out
+
+
+def padding_row_layout(n_rows: int, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(input_ids, labels, seq_lens_offsets, seq_lens)`` of ``n_rows`` all-padding rows."""
+    ids = np.zeros((n_rows, capacity), dtype=np.int32)
+    labels = np.full((n_rows, capacity), IGNORE_INDEX, dtype=np.int32)
+    return ids, labels, np.zeros(n_rows + 1, dtype=np.int64), np.zeros(0, dtype=np.int32)
