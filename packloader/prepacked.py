@@ -1,0 +1,370 @@
+"""The pre-packed directory format: its schema, and :class:`PrepackedDataset`, its zero-copy reader.
+
+``packloader pack`` (:func:`packloader.prepack.pack_dataset`) writes a directory::
+
+    out/
+      part-00000.arrow      uncompressed Arrow IPC files, one packed row per Arrow row
+      part-00001.arrow
+      index.json            written last: files, rows, capacity, algorithm, token counts, content hash,
+                            the packing report
+
+Columns of every file (``C`` = capacity):
+
+==================  ==============================  =====================================================
+column              type                            meaning
+==================  ==============================  =====================================================
+``input_ids``       ``fixed_size_list<int32>[C]``   the packed tokens, padding 0
+``labels``          ``fixed_size_list<int32>[C]``   labels, -100 at each sequence's first position and on
+                                                    padding (not shifted: the model shifts)
+``seq_lens``        ``list<int32>``                 lengths of the pieces in the row, in order
+``source_file``     ``list<int32>``                 per piece: index into ``index.json["sources"]``
+``source_row``      ``list<int64>``                 per piece: sequence (row) index in that source file
+``source_start``    ``list<int32>``                 per piece: token offset in the source sequence (>0
+                                                    only for the tail pieces of a split sequence)
+==================  ==============================  =====================================================
+
+A directory without ``index.json``, or whose ``index.json`` disagrees with the files (a missing file,
+another row count, size or schema), is refused with a :class:`~packloader.errors.DataError`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from packloader.errors import DataError
+
+__all__ = [
+    "PrepackedDataset",
+    "FORMAT",
+    "VERSION",
+    "INDEX_NAME",
+    "packed_schema",
+    "read_index",
+]
+
+FORMAT = "packloader-packed"
+VERSION = 1
+INDEX_NAME = "index.json"
+IGNORE_INDEX = -100
+
+
+def packed_schema(capacity: int) -> pa.Schema:
+    """The Arrow schema of a pre-packed file of the given capacity."""
+    c = int(capacity)
+    return pa.schema([
+        pa.field("input_ids", pa.list_(pa.int32(), c), nullable=False),
+        pa.field("labels", pa.list_(pa.int32(), c), nullable=False),
+        pa.field("seq_lens", pa.list_(pa.int32()), nullable=False),
+        pa.field("source_file", pa.list_(pa.int32()), nullable=False),
+        pa.field("source_row", pa.list_(pa.int64()), nullable=False),
+        pa.field("source_start", pa.list_(pa.int32()), nullable=False),
+    ])
+
+
+def read_index(directory) -> dict:
+    """Read and check ``DIR/index.json`` of a pre-packed directory (format, version, required keys).
+
+    Raises:
+        DataError: the directory or its index is missing, unreadable or not a packloader index.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise DataError("not a directory", path=directory)
+    path = os.path.join(directory, INDEX_NAME)
+    if not os.path.isfile(path):
+        raise DataError(
+            f"no {INDEX_NAME}: not a finished pre-packed directory (packing incomplete, failed, or still "
+            "running)", path=directory,
+        )
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"unreadable index: {e}", path=path) from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise DataError(f"not a {FORMAT} index (format={index.get('format') if isinstance(index, dict) else None!r})",
+                        path=path)
+    if index.get("version") != VERSION:
+        raise DataError(f"unsupported version {index.get('version')!r} (this reader reads {VERSION})", path=path)
+    for key in ("capacity", "files", "total_rows"):
+        if key not in index:
+            raise DataError(f"index lacks {key!r}", path=path)
+    cap = index["capacity"]
+    if not isinstance(cap, int) or cap <= 0:
+        raise DataError(f"bad capacity {cap!r}", path=path)
+    if not isinstance(index["files"], list):
+        raise DataError("index 'files' is not a list", path=path)
+    return index
+
+
+class _PackedFile:
+    """One memory-mapped packed file: its record batches and their row offsets."""
+
+    __slots__ = ("path", "source", "batches", "rows")
+
+    def __init__(self, path: str, capacity: int, expect_rows: int | None, expect_bytes: int | None):
+        self.path = path
+        if not os.path.isfile(path):
+            raise DataError("file listed in index.json is missing", path=path)
+        if expect_bytes is not None and os.path.getsize(path) != expect_bytes:
+            raise DataError(
+                f"file has {os.path.getsize(path)} bytes, index.json says {expect_bytes} (replaced or "
+                "damaged after packing?)", path=path,
+            )
+        try:
+            self.source = pa.memory_map(path, "r")
+            reader = pa.ipc.open_file(self.source)
+            self.batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"corrupt or unreadable packed Arrow file: {e}", path=path) from None
+        want = packed_schema(capacity)
+        got = reader.schema
+        for field in want:
+            idx = got.get_field_index(field.name)
+            if idx < 0:
+                raise DataError(f"packed file lacks column {field.name!r}", path=path)
+            if got.field(idx).type != field.type:
+                raise DataError(
+                    f"column {field.name!r} has type {got.field(idx).type}, expected {field.type}", path=path
+                )
+        self.rows = np.cumsum([0] + [b.num_rows for b in self.batches]).astype(np.int64)
+        if expect_rows is not None and int(self.rows[-1]) != expect_rows:
+            raise DataError(f"file has {int(self.rows[-1])} rows, index.json says {expect_rows}", path=path)
+
+    def close(self):
+        self.batches = []
+        self.source.close()
+
+
+def _fixed_rows(arr: pa.FixedSizeListArray, capacity: int, lo: int, hi: int) -> np.ndarray:
+    # .values ignores a slice offset: index through arr.offset explicitly
+    flat = arr.values.to_numpy(zero_copy_only=True)
+    base = arr.offset
+    return flat.reshape(-1, capacity)[base + lo:base + hi]
+
+
+def _list_rows(arr: pa.ListArray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    offs = arr.offsets.to_numpy()  # respects the slice; absolute into .values
+    values = arr.values.to_numpy(zero_copy_only=False)
+    a, b = int(offs[lo]), int(offs[hi])
+    return (offs[lo:hi + 1] - a).astype(np.int64), values[a:b]
+
+
+class PrepackedDataset:
+    """Random access to a pre-packed directory: rows of ``capacity`` tokens as numpy views.
+
+    Opens every file listed in ``index.json`` memory-mapped and checks it against the index (presence,
+    byte size, row count, schema), so a half-written or foreign directory is refused up front.
+
+    Args:
+        directory: the output directory of ``packloader pack``.
+
+    Attributes:
+        directory: the directory (str).
+        index: the parsed ``index.json``.
+        capacity: tokens per row.
+        algorithm: the packing algorithm recorded in the index.
+        sources: the source shard paths (``source_file`` indexes this list).
+        file_names: the packed files, in order.
+        file_offsets: int64 ``[n_files + 1]``: global row index of each file's first row.
+
+    Example::
+
+        >>> ds = PrepackedDataset("packed/")                                  # doctest: +SKIP
+        >>> len(ds), ds.capacity                                             # doctest: +SKIP
+        (1220, 2048)
+        >>> ids, labels, seq_offsets, seq_lens = ds.read_rows(0, 8)          # doctest: +SKIP
+        >>> ids.shape, seq_lens[seq_offsets[0]:seq_offsets[1]]               # doctest: +SKIP
+        ((8, 2048), array([812, 640, 590], dtype=int32))
+
+    Raises:
+        DataError: no ``index.json``, a bad index, or a file that disagrees with it.
+    """
+
+    def __init__(self, directory):
+        self.directory = os.fspath(directory)
+        self._open()
+
+    def _open(self):
+        self.index = read_index(self.directory)
+        self.capacity = int(self.index["capacity"])
+        self.algorithm = self.index.get("algorithm")
+        self.sources = list(self.index.get("sources", []))
+        self.file_names = []
+        self._files: list[_PackedFile] = []
+        opened = []
+        try:
+            for entry in self.index["files"]:
+                if not isinstance(entry, dict) or "name" not in entry:
+                    raise DataError(f"bad file entry {entry!r}", path=os.path.join(self.directory, INDEX_NAME))
+                name = entry["name"]
+                if os.path.basename(name) != name:
+                    raise DataError(f"file entry {name!r} is not a plain file name",
+                                    path=os.path.join(self.directory, INDEX_NAME))
+                pf = _PackedFile(os.path.join(self.directory, name), self.capacity,
+                                 entry.get("rows"), entry.get("bytes"))
+                opened.append(pf)
+                self.file_names.append(name)
+        except BaseException:
+            for pf in opened:
+                pf.close()
+            raise
+        self._files = opened
+        self.file_offsets = np.cumsum([0] + [int(f.rows[-1]) for f in opened]).astype(np.int64)
+        total = int(self.file_offsets[-1])
+        if total != int(self.index["total_rows"]):
+            raise DataError(f"files hold {total} rows, index.json says {self.index['total_rows']}",
+                            path=os.path.join(self.directory, INDEX_NAME))
+
+    # pickling (e.g. DataLoader workers with spawn): reopen from the directory
+    def __getstate__(self):
+        return {"directory": self.directory}
+
+    def __setstate__(self, state):
+        self.directory = state["directory"]
+        self._open()
+
+    def __len__(self) -> int:
+        return int(self.file_offsets[-1])
+
+    def __repr__(self) -> str:
+        return (f"PrepackedDataset({self.directory!r}, rows={len(self)}, capacity={self.capacity}, "
+                f"files={len(self._files)})")
+
+    @property
+    def total_tokens(self) -> int:
+        """Real (non-padding) tokens in the directory, from the index."""
+        return int(self.index.get("total_tokens", 0))
+
+    @property
+    def report(self):
+        """The :class:`~packloader.report.PackingReport` stored in the index."""
+        from packloader.report import PackingReport
+
+        return PackingReport.from_dict(self.index["report"])
+
+    def file_rows(self, i: int) -> int:
+        """Rows in the ``i``-th file."""
+        return int(self.file_offsets[i + 1] - self.file_offsets[i])
+
+    def _chunks(self, start: int, stop: int) -> Iterator[tuple[pa.RecordBatch, int, int]]:
+        """(record batch, lo, hi) pieces covering global rows [start, stop)."""
+        f = int(np.searchsorted(self.file_offsets, start, side="right") - 1)
+        pos = start
+        while pos < stop:
+            pf = self._files[f]
+            local = pos - int(self.file_offsets[f])
+            bi = int(np.searchsorted(pf.rows, local, side="right") - 1)
+            while bi < len(pf.batches) and pos < stop:
+                b0 = int(pf.rows[bi])
+                lo = local - b0
+                hi = min(int(pf.rows[bi + 1]) - b0, lo + (stop - pos))
+                if hi > lo:
+                    yield pf.batches[bi], lo, hi
+                    pos += hi - lo
+                    local += hi - lo
+                bi += 1
+            f += 1
+
+    def _check_range(self, start: int, stop: int | None) -> tuple[int, int]:
+        n = len(self)
+        stop = n if stop is None else stop
+        start, stop = int(start), int(stop)
+        if not (0 <= start <= stop <= n):
+            raise IndexError(f"rows [{start}, {stop}) out of range for {n} rows")
+        return start, stop
+
+    def read_rows(self, start: int, stop: int | None = None):
+        """Rows ``[start, stop)``.
+
+        Args:
+            start: first row (global, across files).
+            stop: one past the last row; None for the end.
+
+        Returns:
+            ``(input_ids, labels, seq_lens_offsets, seq_lens)``: int32 ``[n, C]``, int32 ``[n, C]``,
+            int64 ``[n + 1]`` (row ``i``'s pieces are ``seq_lens[offs[i]:offs[i+1]]``), int32 ``[m]``.
+            ``input_ids`` and ``labels`` are read-only views of the memory map when the range lies in
+            one record batch (the usual case), else fresh arrays.
+        """
+        start, stop = self._check_range(start, stop)
+        c = self.capacity
+        parts = list(self._chunks(start, stop))
+        if len(parts) == 1:
+            b, lo, hi = parts[0]
+            ids = _fixed_rows(b.column(0), c, lo, hi)
+            lab = _fixed_rows(b.column(1), c, lo, hi)
+            offs, lens = _list_rows(b.column(2), lo, hi)
+            return ids, lab, offs, lens.astype(np.int32, copy=False)
+        if not parts:
+            return (np.zeros((0, c), np.int32), np.zeros((0, c), np.int32), np.zeros(1, np.int64),
+                    np.zeros(0, np.int32))
+        ids = np.concatenate([_fixed_rows(b.column(0), c, lo, hi) for b, lo, hi in parts])
+        lab = np.concatenate([_fixed_rows(b.column(1), c, lo, hi) for b, lo, hi in parts])
+        offs_list, lens_list = zip(*[_list_rows(b.column(2), lo, hi) for b, lo, hi in parts])
+        offs, base = [np.zeros(1, np.int64)], 0
+        for o in offs_list:
+            offs.append(o[1:] + base)
+            base += int(o[-1])
+        return ids, lab, np.concatenate(offs), np.concatenate(lens_list).astype(np.int32, copy=False)
+
+    def read_sources(self, start: int, stop: int | None = None):
+        """Provenance of the pieces of rows ``[start, stop)``.
+
+        Returns:
+            ``(offsets, source_file, source_row, source_start)``: int64 ``[n + 1]`` piece offsets per row,
+            then per piece int32 index into :attr:`sources`, int64 sequence index in that source,
+            int32 token offset in that sequence.
+        """
+        start, stop = self._check_range(start, stop)
+        out = {3: [], 4: [], 5: []}
+        offs, base = [np.zeros(1, np.int64)], 0
+        for b, lo, hi in self._chunks(start, stop):
+            for col in (3, 4, 5):
+                o, v = _list_rows(b.column(col), lo, hi)
+                out[col].append(v)
+            offs.append(o[1:] + base)
+            base += int(o[-1])
+        cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in out.items()}
+        return (np.concatenate(offs), cat[3].astype(np.int32, copy=False), cat[4].astype(np.int64, copy=False),
+                cat[5].astype(np.int32, copy=False))
+
+    def __getitem__(self, i: int) -> dict:
+        """Row ``i`` as a dict of numpy arrays: ``input_ids``, ``labels`` [C], ``seq_lens``, and the
+        provenance ``source_file``, ``source_row``, ``source_start`` per piece."""
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"row {i} out of range for {n} rows")
+        ids, lab, _, lens = self.read_rows(i, i + 1)
+        _, sf, sr, ss = self.read_sources(i, i + 1)
+        return {"input_ids": ids[0], "labels": lab[0], "seq_lens": lens, "source_file": sf,
+                "source_row": sr, "source_start": ss}
+
+    def iter_rows(self, batch_rows: int = 1024, start: int = 0, stop: int | None = None):
+        """Yield :meth:`read_rows` results over ``[start, stop)`` in blocks of at most ``batch_rows``
+        rows, never crossing a record batch (so every block is zero-copy)."""
+        start, stop = self._check_range(start, stop)
+        for b, lo, hi in self._chunks(start, stop):
+            for a in range(lo, hi, batch_rows):
+                z = min(hi, a + batch_rows)
+                offs, lens = _list_rows(b.column(2), a, z)
+                yield (_fixed_rows(b.column(0), self.capacity, a, z), _fixed_rows(b.column(1), self.capacity, a, z),
+                       offs, lens.astype(np.int32, copy=False))
+
+    def close(self) -> None:
+        """Release the memory maps (arrays returned earlier must not be used afterwards)."""
+        for pf in self._files:
+            pf.close()
+        self._files = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
