@@ -1,0 +1,75 @@
+"""Numba helpers: a bottom-up segment tree of counts over small integer keys.
+
+The tree lives in one int64 array ``tree`` of size ``2 * P`` (``P`` a power of two); leaf ``k`` is
+``tree[P + k]`` and holds how many things have key ``k``; an inner node holds the sum of its two
+children. Queries find the smallest non-empty key ``>= lo`` or the largest non-empty key ``<= hi`` in
+O(log P). The packers key it by *remaining capacity* (best-fit) or by *item length* (online buffer).
+"""
+import numpy as np
+from numba import njit
+
+
+def tree_size(n_keys: int) -> int:
+    """Smallest power of two >= n_keys (at least 2)."""
+    p = 2
+    while p < n_keys:
+        p *= 2
+    return p
+
+
+@njit(cache=True, inline="always")
+def seg_add(tree, P, key, delta):
+    """Add ``delta`` to the count of ``key`` (and to every ancestor)."""
+    i = key + P
+    while i >= 1:
+        tree[i] += delta
+        i >>= 1
+
+
+@njit(cache=True, inline="always")
+def seg_first_ge(tree, P, lo):
+    """Smallest key ``>= lo`` whose count is > 0, or -1 when there is none."""
+    if lo >= P:
+        return -1
+    i = lo + P
+    if tree[i] > 0:
+        return lo
+    # climb until a right sibling holds something
+    while i > 1:
+        if (i & 1) == 0 and tree[i + 1] > 0:
+            i = i + 1
+            # descend to its leftmost non-empty leaf
+            while i < P:
+                i = 2 * i
+                if tree[i] == 0:
+                    i += 1
+            return i - P
+        i >>= 1
+    return -1
+
+
+@njit(cache=True, inline="always")
+def seg_last_le(tree, P, hi):
+    """Largest key ``<= hi`` whose count is > 0, or -1 when there is none."""
+    if hi < 0:
+        return -1
+    if hi >= P:
+        hi = P - 1
+    i = hi + P
+    if tree[i] > 0:
+        return hi
+    while i > 1:
+        if (i & 1) == 1 and tree[i - 1] > 0:
+            i = i - 1
+            while i < P:
+                i = 2 * i + 1
+                if tree[i] == 0:
+                    i -= 1
+            return i - P
+        i >>= 1
+    return -1
+
+
+def new_tree(n_keys: int):
+    P = tree_size(n_keys)
+    return np.zeros(2 * P, dtype=np.int64), P

@@ -1,0 +1,90 @@
+"""``pack()``: checked inputs, overflow policy, one of the packing algorithms, a validated-shape PackPlan."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import offline
+from .online import OnlinePacker
+from .pieces import as_lengths, check_int, check_overflow, make_pieces
+from .plan import PackPlan
+
+ALGORITHMS = ("ffd", "bfd", "first_fit", "next_fit", "online")
+DEFAULT_BUFFER_SIZE = 1000
+
+
+def pack(lengths, capacity, algorithm="bfd", *, overflow="error", max_items_per_bin=None,
+         buffer_size=None, seed=None) -> PackPlan:
+    """Pack sequences of the given lengths into rows of ``capacity`` tokens.
+
+    Example (capacity 10, ``lengths = [6, 3, 7, 4]``)::
+
+        next_fit (in order, one open row):   [ 0 0 0 0 0 0 1 1 1 - ] [ 2 2 2 2 2 2 2 - - - ] [ 3 3 3 3 - ... ]
+        bfd (longest first, tightest row):   [ 2 2 2 2 2 2 2 1 1 1 ] [ 0 0 0 0 0 0 3 3 3 3 ]
+
+        >>> plan = pack([6, 3, 7, 4], 10, "bfd")
+        >>> [plan.bin(b)[0].tolist() for b in range(plan.n_bins)]
+        [[2, 1], [0, 3]]
+        >>> pack([6, 3, 7, 4], 10, "next_fit").n_bins
+        3
+
+    Args:
+        lengths: 1-D integer array (numpy, any int dtype) or list of ints; one entry per sequence.
+            Negative entries raise ValueError naming the index. Zero-length sequences are dropped
+            and counted (``plan.n_empty``), never placed. Floats/bools raise TypeError.
+        capacity: tokens per packed row, an int >= 1.
+        algorithm: ``"bfd"`` best-fit decreasing (the default; O(n log capacity)), ``"ffd"``
+            first-fit decreasing (O(n log n_bins)), ``"first_fit"`` first fit in the given order,
+            ``"next_fit"`` in-order greedy (one open row; what PackMamba and torchtune do; the
+            baseline), ``"online"`` the streaming packer of :class:`OnlinePacker` run over the
+            sequences in the given order and flushed at the end.
+        overflow: for a sequence longer than ``capacity``: ``"error"`` (ValueError naming the index
+            and length), ``"split"`` (pieces of ``capacity`` tokens plus a remainder, each placed as its
+            own item; ``plan.starts`` gives their offsets), ``"truncate"`` (keep the first ``capacity``
+            tokens) or ``"drop"``. The plan lists them in ``split_ids`` / ``truncated_ids`` /
+            ``dropped_ids``.
+        max_items_per_bin: optional cap (int >= 1) on pieces per row.
+        buffer_size: pending-item buffer of ``"online"`` (default 1000). Passing it with another
+            algorithm is a ValueError (it would silently do nothing).
+        seed: only used by ``"ffd"`` and ``"bfd"``: sequences of equal length are placed in an order
+            shuffled by ``numpy.random.default_rng(seed)`` instead of index order, so which sequences
+            share a row varies with the seed (the number of rows does not change much; without
+            ``max_items_per_bin`` it is the same). The in-order algorithms follow the given order;
+            for them ``seed`` is accepted and ignored (shuffle ``lengths`` yourself).
+
+    Returns:
+        A :class:`PackPlan`. Rows are numbered in the order they were opened (``"online"``: the order
+        they were emitted); inside a row, pieces are in placement order.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    capacity = check_int("capacity", capacity)
+    overflow = check_overflow(overflow)
+    max_items_per_bin = check_int("max_items_per_bin", max_items_per_bin, allow_none=True)
+    if algorithm == "online":
+        buffer_size = check_int("buffer_size", DEFAULT_BUFFER_SIZE if buffer_size is None else buffer_size)
+    elif buffer_size is not None:
+        raise ValueError(f"buffer_size only applies to algorithm='online', not {algorithm!r}")
+    if seed is not None and not isinstance(seed, (int, np.integer, np.random.SeedSequence)):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    L = as_lengths(lengths)
+    pc = make_pieces(L, capacity, overflow)
+    mx = max_items_per_bin or 0
+    m = pc.length.size
+
+    if algorithm == "online":
+        packer = OnlinePacker(capacity, buffer_size, max_items_per_bin=max_items_per_bin)
+        off, ids, starts, lens = packer._run_pieces(pc.item, pc.start, pc.length, True)
+    else:
+        if algorithm in ("ffd", "bfd"):
+            tie = (np.arange(m, dtype=np.int64) if seed is None
+                   else np.random.default_rng(seed).permutation(m).astype(np.int64))
+            order = offline.sort_decreasing(pc.length, tie, capacity)
+        else:
+            order = np.arange(m, dtype=np.int64)
+        kernel = {"ffd": offline.first_fit, "first_fit": offline.first_fit,
+                  "bfd": offline.best_fit, "next_fit": offline.next_fit}[algorithm]
+        bin_of, nb = kernel(order, pc.length, capacity, mx)
+        off, ids, starts, lens = offline.build_csr(order, bin_of, nb, pc.item, pc.start, pc.length)
+    return PackPlan(capacity, off, ids, starts, lens, split_ids=pc.split_ids,
+                    truncated_ids=pc.truncated_ids, dropped_ids=pc.dropped_ids, n_empty=pc.n_empty,
+                    algorithm=algorithm, overflow=overflow, max_items_per_bin=max_items_per_bin)
