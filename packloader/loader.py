@@ -1,0 +1,347 @@
+"""``PackedDataLoader``: a drop-in ``DataLoader`` of packed batches, exact to resume, equal across ranks.
+
+Example::
+
+    from packloader import PackedDataLoader
+
+    loader = PackedDataLoader("data/shard-{000..127}.arrow", capacity=4096, batch_size=8,
+                              algorithm="online", buffer_size=1000, shuffle=True, seed=0, num_workers=2)
+    for epoch in range(start_epoch, n_epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:                       # dict of tensors, see packloader.batch
+            loss_sum = model(batch["input_ids"], position_ids=batch["position_ids"],
+                             labels=batch["labels"])  # summed over tokens
+            (loss_sum / batch["num_loss_tokens"]).backward()  # or all-reduce the count first
+            ...
+            if step % 1000 == 0:
+                torch.save({"model": ..., "loader": loader.state_dict()}, "ckpt.pt")
+
+    # later: a fresh loader with the same settings continues exactly where the checkpoint was taken
+    loader.load_state_dict(torch.load("ckpt.pt")["loader"])
+
+What one epoch is
+-----------------
+1. **Rows.** A streaming source (Arrow / Parquet / WebDataset shards) is packed from its sequence lengths
+   into the epoch's plan of rows: shards and the sequences inside each shard in an order shuffled by
+   ``(seed, epoch)``, then the packer (``algorithm``, default the online packer with ``buffer_size``);
+   see :mod:`packloader.stream`. A pre-packed directory's rows are its rows, shuffled by ``(seed, epoch)``.
+2. **Ranks.** Global steps of ``world_size * batch_size`` consecutive rows; each rank gets ``batch_size``
+   rows of each step, balanced by token count; the last step is completed with padding rows (no loss
+   tokens) or, with ``drop_last=True``, dropped. So **every rank yields the same number of batches**,
+   every batch is ``[batch_size, capacity]``, and across ranks and workers every sequence is in exactly
+   one row of the epoch (``drop_last=False``); see :mod:`packloader.distributed`.
+3. **Workers.** Batch ``k`` of a rank is built by worker ``k % num_workers`` (counted from the first batch
+   of the iterator); torch's round-robin collection gives the same batches in the same order for any
+   ``num_workers``.
+
+Exact resume
+------------
+The epoch's plan is a pure function of (sequence lengths, settings, seed, epoch), so the state is only
+``{epoch, batches_consumed}`` plus the settings and a source fingerprint to check against (JSON, a few
+hundred bytes, no token data). Batches are counted when the training loop receives them (``__next__``
+in the main process): batches prefetched by workers but not yet handed out are not consumed. A fresh
+loader given the state recomputes the plan and starts at batch ``batches_consumed``; sequences that
+an online packer would have held in its buffer, or a partially read shard, are exactly where the plan
+puts them. All ranks consume the same number of batches, so any rank's state can be loaded on every rank
+(saving rank 0's is enough). Resume also works with a different ``num_workers``.
+
+Epochs follow ``DistributedSampler``: call :meth:`set_epoch` before each epoch to reshuffle; iterating
+again without it repeats the epoch. A state saved at the end of an epoch, loaded, continues with the
+next :meth:`set_epoch` (or repeats the finished epoch from the start if the epoch is not changed, as the
+uninterrupted loader would).
+
+Padding batches and the loss
+----------------------------
+Padding rows carry no loss tokens, and a tiny dataset split over many ranks can give a rank a batch of
+only padding rows (``num_loss_tokens == 0``). Sum the loss over tokens and divide by the global count
+(``all_reduce`` of ``num_loss_tokens``) rather than by the local one, so such a batch contributes
+nothing instead of NaN; it still runs forward/backward, so collectives stay in step.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from packloader.batch import collate_packed
+from packloader.distributed import assign_rows, current_worker, resolve_rank_world, worker_batch_indices
+from packloader.stream import PrepackedRows, StreamingRows, is_prepacked_dir
+
+__all__ = ["PackedDataLoader", "STATE_FORMAT"]
+
+STATE_FORMAT = "packloader.PackedDataLoader"
+STATE_VERSION = 1
+
+
+class _PackedIterable(IterableDataset):
+    """The per-process half of the loader: builds this rank's batches of the epoch named in the shared
+    ``control`` tensor ``[epoch, start]``, the share of the calling worker only."""
+
+    def __init__(self, rows, *, rank, world_size, batch_size, drop_last, seed, shuffle, hf_compat, return_ids):
+        super().__init__()
+        self.rows = rows
+        self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
+        self.drop_last, self.seed, self.shuffle = drop_last, seed, shuffle
+        self.hf_compat, self.return_ids = hf_compat, return_ids
+        self.control = torch.zeros(2, dtype=torch.int64)
+        self._sched: tuple[int, np.ndarray] | None = None
+
+    def share_control(self):
+        self.control.share_memory_()
+
+    def schedule(self, epoch: int) -> np.ndarray:
+        """int64 [n_batches, batch_size]: plan rows of this rank's batches (-1 = padding row)."""
+        if self._sched is None or self._sched[0] != epoch:
+            tokens = self.rows.epoch_rows(self.seed, epoch, self.shuffle)
+            sched = assign_rows(tokens, self.world_size, self.batch_size, self.drop_last)[self.rank]
+            self._sched = (epoch, np.ascontiguousarray(sched))
+        return self._sched[1]
+
+    def make_batch(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
+        ids, labels, seq_off, seq_lens, table = self.rows.build(self.seed, epoch, self.shuffle, rows,
+                                                                want_ids=self.return_ids)
+        out = collate_packed(ids, labels, seq_off, seq_lens, hf_compat=self.hf_compat)
+        if self.return_ids:
+            key = "row_ids" if self.rows.kind == "prepacked" else "sample_ids"
+            out[key] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        epoch, start = (int(x) for x in self.control.tolist())
+        sched = self.schedule(epoch)
+        wid, nw = current_worker()
+        for k in worker_batch_indices(len(sched), start, wid, nw):
+            yield self.make_batch(epoch, sched[k])
+
+
+class PackedDataLoader:
+    """Packed batches of ``capacity``-token rows from token shards or a pre-packed directory.
+
+    Swap a ``torch.utils.data.DataLoader`` for it: iterate, get a dict of tensors per step (keys, shapes
+    and dtypes in :mod:`packloader.batch`)::
+
+        capacity = 12          seq A (5)        seq B (3)   seq C (3)  pad
+        input_ids     [ a0 a1 a2 a3 a4 | b0 b1 b2 | c0 c1 c2 | 0 ]
+        labels        [  - a1 a2 a3 a4 |  - b1 b2 |  - c1 c2 | - ]    (- = -100)
+        position_ids  [  0  1  2  3  4 |  0  1  2 |  0  1  2 | 0 ]
+        seq_idx       [  0  0  0  0  0 |  1  1  1 |  2  2  2 | 3 ]
+
+    Args:
+        source: token shards (a path, directory, glob / brace pattern, or a list of them: see
+            :func:`packloader.sources.resolve_sources`), packed online while streaming; or a directory
+            written by ``packloader pack`` (it has an ``index.json``), read zero-copy.
+        capacity: tokens per packed row (``L``). Default: the pre-packed directory's capacity, or 4096
+            for shards. Given with a pre-packed directory it must match it.
+        batch_size: packed rows per batch (``B``).
+        algorithm: packing algorithm for shards: ``"online"`` (default; streaming packer with a buffer of
+            ``buffer_size`` sequences, rows follow the data order) or ``"bfd"``, ``"ffd"``,
+            ``"first_fit"``, ``"next_fit"`` over the whole epoch (rows then shuffled). Ignored (must
+            stay default or match) for a pre-packed directory.
+        buffer_size: pending sequences of the online packer.
+        shuffle: shuffle shards, sequences (shards) or rows (pre-packed) by ``(seed, epoch)``.
+        seed: the shuffling seed; same seed and epoch give the same batches on any run and machine.
+        num_workers: DataLoader worker processes (0: build batches in the main process).
+        rank, world_size: this process's rank and the number of ranks. Default: ``torch.distributed`` if
+            initialised, else the ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 and 1.
+        drop_last: drop the incomplete last global step (``world_size * batch_size`` rows) instead of
+            completing it with padding rows. Either way every rank yields the same number of batches.
+        overflow: sequences longer than ``capacity``: ``"split"`` (default: consecutive pieces, each its
+            own segment), ``"truncate"``, ``"drop"`` or ``"error"``.
+        max_items_per_bin: optional cap on sequences per row.
+        token_column, labels_column: columns (tar members) of the shards; without a labels column the
+            labels are the inputs.
+        hf_compat: also emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (Hugging Face padding-free names).
+        return_ids: also emit ``sample_ids`` (shards: (row in batch, file index into :attr:`sources`,
+            sequence index, start, length) of each sequence piece) or ``row_ids`` (pre-packed: the dataset row of each row, -1 padding).
+        shard_cache: decoded shards kept per process (streaming).
+        pin_memory, persistent_workers, prefetch_factor, timeout, worker_init_fn,
+        multiprocessing_context, pin_memory_device: as in ``torch.utils.data.DataLoader``.
+
+    Raises:
+        packloader.errors.DataError: the source is missing, unreadable or empty (names it).
+        ValueError: a bad argument (names it).
+    """
+
+    def __init__(self, source, capacity: int | None = None, batch_size: int = 8, algorithm: str = "online",
+                 buffer_size: int = 1000, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
+                 rank: int | None = None, world_size: int | None = None, drop_last: bool = False, *,
+                 overflow: str = "split", max_items_per_bin: int | None = None,
+                 token_column: str = "input_ids", labels_column: str | None = "labels",
+                 hf_compat: bool = False, return_ids: bool = False, shard_cache: int = 3,
+                 pin_memory: bool = False, persistent_workers: bool = False, prefetch_factor: int | None = None,
+                 timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
+                 pin_memory_device: str = ""):
+        for name, value in (("batch_size", batch_size), ("buffer_size", buffer_size)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(num_workers, (int, np.integer)) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if capacity is not None and (not isinstance(capacity, (int, np.integer)) or capacity < 1):
+            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+        self.rank, self.world_size = resolve_rank_world(rank, world_size)
+        self.batch_size, self.seed, self.shuffle = int(batch_size), int(seed), bool(shuffle)
+        self.drop_last, self.num_workers = bool(drop_last), int(num_workers)
+
+        if is_prepacked_dir(source):
+            rows = PrepackedRows(source)
+            if capacity is not None and int(capacity) != rows.capacity:
+                raise ValueError(f"capacity={capacity} does not match the pre-packed directory {rows.directory!r}"
+                                 f" (capacity {rows.capacity}); pass capacity=None or {rows.capacity}")
+            self.capacity = rows.capacity
+            self.algorithm = None
+            self.buffer_size = self.overflow = self.max_items_per_bin = None
+            self.sources = [rows.directory]
+        else:
+            from packer_algos import ALGORITHMS
+            from packloader.sources import resolve_sources
+
+            if algorithm not in ALGORITHMS:
+                raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+            if isinstance(source, (list, tuple)) and not source:
+                raise ValueError("source is an empty list: give shard paths, patterns or a pre-packed directory")
+            self.sources = resolve_sources(source)
+            self.capacity = 4096 if capacity is None else int(capacity)
+            self.algorithm, self.buffer_size, self.overflow = algorithm, int(buffer_size), overflow
+            self.max_items_per_bin = max_items_per_bin
+            rows = StreamingRows(self.sources, self.capacity, algorithm=algorithm, buffer_size=buffer_size,
+                                 overflow=overflow, max_items_per_bin=max_items_per_bin,
+                                 token_column=token_column, labels_column=labels_column, shard_cache=shard_cache)
+        self.hf_compat, self.return_ids = bool(hf_compat), bool(return_ids)
+        self.dataset = _PackedIterable(rows, rank=self.rank, world_size=self.world_size,
+                                       batch_size=self.batch_size, drop_last=self.drop_last, seed=self.seed,
+                                       shuffle=self.shuffle, hf_compat=self.hf_compat, return_ids=self.return_ids)
+        if self.num_workers > 0:
+            self.dataset.share_control()
+        dl_kw: dict[str, Any] = {}
+        if self.num_workers > 0:
+            dl_kw.update(persistent_workers=persistent_workers, timeout=timeout, worker_init_fn=worker_init_fn,
+                         multiprocessing_context=multiprocessing_context)
+            if prefetch_factor is not None:
+                dl_kw["prefetch_factor"] = prefetch_factor
+        self.pin_memory = bool(pin_memory)
+        self._dl = DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers,
+                              pin_memory=self.pin_memory, pin_memory_device=pin_memory_device, **dl_kw)
+        self._epoch = 0
+        self._consumed = 0          # batches of self._epoch handed out (by the latest iterator)
+        self._resume: int | None = None
+        self._active = None
+
+    # -- epochs and length ---------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (reshuffles). Setting the epoch it already is keeps a loaded resume point."""
+        epoch = int(epoch)
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self._epoch:
+            self._epoch, self._consumed, self._resume = epoch, 0, None
+
+    def num_batches(self, epoch: int | None = None) -> int:
+        """Batches per rank in ``epoch`` (default: the current one); the same on every rank."""
+        return len(self.dataset.schedule(self._epoch if epoch is None else int(epoch)))
+
+    def __len__(self) -> int:
+        return self.num_batches()
+
+    def __iter__(self) -> "_LoaderIterator":
+        epoch = self._epoch
+        n = self.num_batches(epoch)  # plan computed here, inherited by forked workers
+        start = self._resume if self._resume is not None and self._resume < n else 0
+        self._resume = None
+        self.dataset.control[0] = epoch
+        self.dataset.control[1] = start
+        self._consumed = start
+        it = _LoaderIterator(self, iter(self._dl), epoch, start, n)
+        self._active = it
+        return it
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "source": self.dataset.rows.fingerprint,
+            "capacity": self.capacity,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "algorithm": self.algorithm,
+            "buffer_size": self.buffer_size if self.algorithm == "online" else None,
+            "overflow": self.overflow,
+            "max_items_per_bin": self.max_items_per_bin,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position: JSON-serializable, no token data (see the module docstring)."""
+        consumed = self._resume if self._resume is not None else self._consumed
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "batches_consumed": int(consumed),
+            "rank": self.rank,
+            "settings": self._settings(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict` of a loader with the same settings).
+
+        Raises:
+            ValueError: not a loader state, or saved with other settings (names the key and both values).
+        """
+        if isinstance(state, (str, bytes)):
+            state = json.loads(state)
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a PackedDataLoader state_dict (format={state.get('format') if isinstance(state, dict) else type(state).__name__!r})")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported PackedDataLoader state version {state.get('version')!r} "
+                             f"(this loader reads {STATE_VERSION})")
+        saved = state.get("settings") or {}
+        mine = self._settings()
+        for key in mine:
+            if key not in saved:
+                raise ValueError(f"state_dict mismatch: {key!r} missing from the saved state")
+            if saved[key] != mine[key]:
+                raise ValueError(f"state_dict mismatch: {key!r} was {saved[key]!r} when saved, this loader "
+                                 f"has {mine[key]!r}")
+        epoch, consumed = state.get("epoch"), state.get("batches_consumed")
+        if not isinstance(epoch, int) or epoch < 0 or not isinstance(consumed, int) or consumed < 0:
+            raise ValueError(f"bad state_dict position: epoch={epoch!r}, batches_consumed={consumed!r}")
+        n = self.num_batches(epoch)
+        if consumed > n:
+            raise ValueError(f"state_dict position batches_consumed={consumed} is past the end of epoch {epoch} "
+                             f"({n} batches)")
+        self._epoch, self._consumed, self._resume = epoch, consumed, consumed
+
+
+class _LoaderIterator:
+    """Counts batches as they are handed to the training loop (prefetched ones are not consumed)."""
+
+    def __init__(self, loader: PackedDataLoader, it, epoch: int, start: int, n: int):
+        self._loader, self._it = loader, it
+        self._epoch, self._pos, self._n = epoch, start, n
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return self._n - self._pos
+
+    def __next__(self) -> dict[str, Any]:
+        batch = next(self._it)
+        self._pos += 1
+        loader = self._loader
+        if loader._active is self and loader._epoch == self._epoch:
+            loader._consumed = self._pos
+        return batch

@@ -1,0 +1,373 @@
+"""Row sources of :class:`packloader.PackedDataLoader`: what the rows of an epoch are, and how to build them.
+
+Two small stages with one interface (``fingerprint``, ``capacity``, ``epoch_rows(seed, epoch, shuffle)``
+-> the real-token count of each row of the epoch's plan, ``build(epoch, rows)`` -> numpy row arrays):
+
+* :class:`StreamingRows` packs token shards (Arrow / Parquet / WebDataset tar) *online*. The epoch's
+  packing plan is computed from sequence lengths only (cheap: Arrow offsets, tar member sizes), in a
+  deterministic stream order::
+
+      shards in an order shuffled by (seed, epoch)       e.g.  s2  s0  s1
+      sequences of each shard shuffled by (seed, epoch)        s2[7] s2[1] ... s0[4] s0[0] ... s1[..]
+      the packer over that stream (default "online":           [s2[7] s2[1] s2[3] pad] [s2[0] s2[5]] ...
+        packer_algos.OnlinePacker, buffer of `buffer_size`)
+
+  Rows come out of the packer in stream order, so consecutive rows draw on the same one or two shards.
+  Tokens are read only when a row is built, from a small per-process cache of decoded shards
+  (:class:`ShardCache`). Because the plan is a pure function of (lengths, settings, seed, epoch), a
+  resumed loader recomputes it and lands on exactly the rows of the uninterrupted run, including
+  sequences that an online packer would have been holding in its buffer at the cut: no packer state,
+  shard position or token data needs to be saved.
+
+  Every rank computes the whole epoch's plan (packing is Numba and needs only the lengths: about a
+  second per 10 million sequences; memory about 40 bytes per sequence), and then builds only its own
+  rows. The alternative, each rank packing only its own shards, would save that time but cannot give
+  every rank the same number of rows without communication, and makes the data order depend on the
+  world size. With an offline algorithm (``"bfd"``, ``"ffd"``, ...) the epoch's rows are shuffled as a
+  whole, so rows draw on all shards: fine for memory-mapped Arrow, slow for Parquet / tar.
+
+* :class:`PrepackedRows` reads a directory written by ``packloader pack`` through
+  :class:`packloader.prepacked.PrepackedDataset` (memory-mapped, zero-copy): the plan is its rows,
+  in an order shuffled by (seed, epoch).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from packloader.batch import IGNORE_INDEX
+from packloader.errors import DataError
+
+__all__ = ["EpochPlan", "StreamingRows", "PrepackedRows", "ShardCache", "epoch_rng", "is_prepacked_dir"]
+
+_SALT_SHARDS = 0x5A4D
+_SALT_SEQS = 0x5E95
+_SALT_ROWS = 0x70E5
+
+
+def epoch_rng(seed: int, epoch: int, salt: int, extra: int = 0) -> np.random.Generator:
+    """The deterministic generator of one shuffling decision of one epoch."""
+    return np.random.default_rng([int(seed) & 0xFFFFFFFFFFFF, int(epoch), salt, int(extra)])
+
+
+def is_prepacked_dir(source) -> bool:
+    """Whether ``source`` is a directory holding a pre-packed ``index.json``."""
+    if isinstance(source, (str, os.PathLike)):
+        p = os.fspath(source)
+        return os.path.isdir(p) and os.path.isfile(os.path.join(p, "index.json"))
+    return False
+
+
+class EpochPlan:
+    """The packed rows of one epoch, as flat piece arrays (CSR over rows).
+
+    Attributes:
+        row_offsets: int64 [N + 1]: row ``r``'s pieces are ``row_offsets[r]:row_offsets[r+1]``.
+        shard, row, start, length: int64 [n_pieces]: source shard index, sequence index in that
+            shard, first token of the piece inside the sequence, and piece length.
+        row_tokens: int64 [N]: real tokens per row.
+    """
+
+    __slots__ = ("row_offsets", "shard", "row", "start", "length", "row_tokens")
+
+    def __init__(self, row_offsets, shard, row, start, length):
+        self.row_offsets = row_offsets
+        self.shard, self.row, self.start, self.length = shard, row, start, length
+        self.row_tokens = np.add.reduceat(length, row_offsets[:-1]) if len(length) else np.zeros(0, np.int64)
+        # reduceat gives wrong answers for empty rows; rows are never empty in a plan
+        if len(row_offsets) > 1 and np.any(np.diff(row_offsets) == 0):
+            raise AssertionError("empty row in a packing plan")
+
+    def __len__(self) -> int:
+        return len(self.row_offsets) - 1
+
+
+class ShardCache:
+    """Decoded shards, least recently used first out; one per process (never pickled).
+
+    A cached shard is ``(offsets int64 [n+1], tokens int32, labels int32 or None)`` for the whole shard.
+    Arrow IPC files with a single record batch are views of the memory map (no copy); others are
+    concatenated once.
+    """
+
+    def __init__(self, paths, token_column, labels_column, max_shards: int):
+        self.paths = list(paths)
+        self.token_column, self.labels_column = token_column, labels_column
+        self.max_shards = max(1, int(max_shards))
+        self._cache: OrderedDict[int, tuple] = OrderedDict()
+        self.loads = 0  # shards decoded so far (for tests / benchmarks)
+
+    def get(self, shard: int):
+        hit = self._cache.get(shard)
+        if hit is not None:
+            self._cache.move_to_end(shard)
+            return hit
+        from packloader.sources import open_shard
+
+        sh = open_shard(self.paths[shard], token_column=self.token_column, labels_column=self.labels_column)
+        batches = list(sh.iter_batches(0))
+        if len(batches) == 1:
+            b = batches[0]
+            offsets, tokens, labels = b.offsets, b.tokens, b.labels
+        elif not batches:
+            offsets, tokens, labels = np.zeros(1, np.int64), np.zeros(0, np.int32), None
+        else:
+            sizes = [b.num_tokens for b in batches]
+            base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+            offsets = np.concatenate([batches[0].offsets[:1]] + [b.offsets[1:] + o for b, o in zip(batches, base)])
+            tokens = np.concatenate([b.tokens for b in batches])
+            labels = None
+            if any(b.labels is not None for b in batches):
+                labels = np.concatenate([b.tokens if b.labels is None else b.labels for b in batches])
+        entry = (np.asarray(offsets, np.int64), tokens, labels)
+        self._cache[shard] = entry
+        self.loads += 1
+        while len(self._cache) > self.max_shards:
+            self._cache.popitem(last=False)
+        return entry
+
+
+class StreamingRows:
+    """Rows packed online from token shards (see the module docstring).
+
+    Args:
+        paths: shard files (from :func:`packloader.sources.resolve_sources`), in a fixed order.
+        capacity: tokens per row.
+        algorithm: ``"online"`` (default of the loader) or an offline ``packer_algos`` algorithm.
+        buffer_size: the online packer's buffer (``"online"`` only).
+        overflow: what to do with a sequence longer than ``capacity`` (``packer_algos`` policies).
+        max_items_per_bin: optional cap on sequences per row.
+        token_column, labels_column: passed to :func:`packloader.sources.open_shard`.
+        shard_cache: decoded shards kept per process.
+
+    Raises:
+        DataError: a shard cannot be read, or the source holds no tokens at all.
+    """
+
+    kind = "streaming"
+
+    def __init__(self, paths, capacity: int, *, algorithm: str = "online", buffer_size: int = 1000,
+                 overflow: str = "split", max_items_per_bin: int | None = None,
+                 token_column: str = "input_ids", labels_column: str | None = "labels", shard_cache: int = 3):
+        from packloader.sources import open_shard
+
+        self.paths = [os.fspath(p) for p in paths]
+        self.capacity = int(capacity)
+        self.algorithm, self.buffer_size, self.overflow = algorithm, int(buffer_size), overflow
+        self.max_items_per_bin = max_items_per_bin
+        self.token_column, self.labels_column = token_column, labels_column
+        self.shard_cache = int(shard_cache)
+        self.lengths: list[np.ndarray] = []
+        self.has_labels = False
+        for p in self.paths:
+            sh = open_shard(p, token_column=token_column, labels_column=labels_column)
+            try:
+                self.lengths.append(np.asarray(sh.lengths(), dtype=np.int64))
+                self.has_labels |= bool(sh.has_labels)
+            finally:
+                sh.close()
+        self.total_tokens = int(sum(int(x.sum()) for x in self.lengths))
+        if self.total_tokens == 0:
+            shown = self.paths if len(self.paths) <= 3 else self.paths[:3] + ["..."]
+            raise DataError(f"source holds no tokens ({len(self.paths)} shard(s): {', '.join(shown)})",
+                            path=self.paths[0] if len(self.paths) == 1 else None)
+        h = hashlib.sha256()
+        for p, ln in zip(self.paths, self.lengths):
+            h.update(os.path.basename(p).encode() + b"\0")
+            h.update(np.ascontiguousarray(ln, dtype="<i8").tobytes())
+        self.fingerprint = "stream:" + h.hexdigest()[:24]
+        self._plan_cache: tuple | None = None
+        self._shards: ShardCache | None = None
+
+    def __getstate__(self):  # workers get the lengths and the cached plan, never open files
+        d = dict(self.__dict__)
+        d["_shards"] = None
+        return d
+
+    # -- the plan ------------------------------------------------------------------------------------
+
+    def stream_order(self, seed: int, epoch: int, shuffle: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, row) of every sequence in the epoch's stream order."""
+        n_shards = len(self.paths)
+        order = epoch_rng(seed, epoch, _SALT_SHARDS).permutation(n_shards) if shuffle else np.arange(n_shards)
+        shard_parts, row_parts = [], []
+        for s in order.tolist():
+            n = len(self.lengths[s])
+            rows = epoch_rng(seed, epoch, _SALT_SEQS, s).permutation(n) if shuffle else np.arange(n)
+            shard_parts.append(np.full(n, s, dtype=np.int64))
+            row_parts.append(rows.astype(np.int64))
+        return np.concatenate(shard_parts), np.concatenate(row_parts)
+
+    def plan(self, seed: int, epoch: int, shuffle: bool) -> EpochPlan:
+        key = (int(seed), int(epoch), bool(shuffle))
+        if self._plan_cache is not None and self._plan_cache[0] == key:
+            return self._plan_cache[1]
+        from packer_algos import pack
+
+        shard_of, row_of = self.stream_order(seed, epoch, shuffle)
+        lens = np.concatenate(self.lengths)
+        # lengths in stream order: gather through per-shard offsets
+        shard_base = np.concatenate([[0], np.cumsum([len(x) for x in self.lengths])]).astype(np.int64)
+        stream_lens = lens[shard_base[shard_of] + row_of]
+        kw = {"overflow": self.overflow, "max_items_per_bin": self.max_items_per_bin}
+        if self.algorithm == "online":
+            kw["buffer_size"] = self.buffer_size
+        else:
+            kw["seed"] = int(epoch_rng(seed, epoch, _SALT_ROWS, 1).integers(2**31)) if shuffle else None
+        p = pack(stream_lens, self.capacity, self.algorithm, **kw)
+        offsets = np.asarray(p.bin_offsets, np.int64)
+        items = np.asarray(p.item_ids, np.int64)
+        starts = np.asarray(p.starts, np.int64)
+        plen = np.asarray(p.lengths, np.int64)
+        if self.algorithm != "online" and shuffle and p.n_bins > 1:
+            perm = epoch_rng(seed, epoch, _SALT_ROWS).permutation(p.n_bins)
+            counts = np.diff(offsets)[perm]
+            new_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            idx = np.repeat(offsets[:-1][perm] - new_off[:-1], counts) + np.arange(new_off[-1])
+            offsets, items, starts, plen = new_off, items[idx], starts[idx], plen[idx]
+        ep = EpochPlan(offsets, shard_of[items], row_of[items], starts, plen)
+        self._plan_cache = (key, ep)
+        return ep
+
+    def epoch_rows(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+        return self.plan(seed, epoch, shuffle).row_tokens
+
+    # -- building rows ---------------------------------------------------------------------------------
+
+    def build(self, seed: int, epoch: int, shuffle: bool, rows: np.ndarray, want_ids: bool = False):
+        """Arrays ``(input_ids int32 [B, C], labels int32 [B, C] or None, seq_lens_offsets, seq_lens, ids)``
+        of the given plan rows (``-1``: a padding row); ``ids`` is the int64 [m, 5] (row in batch, shard,
+        sequence, start, length) table of the pieces when ``want_ids``."""
+        ep = self.plan(seed, epoch, shuffle)
+        if self._shards is None:
+            self._shards = ShardCache(self.paths, self.token_column, self.labels_column, self.shard_cache)
+        cache = self._shards
+        B, C = len(rows), self.capacity
+        ids = np.zeros((B, C), dtype=np.int32)
+        labels = np.full((B, C), IGNORE_INDEX, dtype=np.int32) if self.has_labels else None
+        seq_off = np.zeros(B + 1, dtype=np.int64)
+        lens_parts, id_parts = [], []
+        ro = ep.row_offsets
+        for b, r in enumerate(rows.tolist()):
+            if r < 0:
+                seq_off[b + 1] = seq_off[b]
+                continue
+            lo, hi = int(ro[r]), int(ro[r + 1])
+            t = 0
+            for s, q, st, n in zip(ep.shard[lo:hi].tolist(), ep.row[lo:hi].tolist(),
+                                   ep.start[lo:hi].tolist(), ep.length[lo:hi].tolist()):
+                offsets, tokens, lab = cache.get(s)
+                a = int(offsets[q]) + st
+                ids[b, t:t + n] = tokens[a:a + n]
+                if labels is not None:
+                    labels[b, t:t + n] = (tokens if lab is None else lab)[a:a + n]
+                t += n
+            lens_parts.append(ep.length[lo:hi])
+            seq_off[b + 1] = seq_off[b] + (hi - lo)
+            if want_ids:
+                id_parts.append(np.stack([np.full(hi - lo, b, np.int64), ep.shard[lo:hi], ep.row[lo:hi], ep.start[lo:hi],
+                                          ep.length[lo:hi]], axis=1))
+        seq_lens = np.concatenate(lens_parts) if lens_parts else np.zeros(0, np.int64)
+        table = None
+        if want_ids:
+            table = np.concatenate(id_parts) if id_parts else np.zeros((0, 5), np.int64)
+        return ids, labels, seq_off, seq_lens, table
+
+
+class PrepackedRows:
+    """Rows of a pre-packed directory (see the module docstring).
+
+    Args:
+        directory: written by ``packloader pack``.
+
+    Raises:
+        DataError: not a pre-packed directory, or it holds no rows.
+    """
+
+    kind = "prepacked"
+
+    def __init__(self, directory):
+        from packloader.prepacked import PrepackedDataset
+
+        self.directory = os.fspath(directory)
+        ds = PrepackedDataset(self.directory)
+        self.capacity = int(ds.capacity)
+        index = ds.index
+        self.n_rows = len(ds)
+        if self.n_rows == 0:
+            raise DataError("pre-packed directory holds no rows", path=self.directory)
+        self.algorithm = index.get("algorithm")
+        self.fingerprint = "prepacked:" + str(index.get("content_hash") or hashlib.sha256(
+            repr((index.get("files"), index.get("total_tokens"))).encode()).hexdigest()[:24])
+        self._ds = ds
+        self._chunks = None
+        self.row_tokens = self._load_chunks()[3]
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_ds"] = None
+        d["_chunks"] = None
+        return d
+
+    def _load_chunks(self):
+        """Views of every file: (chunk starts int64 [k+1], per-chunk arrays, ..., row_tokens)."""
+        if self._chunks is None:
+            from packloader.prepacked import PrepackedDataset
+
+            if self._ds is None:
+                self._ds = PrepackedDataset(self.directory)
+            ds = self._ds
+            bounds = np.asarray(getattr(ds, "file_offsets", None) if getattr(ds, "file_offsets", None) is not None
+                                else np.concatenate([[0], np.cumsum([f["rows"] for f in ds.index["files"]])]),
+                                dtype=np.int64)
+            starts, parts, tok = [], [], []
+            for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+                if hi <= lo:
+                    continue
+                ids, labels, soff, slen = ds.read_rows(lo, hi)
+                soff = np.asarray(soff, np.int64)
+                csum = np.concatenate([[0], np.cumsum(slen, dtype=np.int64)])
+                tok.append(csum[soff[1:]] - csum[soff[:-1]])
+                starts.append(lo)
+                parts.append((ids, labels, soff, slen))
+            starts.append(int(bounds[-1]))
+            self._chunks = (np.asarray(starts, np.int64), parts, None, np.concatenate(tok))
+        return self._chunks
+
+    def epoch_rows(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+        return self.row_tokens[self.order(seed, epoch, shuffle)]
+
+    def order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+        if not shuffle:
+            return np.arange(self.n_rows, dtype=np.int64)
+        return epoch_rng(seed, epoch, _SALT_ROWS).permutation(self.n_rows).astype(np.int64)
+
+    def build(self, seed: int, epoch: int, shuffle: bool, rows: np.ndarray, want_ids: bool = False):
+        """Like :meth:`StreamingRows.build`; ``ids`` is the int64 [B] dataset row of each row (-1: padding)."""
+        starts, parts, _, _ = self._load_chunks()
+        order = self.order(seed, epoch, shuffle)
+        B, C = len(rows), self.capacity
+        ids = np.zeros((B, C), dtype=np.int32)
+        labels = np.full((B, C), IGNORE_INDEX, dtype=np.int32)
+        seq_off = np.zeros(B + 1, dtype=np.int64)
+        lens_parts = []
+        gids = np.full(B, -1, dtype=np.int64)
+        for b, r in enumerate(rows.tolist()):
+            if r < 0:
+                seq_off[b + 1] = seq_off[b]
+                continue
+            g = int(order[r])
+            gids[b] = g
+            c = int(np.searchsorted(starts, g, side="right")) - 1
+            i = g - int(starts[c])
+            cids, clab, csoff, cslen = parts[c]
+            ids[b] = cids[i]
+            labels[b] = clab[i]
+            lo, hi = int(csoff[i]), int(csoff[i + 1])
+            lens_parts.append(cslen[lo:hi])
+            seq_off[b + 1] = seq_off[b] + (hi - lo)
+        seq_lens = np.concatenate(lens_parts) if lens_parts else np.zeros(0, np.int32)
+        return ids, labels, seq_off, seq_lens, (gids if want_ids else None)
