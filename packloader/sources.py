@@ -267,6 +267,23 @@ class SequenceBatch:
         return src[self.offsets[i]:self.offsets[i + 1]]
 
 
+def _concat_batches(batches: list[SequenceBatch]) -> SequenceBatch:
+    if len(batches) == 1:
+        return batches[0]
+    if not batches:
+        return SequenceBatch(0, np.zeros(1, np.int64), np.zeros(0, np.int32), None)
+    offsets = [np.zeros(1, np.int64)]
+    base = 0
+    for b in batches:
+        offsets.append(b.offsets[1:] + base)
+        base += int(b.offsets[-1])
+    tokens = np.concatenate([b.tokens for b in batches])
+    labels = None
+    if any(b.labels is not None for b in batches):
+        labels = np.concatenate([b.tokens if b.labels is None else b.labels for b in batches])
+    return SequenceBatch(batches[0].row_start, np.concatenate(offsets), tokens, labels)
+
+
 # --------------------------------------------------------------------------------------------------
 # shards
 
@@ -304,6 +321,11 @@ class Shard:
     @property
     def num_tokens(self) -> int:
         return int(self.lengths().sum())
+
+    def read_all(self) -> SequenceBatch:
+        """Every sequence of the shard as one :class:`SequenceBatch` (a view of the memory map when the
+        shard is one Arrow record batch; otherwise the batches are concatenated)."""
+        return _concat_batches(list(self.iter_batches()))
 
     def close(self) -> None:
         """Release the file (memory map) held by the shard."""
@@ -925,11 +947,17 @@ class TarShard(Shard):
             _to_int32(self.path, vals, out_offsets, column, row0, allow_negative=False)
         return vals
 
+    def read_all(self) -> SequenceBatch:
+        batches = list(self._iter(0, max(1, len(self))))
+        return _concat_batches(batches)
+
     def iter_batches(self, start: int = 0) -> Iterator[SequenceBatch]:
-        start = self._check_start(start)
+        return self._iter(self._check_start(start), self.batch_rows)
+
+    def _iter(self, start: int, batch_rows: int) -> Iterator[SequenceBatch]:
         n = len(self)
-        for row0 in range(start, n, self.batch_rows):
-            row1 = min(n, row0 + self.batch_rows)
+        for row0 in range(start, n, batch_rows):
+            row1 = min(n, row0 + batch_rows)
             counts = self._tok_n[row0:row1]
             offsets = np.zeros(len(counts) + 1, np.int64)
             np.cumsum(counts, out=offsets[1:])
