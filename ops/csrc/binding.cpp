@@ -1,0 +1,133 @@
+// Thin torch binding: fills the parameter structs from tensors prepared (contiguous, right dtypes, outputs
+// allocated) by ops/_cuda.py and launches on the current stream.
+#include <optional>
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "ops_common.h"
+
+namespace po = packloader_ops;
+using torch::Tensor;
+using OptT = std::optional<Tensor>;
+
+static int dtype_code(const Tensor &t) {
+  if (t.scalar_type() == torch::kFloat32) return po::kF32;
+  if (t.scalar_type() == torch::kFloat16) return po::kF16;
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16, "packloader ops: unsupported dtype ", t.scalar_type());
+  return po::kBF16;
+}
+
+template <typename T>
+static T *ptr_or_null(const OptT &t) {
+  return t.has_value() ? reinterpret_cast<T *>(t->data_ptr()) : nullptr;
+}
+
+static po::ScanParams scan_params(const Tensor &u, const Tensor &delta, const Tensor &A, const Tensor &B,
+                                  const Tensor &C, const OptT &D, const OptT &z, const OptT &delta_bias,
+                                  const Tensor &pos, bool softplus, int64_t nchunks) {
+  po::ScanParams p{};
+  p.batch = u.size(0);
+  p.dim = u.size(1);
+  p.seqlen = u.size(2);
+  p.dstate = A.size(1);
+  p.n_groups = B.size(1);
+  p.dim_per_group = p.dim / p.n_groups;
+  p.nchunks = nchunks;
+  p.softplus = softplus;
+  p.in_dtype = dtype_code(u);
+  p.w_f32 = B.scalar_type() == torch::kFloat32;
+  p.u = u.data_ptr();
+  p.delta = delta.data_ptr();
+  p.B = B.data_ptr();
+  p.C = C.data_ptr();
+  p.z = ptr_or_null<void>(z);
+  p.A = A.data_ptr<float>();
+  p.D = ptr_or_null<const float>(D);
+  p.delta_bias = ptr_or_null<const float>(delta_bias);
+  p.pos = pos.data_ptr<int>();
+  return p;
+}
+
+void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
+              bool softplus, Tensor out, OptT out_z, Tensor saved) {
+  c10::cuda::CUDAGuard guard(u.device());
+  po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
+  p.out = out.data_ptr();
+  p.out_z = ptr_or_null<void>(out_z);
+  p.saved = saved.data_ptr<float>();
+  po::scan_fwd_launch(p, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
+              bool softplus, Tensor saved, Tensor dout, OptT out_fwd, Tensor du, Tensor ddelta, OptT dz, Tensor dA,
+              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias) {
+  c10::cuda::CUDAGuard guard(u.device());
+  po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
+  p.saved = saved.data_ptr<float>();
+  p.dout = dout.data_ptr();
+  p.out_fwd = ptr_or_null<const void>(out_fwd);
+  p.du = du.data_ptr();
+  p.ddelta = ddelta.data_ptr();
+  p.dz = ptr_or_null<void>(dz);
+  p.dA = dA.data_ptr<float>();
+  p.dB = dB.data_ptr<float>();
+  p.dC = dC.data_ptr<float>();
+  p.dD = ptr_or_null<float>(dD);
+  p.ddelta_bias = ptr_or_null<float>(ddelta_bias);
+  po::scan_bwd_launch(p, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+static po::ConvParams conv_params(const Tensor &x, const Tensor &weight, const OptT &bias, const Tensor &pos,
+                                  bool silu) {
+  po::ConvParams p{};
+  p.batch = x.size(0);
+  p.dim = x.size(1);
+  p.seqlen = x.size(2);
+  p.width = weight.size(1);
+  p.silu = silu;
+  p.dtype = dtype_code(x);
+  p.x_bs = x.stride(0);
+  p.x_cs = x.stride(1);
+  p.x_ls = x.stride(2);
+  p.channel_last = x.stride(1) == 1 && x.size(1) > 1;
+  p.x = x.data_ptr();
+  p.weight = weight.data_ptr<float>();
+  p.bias = ptr_or_null<const float>(bias);
+  p.pos = pos.data_ptr<int>();
+  return p;
+}
+
+void conv_fwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor out) {
+  c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(out.strides() == x.strides(), "out must have x's layout");
+  po::ConvParams p = conv_params(x, weight, bias, pos, silu);
+  p.out = out.data_ptr();
+  po::conv_fwd_launch(p, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor dout, Tensor dx, Tensor dweight,
+              OptT dbias) {
+  c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(dx.strides() == x.strides(), "dx must have x's layout");
+  po::ConvParams p = conv_params(x, weight, bias, pos, silu);
+  p.g_bs = dout.stride(0);
+  p.g_cs = dout.stride(1);
+  p.g_ls = dout.stride(2);
+  p.dout = dout.data_ptr();
+  p.dx = dx.data_ptr();
+  p.dweight = dweight.data_ptr<float>();
+  p.dbias = ptr_or_null<float>(dbias);
+  po::conv_bwd_launch(p, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("scan_fwd", &scan_fwd, "packed selective scan forward");
+  m.def("scan_bwd", &scan_bwd, "packed selective scan backward");
+  m.def("conv_fwd", &conv_fwd, "packed causal conv1d forward");
+  m.def("conv_bwd", &conv_bwd, "packed causal conv1d backward");
+}

@@ -1,0 +1,56 @@
+// Shared declarations of the packed selective-scan and causal-conv1d kernels (no torch headers here).
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace packloader_ops {
+
+// dtype codes shared with the binding: 0 float32, 1 float16, 2 bfloat16
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// All (batch, dim, seqlen) tensors are contiguous; B/C are (batch, n_groups, dstate, seqlen) contiguous;
+// position_ids (batch, seqlen) int32 contiguous. Channels of one thread block always share one group.
+struct ScanParams {
+  int batch, dim, seqlen, dstate, n_groups, dim_per_group, nchunks;
+  bool softplus;
+  int in_dtype;     // u, delta, z, dout, out, du, ddelta, dz
+  bool w_f32;       // B, C are float32 (else in_dtype)
+  const void *u, *delta, *B, *C, *z;
+  const float *A, *D, *delta_bias;   // D / delta_bias may be null
+  const int *pos;
+  // forward outputs
+  void *out, *out_z;
+  float *saved;     // (batch, dim, nchunks, 16): state at the end of every chunk
+  // backward
+  const void *dout, *out_fwd;        // out_fwd: forward `out` (before gating), needed for dz
+  void *du, *ddelta, *dz;
+  float *dA, *dB, *dC, *dD, *ddelta_bias;   // fp32 accumulators, zero-initialised by the caller
+};
+
+constexpr int kScanChunk = 64;   // timesteps staged in shared memory at a time; forward saves a state per chunk
+constexpr int kScanLanes = 16;   // state lanes per channel (dstate padded up to 16)
+
+void scan_fwd_launch(const ScanParams &p, cudaStream_t stream);
+void scan_bwd_launch(const ScanParams &p, cudaStream_t stream);
+
+// Causal conv1d. x/out/dout/dx share one layout given by strides (elements); weight (dim, width) fp32.
+struct ConvParams {
+  int batch, dim, seqlen, width;
+  bool silu;
+  int dtype;
+  int64_t x_bs, x_cs, x_ls;     // strides of x (and of out / dx, which have x's layout)
+  int64_t g_bs, g_cs, g_ls;     // strides of dout
+  bool channel_last;
+  const void *x;
+  const float *weight, *bias;   // bias may be null
+  const int *pos;
+  void *out;
+  const void *dout;
+  void *dx;
+  float *dweight, *dbias;       // fp32 accumulators, zero-initialised by the caller
+};
+
+void conv_fwd_launch(const ConvParams &p, cudaStream_t stream);
+void conv_bwd_launch(const ConvParams &p, cudaStream_t stream);
+
+}  // namespace packloader_ops

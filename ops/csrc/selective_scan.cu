@@ -1,0 +1,387 @@
+// Packed selective scan (Mamba-1), forward and backward, with a state reset where position_ids == 0.
+//
+// Layout: a thread block owns 16 channels of one batch row; within it, each channel's dstate (padded to 16)
+// state lanes are 16 consecutive threads, so every thread carries ONE scalar state h[b, d, n] sequentially
+// through time.  Timesteps are staged in shared memory 64 at a time (u, delta after softplus, dt*u, masks,
+// B and C shared by the block's 16 channels).  Per timestep a thread does one exp2 and a few FMAs; the sum
+// over the 16 states (y = sum_n C h) is done every 16 timesteps with a butterfly reduce-scatter across the
+// 16 lanes, so lane n ends up owning timestep 16*s + n and writes it.
+// Reset: a_t = exp(delta_t A) * (pos_t != 0): the carried state is zeroed before the update, and in backward
+// the adjoint handed from t to t-1 is multiplied by the same a_t (0 at a reset), so nothing crosses.
+// Backward recomputes states per 64-step chunk from the forward's saved chunk-end states, keeping the state at
+// each 16-step sub-chunk start in registers, then re-running each sub-chunk (16 states + 16 decays in
+// registers) and walking it in reverse.  dB/dC are summed over the block's channels in shared memory and added
+// to fp32 buffers with one atomic per (block, n, t); dA, dD, ddelta_bias are reduced per thread/lane group.
+#include "ops_common.h"
+#include "dtype_utils.cuh"
+
+namespace packloader_ops {
+
+namespace {
+
+constexpr int kLanes = kScanLanes;      // 16
+constexpr int kDB = 16;                 // channels per block
+constexpr int kThreads = kLanes * kDB;  // 256
+constexpr int kSub = 16;                // timesteps per reduce-scatter group (== kLanes)
+constexpr int kChunk = kScanChunk;      // 64
+constexpr int kNSub = kChunk / kSub;    // 4
+static_assert(kNSub == 4, "sub-chunk start selection below assumes 4 sub-chunks");
+constexpr int kPad = kDB + 1;           // padded row length (bank conflicts)
+constexpr float kLog2e = 1.4426950408889634f;
+
+// v[j] (j = 0..15) in each of 16 lanes -> v[0] of lane l holds sum over the 16 lanes of v[l].
+__device__ __forceinline__ void reduce_scatter16(float (&v)[16], int lane16) {
+  {
+    const bool hi = lane16 & 8;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float send = hi ? v[j] : v[j + 8];
+      float keep = hi ? v[j + 8] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+    }
+  }
+  {
+    const bool hi = lane16 & 4;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float send = hi ? v[j] : v[j + 4];
+      float keep = hi ? v[j + 4] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+    }
+  }
+  {
+    const bool hi = lane16 & 2;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float send = hi ? v[j] : v[j + 2];
+      float keep = hi ? v[j + 2] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+    }
+  }
+  {
+    const bool hi = lane16 & 1;
+    float send = hi ? v[0] : v[1];
+    float keep = hi ? v[1] : v[0];
+    v[0] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+  }
+}
+
+__device__ __forceinline__ float softplus_(float x) { return x <= 20.f ? log1pf(__expf(x)) : x; }
+
+// Shared staging of one chunk. Channel-indexed arrays are [t][kPad], state-indexed ones [t][kPad] too.
+struct FwdSmem {
+  float dt[kChunk][kPad];
+  float dtu[kChunk][kPad];
+  float skip[kChunk][kPad];
+  float zs[kChunk][kPad];
+  float Bm[kChunk][kPad];
+  float Cm[kChunk][kPad];
+  float m[kChunk];
+};
+
+template <typename in_t, typename w_t, bool kHasZ>
+__global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams p) {
+  __shared__ FwdSmem sm;
+  const int tid = threadIdx.x;
+  const int n = tid & 15;
+  const int dl = tid >> 4;
+  const int b = blockIdx.y;
+  const int d0 = blockIdx.x * kDB;
+  const int d = d0 + dl;
+  const int L = p.seqlen;
+  const bool d_ok = d < p.dim;
+  const int grp = d0 / p.dim_per_group;
+  const float A2 = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
+
+  const in_t *u = reinterpret_cast<const in_t *>(p.u) + ((int64_t)b * p.dim) * L;
+  const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + ((int64_t)b * p.dim) * L;
+  const in_t *z = kHasZ ? reinterpret_cast<const in_t *>(p.z) + ((int64_t)b * p.dim) * L : nullptr;
+  const w_t *Bp = reinterpret_cast<const w_t *>(p.B) + ((int64_t)b * p.n_groups + grp) * p.dstate * L;
+  const w_t *Cp = reinterpret_cast<const w_t *>(p.C) + ((int64_t)b * p.n_groups + grp) * p.dstate * L;
+  const int *pos = p.pos + (int64_t)b * L;
+  in_t *out = reinterpret_cast<in_t *>(p.out) + ((int64_t)b * p.dim) * L;
+  in_t *out_z = kHasZ ? reinterpret_cast<in_t *>(p.out_z) + ((int64_t)b * p.dim) * L : nullptr;
+
+  float h = 0.f;
+  for (int c = 0; c < p.nchunks; ++c) {
+    const int t0 = c * kChunk;
+    __syncthreads();
+    for (int i = tid; i < kDB * kChunk; i += kThreads) {
+      const int dd = i / kChunk, tt = i % kChunk, dg = d0 + dd, t = t0 + tt;
+      float dtv = 0.f, uv = 0.f, zs = 0.f, skip = 0.f;
+      if (dg < p.dim && t < L) {
+        const int64_t off = (int64_t)dg * L + t;
+        uv = to_f(u[off]);
+        dtv = to_f(delta[off]);
+        if (p.delta_bias) dtv += p.delta_bias[dg];
+        if (p.softplus) dtv = softplus_(dtv);
+        if (p.D) skip = p.D[dg] * uv;
+        if (kHasZ) { const float zv = to_f(z[off]); zs = zv * sigmoidf_(zv); }
+      }
+      sm.dt[tt][dd] = dtv;
+      sm.dtu[tt][dd] = dtv * uv;
+      sm.skip[tt][dd] = skip;
+      if (kHasZ) sm.zs[tt][dd] = zs;
+    }
+    for (int i = tid; i < kLanes * kChunk; i += kThreads) {
+      const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
+      float bv = 0.f, cv = 0.f;
+      if (nn < p.dstate && t < L) { bv = to_f(Bp[(int64_t)nn * L + t]); cv = to_f(Cp[(int64_t)nn * L + t]); }
+      sm.Bm[tt][nn] = bv;
+      sm.Cm[tt][nn] = cv;
+    }
+    if (tid < kChunk) sm.m[tid] = (t0 + tid < L && pos[t0 + tid] == 0) ? 0.f : 1.f;
+    __syncthreads();
+
+#pragma unroll 1
+    for (int s = 0; s < kNSub; ++s) {
+      float yv[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        const int tt = s * kSub + j;
+        const float a = exp2f(sm.dt[tt][dl] * A2) * sm.m[tt];
+        h = fmaf(a, h, sm.dtu[tt][dl] * sm.Bm[tt][n]);
+        yv[j] = h * sm.Cm[tt][n];
+      }
+      reduce_scatter16(yv, n);
+      const int tt = s * kSub + n, t = t0 + tt;
+      if (d_ok && t < L) {
+        const float o = yv[0] + sm.skip[tt][dl];
+        const int64_t off = (int64_t)d * L + t;
+        out[off] = from_f<in_t>(o);
+        if (kHasZ) out_z[off] = from_f<in_t>(o * sm.zs[tt][dl]);
+      }
+    }
+    if (d_ok) p.saved[(((int64_t)b * p.dim + d) * p.nchunks + c) * kLanes + n] = h;
+  }
+}
+
+struct BwdSmem {
+  float dt[kChunk][kPad];
+  float dtu[kChunk][kPad];
+  float u[kChunk][kPad];
+  float dy[kChunk][kPad];
+  float sig[kChunk][kPad];   // d softplus / d x
+  float Bm[kChunk][kPad];
+  float Cm[kChunk][kPad];
+  float m[kChunk];
+  float red[2][2][kThreads / 32][kLanes][kSub + 1];   // [buffer][dB|dC][warp][n][j]
+};
+
+template <typename in_t, typename w_t, bool kHasZ>
+__global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  BwdSmem &sm = *reinterpret_cast<BwdSmem *>(smem_raw);
+  const int tid = threadIdx.x;
+  const int n = tid & 15;
+  const int dl = tid >> 4;
+  const int warp = tid >> 5;
+  const int half = dl & 1;   // which of the warp's two channels
+  const int b = blockIdx.y;
+  const int d0 = blockIdx.x * kDB;
+  const int d = d0 + dl;
+  const int L = p.seqlen;
+  const bool d_ok = d < p.dim;
+  const int grp = d0 / p.dim_per_group;
+  const float Anat = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] : 0.f;
+  const float A2 = Anat * kLog2e;
+  const float Dd = (d_ok && p.D) ? p.D[d] : 0.f;
+
+  const int64_t row = ((int64_t)b * p.dim) * L;
+  const in_t *u = reinterpret_cast<const in_t *>(p.u) + row;
+  const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
+  const in_t *z = kHasZ ? reinterpret_cast<const in_t *>(p.z) + row : nullptr;
+  const in_t *dout = reinterpret_cast<const in_t *>(p.dout) + row;
+  const in_t *ofwd = kHasZ ? reinterpret_cast<const in_t *>(p.out_fwd) + row : nullptr;
+  const int64_t bc_off = ((int64_t)b * p.n_groups + grp) * p.dstate * L;
+  const w_t *Bp = reinterpret_cast<const w_t *>(p.B) + bc_off;
+  const w_t *Cp = reinterpret_cast<const w_t *>(p.C) + bc_off;
+  float *dBp = p.dB + bc_off;
+  float *dCp = p.dC + bc_off;
+  const int *pos = p.pos + (int64_t)b * L;
+  in_t *du = reinterpret_cast<in_t *>(p.du) + row;
+  in_t *ddelta = reinterpret_cast<in_t *>(p.ddelta) + row;
+  in_t *dz = kHasZ ? reinterpret_cast<in_t *>(p.dz) + row : nullptr;
+
+  float gc = 0.f;        // adjoint carried from t+1 (already multiplied by a_{t+1})
+  float dA_acc = 0.f, dD_acc = 0.f, dbias_acc = 0.f;
+
+  for (int c = p.nchunks - 1; c >= 0; --c) {
+    const int t0 = c * kChunk;
+    __syncthreads();
+    for (int i = tid; i < kDB * kChunk; i += kThreads) {
+      const int dd = i / kChunk, tt = i % kChunk, dg = d0 + dd, t = t0 + tt;
+      float dtv = 0.f, uv = 0.f, dyv = 0.f, sg = 0.f;
+      if (dg < p.dim && t < L) {
+        const int64_t off = (int64_t)dg * L + t;
+        uv = to_f(u[off]);
+        dtv = to_f(delta[off]);
+        if (p.delta_bias) dtv += p.delta_bias[dg];
+        if (p.softplus) { sg = sigmoidf_(dtv); dtv = softplus_(dtv); } else { sg = 1.f; }
+        const float g = to_f(dout[off]);
+        if (kHasZ) {
+          const float zv = to_f(z[off]);
+          const float sz = sigmoidf_(zv);
+          const float o = to_f(ofwd[off]);
+          dyv = g * zv * sz;
+          dz[off] = from_f<in_t>(g * o * sz * (1.f + zv * (1.f - sz)));
+        } else {
+          dyv = g;
+        }
+      }
+      sm.dt[tt][dd] = dtv;
+      sm.dtu[tt][dd] = dtv * uv;
+      sm.u[tt][dd] = uv;
+      sm.dy[tt][dd] = dyv;
+      sm.sig[tt][dd] = sg;
+    }
+    for (int i = tid; i < kLanes * kChunk; i += kThreads) {
+      const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
+      float bv = 0.f, cv = 0.f;
+      if (nn < p.dstate && t < L) { bv = to_f(Bp[(int64_t)nn * L + t]); cv = to_f(Cp[(int64_t)nn * L + t]); }
+      sm.Bm[tt][nn] = bv;
+      sm.Cm[tt][nn] = cv;
+    }
+    if (tid < kChunk) sm.m[tid] = (t0 + tid < L && pos[t0 + tid] == 0) ? 0.f : 1.f;
+    __syncthreads();
+
+    // states at the start of every sub-chunk
+    float hs[kNSub];
+    {
+      float h = (c > 0 && d_ok) ? p.saved[(((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes + n] : 0.f;
+#pragma unroll
+      for (int s = 0; s < kNSub; ++s) {
+        hs[s] = h;
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          const int tt = s * kSub + j;
+          const float a = exp2f(sm.dt[tt][dl] * A2) * sm.m[tt];
+          h = fmaf(a, h, sm.dtu[tt][dl] * sm.Bm[tt][n]);
+        }
+      }
+    }
+
+#pragma unroll 1
+    for (int s = kNSub - 1; s >= 0; --s) {
+      float hv[kSub], av[kSub];
+      // select instead of a run-time register-array index
+      const float hstart = s == 0 ? hs[0] : s == 1 ? hs[1] : s == 2 ? hs[2] : hs[3];
+      {
+        float h = hstart;
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          const int tt = s * kSub + j;
+          av[j] = exp2f(sm.dt[tt][dl] * A2) * sm.m[tt];
+          h = fmaf(av[j], h, sm.dtu[tt][dl] * sm.Bm[tt][n]);
+          hv[j] = h;
+        }
+      }
+      float dBv[kSub], dCv[kSub], duv[kSub], ddv[kSub];
+#pragma unroll
+      for (int j = kSub - 1; j >= 0; --j) {
+        const int tt = s * kSub + j;
+        const float dyv = sm.dy[tt][dl];
+        const float Bn = sm.Bm[tt][n];
+        const float dtv = sm.dt[tt][dl];
+        const float g = fmaf(sm.Cm[tt][n], dyv, gc);
+        const float hprev = j > 0 ? hv[j > 0 ? j - 1 : 0] : hstart;
+        dCv[j] = dyv * hv[j];
+        dBv[j] = g * sm.dtu[tt][dl];
+        duv[j] = g * dtv * Bn;
+        const float ga = g * hprev * av[j];
+        ddv[j] = fmaf(ga, Anat, g * Bn * sm.u[tt][dl]);
+        dA_acc = fmaf(ga, dtv, dA_acc);
+        gc = g * av[j];
+      }
+      // sums over the 16 states: lane n gets timestep s*16+n
+      reduce_scatter16(duv, n);
+      reduce_scatter16(ddv, n);
+      {
+        const int tt = s * kSub + n, t = t0 + tt;
+        const float dyv = sm.dy[tt][dl];
+        const float duf = fmaf(dyv, Dd, duv[0]);
+        const float ddf = ddv[0] * sm.sig[tt][dl];
+        if (d_ok && t < L) {
+          const int64_t off = (int64_t)d * L + t;
+          du[off] = from_f<in_t>(duf);
+          ddelta[off] = from_f<in_t>(ddf);
+          dD_acc = fmaf(dyv, sm.u[tt][dl], dD_acc);
+          dbias_acc += ddf;
+        }
+      }
+      // dB, dC: sum the warp's two channels (reduce-scatter over the half-warp pair), then over the 8 warps
+      float (*red)[kThreads / 32][kLanes][kSub + 1] = sm.red[s & 1];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float sB = half ? dBv[j] : dBv[j + 8];
+        const float kB = half ? dBv[j + 8] : dBv[j];
+        const float sC = half ? dCv[j] : dCv[j + 8];
+        const float kC = half ? dCv[j + 8] : dCv[j];
+        red[0][warp][n][half * 8 + j] = kB + __shfl_xor_sync(0xffffffffu, sB, 16);
+        red[1][warp][n][half * 8 + j] = kC + __shfl_xor_sync(0xffffffffu, sC, 16);
+      }
+      __syncthreads();
+      {
+        const int rn = tid >> 4, rj = tid & 15, t = t0 + s * kSub + rj;
+        float sb = 0.f, sc = 0.f;
+#pragma unroll
+        for (int w = 0; w < kThreads / 32; ++w) { sb += red[0][w][rn][rj]; sc += red[1][w][rn][rj]; }
+        if (rn < p.dstate && t < L) {
+          atomicAdd(dBp + (int64_t)rn * L + t, sb);
+          atomicAdd(dCp + (int64_t)rn * L + t, sc);
+        }
+      }
+    }
+  }
+  if (d_ok && n < p.dstate) atomicAdd(p.dA + (int64_t)d * p.dstate + n, dA_acc);
+#pragma unroll
+  for (int o = 8; o >= 1; o >>= 1) {
+    dD_acc += __shfl_xor_sync(0xffffffffu, dD_acc, o);
+    dbias_acc += __shfl_xor_sync(0xffffffffu, dbias_acc, o);
+  }
+  if (d_ok && n == 0) {
+    if (p.dD) atomicAdd(p.dD + d, dD_acc);
+    if (p.ddelta_bias) atomicAdd(p.ddelta_bias + d, dbias_acc);
+  }
+}
+
+template <typename in_t, typename w_t>
+void fwd_dispatch_z(const ScanParams &p, cudaStream_t st) {
+  dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
+  if (p.z) scan_fwd_kernel<in_t, w_t, true><<<grid, kThreads, 0, st>>>(p);
+  else scan_fwd_kernel<in_t, w_t, false><<<grid, kThreads, 0, st>>>(p);
+}
+
+template <typename in_t, typename w_t, bool kHasZ>
+void bwd_launch_one(const ScanParams &p, cudaStream_t st) {
+  dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
+  const int smem = sizeof(BwdSmem);
+  cudaFuncSetAttribute(scan_bwd_kernel<in_t, w_t, kHasZ>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  scan_bwd_kernel<in_t, w_t, kHasZ><<<grid, kThreads, smem, st>>>(p);
+}
+
+template <typename in_t, typename w_t>
+void bwd_dispatch_z(const ScanParams &p, cudaStream_t st) {
+  if (p.z) bwd_launch_one<in_t, w_t, true>(p, st);
+  else bwd_launch_one<in_t, w_t, false>(p, st);
+}
+
+}  // namespace
+
+void scan_fwd_launch(const ScanParams &p, cudaStream_t st) {
+  switch (p.in_dtype) {
+    case kF32: fwd_dispatch_z<float, float>(p, st); break;
+    case kF16: if (p.w_f32) fwd_dispatch_z<__half, float>(p, st); else fwd_dispatch_z<__half, __half>(p, st); break;
+    default: if (p.w_f32) fwd_dispatch_z<__nv_bfloat16, float>(p, st); else fwd_dispatch_z<__nv_bfloat16, __nv_bfloat16>(p, st); break;
+  }
+}
+
+void scan_bwd_launch(const ScanParams &p, cudaStream_t st) {
+  switch (p.in_dtype) {
+    case kF32: bwd_dispatch_z<float, float>(p, st); break;
+    case kF16: if (p.w_f32) bwd_dispatch_z<__half, float>(p, st); else bwd_dispatch_z<__half, __half>(p, st); break;
+    default: if (p.w_f32) bwd_dispatch_z<__nv_bfloat16, float>(p, st); else bwd_dispatch_z<__nv_bfloat16, __nv_bfloat16>(p, st); break;
+  }
+}
+
+}  // namespace packloader_ops
