@@ -34,7 +34,7 @@ key                    shape            dtype    meaning
 ``max_length_q/k``     python int       --       only with ``hf_compat=True``: same as ``max_seqlen``
 ``row_ids``            [B]              int64    only with ``return_ids=True`` and a pre-packed source: row of
                                                  the pre-packed dataset, -1 for a padding row
-``sample_ids``         [S_real, 5]      int64    only with ``return_ids=True`` and a streaming source: for each
+``sample_ids``         [S_real, 5]      int64    only with ``return_ids=True``: for each
                                                  non-padding segment in order, (row in the batch, source file
                                                  index, sequence index in that file, first token within that
                                                  sequence, length)

@@ -106,8 +106,10 @@ class _PackedIterable(IterableDataset):
                                                                 want_ids=self.return_ids)
         out = collate_packed(ids, labels, seq_off, seq_lens, hf_compat=self.hf_compat)
         if self.return_ids:
-            key = "row_ids" if self.rows.kind == "prepacked" else "sample_ids"
-            out[key] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
+            if self.rows.kind == "prepacked":
+                out["row_ids"] = torch.from_numpy(np.ascontiguousarray(table[0], dtype=np.int64))
+                table = table[1]
+            out["sample_ids"] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
         return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -155,8 +157,10 @@ class PackedDataLoader:
         token_column, labels_column: columns (tar members) of the shards; without a labels column the
             labels are the inputs.
         hf_compat: also emit ``cu_seq_lens_q/k`` and ``max_length_q/k`` (Hugging Face padding-free names).
-        return_ids: also emit ``sample_ids`` (shards: (row in batch, file index into :attr:`sources`,
-            sequence index, start, length) of each sequence piece) or ``row_ids`` (pre-packed: the dataset row of each row, -1 padding).
+        return_ids: also emit ``sample_ids``: (row in batch, source file index, sequence index, start,
+            length) of each sequence piece; file indices point into :attr:`sources` (shards) or the
+            pre-packed ``index.json["sources"]``; and for a pre-packed directory ``row_ids``, its row
+            of each batch row (-1: padding row).
         shard_cache: decoded shards kept per process (streaming).
         pin_memory, persistent_workers, prefetch_factor, timeout, worker_init_fn,
         multiprocessing_context, pin_memory_device: as in ``torch.utils.data.DataLoader``.

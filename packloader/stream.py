@@ -320,20 +320,17 @@ class PrepackedRows:
             if self._ds is None:
                 self._ds = PrepackedDataset(self.directory)
             ds = self._ds
-            bounds = np.asarray(getattr(ds, "file_offsets", None) if getattr(ds, "file_offsets", None) is not None
-                                else np.concatenate([[0], np.cumsum([f["rows"] for f in ds.index["files"]])]),
-                                dtype=np.int64)
             starts, parts, tok = [], [], []
-            for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-                if hi <= lo:
-                    continue
-                ids, labels, soff, slen = ds.read_rows(lo, hi)
+            pos = 0
+            # one zero-copy block per record batch (iter_rows never crosses one)
+            for ids, labels, soff, slen in ds.iter_rows(batch_rows=max(1, len(ds))):
                 soff = np.asarray(soff, np.int64)
                 csum = np.concatenate([[0], np.cumsum(slen, dtype=np.int64)])
                 tok.append(csum[soff[1:]] - csum[soff[:-1]])
-                starts.append(lo)
+                starts.append(pos)
                 parts.append((ids, labels, soff, slen))
-            starts.append(int(bounds[-1]))
+                pos += len(ids)
+            starts.append(pos)
             self._chunks = (np.asarray(starts, np.int64), parts, None, np.concatenate(tok))
         return self._chunks
 
@@ -346,7 +343,9 @@ class PrepackedRows:
         return epoch_rng(seed, epoch, _SALT_ROWS).permutation(self.n_rows).astype(np.int64)
 
     def build(self, seed: int, epoch: int, shuffle: bool, rows: np.ndarray, want_ids: bool = False):
-        """Like :meth:`StreamingRows.build`; ``ids`` is the int64 [B] dataset row of each row (-1: padding)."""
+        """Like :meth:`StreamingRows.build`; ``ids`` is ``(row_ids, sample_ids)``: the int64 [B] dataset row of
+        each row (-1: padding) and the [m, 5] (row in batch, source file, sequence, start, length) table
+        from the directory's provenance columns (file indices into ``index.json["sources"]``)."""
         starts, parts, _, _ = self._load_chunks()
         order = self.order(seed, epoch, shuffle)
         B, C = len(rows), self.capacity
@@ -370,4 +369,17 @@ class PrepackedRows:
             lens_parts.append(cslen[lo:hi])
             seq_off[b + 1] = seq_off[b] + (hi - lo)
         seq_lens = np.concatenate(lens_parts) if lens_parts else np.zeros(0, np.int32)
-        return ids, labels, seq_off, seq_lens, (gids if want_ids else None)
+        if not want_ids:
+            return ids, labels, seq_off, seq_lens, None
+        if self._ds is None:
+            from packloader.prepacked import PrepackedDataset
+
+            self._ds = PrepackedDataset(self.directory)
+        parts = []
+        for b, g in enumerate(gids.tolist()):
+            if g >= 0:
+                _, sf, sr, ss = self._ds.read_sources(g, g + 1)
+                n = seq_lens[seq_off[b]:seq_off[b + 1]]
+                parts.append(np.stack([np.full(len(sf), b), sf, sr, ss, n]).T.astype(np.int64))
+        table = np.concatenate(parts) if parts else np.zeros((0, 5), np.int64)
+        return ids, labels, seq_off, seq_lens, (gids, table)
