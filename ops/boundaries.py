@@ -1,0 +1,338 @@
+"""Sequence boundaries of a packed batch, in the three forms a training step meets them.
+
+A packed row holds several sequences back to back. Their boundaries reach the ops in one of three
+equivalent forms::
+
+    row (capacity 12)   seq A (5)        seq B (3)   seq C (3)  pad
+    position_ids      [  0  1  2  3  4 |  0  1  2 |  0  1  2 | 0 ]   restarts at 0 at every start
+    seq_idx           [  0  0  0  0  0 |  1  1  1 |  2  2  2 | 3 ]   segment number inside the row
+    cu_seqlens        [0, 5, 8, 11, 12]                              offsets over the flattened B*L tokens
+
+The kernels consume ``position_ids`` (int32, contiguous, (batch, seqlen)): a scan resets its state
+where ``position_ids == 0`` and conv tap ``k`` at time ``t`` is used only where
+``position_ids[t] >= k``. Everything else is converted with the helpers here.
+
+Valid ``position_ids`` start every row at 0 and, from one token to the next, either restart at 0 or
+count up by exactly 1. :func:`validate_position_ids` checks that with one reduction (one host sync on
+GPU) and names the first offending row and column otherwise. Pass ``validate=False`` to skip it.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = [
+    "validate_position_ids",
+    "seq_idx_to_position_ids",
+    "position_ids_to_seq_idx",
+    "cu_seqlens_to_position_ids",
+    "position_ids_to_cu_seqlens",
+    "cu_seqlens_to_seq_idx",
+    "resolve_position_ids",
+    "resolve_boundaries",
+    "BoundaryError",
+]
+
+
+class BoundaryError(ValueError):
+    """Sequence boundaries (position_ids / seq_idx / cu_seqlens) that are malformed or disagree."""
+
+
+def _check_2d(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise BoundaryError(f"{name} must have shape (batch, seqlen), got {tuple(t.shape)}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise BoundaryError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def _bad_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean (batch, seqlen): True where an id neither restarts at 0 nor counts up by 1."""
+    p = position_ids
+    prev = torch.empty_like(p)
+    prev[:, :1] = -1  # the first column must be 0, i.e. "previous + 1" with previous = -1
+    prev[:, 1:] = p[:, :-1]
+    return (p != 0) & (p != prev + 1)
+
+
+def validate_position_ids(position_ids: torch.Tensor) -> None:
+    """Raise :class:`BoundaryError` unless ``position_ids`` is a valid packed layout.
+
+    Every row must start at 0, and every next id must be 0 (a new sequence starts) or the previous
+    id plus 1. Costs one reduction (a single host sync on GPU); the error is only built on failure.
+
+    Args:
+        position_ids: integer tensor (batch, seqlen).
+
+    Raises:
+        BoundaryError: naming the first offending row and column, the id found and the ids allowed.
+    """
+    _check_2d("position_ids", position_ids)
+    if position_ids.numel() == 0:
+        return
+    bad = _bad_positions(position_ids)
+    if not bool(bad.any()):  # the one sync
+        return
+    row, col = (int(v) for v in bad.nonzero()[0].tolist())
+    got = int(position_ids[row, col])
+    if col == 0:
+        raise BoundaryError(
+            f"position_ids[{row}, 0] = {got}: every row must start a sequence, i.e. begin at 0"
+        )
+    prev = int(position_ids[row, col - 1])
+    raise BoundaryError(
+        f"position_ids[{row}, {col}] = {got} after {prev}: position ids must restart at 0 "
+        f"(a new sequence) or count up by 1 (expected 0 or {prev + 1})"
+    )
+
+
+def seq_idx_to_position_ids(seq_idx: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Convert ``seq_idx`` (batch, seqlen) into ``position_ids`` (batch, seqlen).
+
+    A new sequence starts at column 0 of every row and wherever ``seq_idx`` changes from one token to
+    the next (any change counts, so ids need not be consecutive). Example::
+
+        seq_idx      [0 0 0 1 1 2]  ->  position_ids [0 1 2 0 1 0]
+
+    Args:
+        seq_idx: integer tensor (batch, seqlen).
+        dtype: dtype of the result (int32 is what the kernels take).
+    """
+    _check_2d("seq_idx", seq_idx)
+    batch, seqlen = seq_idx.shape
+    if seqlen == 0:
+        return torch.zeros(batch, 0, dtype=dtype, device=seq_idx.device)
+    ar = torch.arange(seqlen, device=seq_idx.device, dtype=torch.int64).expand(batch, seqlen)
+    start = torch.ones(batch, seqlen, dtype=torch.bool, device=seq_idx.device)
+    start[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    start_col = torch.where(start, ar, torch.zeros_like(ar)).cummax(dim=1).values
+    return (ar - start_col).to(dtype).contiguous()
+
+
+def position_ids_to_seq_idx(position_ids: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Convert ``position_ids`` (batch, seqlen) into ``seq_idx`` (batch, seqlen), numbering the
+    sequences of each row 0, 1, 2, ... (the form causal-conv1d and mamba-ssm's Mamba-2 take)::
+
+        position_ids [0 1 2 0 1 0]  ->  seq_idx [0 0 0 1 1 2]
+
+    Column 0 always starts a sequence. No validation (see :func:`validate_position_ids`).
+    """
+    _check_2d("position_ids", position_ids)
+    start = position_ids == 0
+    if start.shape[1] > 0:
+        start[:, 0] = True
+    return (start.to(torch.int32).cumsum(dim=1, dtype=torch.int32) - 1).to(dtype).contiguous()
+
+
+def cu_seqlens_to_position_ids(
+    cu_seqlens: torch.Tensor,
+    shape: Optional[Tuple[int, int]] = None,
+    dtype: torch.dtype = torch.int32,
+) -> torch.Tensor:
+    """Convert ``cu_seqlens`` (n_seqs + 1,) over the flattened tokens into ``position_ids``.
+
+    ``cu_seqlens`` holds cumulative sequence offsets over the B*L tokens of the batch flattened row
+    by row, starting at 0 and ending at B*L (what the loader emits, and what flash-attn's varlen
+    kernels take). A sequence may not straddle two rows.
+
+    Args:
+        cu_seqlens: int tensor (n_seqs + 1,), non-decreasing, ``cu_seqlens[0] == 0``.
+        shape: ``(batch, seqlen)`` of the result; default ``(1, cu_seqlens[-1])``.
+        dtype: dtype of the result.
+
+    Returns:
+        position_ids (batch, seqlen).
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise BoundaryError(f"cu_seqlens must be 1-D with at least one entry, got {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(torch.int64)
+    total = int(cu[-1])
+    if int(cu[0]) != 0:
+        raise BoundaryError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+    lens = cu[1:] - cu[:-1]
+    if bool((lens < 0).any()):
+        raise BoundaryError("cu_seqlens must be non-decreasing")
+    if shape is None:
+        shape = (1, total)
+    batch, seqlen = int(shape[0]), int(shape[1])
+    if batch * seqlen != total:
+        raise BoundaryError(
+            f"cu_seqlens covers {total} tokens but shape {(batch, seqlen)} holds {batch * seqlen}"
+        )
+    if seqlen > 0:
+        row_starts = cu[:-1][lens > 0]
+        crosses = (row_starts // seqlen) != ((row_starts + lens[lens > 0] - 1) // seqlen)
+        if bool(crosses.any()):
+            i = int(crosses.nonzero()[0])
+            raise BoundaryError(
+                f"sequence {i} of cu_seqlens (tokens {int(row_starts[i])}..."
+                f"{int(row_starts[i] + lens[lens > 0][i])}) straddles two rows of length {seqlen}"
+            )
+    ar = torch.arange(total, device=cu.device, dtype=torch.int64)
+    start_of_token = cu[:-1].repeat_interleave(lens)
+    pos = (ar - start_of_token).view(batch, seqlen)
+    # row starts that are not sequence starts cannot happen (checked above); a row that starts
+    # mid-way through nothing (total 0) is empty.
+    return pos.to(dtype).contiguous()
+
+
+def position_ids_to_cu_seqlens(position_ids: torch.Tensor, dtype: torch.dtype = torch.int32) -> Tuple[torch.Tensor, int]:
+    """Convert ``position_ids`` (batch, seqlen) into ``(cu_seqlens, max_seqlen)`` over the flattened
+    B*L tokens. Every row start counts as a sequence start.
+
+    Returns:
+        cu_seqlens: (n_seqs + 1,) of ``dtype``, from 0 to B*L; max_seqlen: int (one host sync).
+    """
+    _check_2d("position_ids", position_ids)
+    batch, seqlen = position_ids.shape
+    start = position_ids == 0
+    if seqlen > 0:
+        start[:, 0] = True
+    starts = start.reshape(-1).nonzero().squeeze(1)
+    total = torch.tensor([batch * seqlen], device=position_ids.device, dtype=starts.dtype)
+    cu = torch.cat([starts, total]).to(dtype)
+    max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return cu, max_seqlen
+
+
+def cu_seqlens_to_seq_idx(cu_seqlens: torch.Tensor, shape: Optional[Tuple[int, int]] = None,
+                          dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``cu_seqlens`` -> ``seq_idx`` (batch, seqlen), numbering sequences from 0 within each row."""
+    return position_ids_to_seq_idx(cu_seqlens_to_position_ids(cu_seqlens, shape), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution with a small per-tensor cache: a model converts and validates the boundaries once
+# per batch, then every layer finds the result here (no further syncs, no further kernels).
+# ---------------------------------------------------------------------------------------------
+
+_CACHE: "dict[tuple, tuple]" = {}
+_CACHE_MAX = 64
+
+
+def _key(t: Optional[torch.Tensor]):
+    return None if t is None else (id(t), t._version)
+
+
+def _cache_get(pos, seq, validate):
+    entry = _CACHE.get((_key(pos), _key(seq)))
+    if entry is None:
+        return None
+    refs, result, validated = entry
+    # the ids may have been recycled: check the objects are still the same ones
+    if any((r is not None and r() is not o) for r, o in zip(refs, (pos, seq))):
+        return None
+    if validate and not validated:
+        return None
+    return result
+
+
+def _cache_put(pos, seq, result, validated):
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
+    refs = tuple(None if t is None else weakref.ref(t) for t in (pos, seq))
+    _CACHE[(_key(pos), _key(seq))] = (refs, result, validated)
+
+
+def resolve_position_ids(
+    position_ids: Optional[torch.Tensor] = None,
+    seq_idx: Optional[torch.Tensor] = None,
+    batch: Optional[int] = None,
+    seqlen: Optional[int] = None,
+    *,
+    device: Optional[torch.device] = None,
+    validate: bool = True,
+) -> Optional[torch.Tensor]:
+    """Turn whichever boundaries were given into int32 contiguous ``position_ids`` (batch, seqlen).
+
+    Args:
+        position_ids: (batch, seqlen) integer, restarting at 0 at every sequence start, or None.
+        seq_idx: (batch, seqlen) integer segment numbers, or None.
+        batch, seqlen: the expected shape (checked when given).
+        device: move the result there (e.g. the activations' device).
+        validate: check ``position_ids`` (one reduction) and, when both forms are given, that they
+            describe the same boundaries. Results are cached per input tensor, so a model that
+            passes the same tensors to every layer pays for this once.
+
+    Returns:
+        int32 contiguous (batch, seqlen) tensor, or None when neither form is given (no boundaries:
+        each row is one sequence).
+
+    Raises:
+        BoundaryError: wrong shape, malformed ids, or position_ids and seq_idx that disagree.
+    """
+    if position_ids is None and seq_idx is None:
+        return None
+    hit = _cache_get(position_ids, seq_idx, validate)
+    if hit is None:
+        if position_ids is not None:
+            _check_2d("position_ids", position_ids)
+            pos = position_ids.to(torch.int32).contiguous()
+            if validate:
+                validate_position_ids(pos)
+            if seq_idx is not None:
+                _check_2d("seq_idx", seq_idx)
+                if seq_idx.shape != position_ids.shape:
+                    raise BoundaryError(
+                        f"position_ids {tuple(position_ids.shape)} and seq_idx {tuple(seq_idx.shape)} "
+                        "have different shapes"
+                    )
+                if validate:
+                    other = seq_idx_to_position_ids(seq_idx.to(pos.device))
+                    diff = other != pos
+                    if bool(diff.any()):
+                        row, col = (int(v) for v in diff.nonzero()[0].tolist())
+                        raise BoundaryError(
+                            f"position_ids and seq_idx disagree at [{row}, {col}]: position_ids says "
+                            f"{'a sequence starts' if int(pos[row, col]) == 0 else 'no sequence starts'} "
+                            f"there, seq_idx says the opposite"
+                        )
+        else:
+            pos = seq_idx_to_position_ids(seq_idx)
+        _cache_put(position_ids, seq_idx, pos, validate)
+        hit = pos
+    if batch is not None and seqlen is not None and tuple(hit.shape) != (batch, seqlen):
+        raise BoundaryError(
+            f"boundaries have shape {tuple(hit.shape)} but the activations are (batch={batch}, seqlen={seqlen})"
+        )
+    if device is not None and hit.device != torch.device(device):
+        hit = hit.to(device)
+    return hit
+
+
+def resolve_boundaries(
+    position_ids: Optional[torch.Tensor] = None,
+    seq_idx: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    shape: Optional[Tuple[int, int]] = None,
+    *,
+    device: Optional[torch.device] = None,
+    validate: bool = True,
+    need_seq_idx: bool = False,
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Model-level resolution: any of the three forms -> ``(position_ids, seq_idx)`` int32.
+
+    ``seq_idx`` is only computed when ``need_seq_idx`` (or when it was given). The returned
+    tensors are registered in the cache, so passing them on to every layer costs nothing more.
+    """
+    if position_ids is None and seq_idx is None and cu_seqlens is not None:
+        if shape is None:
+            raise BoundaryError("cu_seqlens needs the (batch, seqlen) shape of the batch")
+        position_ids = cu_seqlens_to_position_ids(cu_seqlens.to(device) if device is not None else cu_seqlens, shape)
+    pos = resolve_position_ids(position_ids, seq_idx, *(shape or (None, None)), device=device, validate=validate)
+    if pos is None:
+        return None, None
+    seq = None
+    if seq_idx is not None:
+        seq = seq_idx.to(device=pos.device, dtype=torch.int32).contiguous()
+    elif need_seq_idx:
+        seq = position_ids_to_seq_idx(pos)
+    # register the resolved pair so that layers receiving them hit the cache
+    _cache_put(pos, None, pos, True)
+    if seq is not None:
+        _cache_put(None, seq, pos, True)
+        _cache_put(pos, seq, pos, True)
+    return pos, seq
