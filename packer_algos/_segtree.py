@@ -1,8 +1,8 @@
-"""Numba helpers: a bottom-up segment tree of counts over small integer keys.
+"""Numba helpers: a bottom-up segment tree over small integer keys, for "nearest non-empty key" queries.
 
 The tree lives in one int64 array ``tree`` of size ``2 * P`` (``P`` a power of two); leaf ``k`` is
-``tree[P + k]`` and holds how many things have key ``k``; an inner node holds the sum of its two
-children. Queries find the smallest non-empty key ``>= lo`` or the largest non-empty key ``<= hi`` in
+``tree[P + k]`` and holds how many things have key ``k``; an inner node is 1 when some leaf below it
+is non-zero, else 0 (so an update stops climbing as soon as an ancestor does not change). Queries find the smallest non-empty key ``>= lo`` or the largest non-empty key ``<= hi`` in
 O(log P). The packers key it by *remaining capacity* (best-fit) or by *item length* (online buffer).
 """
 import numpy as np
@@ -18,12 +18,27 @@ def tree_size(n_keys: int) -> int:
 
 
 @njit(cache=True, inline="always")
-def seg_add(tree, P, key, delta):
-    """Add ``delta`` to the count of ``key`` (and to every ancestor)."""
+def seg_inc(tree, P, key):
+    """One more thing with ``key``."""
     i = key + P
-    while i >= 1:
-        tree[i] += delta
+    tree[i] += 1
+    if tree[i] == 1:
         i >>= 1
+        while i >= 1 and tree[i] == 0:
+            tree[i] = 1
+            i >>= 1
+
+
+@njit(cache=True, inline="always")
+def seg_dec(tree, P, key):
+    """One thing fewer with ``key`` (its count must be > 0)."""
+    i = key + P
+    tree[i] -= 1
+    if tree[i] == 0:
+        i >>= 1
+        while i >= 1 and tree[2 * i] == 0 and tree[2 * i + 1] == 0:
+            tree[i] = 0
+            i >>= 1
 
 
 @njit(cache=True, inline="always")

@@ -73,18 +73,19 @@ def pack(lengths, capacity, algorithm="bfd", *, overflow="error", max_items_per_
 
     if algorithm == "online":
         packer = OnlinePacker(capacity, buffer_size, max_items_per_bin=max_items_per_bin)
-        off, ids, starts, lens = packer._run_pieces(pc.item, pc.start, pc.length, True)
+        off, ids, starts, lens = packer._run_pieces(*packer._arrays(pc), True)
     else:
+        witness = np.empty(0, dtype=np.int32 if m < 2**31 - 1 else np.int64)
         if algorithm in ("ffd", "bfd"):
-            tie = (np.arange(m, dtype=np.int64) if seed is None
-                   else np.random.default_rng(seed).permutation(m).astype(np.int64))
-            order = offline.sort_decreasing(pc.length, tie, capacity)
+            tie = None if seed is None else np.random.default_rng(seed).permutation(m).astype(witness.dtype)
+            order = offline.sort_decreasing(pc.length, tie, capacity, witness)
         else:
-            order = np.arange(m, dtype=np.int64)
+            order = None
         kernel = {"ffd": offline.first_fit, "first_fit": offline.first_fit,
                   "bfd": offline.best_fit, "next_fit": offline.next_fit}[algorithm]
-        bin_of, nb = kernel(order, pc.length, capacity, mx)
-        off, ids, starts, lens = offline.build_csr(order, bin_of, nb, pc.item, pc.start, pc.length)
+        bin_seq, nb = kernel(order, pc.length, capacity, mx, witness)
+        starts = np.zeros(m, dtype=np.int64)
+        off, ids, lens = offline.build_csr(order, bin_seq, nb, pc.item, pc.start, pc.length, starts)
     return PackPlan(capacity, off, ids, starts, lens, split_ids=pc.split_ids,
                     truncated_ids=pc.truncated_ids, dropped_ids=pc.dropped_ids, n_empty=pc.n_empty,
                     algorithm=algorithm, overflow=overflow, max_items_per_bin=max_items_per_bin)

@@ -1,10 +1,12 @@
 """Offline packing kernels (Numba): piece lengths in, a bin number per piece out.
 
-Every kernel takes ``order`` (the piece indices in the order they are placed), ``plen`` (int64 piece
-lengths, each in ``[1, capacity]``), ``capacity`` and ``max_items`` (0 = no cap on pieces per bin), and
-returns ``(bin_of, n_bins)``: ``bin_of[i]`` is the bin of piece ``i``; bins are numbered in the order
-they are opened. :func:`build_csr` turns that into the CSR arrays of a
-:class:`~packer_algos.plan.PackPlan`, keeping the placement order inside each bin.
+Every kernel takes ``order`` (the piece indices in the order they are placed, or ``None`` for
+``0, 1, 2, ...``), ``plen`` (int64 piece lengths, each in ``[1, capacity]``), ``capacity`` and
+``max_items`` (0 = no cap on pieces per bin), and returns ``(bin_seq, n_bins)``: ``bin_seq[k]`` is the
+bin of the ``k``-th placed piece; bins are numbered in the order they are opened. :func:`build_csr`
+turns that into the CSR arrays of a :class:`~packer_algos.plan.PackPlan`, keeping the placement order
+inside each bin. Index arrays are int32 when there are fewer than 2**31 pieces (half the memory
+traffic on 16M-item inputs), else int64: the dtype of the ``witness`` array chooses.
 
 Tie rules (the pure-Python twins in ``tests/packer_algos/reference.py`` follow them exactly):
 
@@ -20,12 +22,12 @@ Tie rules (the pure-Python twins in ``tests/packer_algos/reference.py`` follow t
 import numpy as np
 from numba import njit
 
-from ._segtree import seg_add, seg_first_ge
+from ._segtree import seg_dec, seg_first_ge, seg_inc
 
 
 @njit(cache=True)
-def sort_decreasing(plen, tie_order, capacity):
-    """Piece indices sorted by length, longest first; ties in the order they appear in ``tie_order``."""
+def sort_decreasing(plen, tie_order, capacity, witness):
+    """Piece indices sorted by length, longest first; ties in ``tie_order`` order (``None``: index order)."""
     m = plen.size
     count = np.zeros(capacity + 2, dtype=np.int64)
     for i in range(m):
@@ -36,24 +38,31 @@ def sort_decreasing(plen, tie_order, capacity):
     for L in range(capacity + 1, -1, -1):
         pos[L] = acc
         acc += count[L]
-    out = np.empty(m, dtype=np.int64)
-    for k in range(m):
-        i = tie_order[k]
-        L = plen[i]
-        out[pos[L]] = i
-        pos[L] += 1
+    out = np.empty(m, dtype=witness.dtype)
+    if tie_order is None:
+        for i in range(m):
+            L = plen[i]
+            out[pos[L]] = i
+            pos[L] += 1
+    else:
+        for k in range(m):
+            i = tie_order[k]
+            L = plen[i]
+            out[pos[L]] = i
+            pos[L] += 1
     return out
 
 
 @njit(cache=True)
-def next_fit(order, plen, capacity, max_items):
-    m = order.size
-    bin_of = np.empty(m, dtype=np.int64)
+def next_fit(order, plen, capacity, max_items, witness):
+    """In-order greedy: one open bin, closed by the first piece that does not fit."""
+    m = plen.size
+    bin_seq = np.empty(m, dtype=witness.dtype)
     nb = 0
     rem = -1  # no open bin yet
     cnt = 0
     for k in range(m):
-        i = order[k]
+        i = k if order is None else order[k]
         L = plen[i]
         if rem < L or (max_items > 0 and cnt >= max_items):
             nb += 1
@@ -61,8 +70,8 @@ def next_fit(order, plen, capacity, max_items):
             cnt = 0
         rem -= L
         cnt += 1
-        bin_of[i] = nb - 1
-    return bin_of, nb
+        bin_seq[k] = nb - 1
+    return bin_seq, nb
 
 
 @njit(cache=True)
@@ -78,16 +87,20 @@ def _grow_max_tree(tree, P):
 
 
 @njit(cache=True)
-def first_fit(order, plen, capacity, max_items):
-    """First fit over bins in opening order (FFD when ``order`` is decreasing)."""
-    m = order.size
+def first_fit(order, plen, capacity, max_items, witness):
+    """First fit over bins in opening order (FFD when ``order`` is decreasing); O(log n_bins) per piece.
+
+    A max-segment-tree over bins (grown by doubling) holds each open bin's remaining capacity; the
+    leftmost bin with room is found by one descent from the root.
+    """
+    m = plen.size
     P = 1024
     tree = np.zeros(2 * P, dtype=np.int64)  # max remaining capacity of the open bins below a node
     cnt = np.zeros(m if max_items > 0 else 1, dtype=np.int64)
-    bin_of = np.empty(m, dtype=np.int64)
+    bin_seq = np.empty(m, dtype=witness.dtype)
     nb = 0
     for k in range(m):
-        i = order[k]
+        i = k if order is None else order[k]
         L = plen[i]
         if tree[1] >= L:
             j = 1
@@ -107,7 +120,7 @@ def first_fit(order, plen, capacity, max_items):
             cnt[b] += 1
             if cnt[b] >= max_items:
                 r = 0
-        bin_of[i] = b
+        bin_seq[k] = b
         j = b + P
         tree[j] = r
         j >>= 1
@@ -119,24 +132,29 @@ def first_fit(order, plen, capacity, max_items):
                 break
             tree[j] = v
             j >>= 1
-    return bin_of, nb
+    return bin_seq, nb
 
 
 @njit(cache=True)
-def best_fit(order, plen, capacity, max_items):
-    """Best fit (BFD when ``order`` is decreasing); O(log capacity) per piece."""
-    m = order.size
+def best_fit(order, plen, capacity, max_items, witness):
+    """Best fit (BFD when ``order`` is decreasing); O(log capacity) per piece.
+
+    Open bins sit in one stack per remaining capacity; a segment tree over remaining capacities
+    ``0..capacity`` finds the smallest non-empty one that fits. Bins that are full (or at
+    ``max_items``) are not kept.
+    """
+    m = plen.size
     P = 2
     while P < capacity + 1:
         P *= 2
-    tree = np.zeros(2 * P, dtype=np.int64)  # number of open bins per remaining capacity
-    head = np.full(capacity + 1, -1, dtype=np.int64)  # stack of open bins per remaining capacity
-    nxt = np.empty(m, dtype=np.int64)
+    tree = np.zeros(2 * P, dtype=np.int64)  # open bins per remaining capacity
+    head = np.full(capacity + 1, -1, dtype=np.int64)  # top of the stack per remaining capacity
+    nxt = np.empty(m, dtype=witness.dtype)  # next bin down the stack, per bin
     cnt = np.zeros(m if max_items > 0 else 1, dtype=np.int64)
-    bin_of = np.empty(m, dtype=np.int64)
+    bin_seq = np.empty(m, dtype=witness.dtype)
     nb = 0
     for k in range(m):
-        i = order[k]
+        i = k if order is None else order[k]
         L = plen[i]
         r = seg_first_ge(tree, P, L)
         if r < 0:
@@ -146,9 +164,9 @@ def best_fit(order, plen, capacity, max_items):
         else:
             b = head[r]
             head[r] = nxt[b]
-            seg_add(tree, P, r, -1)
+            seg_dec(tree, P, r)
             r -= L
-        bin_of[i] = b
+        bin_seq[k] = b
         open_ = r > 0
         if max_items > 0:
             cnt[b] += 1
@@ -157,29 +175,33 @@ def best_fit(order, plen, capacity, max_items):
         if open_:
             nxt[b] = head[r]
             head[r] = b
-            seg_add(tree, P, r, 1)
-    return bin_of, nb
+            seg_inc(tree, P, r)
+    return bin_seq, nb
 
 
 @njit(cache=True)
-def build_csr(order, bin_of, n_bins, piece_item, piece_start, plen):
-    """CSR arrays (bin_offsets, item_ids, starts, lengths); pieces in placement order inside a bin."""
-    m = order.size
+def build_csr(order, bin_seq, n_bins, piece_item, piece_start, plen, starts):
+    """CSR arrays (bin_offsets, item_ids, lengths); pieces in placement order inside a bin.
+
+    ``piece_item`` / ``piece_start`` may be ``None`` (identity ids, zero starts). ``starts`` is the
+    preallocated (zeroed) int64 output for starts, written only when ``piece_start`` is given.
+    """
+    m = plen.size
     offsets = np.zeros(n_bins + 1, dtype=np.int64)
-    for i in range(m):
-        offsets[bin_of[i] + 1] += 1
+    for k in range(m):
+        offsets[bin_seq[k] + 1] += 1
     for b in range(n_bins):
         offsets[b + 1] += offsets[b]
     pos = offsets[:-1].copy()
     ids = np.empty(m, dtype=np.int64)
-    starts = np.empty(m, dtype=np.int64)
     lens = np.empty(m, dtype=np.int64)
     for k in range(m):
-        i = order[k]
-        b = bin_of[i]
+        i = k if order is None else order[k]
+        b = bin_seq[k]
         p = pos[b]
-        ids[p] = piece_item[i]
-        starts[p] = piece_start[i]
-        lens[p] = plen[i]
         pos[b] = p + 1
-    return offsets, ids, starts, lens
+        ids[p] = i if piece_item is None else piece_item[i]
+        lens[p] = plen[i]
+        if piece_start is not None:
+            starts[p] = piece_start[i]
+    return offsets, ids, lens

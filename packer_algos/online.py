@@ -4,105 +4,106 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._segtree import seg_add, seg_last_le, tree_size
+from ._segtree import seg_dec, seg_inc, seg_last_le, tree_size
 from .pieces import as_lengths, check_int, check_overflow, make_pieces
 
-# scalar state slots
-_COUNT, _NFREE, _AHEAD, _ATAIL, _SEQ = 0, 1, 2, 3, 4
-_NSCAL = 8
-
-
-@njit(cache=True, inline="always")
-def _insert(S, C, P, iid, ist, ilen):
-    s_id, s_start, s_len, q_next, a_prev, a_next, qhead, qtail, tree, free, sc = S
-    sc[_NFREE] -= 1
-    s = free[sc[_NFREE]]
-    s_id[s] = iid
-    s_start[s] = ist
-    s_len[s] = ilen
-    q_next[s] = -1
-    if qtail[ilen] < 0:
-        qhead[ilen] = s
-    else:
-        q_next[qtail[ilen]] = s
-    qtail[ilen] = s
-    a_next[s] = -1
-    a_prev[s] = sc[_ATAIL]
-    if sc[_ATAIL] < 0:
-        sc[_AHEAD] = s
-    else:
-        a_next[sc[_ATAIL]] = s
-    sc[_ATAIL] = s
-    seg_add(tree, P, ilen, 1)
-    sc[_COUNT] += 1
-
-
-@njit(cache=True, inline="always")
-def _pop_len(S, P, L, out_ids, out_starts, out_lens, npo):
-    """Remove the oldest pending item of length L and write it as output piece ``npo``."""
-    s_id, s_start, s_len, q_next, a_prev, a_next, qhead, qtail, tree, free, sc = S
-    s = qhead[L]
-    qhead[L] = q_next[s]
-    if qhead[L] < 0:
-        qtail[L] = -1
-    seg_add(tree, P, L, -1)
-    p = a_prev[s]
-    n = a_next[s]
-    if p < 0:
-        sc[_AHEAD] = n
-    else:
-        a_next[p] = n
-    if n < 0:
-        sc[_ATAIL] = p
-    else:
-        a_prev[n] = p
-    free[sc[_NFREE]] = s
-    sc[_NFREE] += 1
-    sc[_COUNT] -= 1
-    out_ids[npo] = s_id[s]
-    out_starts[npo] = s_start[s]
-    out_lens[npo] = L
+# scalar state slots (sc array)
+_COUNT, _NFREE, _AHEAD, _ATAIL = 0, 1, 2, 3
+_NSCAL = 4
 
 
 @njit(cache=True)
-def _build_bin(S, C, P, mx, out_ids, out_starts, out_lens, npo):
-    """Close one bin: the oldest pending item, then repeatedly the longest pending item that fits."""
-    s_len = S[2]
-    sc = S[10]
-    L = s_len[sc[_AHEAD]]
-    _pop_len(S, P, L, out_ids, out_starts, out_lens, npo)
-    npo += 1
-    rem = C - L
-    n = 1
-    while rem > 0 and (mx == 0 or n < mx):
-        L = seg_last_le(S[8], P, rem)
-        if L <= 0:
-            break
-        _pop_len(S, P, L, out_ids, out_starts, out_lens, npo)
-        npo += 1
-        rem -= L
-        n += 1
-    return npo
+def _run(s_id, s_start, s_len, q_next, a_prev, a_next, qhead, qtail, tree, free, sc, C, P, B, mx,
+         in_ids, in_starts, in_lens, flush, out_ids, out_starts, out_lens, out_off):
+    """Push the pieces in order, closing a bin whenever more than ``B`` are pending; then optionally
+    flush. Returns (pieces written, bins written) to the ``out_*`` arrays.
 
-
-@njit(cache=True)
-def _run(S, C, P, B, mx, in_ids, in_starts, in_lens, flush, out_ids, out_starts, out_lens, out_off):
-    """Push the pieces, closing a bin whenever more than B are pending; then optionally flush."""
+    Pending items live in slots ``0..B``; ``q_next``/``qhead``/``qtail`` chain them into one FIFO per
+    length, ``a_prev``/``a_next`` into one arrival-order list (head = oldest), ``tree`` marks the
+    lengths with pending items and ``free`` is a stack of unused slots.
+    """
+    count = sc[_COUNT]
+    nfree = sc[_NFREE]
+    ahead = sc[_AHEAD]
+    atail = sc[_ATAIL]
     npo = 0
     nbo = 0
-    sc = S[10]
     out_off[0] = 0
-    for k in range(in_ids.size):
-        _insert(S, C, P, in_ids[k], in_starts[k], in_lens[k])
-        if sc[_COUNT] > B:
-            npo = _build_bin(S, C, P, mx, out_ids, out_starts, out_lens, npo)
-            nbo += 1
-            out_off[nbo] = npo
-    if flush:
-        while sc[_COUNT] > 0:
-            npo = _build_bin(S, C, P, mx, out_ids, out_starts, out_lens, npo)
-            nbo += 1
-            out_off[nbo] = npo
+    n_in = in_lens.size
+    k = 0
+    while True:
+        if k < n_in:
+            # ---- insert piece k at the tail of its length's FIFO and of the arrival list
+            L = in_lens[k]
+            nfree -= 1
+            s = free[nfree]
+            s_id[s] = in_ids[k]
+            s_start[s] = in_starts[k]
+            s_len[s] = L
+            q_next[s] = -1
+            t = qtail[L]
+            if t < 0:
+                qhead[L] = s
+                seg_inc(tree, P, L)
+            else:
+                q_next[t] = s
+            qtail[L] = s
+            a_next[s] = -1
+            a_prev[s] = atail
+            if atail < 0:
+                ahead = s
+            else:
+                a_next[atail] = s
+            atail = s
+            count += 1
+            k += 1
+            if count <= B:
+                continue
+        elif not flush or count == 0:
+            break
+        # ---- close one bin: the oldest pending item, then the longest pending item that fits
+        s = ahead
+        L = s_len[s]
+        rem = C
+        n = 0
+        while True:
+            # unlink slot s (the head of its length's FIFO) and write it out
+            h = q_next[s]
+            qhead[L] = h
+            if h < 0:
+                qtail[L] = -1
+                seg_dec(tree, P, L)
+            p = a_prev[s]
+            nx = a_next[s]
+            if p < 0:
+                ahead = nx
+            else:
+                a_next[p] = nx
+            if nx < 0:
+                atail = p
+            else:
+                a_prev[nx] = p
+            free[nfree] = s
+            nfree += 1
+            count -= 1
+            out_ids[npo] = s_id[s]
+            out_starts[npo] = s_start[s]
+            out_lens[npo] = L
+            npo += 1
+            rem -= L
+            n += 1
+            if rem == 0 or count == 0 or (mx > 0 and n >= mx):
+                break
+            L = seg_last_le(tree, P, rem)
+            if L <= 0:
+                break
+            s = qhead[L]
+        nbo += 1
+        out_off[nbo] = npo
+    sc[_COUNT] = count
+    sc[_NFREE] = nfree
+    sc[_AHEAD] = ahead
+    sc[_ATAIL] = atail
     return npo, nbo
 
 
@@ -190,7 +191,7 @@ class OnlinePacker:
         out_lens = np.empty(cap, np.int64)
         out_off = np.empty(cap + 1, np.int64)
         mx = self.max_items_per_bin or 0
-        npo, nbo = _run(self._S, self.capacity, self._P, self.buffer_size, mx, ids, starts, lens,
+        npo, nbo = _run(*self._S, self.capacity, self._P, self.buffer_size, mx, ids, starts, lens,
                         flush, out_ids, out_starts, out_lens, out_off)
         self.n_bins_emitted += nbo
         return out_off[:nbo + 1], out_ids[:npo], out_starts[:npo], out_lens[:npo]
@@ -223,6 +224,13 @@ class OnlinePacker:
         self.n_dropped += int(pc.dropped_ids.size)
         return pc
 
+    @staticmethod
+    def _arrays(pc):
+        n = pc.length.size
+        item = np.arange(n, dtype=np.int64) if pc.item is None else pc.item
+        start = np.zeros(n, dtype=np.int64) if pc.start is None else pc.start
+        return item, start, pc.length
+
     # ------------------------------------------------------------------ public API
     def push(self, item_id, length):
         """Add one sequence; returns the list of bins completed by this push (often empty)."""
@@ -234,13 +242,13 @@ class OnlinePacker:
         Same bins as pushing them one by one.
         """
         pc = self._prepare(item_ids, lengths)
-        return self._to_bins(*self._run_pieces(pc.item, pc.start, pc.length, False))
+        return self._to_bins(*self._run_pieces(*self._arrays(pc), False))
 
     def push_many_csr(self, item_ids, lengths, flush=False):
         """Like :meth:`push_many` (and then :meth:`flush` when ``flush``), returning the bins in CSR form:
         ``(bin_offsets, item_ids, starts, lengths)`` int64 arrays, without building a Python list."""
         pc = self._prepare(item_ids, lengths)
-        return self._run_pieces(pc.item, pc.start, pc.length, bool(flush))
+        return self._run_pieces(*self._arrays(pc), bool(flush))
 
     def flush(self):
         """Close bins until nothing is pending; returns them."""
@@ -288,7 +296,7 @@ class OnlinePacker:
             raise ValueError("state pending lengths must lie in [1, capacity]")
         self._reset_buffer()
         # re-insert in arrival order: same per-length queues and arrival list, so same future bins
-        _run(self._S, self.capacity, self._P, self.buffer_size, 0, ids, starts, lens, False,
+        _run(*self._S, self.capacity, self._P, self.buffer_size, 0, ids, starts, lens, False,
              np.empty(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64), np.empty(1, np.int64))
         c = state["counters"]
         self.n_pushed = int(c["n_pushed"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+from numba import njit
 
 OVERFLOW_POLICIES = ("error", "split", "truncate", "drop")
 
@@ -56,8 +57,29 @@ def as_lengths(lengths, name: str = "lengths") -> np.ndarray:
     return a
 
 
+@njit(cache=True)
+def _scan(L, capacity):
+    """(number of zeros, number longer than capacity, index of the first one longer or -1)."""
+    n_zero = 0
+    n_over = 0
+    first_over = -1
+    for i in range(L.size):
+        x = L[i]
+        if x == 0:
+            n_zero += 1
+        elif x > capacity:
+            if n_over == 0:
+                first_over = i
+            n_over += 1
+    return n_zero, n_over, first_over
+
+
 class Pieces:
-    """What is left to place after the overflow policy: parallel int64 arrays plus bookkeeping."""
+    """What is left to place after the overflow policy: parallel int64 arrays plus bookkeeping.
+
+    ``item`` is ``None`` when the pieces are exactly the sequences ``0..n-1`` (nothing dropped or
+    split: saves two big arrays on the fast path); ``start`` is ``None`` when every start is 0.
+    """
 
     __slots__ = ("item", "start", "length", "split_ids", "truncated_ids", "dropped_ids", "n_empty")
 
@@ -75,36 +97,36 @@ def make_pieces(L: np.ndarray, capacity: int, overflow: str, item_ids=None) -> P
     order), which is the order the in-order algorithms place them.
     """
     n = L.size
-    ids = np.arange(n, dtype=np.int64) if item_ids is None else item_ids
     empty = np.zeros(0, dtype=np.int64)
+    n_empty, n_over, first_over = _scan(L, capacity)
+    if n_over and overflow == "error":
+        i = first_over
+        raise ValueError(f"lengths[{i}] = {int(L[i])} is longer than capacity {capacity} "
+                         f"({n_over} sequence(s) are); pass overflow='split', 'truncate' or 'drop'")
+    if n_over == 0 and n_empty == 0:
+        return Pieces(item_ids, None, L, empty, empty, empty, 0)
+    ids = np.arange(n, dtype=np.int64) if item_ids is None else item_ids
     zero = L == 0
-    n_empty = int(zero.sum())
     over_mask = L > capacity
     over = np.flatnonzero(over_mask)
-    if over.size and overflow == "error":
-        i = int(over[0])
-        raise ValueError(f"lengths[{i}] = {int(L[i])} is longer than capacity {capacity} "
-                         f"({over.size} sequence(s) are); pass overflow='split', 'truncate' or 'drop'")
-    if over.size == 0 and n_empty == 0:
-        return Pieces(ids, np.zeros(n, dtype=np.int64), L, empty, empty, empty, 0)
     split_ids = truncated_ids = dropped_ids = empty
     if overflow == "truncate":
         keep = ~zero
         truncated_ids = ids[over]
         plen = np.minimum(L[keep], capacity)
-        return Pieces(ids[keep], np.zeros(plen.size, dtype=np.int64), plen, split_ids, truncated_ids,
+        return Pieces(ids[keep], None, plen, split_ids, truncated_ids,
                       dropped_ids, n_empty)
     if overflow == "drop":
         keep = ~(zero | over_mask)
         dropped_ids = ids[over]
-        return Pieces(ids[keep], np.zeros(int(keep.sum()), dtype=np.int64), L[keep], split_ids,
+        return Pieces(ids[keep], None, L[keep], split_ids,
                       truncated_ids, dropped_ids, n_empty)
     # split (or no overflow at all, only zeros)
     keep = ~zero
     kl = L[keep]
     kid = ids[keep]
     if over.size == 0:
-        return Pieces(kid, np.zeros(kl.size, dtype=np.int64), kl, split_ids, truncated_ids,
+        return Pieces(kid, None, kl, split_ids, truncated_ids,
                       dropped_ids, n_empty)
     split_ids = ids[over]
     npieces = -(-kl // capacity)
