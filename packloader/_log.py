@@ -25,6 +25,7 @@ class Progress:
             ``stream`` is a terminal.
         stream: where to write (default stderr).
 
+    Plain lines are printed at most every ``interval`` (2) seconds, and at the end.
     ``update(n, note)`` advances; ``write(msg)`` prints a line without breaking the bar; ``close()``
     ends it. Usable as a context manager.
     """
@@ -36,6 +37,8 @@ class Progress:
         self.n = 0
         self._t0 = time.perf_counter()
         self._bar = None
+        self._last = -1e9
+        self.interval = 2.0
         if quiet:
             return
         if bar is None:
@@ -54,7 +57,11 @@ class Progress:
                 self._bar.set_postfix_str(note, refresh=False)
             self._bar.update(n)
         else:
-            elapsed = time.perf_counter() - self._t0
+            now = time.perf_counter()
+            if now - self._last < self.interval and self.n < self.total:
+                return
+            self._last = now
+            elapsed = now - self._t0
             tail = f" {note}" if note else ""
             log(f"{self.desc}: {self.n}/{self.total} {self.unit} ({elapsed:.1f} s){tail}", stream=self.stream)
 

@@ -679,20 +679,115 @@ _NPY_MAGIC = b"\x93NUMPY"
 _NPY_DESCR = re.compile(rb"""['"]descr['"]\s*:\s*['"]([^'"]+)['"]""")
 _NPY_SHAPE = re.compile(rb"""['"]shape['"]\s*:\s*\(([^)]*)\)""")
 _NPY_FORTRAN = re.compile(rb"""['"]fortran_order['"]\s*:\s*(True|False)""")
-# webdataset: the key is everything up to the first dot of the base name; the extension the rest
-_KEY_EXT = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")
+_NPY_FAST = re.compile(
+    rb"\x93NUMPY\x01\x00(..)\{'descr': '([<|][iu][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}",
+    re.S,
+)
+_ITEMSIZE = {b"<i1": 1, b"|i1": 1, b"<u1": 1, b"|u1": 1, b"<i2": 2, b"<u2": 2, b"<i4": 4, b"<u4": 4,
+             b"<i8": 8, b"<u8": 8}
+_DESCR_STR = {k: np.dtype(k.decode()).str for k in _ITEMSIZE}
 
 
-def _octal(field: bytes, path, where: str) -> int:
-    if field[:1] and field[0] & 0x80:  # GNU base-256 for big sizes
-        return int.from_bytes(bytes([field[0] & 0x7F]) + field[1:], "big")
-    text = field.split(b"\0", 1)[0].strip()
-    if not text:
-        return 0
-    try:
-        return int(text, 8)
-    except ValueError:
-        raise DataError(f"corrupt tar: bad number field {field!r} in the header {where}", path=path) from None
+def _walk_tar_py(buf):
+    """Walk the 512-byte tar headers of ``buf`` (uint8): (header positions, sizes, type flags, error code,
+    error byte offset). Error codes: 1 truncated header, 2 bad number field, 3 bad checksum, 4 member data
+    past the end. Compiled with Numba on first use (cached)."""
+    n = buf.size
+    cap = 64
+    pos = np.empty(cap, np.int64)
+    size = np.empty(cap, np.int64)
+    flag = np.empty(cap, np.uint8)
+    m = 0
+    p = 0
+    err = 0
+    while p < n:
+        if p + 512 > n:
+            err = 1
+            break
+        zero = True
+        for j in range(512):
+            if buf[p + j] != 0:
+                zero = False
+                break
+        if zero:
+            break
+        # stored checksum: octal digits, ended by NUL or space
+        stored = 0
+        bad = False
+        seen = False
+        for j in range(148, 156):
+            c = buf[p + j]
+            if c >= 48 and c <= 55:
+                stored = stored * 8 + (c - 48)
+                seen = True
+            elif c == 0 or c == 32:
+                if seen:
+                    break
+            else:
+                bad = True
+                break
+        if bad:
+            err = 2
+            break
+        total = 256  # the checksum field counts as 8 spaces
+        for j in range(148):
+            total += buf[p + j]
+        for j in range(156, 512):
+            total += buf[p + j]
+        if total != stored:
+            err = 3
+            break
+        sz = 0
+        if buf[p + 124] & 0x80:  # GNU base-256
+            sz = buf[p + 124] & 0x7F
+            for j in range(125, 136):
+                sz = sz * 256 + buf[p + j]
+        else:
+            seen = False
+            for j in range(124, 136):
+                c = buf[p + j]
+                if c >= 48 and c <= 55:
+                    sz = sz * 8 + (c - 48)
+                    seen = True
+                elif c == 0 or c == 32:
+                    if seen:
+                        break
+                else:
+                    bad = True
+                    break
+            if bad:
+                err = 2
+                break
+        if p + 512 + sz > n:
+            err = 4
+            break
+        if m == cap:
+            cap *= 2
+            pos2 = np.empty(cap, np.int64)
+            size2 = np.empty(cap, np.int64)
+            flag2 = np.empty(cap, np.uint8)
+            pos2[:m] = pos[:m]
+            size2[:m] = size[:m]
+            flag2[:m] = flag[:m]
+            pos, size, flag = pos2, size2, flag2
+        pos[m] = p
+        size[m] = sz
+        flag[m] = buf[p + 156]
+        m += 1
+        p += 512 + ((sz + 511) // 512) * 512
+    return pos[:m].copy(), size[:m].copy(), flag[:m].copy(), err, p
+
+
+_walk_tar_jit = None
+
+
+def _walk_tar(buf):
+    global _walk_tar_jit
+    if _walk_tar_jit is None:
+        from numba import njit
+
+        _walk_tar_jit = njit(cache=True, nogil=True)(_walk_tar_py)
+    return _walk_tar_jit(buf)
 
 
 class TarShard(Shard):
@@ -749,10 +844,47 @@ class TarShard(Shard):
 
     def _index(self) -> None:
         buf, mm, path = self._buf, self._mm, self.path
-        size = len(buf)
-        tok_ext = f"{self.token_column}.npy".lower()
-        lab_ext = None if self.labels_column is None else f"{self.labels_column}.npy".lower()
-        keys: list[str] = []
+        tok_ext = f"{self.token_column}.npy".lower().encode()
+        lab_ext = None if self.labels_column is None else f"{self.labels_column}.npy".lower().encode()
+        if len(buf):
+            pos, sizes, flags, err, err_at = _walk_tar(buf)
+        else:
+            pos, sizes, flags, err, err_at = (np.zeros(0, np.int64),) * 2 + (np.zeros(0, np.uint8), 0, 0)
+        m = len(pos)
+        names = buf[pos[:, None] + np.arange(100)].view("S100").ravel().tolist() if m else []
+        if err:
+            prev = names[-1].decode("utf-8", "replace") if names else None
+            what = {1: "truncated header", 2: "bad number field in the header", 3: "bad header checksum",
+                    4: "member data runs past the end of the file"}[err]
+            if err == 4:
+                raise DataError(f"corrupt tar: {what} (truncated file?)", path=path,
+                                member=buf[err_at:err_at + 100].tobytes().split(b"\0", 1)[0].decode("utf-8", "replace"))
+            raise DataError(f"corrupt tar: {what} at byte {err_at} (after member {prev!r})", path=path)
+        # ustar prefix field (names > 100 bytes)
+        if m:
+            has_prefix = np.flatnonzero((buf[pos + 345] != 0) & (buf[pos + 257] == ord("u")))
+            for i in has_prefix.tolist():
+                prefix = mm[pos[i] + 345:pos[i] + 500].split(b"\0", 1)[0]
+                names[i] = prefix + b"/" + names[i]
+        # GNU long names and pax headers name the member that follows them
+        skip = np.zeros(m, bool)
+        if m:
+            special = np.flatnonzero(np.isin(flags, np.frombuffer(b"LxXg", np.uint8)))
+            for i in special.tolist():
+                skip[i] = True
+                data = int(pos[i]) + 512
+                block = mm[data:data + int(sizes[i])]
+                if i + 1 < m:
+                    if flags[i] == ord("L"):
+                        names[i + 1] = block.split(b"\0", 1)[0]
+                    elif flags[i] in (ord("x"), ord("X")):
+                        p = self._pax_path(block)
+                        if p is not None:
+                            names[i + 1] = p
+        regular = (flags == ord("0")) | (flags == 0) | (flags == ord("7"))
+        keep = np.flatnonzero(regular & ~skip).tolist()
+
+        keys: list[bytes] = []
         tok_off: list[int] = []   # byte offset of the array data
         tok_n: list[int] = []
         tok_dt: list[str] = []
@@ -761,94 +893,49 @@ class TarShard(Shard):
         lab_dt: list[str] = []
         cur_key = None
         cur_tok = cur_lab = None
-        cur_first_member = None
-        long_name = None
-        pax_name = None
-        pos = 0
-        prev_member = None
+        cur_first = None
+        posl = pos.tolist()
+        sizel = sizes.tolist()
+        npy = self._npy
 
         def finish():
-            if cur_key is None:
-                return
             row = len(keys)
             if cur_tok is None:
                 raise DataError(
-                    f"sample {cur_key!r} has no {tok_ext!r} (or '.npy') member", path=path,
-                    member=cur_first_member, row=row,
+                    f"sample {cur_key.decode('utf-8', 'replace')!r} has no {tok_ext.decode()!r} (or '.npy') "
+                    "member", path=path, member=cur_first.decode("utf-8", "replace"), row=row,
                 )
             keys.append(cur_key)
             tok_off.append(cur_tok[0]); tok_n.append(cur_tok[1]); tok_dt.append(cur_tok[2])
             if cur_lab is not None:
                 if cur_lab[1] != cur_tok[1]:
                     raise DataError(
-                        f"sample {cur_key!r} has {cur_lab[1]} labels for {cur_tok[1]} tokens",
-                        path=path, member=cur_lab[3], row=row,
+                        f"sample {cur_key.decode('utf-8', 'replace')!r} has {cur_lab[1]} labels for "
+                        f"{cur_tok[1]} tokens", path=path, member=cur_lab[3], row=row,
                     )
                 lab_off.append(cur_lab[0]); lab_n.append(cur_lab[1]); lab_dt.append(cur_lab[2])
             else:
                 lab_off.append(-1); lab_n.append(0); lab_dt.append("")
 
-        while True:
-            if pos >= size:
-                break  # no end-of-archive blocks: tolerated when the last member is complete
-            if pos + 512 > size:
-                raise DataError(
-                    f"corrupt tar: truncated header at byte {pos} (after member {prev_member!r})", path=path
-                )
-            header = mm[pos:pos + 512]
-            if header.count(0) == 512:
-                break  # end of archive
-            where = f"at byte {pos} (after member {prev_member!r})"
-            stored = _octal(header[148:156], path, where)
-            computed = sum(header) - sum(header[148:156]) + 8 * 32
-            if stored != computed:
-                raise DataError(f"corrupt tar: bad header checksum {where}", path=path)
-            msize = _octal(header[124:136], path, where)
-            typeflag = header[156:157]
-            name = header[0:100].split(b"\0", 1)[0]
-            if header[257:262] == b"ustar":
-                prefix = header[345:500].split(b"\0", 1)[0]
-                if prefix:
-                    name = prefix + b"/" + name
-            data = pos + 512
-            end = data + msize
-            if end > size:
-                raise DataError(
-                    f"corrupt tar: member is truncated ({msize} bytes declared, {size - data} left)",
-                    path=path, member=name.decode("utf-8", "replace"),
-                )
-            pos = data + (msize + 511) // 512 * 512
-            if typeflag == b"L":  # GNU long name for the next member
-                long_name = mm[data:end].split(b"\0", 1)[0]
-                continue
-            if typeflag in (b"x", b"X"):  # pax extended header for the next member
-                pax_name = self._pax_path(mm[data:end]) or pax_name
-                continue
-            if typeflag == b"g":
-                continue
-            if long_name is not None:
-                name, long_name = long_name, None
-            if pax_name is not None:
-                name, pax_name = pax_name, None
-            sname = name.decode("utf-8", "replace")
-            prev_member = sname
-            if typeflag not in (b"0", b"\0", b"7"):
-                continue  # directories, links, ...
-            m = _KEY_EXT.match(sname)
-            if m is None:
-                continue
-            key, ext = m.group(1), m.group(2).lower()
+        for i in keep:
+            name = names[i]
+            slash = name.rfind(b"/")
+            dot = name.find(b".", slash + 1)
+            if dot <= slash + 1:
+                continue  # no extension, or a hidden file: not part of a sample (webdataset skips it too)
+            key = name[:dot]
+            ext = name[dot + 1:].lower()
             if key != cur_key:
-                finish()
-                cur_key, cur_tok, cur_lab, cur_first_member = key, None, None, sname
-            if ext == tok_ext or (ext == "npy" and cur_tok is None):  # KEY.npy: bare tokens
-                off, n, dt = self._npy(data, msize, sname, len(keys))
-                cur_tok = (off, n, dt, sname)
+                if cur_key is not None:
+                    finish()
+                cur_key, cur_tok, cur_lab, cur_first = key, None, None, name
+            if ext == tok_ext or (ext == b"npy" and cur_tok is None):  # KEY.npy: bare tokens
+                cur_tok = npy(posl[i] + 512, sizel[i], name, len(keys))
             elif lab_ext is not None and ext == lab_ext:
-                off, n, dt = self._npy(data, msize, sname, len(keys))
-                cur_lab = (off, n, dt, sname)
-        finish()
-        self.keys = keys
+                cur_lab = npy(posl[i] + 512, sizel[i], name, len(keys))
+        if cur_key is not None:
+            finish()
+        self.keys = [k.decode("utf-8", "replace") for k in keys]
         self._tok_off = np.asarray(tok_off, np.int64)
         self._tok_n = np.asarray(tok_n, np.int64)
         self._tok_dt = tok_dt
@@ -880,7 +967,20 @@ class TarShard(Shard):
             i += n if n > 0 else len(block)
         return out
 
-    def _npy(self, data: int, msize: int, member: str, row: int):
+    def _npy(self, data: int, msize: int, member: bytes, row: int):
+        """(data byte offset, item count, dtype str) of a 1-D integer .npy member."""
+        mm = self._mm
+        head = mm[data:data + 128]
+        m = _NPY_FAST.match(head)  # the header numpy writes for a 1-D little-endian int array
+        if m is not None and m.end() <= msize:
+            descr, n, hlen = m.group(2), int(m.group(3)), m.group(1)
+            off = data + 10 + int.from_bytes(hlen, "little")
+            itemsize = _ITEMSIZE.get(descr)
+            if itemsize is not None and off <= data + msize and off + n * itemsize == data + msize:
+                return off, n, _DESCR_STR[descr]
+        return self._npy_slow(data, msize, member.decode("utf-8", "replace"), row)
+
+    def _npy_slow(self, data: int, msize: int, member: str, row: int):
         mm, path = self._mm, self.path
         if msize < 10 or mm[data:data + 6] != _NPY_MAGIC:
             raise DataError("member is not a .npy array (bad magic)", path=path, member=member, row=row)
@@ -905,7 +1005,10 @@ class TarShard(Shard):
             raise DataError(
                 f"member holds {dtype} values; token ids must be integers", path=path, member=member, row=row
             )
-        dims = [int(x) for x in s.group(1).replace(b" ", b"").split(b",") if x]
+        try:
+            dims = [int(x) for x in s.group(1).replace(b" ", b"").split(b",") if x]
+        except ValueError:
+            raise DataError("member has a corrupt .npy shape", path=path, member=member, row=row) from None
         if len(dims) > 1 and sum(1 for x in dims if x != 1) > 1:
             raise DataError(f"member has shape {tuple(dims)}; expected a 1-D array", path=path,
                             member=member, row=row)
