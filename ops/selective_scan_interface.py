@@ -287,6 +287,10 @@ def packed_selective_scan(
     if name == "reference":
         return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, position_ids=pos)
     kernels = _backends.kernels_for("selective_scan", name)
+    if dstate > getattr(kernels, "_MAX_DSTATE", 1 << 30):
+        if (backend or _backends.get_backend("selective_scan")) != "auto":
+            raise ValueError(f"backend {name!r}: dstate {dstate} > {kernels._MAX_DSTATE} is not supported")
+        return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, position_ids=pos)
     if pos is None:
         pos = _no_boundaries(batch, seqlen, u.device)
     return PackedSelectiveScanFn.apply(

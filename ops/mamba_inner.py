@@ -1,0 +1,286 @@
+"""The fused Mamba-1 mixer over packed rows, in one autograd Function (like mamba-ssm's
+``mamba_inner_fn``, but starting from the hidden states and resetting at every sequence start).
+
+Forward::
+
+    hidden (b, l, d_model) --in_proj--> x, z (b, d_inner, l)
+    x --packed causal conv1d + silu--> xc --x_proj--> [dt_low | B | C] (b, l, dt_rank + 2 d_state)
+    dt_low --dt_proj (no bias)--> delta (b, d_inner, l)
+    packed selective scan(xc, delta, A, B, C, D, z, delta_bias, softplus) --> y (b, d_inner, l)
+    y --out_proj--> out (b, l, d_model)
+
+The backward pass recomputes the conv output and ``delta`` (checkpoint_lvl=1, the default) instead
+of keeping them, and writes every gradient with batched GEMMs (no (b l) transposes of activations).
+Boundaries reach both kernels as int32 ``position_ids``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import backends as _backends
+from .boundaries import resolve_position_ids
+from .conv1d_interface import packed_causal_conv1d
+from .selective_scan_interface import _no_boundaries, packed_selective_scan
+
+__all__ = ["packed_mamba_inner_fn", "packed_mamba_inner_ref", "PackedMambaInnerFn"]
+
+
+def _bmm_w(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(m, k) @ (b, k, n) -> (b, m, n), contiguous output, the weight broadcast (batch stride 0)."""
+    return torch.bmm(w.unsqueeze(0).expand(x.shape[0], *w.shape), x)
+
+
+def _wgrad(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """sum over the batch of a[i] @ b[i]: (b, m, k) x (b, k, n) -> (m, n)."""
+    if a.shape[0] == 1:
+        return (a[0] @ b[0]).to(out_dtype)
+    return torch.bmm(a, b).sum(0, dtype=torch.float32 if a.dtype != torch.float64 else None).to(out_dtype)
+
+
+class PackedMambaInnerFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        hidden_states,
+        in_proj_weight,
+        in_proj_bias,
+        conv1d_weight,
+        conv1d_bias,
+        x_proj_weight,
+        delta_proj_weight,
+        out_proj_weight,
+        out_proj_bias,
+        A,
+        D,
+        delta_bias,
+        position_ids,
+        delta_softplus,
+        checkpoint_lvl,
+        scan_kernels,
+        conv_kernels,
+    ):
+        if torch.is_autocast_enabled("cuda") and hidden_states.is_cuda:
+            dt_ = torch.get_autocast_dtype("cuda")
+            cast = lambda t: None if t is None else t.to(dt_)  # noqa: E731
+            hidden_states, in_proj_weight, in_proj_bias = cast(hidden_states), cast(in_proj_weight), cast(in_proj_bias)
+            x_proj_weight, delta_proj_weight = cast(x_proj_weight), cast(delta_proj_weight)
+            out_proj_weight, out_proj_bias = cast(out_proj_weight), cast(out_proj_bias)
+        batch, seqlen, d_model = hidden_states.shape
+        d_inner = in_proj_weight.shape[0] // 2
+        dt_rank = delta_proj_weight.shape[1]
+        d_state = A.shape[1]
+        width = conv1d_weight.shape[-1]
+        hidden_states = hidden_states.contiguous()
+        hT = hidden_states.transpose(1, 2)  # (b, d_model, l) view
+        w_x, w_z = in_proj_weight[:d_inner], in_proj_weight[d_inner:]
+        x = _bmm_w(w_x, hT)  # (b, d_inner, l) contiguous
+        z = _bmm_w(w_z, hT)
+        if in_proj_bias is not None:
+            x = x + in_proj_bias[:d_inner, None].to(x.dtype)
+            z = z + in_proj_bias[d_inner:, None].to(z.dtype)
+        cw = conv1d_weight.reshape(d_inner, width).contiguous()
+        cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
+        xc = conv_kernels.causal_conv1d_fwd(x, cw, cb, position_ids, "silu")  # (b, d_inner, l)
+        x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))  # (b, l, r+2n)
+        delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))  # (b, d_inner, l)
+        Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()  # (b, n, l)
+        Cm = x_dbl[..., dt_rank + d_state:].transpose(1, 2).contiguous()
+        out, saved, out_z = scan_kernels.selective_scan_fwd(
+            xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, bool(delta_softplus)
+        )
+        y = torch.bmm(out_z.transpose(1, 2), out_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))  # (b, l, d_model)
+        if out_proj_bias is not None:
+            y = y + out_proj_bias.to(y.dtype)
+        ctx.delta_softplus = bool(delta_softplus)
+        ctx.checkpoint_lvl = checkpoint_lvl
+        ctx.scan_kernels, ctx.conv_kernels = scan_kernels, conv_kernels
+        ctx.has_in_bias, ctx.has_out_bias, ctx.has_conv_bias = (
+            in_proj_bias is not None, out_proj_bias is not None, conv1d_bias is not None)
+        ctx.has_D, ctx.has_db = D is not None, delta_bias is not None
+        ctx.dtypes = (in_proj_weight.dtype, conv1d_weight.dtype, x_proj_weight.dtype, delta_proj_weight.dtype,
+                      out_proj_weight.dtype, hidden_states.dtype)
+        ctx.conv_shape = conv1d_weight.shape
+        if checkpoint_lvl >= 1:
+            xc_saved, delta_saved = None, None
+        else:
+            xc_saved, delta_saved = xc, delta
+        if not isinstance(saved, torch.Tensor):
+            ctx.saved_obj, saved = saved, None
+        ctx.save_for_backward(
+            hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
+            out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, out, out_z, saved, xc_saved, delta_saved,
+        )
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
+         out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, out, out_z, saved, xc, delta) = ctx.saved_tensors
+        if saved is None:
+            saved = getattr(ctx, "saved_obj", None)
+        batch, seqlen, d_model = hidden_states.shape
+        d_inner = x.shape[1]
+        dt_rank = delta_proj_weight.shape[1]
+        d_state = A.shape[1]
+        w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
+        dy = dy.contiguous().to(out_z.dtype)
+        if xc is None:
+            xc = ctx.conv_kernels.causal_conv1d_fwd(x, cw, cb, position_ids, "silu")
+            delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
+        # out_proj
+        dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))  # (b, d_inner, l)
+        dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)  # (d_model, d_inner)
+        dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
+        # scan
+        dxc, ddelta, dA, dB, dC, dD, dz, ddelta_bias = ctx.scan_kernels.selective_scan_bwd(
+            xc, delta, A, Bm, Cm, D, z, delta_bias, dout_y, saved, out, position_ids, ctx.delta_softplus
+        )
+        # x_proj / dt_proj
+        dx_dbl = torch.empty_like(x_dbl)  # (b, l, r + 2n)
+        dx_dbl[..., dt_rank:dt_rank + d_state] = dB.reshape(batch, d_state, seqlen).transpose(1, 2)
+        dx_dbl[..., dt_rank + d_state:] = dC.reshape(batch, d_state, seqlen).transpose(1, 2)
+        ddelta = ddelta.to(x_dbl.dtype)
+        ddelta_proj_weight = _wgrad(ddelta, x_dbl[..., :dt_rank], w_dtype_dt)  # (d_inner, r)
+        dx_dbl[..., :dt_rank] = torch.bmm(
+            ddelta.transpose(1, 2), delta_proj_weight.unsqueeze(0).expand(batch, -1, -1))
+        dx_proj_weight = _wgrad(dx_dbl.transpose(1, 2), xc.transpose(1, 2), w_dtype_xp)  # (r+2n, d_inner)
+        dxc = dxc.to(xc.dtype)
+        dxc = torch.baddbmm(dxc, x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1), dx_dbl.transpose(1, 2))
+        # conv
+        dx, dcw, dcb = ctx.conv_kernels.causal_conv1d_bwd(x, cw, cb, dxc, position_ids, "silu")
+        dx = dx.contiguous()
+        dz = dz.contiguous().to(z.dtype)
+        # in_proj
+        din_proj_weight = torch.empty(in_proj_weight.shape, dtype=w_dtype_in, device=dx.device)
+        din_proj_weight[:d_inner] = _wgrad(dx, hidden_states, w_dtype_in)
+        din_proj_weight[d_inner:] = _wgrad(dz, hidden_states, w_dtype_in)
+        dhidden = torch.bmm(dx.transpose(1, 2), in_proj_weight[:d_inner].unsqueeze(0).expand(batch, -1, -1))
+        dhidden = torch.baddbmm(dhidden, dz.transpose(1, 2), in_proj_weight[d_inner:].unsqueeze(0).expand(batch, -1, -1))
+        din_proj_bias = None
+        if ctx.has_in_bias:
+            din_proj_bias = torch.cat([dx.sum(dim=(0, 2)), dz.sum(dim=(0, 2))]).to(w_dtype_in)
+        return (
+            dhidden.to(h_dtype),
+            din_proj_weight,
+            din_proj_bias,
+            dcw.reshape(ctx.conv_shape).to(w_dtype_conv),
+            (dcb.to(cb.dtype) if ctx.has_conv_bias else None),
+            dx_proj_weight,
+            ddelta_proj_weight,
+            dout_proj_weight,
+            dout_proj_bias,
+            dA,
+            dD if ctx.has_D else None,
+            ddelta_bias if ctx.has_db else None,
+            None, None, None, None, None,
+        )
+
+
+def _fp32(t):
+    if t is None or t.dtype in (torch.float32, torch.float64):
+        return t
+    return t.float()
+
+
+def packed_mamba_inner_ref(
+    hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
+    delta_proj_weight, out_proj_weight, out_proj_bias, A, D=None, delta_bias=None,
+    delta_softplus=True, *, position_ids=None, seq_idx=None, backend=None, validate=True,
+):
+    """The same computation composed from the functional ops (torch autograd for the backward).
+
+    With the default backend on CPU this is the pure-PyTorch reference; it is also the non-fused
+    path of :class:`ops.PackedMamba`.
+    """
+    batch, seqlen, _ = hidden_states.shape
+    d_inner = in_proj_weight.shape[0] // 2
+    dt_rank = delta_proj_weight.shape[1]
+    d_state = A.shape[1]
+    pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=hidden_states.device, validate=validate)
+    xz = F.linear(hidden_states, in_proj_weight, in_proj_bias).transpose(1, 2)  # (b, 2 d_inner, l)
+    x, z = xz[:, :d_inner], xz[:, d_inner:]
+    xc = packed_causal_conv1d(x, conv1d_weight, conv1d_bias, "silu", position_ids=pos,
+                              backend=backend, validate=False)
+    x_dbl = F.linear(xc.transpose(1, 2), x_proj_weight)  # (b, l, r + 2n)
+    dt_low, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=-1)
+    delta = F.linear(dt_low, delta_proj_weight).transpose(1, 2)  # (b, d_inner, l)
+    scan_backend = None if backend in (None, "upstream") else backend
+    y = packed_selective_scan(
+        xc, delta, A, Bm.transpose(1, 2), Cm.transpose(1, 2), D, z, delta_bias, delta_softplus,
+        position_ids=pos, backend=scan_backend, validate=False,
+    )
+    return F.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)
+
+
+def fused_backends(device_tensor: torch.Tensor, backend: Optional[str] = None):
+    """(scan kernels, conv kernels) for the fused path, or None where it cannot run (a reference)."""
+    scan_name = _backends.resolve_backend("selective_scan", device_tensor, None if backend == "upstream" else backend)
+    conv_name = _backends.resolve_backend("causal_conv1d", device_tensor, backend)
+    if scan_name == "reference" or conv_name == "reference":
+        return None
+    scan_k = _backends.kernels_for("selective_scan", scan_name)
+    conv_k = _backends.kernels_for("causal_conv1d", conv_name)
+    return scan_k, conv_k
+
+
+def packed_mamba_inner_fn(
+    hidden_states: torch.Tensor,
+    in_proj_weight: torch.Tensor,
+    in_proj_bias: Optional[torch.Tensor],
+    conv1d_weight: torch.Tensor,
+    conv1d_bias: Optional[torch.Tensor],
+    x_proj_weight: torch.Tensor,
+    delta_proj_weight: torch.Tensor,
+    out_proj_weight: torch.Tensor,
+    out_proj_bias: Optional[torch.Tensor],
+    A: torch.Tensor,
+    D: Optional[torch.Tensor] = None,
+    delta_bias: Optional[torch.Tensor] = None,
+    delta_softplus: bool = True,
+    *,
+    position_ids: Optional[torch.Tensor] = None,
+    seq_idx: Optional[torch.Tensor] = None,
+    checkpoint_lvl: int = 1,
+    backend: Optional[str] = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """The whole Mamba-1 mixer on packed rows in one autograd Function.
+
+    Args:
+        hidden_states: (batch, seqlen, d_model).
+        in_proj_weight: (2 * d_inner, d_model); rows ``[:d_inner]`` make x, ``[d_inner:]`` make z.
+        in_proj_bias: (2 * d_inner,) or None.
+        conv1d_weight: (d_inner, 1, d_conv) (nn.Conv1d depthwise) or (d_inner, d_conv).
+        conv1d_bias: (d_inner,) or None.
+        x_proj_weight: (dt_rank + 2 * d_state, d_inner).
+        delta_proj_weight: (d_inner, dt_rank) (``dt_proj.weight``; its bias is ``delta_bias``).
+        out_proj_weight: (d_model, d_inner); out_proj_bias: (d_model,) or None.
+        A: (d_inner, d_state) float32 (``-exp(A_log)``); D: (d_inner,) float32 or None.
+        delta_bias: (d_inner,) float32 or None; delta_softplus: softplus on delta + delta_bias.
+        position_ids / seq_idx: (batch, seqlen) boundaries (see :mod:`ops.boundaries`).
+        checkpoint_lvl: 1 recomputes the conv output and delta in the backward pass; 0 keeps them.
+        backend: as for the ops; the fused Function runs when both ops resolve to kernels
+            (``cuda`` / ``upstream`` / ``ref_kernel``), else the composed reference path runs.
+
+    Returns:
+        (batch, seqlen, d_model).
+    """
+    batch, seqlen, _ = hidden_states.shape
+    pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=hidden_states.device, validate=validate)
+    ks = fused_backends(hidden_states, backend)
+    if ks is None or A.shape[1] > getattr(ks[0], "_MAX_DSTATE", 1 << 30):
+        return packed_mamba_inner_ref(
+            hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
+            delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias, delta_softplus,
+            position_ids=pos, backend=None if ks is None else "reference", validate=False,
+        )
+    if pos is None:
+        pos = _no_boundaries(batch, seqlen, hidden_states.device)
+    return PackedMambaInnerFn.apply(
+        hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
+        delta_proj_weight, out_proj_weight, out_proj_bias, _fp32(A), _fp32(D), _fp32(delta_bias),
+        pos, delta_softplus, checkpoint_lvl, ks[0], ks[1],
+    )

@@ -1,0 +1,258 @@
+"""``PackedMamba``: a drop-in for ``mamba_ssm.modules.mamba_simple.Mamba`` that trains on packed rows.
+
+Same constructor, same parameter names, shapes, dtypes and initialisation as upstream's Mamba
+(so a mamba-ssm checkpoint's ``state_dict`` loads unchanged); ``forward`` additionally takes the
+sequence boundaries of a packed batch and resets the conv and the scan at every sequence start::
+
+    hidden_states  (batch, seqlen, d_model)
+    position_ids   [ 0 1 2 3 4 | 0 1 2 | 0 1 2 | 0 ]   (or seq_idx [0 0 0 0 0 1 1 1 2 2 2 3])
+
+    >>> import torch, ops
+    >>> layer = ops.PackedMamba(d_model=64)
+    >>> h = torch.randn(1, 12, 64)
+    >>> pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 0]])
+    >>> out = layer(h, position_ids=pos)          # (1, 12, 64), no sequence sees another
+
+Parameters (d_inner = expand * d_model, dt_rank = ceil(d_model / 16) when "auto")::
+
+    in_proj.weight  (2*d_inner, d_model)   in_proj.bias (2*d_inner,) if bias
+    conv1d.weight   (d_inner, 1, d_conv)   conv1d.bias  (d_inner,)   if conv_bias
+    x_proj.weight   (dt_rank + 2*d_state, d_inner)
+    dt_proj.weight  (d_inner, dt_rank)     dt_proj.bias (d_inner,)
+    A_log           (d_inner, d_state) float32      D (d_inner,) float32
+    out_proj.weight (d_model, d_inner)     out_proj.bias (d_model,) if bias
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..boundaries import resolve_position_ids
+from ..mamba_inner import fused_backends, packed_mamba_inner_fn, packed_mamba_inner_ref
+
+__all__ = ["PackedMamba"]
+
+
+class PackedMamba(nn.Module):
+    """Mamba-1 mixer, packing-safe. Arguments as ``mamba_ssm.modules.mamba_simple.Mamba``:
+
+    Args:
+        d_model: model width.
+        d_state: SSM state size per channel (16).
+        d_conv: causal conv width (4).
+        expand: d_inner = expand * d_model (2).
+        dt_rank: rank of the dt projection; "auto" = ceil(d_model / 16).
+        dt_min, dt_max: softplus(dt_proj.bias) is initialised log-uniformly in [dt_min, dt_max].
+        dt_init: "random" (uniform +-dt_rank**-0.5 * dt_scale) or "constant" for dt_proj.weight.
+        dt_scale, dt_init_floor: scale of that init; lower clamp of the initial dt.
+        conv_bias: conv1d has a bias; bias: in_proj / out_proj have biases.
+        use_fast_path: use the fused ``packed_mamba_inner_fn`` when kernels are available.
+        layer_idx: index for inference caches.
+        device, dtype: factory kwargs (A_log and D are always float32).
+    """
+
+    def __init__(
+        self,
+        d_model,
+        d_state=16,
+        d_conv=4,
+        expand=2,
+        dt_rank="auto",
+        dt_min=0.001,
+        dt_max=0.1,
+        dt_init="random",
+        dt_scale=1.0,
+        dt_init_floor=1e-4,
+        conv_bias=True,
+        bias=False,
+        use_fast_path=True,
+        layer_idx=None,
+        device=None,
+        dtype=None,
+    ):
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.d_model = d_model
+        self.d_state = d_state
+        self.d_conv = d_conv
+        self.expand = expand
+        self.d_inner = int(self.expand * self.d_model)
+        self.dt_rank = math.ceil(self.d_model / 16) if dt_rank == "auto" else dt_rank
+        self.use_fast_path = use_fast_path
+        self.layer_idx = layer_idx
+        self.activation = "silu"
+        self.validate_boundaries = True
+        self.backend: Optional[str] = None  # per-module override of ops.set_backend
+
+        self.in_proj = nn.Linear(self.d_model, 2 * self.d_inner, bias=bias, **factory_kwargs)
+        self.conv1d = nn.Conv1d(
+            self.d_inner, self.d_inner, kernel_size=d_conv, groups=self.d_inner,
+            padding=d_conv - 1, bias=conv_bias, **factory_kwargs,
+        )
+        self.act = nn.SiLU()
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * self.d_state, bias=False, **factory_kwargs)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True, **factory_kwargs)
+
+        # dt_proj.weight: keeps the variance of dt at init
+        std = self.dt_rank ** -0.5 * dt_scale
+        if dt_init == "constant":
+            nn.init.constant_(self.dt_proj.weight, std)
+        elif dt_init == "random":
+            nn.init.uniform_(self.dt_proj.weight, -std, std)
+        else:
+            raise NotImplementedError(f"dt_init must be 'random' or 'constant', got {dt_init!r}")
+        # dt_proj.bias: softplus(bias) = dt, dt log-uniform in [dt_min, dt_max] (clamped at the floor)
+        log_lo, log_hi = math.log(dt_min), math.log(dt_max)
+        dt = torch.exp(torch.rand(self.d_inner, **factory_kwargs) * (log_hi - log_lo) + log_lo)
+        dt = dt.clamp(min=dt_init_floor)
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.dt_proj.bias._no_reinit = True
+
+        # S4D-real init of A = -exp(A_log): row d is [1, 2, ..., d_state]; float32 always
+        a = torch.arange(1, self.d_state + 1, dtype=torch.float32, device=device)
+        self.A_log = nn.Parameter(torch.log(a).expand(self.d_inner, self.d_state).contiguous())
+        self.A_log._no_weight_decay = True
+        self.D = nn.Parameter(torch.ones(self.d_inner, device=device))
+        self.D._no_weight_decay = True
+
+        self.out_proj = nn.Linear(self.d_inner, self.d_model, bias=bias, **factory_kwargs)
+
+    # ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_mamba(cls, mamba: nn.Module) -> "PackedMamba":
+        """A PackedMamba sharing ``mamba``'s submodules and parameters (no copy, no allocation)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        for attr in ("d_model", "d_state", "d_conv", "expand", "d_inner", "dt_rank", "use_fast_path", "layer_idx"):
+            setattr(self, attr, getattr(mamba, attr))
+        self.activation = getattr(mamba, "activation", "silu")
+        if self.activation not in ("silu", "swish"):
+            raise ValueError(f"PackedMamba supports the silu activation only, got {self.activation!r}")
+        self.validate_boundaries = True
+        self.backend = None
+        self.A_log = mamba.A_log
+        self.D = mamba.D
+        self.in_proj = mamba.in_proj
+        self.conv1d = mamba.conv1d
+        self.act = getattr(mamba, "act", nn.SiLU())
+        self.x_proj = mamba.x_proj
+        self.dt_proj = mamba.dt_proj
+        self.out_proj = mamba.out_proj
+        self.train(mamba.training)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_inner={self.d_inner}, d_state={self.d_state}, "
+                f"d_conv={self.d_conv}, dt_rank={self.dt_rank}, use_fast_path={self.use_fast_path}")
+
+    # ---------------------------------------------------------------------------------------
+    def forward(self, hidden_states, position_ids=None, seq_idx=None, inference_params=None, cu_seqlens=None,
+                **kwargs):
+        """
+        Args:
+            hidden_states: (batch, seqlen, d_model).
+            position_ids: (batch, seqlen) ids restarting at 0 at every sequence start, or None.
+            seq_idx: (batch, seqlen) segment numbers (the alternative), or None.
+            inference_params: mamba-ssm's InferenceParams for generation; not with boundaries.
+            cu_seqlens: (n_seqs + 1,) offsets over the flattened batch (a third alternative).
+
+        Returns:
+            (batch, seqlen, d_model), same dtype as hidden_states.
+        """
+        batch, seqlen, _ = hidden_states.shape
+        has_bounds = position_ids is not None or seq_idx is not None or cu_seqlens is not None
+        if inference_params is not None:
+            if has_bounds:
+                raise ValueError(
+                    "PackedMamba: inference_params (generation caches) cannot be combined with packed "
+                    "boundaries (position_ids / seq_idx / cu_seqlens); generate one sequence per row"
+                )
+            return self._forward_inference(hidden_states, inference_params)
+        if cu_seqlens is not None and position_ids is None and seq_idx is None:
+            from ..boundaries import cu_seqlens_to_position_ids
+
+            position_ids = cu_seqlens_to_position_ids(cu_seqlens.to(hidden_states.device), (batch, seqlen))
+        pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=hidden_states.device,
+                                   validate=self.validate_boundaries)
+        A = -torch.exp(self.A_log.float())
+        args = (
+            hidden_states, self.in_proj.weight, self.in_proj.bias, self.conv1d.weight, self.conv1d.bias,
+            self.x_proj.weight, self.dt_proj.weight, self.out_proj.weight, self.out_proj.bias,
+            A, self.D.float(), self.dt_proj.bias.float(), True,
+        )
+        if self.use_fast_path and fused_backends(hidden_states, self.backend) is not None:
+            return packed_mamba_inner_fn(*args, position_ids=pos, backend=self.backend, validate=False)
+        return packed_mamba_inner_ref(*args, position_ids=pos, backend=self.backend, validate=False)
+
+    # ---------------------------------------------------------------------------------------
+    # Generation (one sequence per row, no packing): upstream's cache layout.
+    def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
+        device = self.out_proj.weight.device
+        conv_dtype = self.conv1d.weight.dtype if dtype is None else dtype
+        ssm_dtype = self.dt_proj.weight.dtype if dtype is None else dtype
+        conv_state = torch.zeros(batch_size, self.d_inner, self.d_conv, device=device, dtype=conv_dtype)
+        ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=ssm_dtype)
+        return conv_state, ssm_state
+
+    def _get_states_from_cache(self, inference_params, batch_size, initialize_states=False):
+        if self.layer_idx is None:
+            raise ValueError("PackedMamba: layer_idx must be set to use inference_params")
+        cache = inference_params.key_value_memory_dict
+        if self.layer_idx not in cache:
+            cache[self.layer_idx] = self.allocate_inference_cache(batch_size, 0)
+        conv_state, ssm_state = cache[self.layer_idx]
+        if initialize_states:
+            conv_state.zero_()
+            ssm_state.zero_()
+        return conv_state, ssm_state
+
+    def _forward_inference(self, hidden_states, inference_params):
+        from ..conv1d_interface import causal_conv1d_ref
+        from ..selective_scan_interface import selective_scan_ref
+
+        batch, seqlen, _ = hidden_states.shape
+        conv_state, ssm_state = self._get_states_from_cache(inference_params, batch)
+        if inference_params.seqlen_offset > 0:
+            out, _, _ = self.step(hidden_states, conv_state, ssm_state)
+            return out
+        xz = self.in_proj(hidden_states).transpose(1, 2)
+        x, z = xz.chunk(2, dim=1)
+        conv_state.copy_(F.pad(x, (self.d_conv - x.shape[-1], 0)))
+        x = causal_conv1d_ref(x, self.conv1d.weight, self.conv1d.bias, "silu")
+        x_dbl = self.x_proj(x.transpose(1, 2))
+        dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)
+        A = -torch.exp(self.A_log.float())
+        y, last = selective_scan_ref(
+            x, dt, A, B.transpose(1, 2), C.transpose(1, 2), self.D.float(), z,
+            self.dt_proj.bias.float(), True, return_last_state=True,
+        )
+        ssm_state.copy_(last)
+        return self.out_proj(y.transpose(1, 2))
+
+    def step(self, hidden_states, conv_state, ssm_state):
+        """One decoding step: hidden_states (batch, 1, d_model); states updated in place."""
+        dtype = hidden_states.dtype
+        if hidden_states.shape[1] != 1:
+            raise ValueError("step decodes one token at a time")
+        x, z = self.in_proj(hidden_states.squeeze(1)).chunk(2, dim=-1)  # (b, d_inner)
+        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+        conv_state[:, :, -1] = x
+        x = (conv_state * self.conv1d.weight[:, 0]).sum(-1)
+        if self.conv1d.bias is not None:
+            x = x + self.conv1d.bias
+        x = F.silu(x).to(dtype)
+        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.softplus(F.linear(dt, self.dt_proj.weight) + self.dt_proj.bias.to(dt.dtype))
+        A = -torch.exp(self.A_log.float())
+        dA = torch.exp(dt.unsqueeze(-1) * A)
+        dB = dt.unsqueeze(-1) * B.unsqueeze(1)
+        ssm_state.copy_(ssm_state * dA + x.unsqueeze(-1) * dB)
+        y = (ssm_state.to(dtype) * C.unsqueeze(1)).sum(-1) + self.D.to(dtype) * x
+        y = y * F.silu(z)
+        return self.out_proj(y).unsqueeze(1), conv_state, ssm_state
