@@ -1,0 +1,228 @@
+"""Benchmark of the packed kernels (ops._cuda) against upstream mamba-ssm / causal-conv1d on one GPU.
+
+    python benchmarks/bench_ops.py --out benchmarks/results/ops.json
+
+Shapes (the issue's): selective scan B=8, D=4096, L=4096, dstate 16, bf16, with z, D, delta_bias and
+delta_softplus (as Mamba calls it), ~10-20 sequences per packed row; causal conv1d B=8, D=4096, L=4096, width 4,
+bf16, silu.  Upstream runs WITHOUT boundaries (the plain op, the target) and, for the conv, also WITH seq_idx.
+Each timing is the median of --iters runs after --warmup runs, measured with CUDA events; rows print as a table
+and are written to JSON with the ratios against the targets.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def bench(fn, warmup=5, iters=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def packed_position_ids(batch, seqlen, lo=10, hi=20, seed=0):
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(batch):
+        k = rng.randint(lo, hi)
+        cuts = sorted(rng.sample(range(1, seqlen), k - 1))
+        b = [0] + cuts + [seqlen]
+        rows.append(torch.cat([torch.arange(e - s) for s, e in zip(b[:-1], b[1:])]))
+    pos = torch.stack(rows)
+    seq_idx = torch.cumsum((pos == 0).int(), dim=1) - 1
+    return pos.int().cuda(), seq_idx.int().cuda()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--dstate", type=int, default=16)
+    ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from ops import _cuda
+
+    Bz, D, L, N = args.batch, args.dim, args.seqlen, args.dstate
+    dt = torch.bfloat16
+    dev = "cuda"
+    torch.manual_seed(0)
+    pos, seq_idx = packed_position_ids(Bz, L)
+    rows = []
+
+    def add(op, impl, phase, ms, note=""):
+        rows.append({"op": op, "impl": impl, "phase": phase, "ms": round(ms, 4), "note": note})
+        print(f"  {op:<15} {impl:<34} {phase:<8} {ms:9.3f} ms {note}", flush=True)
+
+    # ---------------- selective scan
+    u = torch.randn(Bz, D, L, device=dev, dtype=dt)
+    delta = (0.5 * torch.randn(Bz, D, L, device=dev) - 4.0).to(dt)
+    A = -torch.exp(0.5 * torch.randn(D, N, device=dev))
+    Bm = torch.randn(Bz, N, L, device=dev, dtype=dt)
+    Cm = torch.randn(Bz, N, L, device=dev, dtype=dt)
+    Dp = torch.randn(D, device=dev)
+    z = torch.randn(Bz, D, L, device=dev, dtype=dt)
+    dbias = 0.5 * torch.randn(D, device=dev)
+    dout = torch.randn(Bz, D, L, device=dev, dtype=dt)
+    t0 = time.time()
+    _cuda.load()
+    print(f"ops._cuda loaded in {time.time() - t0:.1f} s", flush=True)
+
+    state = {}
+
+    def ours_fwd():
+        state["f"] = _cuda.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
+
+    def ours_fwdbwd():
+        out, saved, out_z = _cuda.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
+        _cuda.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, dout, saved, out, pos, True)
+
+    ours_f = bench(ours_fwd, args.warmup, args.iters)
+    add("selective_scan", "ours (packed, position_ids)", "fwd", ours_f)
+    out, saved, out_z = state["f"]
+    ours_b = bench(lambda: _cuda.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, dout, saved, out, pos, True),
+                   args.warmup, args.iters)
+    add("selective_scan", "ours (packed, position_ids)", "bwd", ours_b)
+    ours_fb = bench(ours_fwdbwd, args.warmup, args.iters)
+    add("selective_scan", "ours (packed, position_ids)", "fwd+bwd", ours_fb)
+    del state["f"], out, saved, out_z
+
+    # through the ops-python helper's autograd Function, when present
+    try:
+        from ops.selective_scan_interface import packed_selective_scan
+        leaves = [t.detach().clone().requires_grad_(True) for t in (u, delta, A, Bm, Cm, Dp, z, dbias)]
+
+        def auto_fwdbwd():
+            for t in leaves:
+                t.grad = None
+            y = packed_selective_scan(*leaves, delta_softplus=True, position_ids=pos, backend="cuda",
+                                      validate=False)
+            y.backward(dout)
+
+        add("selective_scan", "ours via packed_selective_scan", "fwd+bwd", bench(auto_fwdbwd, args.warmup, args.iters))
+        del leaves
+    except Exception as e:  # noqa: BLE001
+        print(f"  (packed_selective_scan autograd path skipped: {type(e).__name__}: {e})")
+
+    up_f = up_fb = None
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+        import selective_scan_cuda  # noqa: F401
+
+        with torch.no_grad():
+            up_f = bench(lambda: selective_scan_fn(u, delta, A, Bm, Cm, Dp, z, dbias, True), args.warmup, args.iters)
+        add("selective_scan", "mamba-ssm selective_scan_fn (no bnd)", "fwd", up_f)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (u, delta, A, Bm, Cm, Dp, z, dbias)]
+
+        def up_fwdbwd():
+            for t in leaves:
+                t.grad = None
+            y = selective_scan_fn(*leaves, delta_softplus=True)
+            y.backward(dout)
+
+        up_fb = bench(up_fwdbwd, args.warmup, args.iters)
+        add("selective_scan", "mamba-ssm selective_scan_fn (no bnd)", "fwd+bwd", up_fb)
+        del leaves
+    except Exception as e:  # noqa: BLE001
+        print(f"  (upstream selective_scan_fn unavailable: {type(e).__name__}: {e})")
+    del u, delta, Bm, Cm, z, dout
+    torch.cuda.empty_cache()
+
+    # ---------------- causal conv1d
+    W = args.width
+    x_cf = torch.randn(Bz, D, L, device=dev, dtype=dt)
+    x_cl = x_cf.transpose(1, 2).contiguous().transpose(1, 2)
+    w = 0.3 * torch.randn(D, W, device=dev)
+    cb = torch.randn(D, device=dev)
+    g_cf = torch.randn(Bz, D, L, device=dev, dtype=dt)
+    g_cl = g_cf.transpose(1, 2).contiguous().transpose(1, 2)
+    conv = {}
+    for name, x, g in (("channel-first", x_cf, g_cf), ("channel-last", x_cl, g_cl)):
+        f = bench(lambda: _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu"), args.warmup, args.iters)
+        add("causal_conv1d", f"ours {name} (position_ids)", "fwd", f)
+
+        def fb():
+            _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu")
+            _cuda.causal_conv1d_bwd(x, w, cb, g, pos, "silu")
+
+        fbt = bench(fb, args.warmup, args.iters)
+        add("causal_conv1d", f"ours {name} (position_ids)", "fwd+bwd", fbt)
+        conv[("ours", name)] = (f, fbt)
+    try:
+        from causal_conv1d import causal_conv1d_fn
+
+        for name, x, g, si in (("channel-first", x_cf, g_cf, None), ("channel-last", x_cl, g_cl, None),
+                               ("channel-last", x_cl, g_cl, seq_idx)):
+            label = f"causal-conv1d {name} " + ("seq_idx" if si is not None else "(no bnd)")
+            with torch.no_grad():
+                f = bench(lambda: causal_conv1d_fn(x, w, cb, seq_idx=si, activation="silu"), args.warmup, args.iters)
+            add("causal_conv1d", label, "fwd", f)
+            xl = x.detach().clone().requires_grad_(True) if si is None else \
+                x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
+            wl = w.detach().clone().requires_grad_(True)
+            bl = cb.detach().clone().requires_grad_(True)
+
+            def ufb():
+                xl.grad = wl.grad = bl.grad = None
+                y = causal_conv1d_fn(xl, wl, bl, seq_idx=si, activation="silu")
+                y.backward(g)
+
+            fbt = bench(ufb, args.warmup, args.iters)
+            add("causal_conv1d", label, "fwd+bwd", fbt)
+            conv[("up" + ("_seq" if si is not None else ""), name)] = (f, fbt)
+    except Exception as e:  # noqa: BLE001
+        print(f"  (upstream causal_conv1d_fn unavailable: {type(e).__name__}: {e})")
+
+    summary = {}
+    if up_fb:
+        summary["scan_fwdbwd_ratio_vs_upstream"] = round(ours_fb / up_fb, 3)
+        summary["scan_fwd_ratio_vs_upstream"] = round(ours_f / up_f, 3)
+        summary["scan_target"] = "fwd+bwd <= 1.0x (stretch 0.8x)"
+    if ("up", "channel-first") in conv:
+        summary["conv_fwdbwd_ratio_cf_vs_upstream_cf"] = round(conv[("ours", "channel-first")][1] / conv[("up", "channel-first")][1], 3)
+        summary["conv_fwd_ratio_cf_vs_upstream_cf"] = round(conv[("ours", "channel-first")][0] / conv[("up", "channel-first")][0], 3)
+    if ("up", "channel-last") in conv:
+        summary["conv_fwdbwd_ratio_cl_vs_upstream_cl"] = round(conv[("ours", "channel-last")][1] / conv[("up", "channel-last")][1], 3)
+        summary["conv_fwd_ratio_cl_vs_upstream_cl"] = round(conv[("ours", "channel-last")][0] / conv[("up", "channel-last")][0], 3)
+        summary["conv_target"] = "fwd+bwd <= 1.1x causal-conv1d without seq_idx"
+    print("\nsummary:", json.dumps(summary, indent=1))
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "shapes": {"batch": Bz, "dim": D, "seqlen": L, "dstate": N, "width": W, "dtype": "bf16",
+                   "sequences_per_row": [int((pos[b] == 0).sum()) for b in range(Bz)]},
+        "method": f"median of {args.iters} runs after {args.warmup} warm-up runs, CUDA events",
+        "rows": rows, "summary": summary,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""GPU tests of the compiled kernels in ops/_cuda.py against a float64 reference and against running every
+sequence of a packed row alone.  Marked `gpu`: skipped cleanly on a machine without CUDA.
+
+Relative error is ||got - ref|| / ||ref|| over the whole tensor; limits: 1e-5 (fp32), 2e-3 (bf16).
+Inputs are fresh random ones each run; the seed is printed so a failure can be replayed (PACKLOADER_TEST_SEED).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 1e-3}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    seed = int(os.environ.get("PACKLOADER_TEST_SEED", random.randrange(2**31)))
+    print(f"seed={seed}")
+    torch.manual_seed(seed)
+    random.seed(seed)
+    yield
+
+
+@pytest.fixture(scope="module")
+def cuda_ops():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from ops import _cuda
+    if not _cuda.is_available():
+        pytest.skip("CUDA kernels not buildable here (no nvcc)")
+    _cuda.load()
+    return _cuda
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# packed rows
+
+def lengths_mix(seqlen: int, kind: str) -> list[int]:
+    if kind == "one":
+        return [seqlen]
+    if kind == "tiny":   # many length-1 / shorter-than-conv-width sequences
+        out, left = [], seqlen
+        while left > 0:
+            n = min(left, random.choice([1, 1, 2, 3, 1, 2]))
+            out.append(n)
+            left -= n
+        return out
+    if kind == "padded":   # some sequences, then padding, which counts up as its own segment
+        pad = random.randint(1, max(1, seqlen // 5))
+        return lengths_mix(seqlen - pad, "mixed") + [pad]
+    # mixed: ~10-20 sequences per row, including 1s and short ones
+    n_cuts = min(seqlen - 1, random.randint(8, 18))
+    cuts = sorted(random.sample(range(1, seqlen), n_cuts))
+    if seqlen > 4:
+        cuts = sorted(set(cuts + [1, 2, 4]))   # length 1, 1, 2 at the start
+    bounds = [0] + cuts + [seqlen]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def position_ids_for(rows: list[list[int]], device) -> torch.Tensor:
+    pos = [torch.cat([torch.arange(n) for n in lens]) for lens in rows]
+    return torch.stack(pos).to(device)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    den = ref.norm().item()
+    num = (got - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def segments(lens):
+    s = 0
+    for n in lens:
+        yield s, s + n
+        s += n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# float64 references (sequential, written for clarity)
+
+def scan_ref64(u, delta, A, B, C, D, z, delta_bias, pos, softplus):
+    u, delta, A = u.double(), delta.double(), A.double()
+    batch, dim, L = u.shape
+    B, C = B.double(), C.double()
+    if B.dim() == 3:
+        B = B.unsqueeze(1)
+    if C.dim() == 3:
+        C = C.unsqueeze(1)
+    G = B.shape[1]
+    B = B.repeat_interleave(dim // G, dim=1)   # (batch, dim, N, L)
+    C = C.repeat_interleave(dim // G, dim=1)
+    if delta_bias is not None:
+        delta = delta + delta_bias.double()[:, None]
+    if softplus:
+        delta = F.softplus(delta)
+    keep = (pos != 0).double()   # (batch, L)
+    h = torch.zeros(batch, dim, A.shape[1], dtype=torch.float64, device=u.device)
+    ys = []
+    for t in range(L):
+        a = torch.exp(delta[:, :, t, None] * A) * keep[:, t, None, None]
+        h = a * h + delta[:, :, t, None] * B[:, :, :, t] * u[:, :, t, None]
+        ys.append((h * C[:, :, :, t]).sum(-1))
+    out = torch.stack(ys, -1)
+    if D is not None:
+        out = out + D.double()[:, None] * u
+    out_z = out * F.silu(z.double()) if z is not None else None
+    return out, out_z
+
+
+def conv_ref64(x, weight, bias, pos, activation):
+    x = x.double()
+    W = weight.shape[-1]
+    w = weight.double().reshape(x.shape[1], W)
+    out = torch.zeros_like(x)
+    if bias is not None:
+        out = out + bias.double()[:, None]
+    L = x.shape[2]
+    for k in range(W):
+        shifted = F.pad(x, (k, 0))[..., :L]
+        out = out + w[:, W - 1 - k, None] * shifted * (pos >= k)[:, None, :].double()
+    return F.silu(out) if activation == "silu" else out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# selective scan
+
+def make_scan_inputs(batch, dim, dstate, L, dtype, *, groups=0, bc_fp32=False, has_z=True, has_D=True,
+                     has_bias=True, device="cuda"):
+    u = torch.randn(batch, dim, L, device=device).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L, device=device) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate, device=device))
+    bc_dtype = torch.float32 if bc_fp32 else dtype
+    shape = (batch, dstate, L) if groups == 0 else (batch, groups, dstate, L)
+    Bm = torch.randn(*shape, device=device).to(bc_dtype)
+    Cm = torch.randn(*shape, device=device).to(bc_dtype)
+    D = torch.randn(dim, device=device) if has_D else None
+    z = torch.randn(batch, dim, L, device=device).to(dtype) if has_z else None
+    db = 0.5 * torch.randn(dim, device=device) if has_bias else None
+    return u, delta, A, Bm, Cm, D, z, db
+
+
+def scan_ref_grads(inputs, pos, softplus, dout):
+    u, delta, A, Bm, Cm, D, z, db = inputs
+    leaves = [None if t is None else t.detach().double().requires_grad_(True) for t in inputs]
+    out, out_z = scan_ref64(*leaves, pos, softplus)
+    final = out_z if out_z is not None else out
+    final.backward(dout.double())
+    grads = [None if t is None else t.grad for t in leaves]
+    # order of the kernel's return: du, ddelta, dA, dB, dC, dD, dz, ddelta_bias
+    return out.detach(), (None if out_z is None else out_z.detach()), (
+        grads[0], grads[1], grads[2], grads[3], grads[4], grads[5], grads[6], grads[7])
+
+
+GRAD_NAMES = ["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"]
+
+
+def check_scan(cuda_ops, batch, dim, dstate, L, dtype, kinds, **kw):
+    softplus = kw.pop("softplus", True)
+    inputs = make_scan_inputs(batch, dim, dstate, L, dtype, **kw)
+    u, delta, A, Bm, Cm, D, z, db = inputs
+    rows = [lengths_mix(L, kinds[i % len(kinds)]) for i in range(batch)]
+    pos = position_ids_for(rows, "cuda")
+    tol = TOL[dtype]
+    out, saved, out_z = cuda_ops.selective_scan_fwd(u, delta, A, Bm, Cm, D, z, db, pos.int(), softplus)
+    assert out.dtype == dtype and out.shape == u.shape
+    final = out_z if z is not None else out
+    dout = torch.randn_like(final)
+    grads = cuda_ops.selective_scan_bwd(u, delta, A, Bm, Cm, D, z, db, dout, saved, out, pos.int(), softplus)
+    ref_out, ref_out_z, ref_grads = scan_ref_grads(inputs, pos, softplus, dout)
+    errs = {"out": rel_err(out, ref_out)}
+    if z is not None:
+        errs["out_z"] = rel_err(out_z, ref_out_z)
+    for name, g, rg, inp in zip(GRAD_NAMES, grads, ref_grads, [u, delta, A, Bm, Cm, D, z, db]):
+        if inp is None:
+            assert g is None, name
+            continue
+        assert g.shape == inp.shape, (name, g.shape, inp.shape)
+        want = torch.float32 if name in ("dA", "dD", "ddelta_bias") else inp.dtype
+        assert g.dtype == want, (name, g.dtype, want)
+        errs[name] = rel_err(g, rg)
+    print({k: f"{v:.2e}" for k, v in errs.items()})
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"relative error above {tol}: {bad}"
+    return inputs, pos, rows, softplus, out, out_z, dout, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kinds", [("mixed", "padded"), ("tiny",), ("one",)])
+def test_scan_vs_float64(cuda_ops, dtype, kinds):
+    check_scan(cuda_ops, 3, 48, 16, 200, dtype, kinds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scan_variants(cuda_ops, dtype):
+    # dstate 8 (padded lanes), dim not a multiple of 16, no z / D / bias / softplus, short rows
+    check_scan(cuda_ops, 2, 40, 8, 70, dtype, ("mixed",), has_z=False, has_D=False, has_bias=False, softplus=False)
+    check_scan(cuda_ops, 2, 24, 4, 1, dtype, ("one",))
+    check_scan(cuda_ops, 2, 32, 16, 64, dtype, ("tiny", "padded"), has_z=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scan_groups_and_fp32_bc(cuda_ops, dtype):
+    check_scan(cuda_ops, 2, 64, 16, 150, dtype, ("mixed",), groups=2)           # 32 channels per group
+    check_scan(cuda_ops, 2, 40, 16, 90, dtype, ("padded",), groups=2)           # 20 per group: group-by-group path
+    check_scan(cuda_ops, 2, 32, 16, 130, dtype, ("mixed",), bc_fp32=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scan_matches_each_sequence_alone(cuda_ops, dtype):
+    inputs, pos, rows, softplus, out, out_z, dout, grads = check_scan(
+        cuda_ops, 2, 32, 16, 160, dtype, ("mixed", "tiny"))
+    u, delta, A, Bm, Cm, D, z, db = inputs
+    tol = TOL[dtype]
+    acc = {"dA": torch.zeros_like(A), "dD": torch.zeros_like(D), "ddelta_bias": torch.zeros_like(db)}
+    for b, lens in enumerate(rows):
+        for s, e in segments(lens):
+            sl = (slice(b, b + 1), slice(None), slice(s, e))
+            p1 = torch.arange(e - s, device="cuda", dtype=torch.int32)[None]
+            o1, sv1, oz1 = cuda_ops.selective_scan_fwd(u[sl], delta[sl], A, Bm[sl], Cm[sl], D, z[sl], db, p1, softplus)
+            assert rel_err(out[sl], o1) <= tol and rel_err(out_z[sl], oz1) <= tol
+            g1 = cuda_ops.selective_scan_bwd(u[sl], delta[sl], A, Bm[sl], Cm[sl], D, z[sl], db, dout[sl].contiguous(),
+                                             sv1, o1, p1, softplus)
+            for name, g, gp in zip(GRAD_NAMES, g1, grads):
+                if name in acc:
+                    acc[name] += g
+                else:
+                    assert rel_err(gp[sl], g) <= max(tol, 1e-5) * 4, name
+    for name in acc:
+        got = grads[GRAD_NAMES.index(name)]
+        assert rel_err(got, acc[name]) <= tol, name
+
+
+def test_scan_reset_blocks_gradient(cuda_ops):
+    # the output of sequence 2 must not depend on any input of sequence 1
+    u, delta, A, Bm, Cm, D, z, db = make_scan_inputs(1, 16, 16, 96, torch.float32)
+    pos = position_ids_for([[40, 56]], "cuda").int()
+    out, saved, out_z = cuda_ops.selective_scan_fwd(u, delta, A, Bm, Cm, D, z, db, pos, True)
+    dout = torch.zeros_like(out_z)
+    dout[..., 40:] = torch.randn_like(dout[..., 40:])
+    du, ddelta, dA, dB, dC, dD, dz, ddb = cuda_ops.selective_scan_bwd(u, delta, A, Bm, Cm, D, z, db, dout, saved, out,
+                                                                      pos, True)
+    for g in (du, ddelta, dB, dC, dz):
+        assert g[..., :40].abs().max().item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# causal conv1d
+
+def check_conv(cuda_ops, batch, dim, L, width, dtype, kinds, *, channel_last, has_bias=True, activation="silu"):
+    if channel_last:
+        x = torch.randn(batch, L, dim, device="cuda").to(dtype).transpose(1, 2)
+    else:
+        x = torch.randn(batch, dim, L, device="cuda").to(dtype)
+    weight = torch.randn(dim, width, device="cuda") * 0.5
+    bias = torch.randn(dim, device="cuda") if has_bias else None
+    rows = [lengths_mix(L, kinds[i % len(kinds)]) for i in range(batch)]
+    pos = position_ids_for(rows, "cuda")
+    out = cuda_ops.causal_conv1d_fwd(x, weight, bias, pos.int(), activation)
+    assert out.shape == x.shape and out.stride() == x.stride() and out.dtype == dtype
+    dout = torch.randn_like(out)
+    dx, dw, dbias = cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos.int(), activation)
+    assert dx.shape == x.shape and dx.dtype == dtype and dw.dtype == torch.float32
+    assert (dbias is None) == (bias is None)
+    xl = x.detach().double().requires_grad_(True)
+    wl = weight.detach().double().requires_grad_(True)
+    bl = bias.detach().double().requires_grad_(True) if bias is not None else None
+    ref = conv_ref64(xl, wl, bl, pos, activation)
+    ref.backward(dout.double())
+    tol = TOL[dtype]
+    errs = {"out": rel_err(out, ref), "dx": rel_err(dx, xl.grad), "dweight": rel_err(dw, wl.grad)}
+    if bias is not None:
+        errs["dbias"] = rel_err(dbias, bl.grad)
+    print({k: f"{v:.2e}" for k, v in errs.items()})
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"relative error above {tol}: {bad}"
+    # each sequence alone
+    for b, lens in enumerate(rows):
+        for s, e in segments(lens):
+            xs = x[b:b + 1, :, s:e]
+            xs = xs.transpose(1, 2).contiguous().transpose(1, 2) if channel_last else xs.contiguous()
+            p1 = torch.arange(e - s, device="cuda", dtype=torch.int32)[None]
+            o1 = cuda_ops.causal_conv1d_fwd(xs, weight, bias, p1, activation)
+            assert rel_err(out[b:b + 1, :, s:e], o1) <= tol
+            dx1, _, _ = cuda_ops.causal_conv1d_bwd(xs, weight, bias, dout[b:b + 1, :, s:e], p1, activation)
+            assert rel_err(dx[b:b + 1, :, s:e], dx1) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channel_last", [False, True])
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_conv_vs_float64(cuda_ops, dtype, channel_last, width):
+    check_conv(cuda_ops, 3, 40, 333, width, dtype, ("mixed", "tiny", "padded"), channel_last=channel_last)
+
+
+@pytest.mark.parametrize("channel_last", [False, True])
+def test_conv_variants(cuda_ops, channel_last):
+    check_conv(cuda_ops, 2, 64, 1024, 4, torch.float32, ("one", "mixed"), channel_last=channel_last,
+               has_bias=False, activation=None)
+    check_conv(cuda_ops, 2, 8, 3, 4, torch.bfloat16, ("tiny",), channel_last=channel_last)
