@@ -108,20 +108,8 @@ class ShardCache:
         from packloader.sources import open_shard
 
         sh = open_shard(self.paths[shard], token_column=self.token_column, labels_column=self.labels_column)
-        batches = list(sh.iter_batches(0))
-        if len(batches) == 1:
-            b = batches[0]
-            offsets, tokens, labels = b.offsets, b.tokens, b.labels
-        elif not batches:
-            offsets, tokens, labels = np.zeros(1, np.int64), np.zeros(0, np.int32), None
-        else:
-            sizes = [b.num_tokens for b in batches]
-            base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-            offsets = np.concatenate([batches[0].offsets[:1]] + [b.offsets[1:] + o for b, o in zip(batches, base)])
-            tokens = np.concatenate([b.tokens for b in batches])
-            labels = None
-            if any(b.labels is not None for b in batches):
-                labels = np.concatenate([b.tokens if b.labels is None else b.labels for b in batches])
+        whole = sh.read_all()  # a view of the memory map for one-record-batch Arrow files
+        offsets, tokens, labels = whole.offsets, whole.tokens, whole.labels
         entry = (np.asarray(offsets, np.int64), tokens, labels)
         self._cache[shard] = entry
         self.loads += 1
@@ -169,6 +157,12 @@ class StreamingRows:
                 self.has_labels |= bool(sh.has_labels)
             finally:
                 sh.close()
+        if overflow == "error":
+            for p, ln in zip(self.paths, self.lengths):
+                long = np.flatnonzero(ln > self.capacity)
+                if len(long):
+                    raise DataError(f"sequence of {int(ln[long[0]])} tokens exceeds capacity {self.capacity} "
+                                    "(overflow='error'; use 'split', 'truncate' or 'drop')", path=p, row=int(long[0]))
         self.total_tokens = int(sum(int(x.sum()) for x in self.lengths))
         if self.total_tokens == 0:
             shown = self.paths if len(self.paths) <= 3 else self.paths[:3] + ["..."]

@@ -1,0 +1,201 @@
+"""PackedDataLoader end to end: formats, pre-packed directories, determinism, DataLoader options, bad input."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from packloader import DataError, PackedDataLoader
+from tests.packloader.conftest import random_sequences, sft_labels, write_arrow, write_parquet, write_tar
+from tests.packloader.loader_fixtures import (assert_exact_cover, batch_fingerprint, check_stream_batch,
+                                              write_prepacked)
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning",
+                                        "ignore:.*pin_memory.*:UserWarning")
+
+WRITERS = {"arrow": write_arrow, "parquet": write_parquet, "tar": write_tar}
+
+
+def fresh_seed():
+    return int(np.random.default_rng().integers(1 << 30))
+
+
+def make_shards(root, fmt, n_shards=3, n_seqs=40, labels=False, max_len=250):
+    seed = fresh_seed()
+    paths, seqs, labs = [], [], []
+    for k in range(n_shards):
+        s = random_sequences(n_seqs, seed=seed + k, max_len=max_len)
+        lab = sft_labels(s, seed=seed + 50 + k) if labels else None
+        ext = {"arrow": "arrow", "parquet": "parquet", "tar": "tar"}[fmt]
+        paths.append(WRITERS[fmt](root / f"shard-{k:03d}.{ext}", s, lab))
+        seqs.append(s)
+        labs.append(lab)
+    return paths, seqs, labs
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet", "tar"])
+def test_streaming_formats_give_source_tokens_and_cover_once(tmp_path, fmt):
+    paths, seqs, _ = make_shards(tmp_path, fmt)
+    loader = PackedDataLoader(str(tmp_path / f"shard-{{000..002}}.{'arrow' if fmt == 'arrow' else fmt}"),
+                              capacity=300, batch_size=3, return_ids=True, seed=fresh_seed())
+    assert loader.sources == paths
+    pieces = []
+    for b in loader:
+        pieces += check_stream_batch(b, seqs, 300)
+        assert b["input_ids"].dtype == torch.int64 and b["seq_idx"].dtype == torch.int32
+    assert_exact_cover(pieces, seqs)
+
+
+def test_labels_column_is_used(tmp_path):
+    paths, seqs, labs = make_shards(tmp_path, "arrow", labels=True)
+    loader = PackedDataLoader(paths, capacity=256, batch_size=2, return_ids=True)
+    n_loss = 0
+    for b in loader:
+        lab = b["labels"].numpy()
+        # walk pieces per row, compare with the source label column (first token always -100)
+        fill = {}
+        for r, f, q, st, n in b["sample_ids"].tolist():
+            t = fill.get(r, 0)
+            want = labs[f][q][st:st + n].astype(np.int64).copy()
+            want[0] = -100
+            np.testing.assert_array_equal(lab[r, t:t + n], want)
+            fill[r] = t + n
+        n_loss += b["num_loss_tokens"]
+    expected = sum(int((l[1:] != -100).sum()) for ls in labs for l in ls if len(l))
+    assert n_loss == expected
+
+
+def test_offline_algorithm_and_no_shuffle(tmp_path):
+    paths, seqs, _ = make_shards(tmp_path, "arrow")
+    pieces = []
+    loader = PackedDataLoader(paths, capacity=256, batch_size=4, algorithm="bfd", return_ids=True)
+    for b in loader:
+        pieces += check_stream_batch(b, seqs, 256)
+    assert_exact_cover(pieces, seqs)
+    # shuffle=False with next_fit: sequences come in file order
+    loader = PackedDataLoader(paths, capacity=256, batch_size=4, algorithm="next_fit", shuffle=False,
+                              return_ids=True)
+    order = [tuple(x[1:3]) for b in loader for x in b["sample_ids"].tolist()]
+    assert order == sorted(order)
+
+
+def test_deterministic_and_set_epoch_reshuffles(tmp_path):
+    paths, _, _ = make_shards(tmp_path, "arrow")
+    kw = dict(capacity=256, batch_size=2, seed=11)
+    a = PackedDataLoader(paths, **kw)
+    b = PackedDataLoader(paths, num_workers=2, **kw)
+    ep0 = [batch_fingerprint(x) for x in a]
+    assert [batch_fingerprint(x) for x in b] == ep0
+    assert [batch_fingerprint(x) for x in a] == ep0  # iterating again without set_epoch repeats
+    a.set_epoch(1)
+    b.set_epoch(1)
+    ep1 = [batch_fingerprint(x) for x in a]
+    assert ep1 != ep0 and [batch_fingerprint(x) for x in b] == ep1
+    c = PackedDataLoader(paths, capacity=256, batch_size=2, seed=12)
+    assert [batch_fingerprint(x) for x in c] != ep0
+
+
+def test_persistent_workers_follow_set_epoch(tmp_path):
+    paths, _, _ = make_shards(tmp_path, "arrow")
+    ref = PackedDataLoader(paths, capacity=256, batch_size=2, seed=3)
+    pw = PackedDataLoader(paths, capacity=256, batch_size=2, seed=3, num_workers=2, persistent_workers=True,
+                          prefetch_factor=1, pin_memory=True)
+    for epoch in range(3):
+        ref.set_epoch(epoch)
+        pw.set_epoch(epoch)
+        assert [batch_fingerprint(x) for x in pw] == [batch_fingerprint(x) for x in ref]
+
+
+def test_hf_compat_keys(tmp_path):
+    paths, _, _ = make_shards(tmp_path, "arrow", n_shards=1)
+    b = next(iter(PackedDataLoader(paths, capacity=128, batch_size=2, hf_compat=True)))
+    assert torch.equal(b["cu_seq_lens_q"], b["cu_seqlens"]) and torch.equal(b["cu_seq_lens_k"], b["cu_seqlens"])
+    assert b["max_length_q"] == b["max_length_k"] == b["max_seqlen"]
+    assert int(b["cu_seqlens"][-1]) == 2 * 128
+
+
+def test_prepacked_directory(tmp_path):
+    seed = fresh_seed()
+    seqs = [random_sequences(30, seed=seed + k, max_len=200) for k in range(3)]
+    d, rows = write_prepacked(tmp_path / "packed", seqs, 256, rows_per_file=5, batch_rows=2)
+    all_rows, pieces, counts = [], [], []
+    for rank in range(3):
+        loader = PackedDataLoader(d, batch_size=2, rank=rank, world_size=3, return_ids=True, seed=seed)
+        assert loader.capacity == 256
+        batches = list(loader)
+        counts.append(len(batches))
+        for b in batches:
+            pieces += check_stream_batch(b, seqs, 256)
+            for r, g in enumerate(b["row_ids"].tolist()):
+                if g >= 0:
+                    assert [tuple(p) for p in b["sample_ids"][b["sample_ids"][:, 0] == r][:, 1:].tolist()] == \
+                        [tuple(p) for p in rows[g]]
+            all_rows += [g for g in b["row_ids"].tolist() if g >= 0]
+    assert len(set(counts)) == 1
+    assert sorted(all_rows) == list(range(len(rows)))
+    assert_exact_cover(pieces, seqs)
+    with pytest.raises(ValueError, match="capacity=512 does not match"):
+        PackedDataLoader(d, capacity=512)
+
+
+def test_prepacked_from_pack_dataset(tmp_path):
+    from packloader import pack_dataset
+
+    paths, seqs, _ = make_shards(tmp_path, "arrow", n_shards=2)
+    pack_dataset(paths, tmp_path / "out", capacity=256, algorithm="bfd", quiet=True)
+    loader = PackedDataLoader(tmp_path / "out", batch_size=4, num_workers=1, return_ids=True)
+    pieces = [p for b in loader for p in check_stream_batch(b, seqs, 256)]
+    assert_exact_cover(pieces, seqs)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+def test_empty_source_is_named(tmp_path):
+    p = write_arrow(tmp_path / "empty.arrow", [])
+    with pytest.raises(DataError, match="empty.arrow.*no tokens"):
+        PackedDataLoader(p, capacity=64)
+    with pytest.raises(DataError, match="matches no shard"):
+        PackedDataLoader(str(tmp_path / "nothing-*.arrow"), capacity=64)
+    with pytest.raises(ValueError, match="empty list"):
+        PackedDataLoader([], capacity=64)
+
+
+def test_too_long_sequence_with_overflow_error_names_file_and_row(tmp_path):
+    seqs = random_sequences(10, seed=1, max_len=50)
+    seqs[6] = np.arange(1, 100, dtype=np.int32)
+    p = write_arrow(tmp_path / "long.arrow", seqs)
+    with pytest.raises(DataError, match="long.arrow, row 6: sequence of 99 tokens exceeds capacity 64"):
+        PackedDataLoader(p, capacity=64, overflow="error")
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"batch_size": 0}, "batch_size"),
+    ({"buffer_size": -1}, "buffer_size"),
+    ({"num_workers": -1}, "num_workers"),
+    ({"capacity": 0}, "capacity"),
+    ({"algorithm": "magic"}, "algorithm"),
+    ({"rank": 2, "world_size": 2}, "rank"),
+])
+def test_bad_arguments_are_named(tmp_path, kw, msg):
+    p = write_arrow(tmp_path / "a.arrow", random_sequences(5, seed=0, max_len=20))
+    with pytest.raises(ValueError, match=msg):
+        PackedDataLoader(p, **kw)
+
+
+def test_worker_errors_reach_the_main_process(tmp_path):
+    """A shard that changes after the loader read its lengths fails clearly inside a worker."""
+    p = write_arrow(tmp_path / "a.arrow", random_sequences(20, seed=0, max_len=100))
+    loader = PackedDataLoader(p, capacity=128, batch_size=2, num_workers=1)
+    (tmp_path / "a.arrow").write_bytes(b"not arrow any more")
+    with pytest.raises(Exception, match="a.arrow"):
+        list(loader)
+
+
+def test_state_is_small_json(tmp_path):
+    paths, _, _ = make_shards(tmp_path, "arrow")
+    loader = PackedDataLoader(paths, capacity=128, batch_size=2)
+    it = iter(loader)
+    next(it)
+    sd = loader.state_dict()
+    text = json.dumps(sd)
+    assert len(text) < 1000 and sd["batches_consumed"] == 1
