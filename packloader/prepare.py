@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -94,16 +95,24 @@ def find_eos_id(tok) -> int | None:
     return None
 
 
+def _open_text(path: str, mode: str = "r"):
+    if path.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, mode + ("t" if mode == "r" else ""), encoding="utf-8") if mode == "r" else gzip.open(path, mode)
+    return open(path, mode, encoding="utf-8") if mode == "r" else open(path, mode)
+
+
 def _count_lines(path: str) -> int:
     n = 0
-    with open(path, "rb") as f:
+    with _open_text(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             n += chunk.count(b"\n")
     return n
 
 
 def _records(path: str, fields: Sequence[str], limit: int | None) -> Iterator[tuple[int, list[str]]]:
-    with open(path, "r", encoding="utf-8") as f:
+    with _open_text(path, "r") as f:
         row = -1
         for line_no, line in enumerate(f):
             if not line.strip():
@@ -264,6 +273,22 @@ def _write_tar(path: str, offsets, tokens, labels, ids) -> None:
     write_webdataset_shard(path, offsets, tokens, labels, keys=[f"{i:09d}" for i in ids.tolist()])
 
 
+def _finished(manifest_path: str, key: str, out_dir: str) -> PrepareResult | None:
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if m.get("settings_key") != key:
+        return None
+    paths = [os.path.join(out_dir, n) for n in m.get("shards", [])]
+    sizes = m.get("shard_bytes", [])
+    if len(sizes) != len(paths) or not all(os.path.isfile(p) and os.path.getsize(p) == b for p, b in zip(paths, sizes)):
+        return None
+    return PrepareResult(paths=paths, sequences=m["sequences"], tokens=m["tokens"], loss_tokens=m["loss_tokens"],
+                         seconds=0.0, manifest=manifest_path)
+
+
 def prepare_jsonl(
     input,
     out_dir,
@@ -280,11 +305,12 @@ def prepare_jsonl(
     prefix: str = "shard",
     quiet: bool = False,
     progress: bool | None = None,
+    overwrite: bool = False,
 ) -> PrepareResult:
     """Tokenize a JSONL file into token shards (Arrow IPC, WebDataset tar or Parquet).
 
     Args:
-        input: the ``.jsonl`` file (one JSON object per line).
+        input: the ``.jsonl`` file (one JSON object per line; ``.jsonl.gz`` is read through gzip).
         out_dir: the output directory (created if needed).
         tokenizer: a ``tokenizer.json`` path (``.json.gz`` accepted) or a ``tokenizers.Tokenizer``.
         fields: the record fields, joined in this order. Default ``("question", "answer")``.
@@ -300,6 +326,8 @@ def prepare_jsonl(
         limit: tokenize only the first ``limit`` records.
         prefix: shard name prefix: ``{prefix}-00000.arrow`` ...
         quiet: print nothing. progress: True / False / None (a bar on a terminal) as in ``pack``.
+        overwrite: tokenize again even when ``out_dir/prepare.json`` shows the same input, tokenizer and
+            settings with all shards present (by default such a re-run returns at once).
 
     Returns:
         A :class:`PrepareResult`.
@@ -333,6 +361,22 @@ def prepare_jsonl(
         eos_id = None
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    from packloader.prepack import _hash, source_digest
+
+    tok_digest = (source_digest(tokenizer) if isinstance(tokenizer, (str, os.PathLike))
+                  else _hash(tok.to_str()))
+    settings_key = _hash({"input": source_digest(input), "tokenizer": tok_digest, "fields": fields,
+                          "separator": separator, "eos_id": eos_id, "mask_prompt": mask_prompt, "format": format,
+                          "shard_size": shard_size, "limit": limit, "prefix": prefix})
+    manifest_path = os.path.join(out_dir, "prepare.json")
+    if not overwrite:
+        done = _finished(manifest_path, settings_key, out_dir)
+        if done is not None:
+            log(f"{out_dir}: up to date ({done.sequences:,} records in {len(done.paths)} shard(s)); "
+                "nothing to do", quiet=quiet)
+            return done
+    if os.path.exists(manifest_path):
+        os.remove(manifest_path)  # the shards are about to change
     ext = {"arrow": "arrow", "webdataset": "tar", "parquet": "parquet"}[format]
     writer = _write_tar if format == "webdataset" else _write_arrow
     res = PrepareResult()
@@ -401,17 +445,24 @@ def prepare_jsonl(
         raise DataError("no records in the input", path=input)
     res.seconds = time.perf_counter() - t0
     manifest = {
+        "settings_key": settings_key,
+        "shard_bytes": [os.path.getsize(p) for p in res.paths],
         "input": os.path.abspath(input),
         "tokenizer": tokenizer if isinstance(tokenizer, str) else getattr(tokenizer, "__class__").__name__,
         "fields": fields, "separator": separator, "eos_id": eos_id, "mask_prompt": mask_prompt,
         "format": format, "shard_size": shard_size, "shards": [os.path.basename(p) for p in res.paths],
         "sequences": res.sequences, "tokens": res.tokens, "loss_tokens": res.loss_tokens,
     }
-    res.manifest = os.path.join(out_dir, "prepare.json")
+    res.manifest = manifest_path
     tmp = f"{res.manifest}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
     os.replace(tmp, res.manifest)
+    keep = {os.path.basename(p) for p in res.paths}
+    stale = re.compile(rf"^{re.escape(prefix)}-\d{{5}}\.{ext}$")
+    for name in os.listdir(out_dir):  # shards of an earlier, larger run would be picked up by a glob
+        if stale.match(name) and name not in keep:
+            os.remove(os.path.join(out_dir, name))
     log(f"{input}: {res.sequences:,} records -> {res.tokens:,} tokens in {len(res.paths)} {format} shard(s) "
         f"under {out_dir} ({res.seconds:.2f} s)", quiet=quiet)
     return res

@@ -26,7 +26,7 @@ import numpy as np
 __all__ = ["PackingReport", "side_by_side", "plot_reports", "LENGTH_BINS", "FILL_BINS"]
 
 #: equal-width bins of the sequence-length histogram over ``[1, capacity]`` (plus one for longer ones)
-LENGTH_BINS = 64
+LENGTH_BINS = 256
 #: equal-width bins of the row-fill histogram over ``(0, 1]``
 FILL_BINS = 20
 
@@ -175,6 +175,8 @@ class PackingReport:
         with_seqs = [r for r in reports if r.sequences - r.empty]
         out.min_length = min((r.min_length for r in with_seqs), default=0)
         out.max_length = max((r.max_length for r in with_seqs), default=0)
+        if len({len(r.length_counts) for r in reports}) > 1:
+            raise ValueError("cannot combine reports with different length histograms")
         out.length_counts = np.sum([r.length_counts for r in reports], axis=0).astype(int).tolist()
         out.fill_counts = np.sum([r.fill_counts for r in reports], axis=0).astype(int).tolist()
         for k, v in overrides.items():
@@ -222,7 +224,8 @@ class PackingReport:
 
     def length_edges(self) -> list[float]:
         """Edges of the length histogram's first ``LENGTH_BINS`` bins (the last bin is ``> capacity``)."""
-        return [k * self.capacity / LENGTH_BINS for k in range(LENGTH_BINS + 1)]
+        nb = len(self.length_counts) - 1  # reports stored by other versions may use other bin counts
+        return [k * self.capacity / nb for k in range(nb + 1)]
 
     # ---------------------------------------------------------------- serialisation
 
@@ -322,12 +325,16 @@ def plot_reports(reports: Sequence[PackingReport], path, titles: Sequence[str] |
     first = reports[0]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     edges = np.asarray(first.length_edges())
-    counts = np.asarray(first.length_counts[:LENGTH_BINS])
+    counts = np.asarray(first.length_counts[:-1])
     ax1.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color="#4C72B0", edgecolor="white",
             linewidth=0.3)
-    ax1.axvline(first.capacity, color="#C44E52", linestyle="--", linewidth=1, label=f"capacity {first.capacity}")
-    over = first.length_counts[LENGTH_BINS]
+    over = first.length_counts[-1]
     note = f"; {over:,} longer than capacity" if over else ""
+    if first.max_length and first.max_length < 0.6 * first.capacity:
+        ax1.set_xlim(0, first.max_length * 1.1)  # short sequences: zoom in, name the capacity in the legend
+        ax1.plot([], [], " ", label=f"capacity {first.capacity} (beyond the right edge)")
+    else:
+        ax1.axvline(first.capacity, color="#C44E52", linestyle="--", linewidth=1, label=f"capacity {first.capacity}")
     ax1.set_title(f"sequence lengths ({first.sequences - first.empty:,} sequences{note})")
     ax1.set_xlabel("tokens per sequence")
     ax1.set_ylabel("sequences")

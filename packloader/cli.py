@@ -1,0 +1,167 @@
+"""The ``packloader`` command line: ``prepare``, ``pack``, ``report``, ``demo``.
+
+::
+
+    packloader prepare gsm8k.jsonl --tokenizer tokenizer.json --fields question,answer --out tok/ \\
+        --format arrow --shard-size 2000 --mask-prompt
+    packloader pack "tok/shard-*.arrow" --capacity 4096 --algorithm bfd --out packed/
+    packloader report packed/ [--json] [--plot lengths.png]
+    packloader demo [--out demo_out]
+
+Bad input stops with ``error: FILE, row R: ...`` and exit status 1; usage errors exit with 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_common(p):
+    p.add_argument("-q", "--quiet", action="store_true", help="print no progress or log lines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from packloader import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="packloader",
+        description="Pack variable-length token sequences into fixed-capacity rows for Mamba training.",
+    )
+    parser.add_argument("--version", action="version", version=f"packloader {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("prepare", help="tokenize a JSONL file into token shards",
+                       description="Tokenize the --fields of every JSON record (joined by --separator, EOS "
+                                   "appended) with a local tokenizer.json into Arrow / WebDataset / Parquet "
+                                   "shards.")
+    p.add_argument("input", help="the .jsonl (or .jsonl.gz) file")
+    p.add_argument("--tokenizer", required=True, help="a tokenizer.json file (tokenizers library)")
+    p.add_argument("--fields", default="question,answer", help="comma-separated fields (default: %(default)s)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", choices=["arrow", "webdataset", "parquet"], default="arrow",
+                   help="shard format (default: %(default)s)")
+    p.add_argument("--shard-size", type=int, default=10_000, help="records per shard (default: %(default)s)")
+    p.add_argument("--separator", default="\n", help="text between fields (default: a newline)")
+    p.add_argument("--no-eos", action="store_true", help="do not append the end-of-text token")
+    p.add_argument("--mask-prompt", action="store_true",
+                   help="labels -100 over all fields but the last (SFT); writes a labels column")
+    p.add_argument("--limit", type=int, default=None, help="tokenize only the first N records")
+    p.add_argument("--overwrite", action="store_true", help="tokenize again even if up to date")
+    _add_common(p)
+
+    p = sub.add_parser("pack", help="pre-pack token shards into fixed-capacity Arrow rows",
+                       description="Pack token shards (.arrow/.ipc/.feather, .parquet, .tar; globs and "
+                                   "{000..127} braces) into uncompressed Arrow IPC files plus index.json.")
+    p.add_argument("sources", nargs="+", help="shard files, patterns or directories")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--capacity", type=int, default=4096, help="tokens per row (default: %(default)s)")
+    p.add_argument("--algorithm", choices=["bfd", "ffd", "first_fit", "next_fit", "online"], default="bfd",
+                   help="packing algorithm (default: %(default)s)")
+    p.add_argument("--overflow", choices=["error", "split", "truncate", "drop"], default="error",
+                   help="sequences longer than --capacity (default: %(default)s)")
+    p.add_argument("--global", dest="global_packing", action="store_true",
+                   help="pack across shard boundaries (default: each shard alone)")
+    p.add_argument("--token-column", default="input_ids", help="token column / tar member (default: %(default)s)")
+    p.add_argument("--labels-column", default="labels", help="labels column / tar member (default: %(default)s)")
+    p.add_argument("--no-labels", action="store_true", help="ignore a labels column (labels = inputs)")
+    p.add_argument("--max-items-per-bin", type=int, default=None, help="cap on sequences per row")
+    p.add_argument("--buffer-size", type=int, default=None, help="buffer of --algorithm online")
+    p.add_argument("--seed", type=int, default=None, help="tie-breaking seed of bfd / ffd")
+    p.add_argument("--rows-per-file", type=int, default=None, help="split output files at this many rows")
+    p.add_argument("--allow-empty", action="store_true", help="skip empty shards instead of failing")
+    p.add_argument("--workers", type=int, default=1, help="processes packing shards in parallel")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="PNG", default=None, help="write the length / row-fill plot")
+    _add_common(p)
+
+    p = sub.add_parser("report", help="show the packing report of a pre-packed directory")
+    p.add_argument("dir", help="a directory written by 'packloader pack'")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", metavar="PNG", default=None, help="write the length / row-fill plot")
+
+    p = sub.add_parser("demo", help="tokenize, pack (next_fit and bfd) and report the embedded GSM8K sample")
+    p.add_argument("--out", default="demo_out", help="output directory (default: %(default)s)")
+    p.add_argument("--capacity", type=int, default=2048, help="tokens per row (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N problems")
+    p.add_argument("--no-plot", action="store_true", help="do not write lengths.png")
+    _add_common(p)
+    return parser
+
+
+def _cmd_prepare(a) -> int:
+    from packloader.prepare import prepare_jsonl
+
+    fields = [f.strip() for f in a.fields.split(",") if f.strip()]
+    res = prepare_jsonl(a.input, a.out, tokenizer=a.tokenizer, fields=fields, separator=a.separator,
+                        eos=not a.no_eos, mask_prompt=a.mask_prompt, format=a.format, shard_size=a.shard_size,
+                        limit=a.limit, quiet=a.quiet, overwrite=a.overwrite)
+    for p in res.paths:
+        print(p)
+    return 0
+
+
+def _cmd_pack(a) -> int:
+    from packloader.prepack import pack_dataset
+
+    report = pack_dataset(
+        a.sources, a.out, capacity=a.capacity, algorithm=a.algorithm, overflow=a.overflow,
+        token_column=a.token_column, labels_column=None if a.no_labels else a.labels_column,
+        global_packing=a.global_packing, max_items_per_bin=a.max_items_per_bin, buffer_size=a.buffer_size,
+        seed=a.seed, rows_per_file=a.rows_per_file, allow_empty=a.allow_empty, workers=a.workers,
+        quiet=a.quiet,
+    )
+    print(report.to_json() if a.json else report)
+    if a.plot:
+        report.plot(a.plot)
+        if not a.json:
+            print(f"plot: {a.plot}")
+    return 0
+
+
+def _cmd_report(a) -> int:
+    from packloader.prepacked import PrepackedDataset
+
+    with PrepackedDataset(a.dir) as ds:  # validates the directory, not only index.json
+        report = ds.report
+    print(report.to_json() if a.json else report)
+    if a.plot:
+        report.plot(a.plot)
+        if not a.json:
+            print(f"plot: {a.plot}")
+    return 0
+
+
+def _cmd_demo(a) -> int:
+    from packloader.demo import run_demo
+
+    run_demo(a.out, capacity=a.capacity, limit=a.limit, plot=not a.no_plot, quiet=a.quiet)
+    return 0
+
+
+def main(argv=None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 bad input, 2 usage)."""
+    from packloader.errors import DataError
+
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.command is None:
+        parser.print_help()
+        return 2
+    cmd = {"prepare": _cmd_prepare, "pack": _cmd_pack, "report": _cmd_report, "demo": _cmd_demo}[a.command]
+    try:
+        return cmd(a)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
