@@ -1,0 +1,244 @@
+"""``enable_packing(model)``: make a mamba-ssm ``MambaLMHeadModel`` train on packed batches, in place.
+
+After conversion::
+
+    model(input_ids, position_ids=batch["position_ids"])      # or seq_idx=..., or cu_seqlens=...
+
+threads the boundaries to every mixer:
+
+- each Mamba-1 mixer (``mamba_ssm.modules.mamba_simple.Mamba``) is replaced by
+  :class:`ops.PackedMamba` built around the *same* submodules and parameters (no copy: optimizer
+  state, tied weights and ``state_dict`` names are unchanged);
+- each Mamba-2 mixer keeps mamba-ssm's own forward, which takes ``seq_idx`` (its conv and SSD
+  kernels reset there); it is given a class that also accepts ``position_ids`` and converts;
+- the model (``MambaLMHeadModel``) or backbone (``MixerModel``) gets a class whose forward accepts
+  ``position_ids`` / ``seq_idx`` / ``cu_seqlens``, validates them once per batch and passes them
+  down through mamba-ssm's ``**mixer_kwargs`` (Block -> mixer).
+
+Without boundaries the converted model computes exactly what it did before. Attention mixers
+(``MHA``) and Mamba-3 are not packing-safe here: conversion refuses them unless ``strict=False``
+(check the result with :func:`ops.check_isolation`).
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .boundaries import BoundaryError, resolve_boundaries, resolve_position_ids
+from .modules.mamba_simple import PackedMamba
+
+__all__ = ["enable_packing", "is_mamba1_mixer", "is_mamba2_mixer"]
+
+
+def _upstream_class(module_name: str, cls_name: str):
+    mod = sys.modules.get(module_name)  # never import mamba_ssm ourselves: only if the model did
+    return getattr(mod, cls_name, None) if mod is not None else None
+
+
+_M1_ATTRS = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "d_state", "dt_rank", "d_inner")
+
+
+def is_mamba1_mixer(m: nn.Module) -> bool:
+    """mamba-ssm's Mamba (or a class named ``Mamba`` with its parameters), not yet converted."""
+    if isinstance(m, PackedMamba):
+        return False
+    up = _upstream_class("mamba_ssm.modules.mamba_simple", "Mamba")
+    if up is not None and isinstance(m, up):
+        return True
+    return type(m).__name__ == "Mamba" and all(hasattr(m, a) for a in _M1_ATTRS)
+
+
+def is_mamba2_mixer(m: nn.Module) -> bool:
+    """mamba-ssm's Mamba2 / Mamba2Simple (or a class of that name), packed or not."""
+    for mod, name in (("mamba_ssm.modules.mamba2", "Mamba2"), ("mamba_ssm.modules.mamba2_simple", "Mamba2Simple")):
+        up = _upstream_class(mod, name)
+        if up is not None and isinstance(m, up):
+            return True
+    return any(c.__name__ in ("Mamba2", "Mamba2Simple") for c in type(m).__mro__)
+
+
+class _PackedMamba2Mixin:
+    """Mamba-2 forward that also accepts ``position_ids`` (converted to mamba-ssm's ``seq_idx``)."""
+
+    _packloader_packed = True
+
+    def forward(self, u, *args, position_ids=None, seq_idx=None, **kwargs):
+        if position_ids is not None or seq_idx is not None:
+            if kwargs.get("inference_params") is not None:
+                raise ValueError("Mamba-2 with inference_params cannot take packed boundaries")
+            seqlen = kwargs.get("seqlen", args[0] if args else None)
+            if seqlen is None:
+                batch, seqlen = u.shape[0], u.shape[1]
+            else:
+                batch = u.shape[0] // seqlen
+            pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=u.device)
+            seq_idx = _seq_idx_for(pos, seq_idx)
+        return super().forward(u, *args, seq_idx=seq_idx, **kwargs)
+
+
+_SEQ_FOR_POS: Dict[int, tuple] = {}
+
+
+def _seq_idx_for(pos: torch.Tensor, given: Optional[torch.Tensor]) -> torch.Tensor:
+    """int32 contiguous seq_idx for resolved position_ids (computed once per batch)."""
+    if given is not None:
+        return given.to(device=pos.device, dtype=torch.int32).contiguous()
+    from .boundaries import position_ids_to_seq_idx
+
+    entry = _SEQ_FOR_POS.get(id(pos))
+    if entry is not None and entry[0]() is pos and entry[1] == pos._version:
+        return entry[2]
+    import weakref
+
+    seq = position_ids_to_seq_idx(pos)
+    if len(_SEQ_FOR_POS) > 32:
+        _SEQ_FOR_POS.clear()
+    _SEQ_FOR_POS[id(pos)] = (weakref.ref(pos), pos._version, seq)
+    return seq
+
+
+def _resolve_for_model(model, input_ids, position_ids, seq_idx, cu_seqlens):
+    """Resolve once per batch; register the pair so every mixer maps seq_idx back to position_ids."""
+    import weakref
+
+    from .boundaries import _cache_put, position_ids_to_seq_idx
+
+    pos, seq = resolve_boundaries(
+        position_ids, seq_idx, cu_seqlens, shape=tuple(input_ids.shape[:2]), device=input_ids.device,
+        validate=getattr(model, "_packloader_validate", True), need_seq_idx=True,
+    )
+    if seq is None:
+        seq = position_ids_to_seq_idx(pos)
+    _cache_put(None, seq, pos, True)
+    _SEQ_FOR_POS[id(pos)] = (weakref.ref(pos), pos._version, seq)
+    return pos, seq
+
+
+class _PackedLMMixin:
+    """``MambaLMHeadModel.forward`` plus packed boundaries.
+
+    ``position_ids`` is a named parameter of upstream's forward (unused there) and would stop at the
+    top; ``seq_idx`` is mamba-ssm's own mixer kwarg and flows Block -> mixer unchanged, so the
+    boundaries travel down as ``seq_idx`` and our mixers map it back to the ``position_ids`` resolved
+    here (cached: no recomputation, no further syncs).
+    """
+
+    _packloader_packed = True
+
+    def forward(self, input_ids, position_ids=None, inference_params=None, num_last_tokens=0, *,
+                seq_idx=None, cu_seqlens=None, **mixer_kwargs):
+        if position_ids is None and seq_idx is None and cu_seqlens is None:
+            return super().forward(input_ids, inference_params=inference_params,
+                                   num_last_tokens=num_last_tokens, **mixer_kwargs)
+        if inference_params is not None:
+            raise ValueError("enable_packing: inference_params (generation) cannot be combined with packed boundaries")
+        _, seq = _resolve_for_model(self, input_ids, position_ids, seq_idx, cu_seqlens)
+        return super().forward(input_ids, num_last_tokens=num_last_tokens, seq_idx=seq, **mixer_kwargs)
+
+
+class _PackedBackboneMixin:
+    """``MixerModel.forward`` plus packed boundaries (see :class:`_PackedLMMixin`)."""
+
+    _packloader_packed = True
+
+    def forward(self, input_ids, inference_params=None, *, position_ids=None, seq_idx=None, cu_seqlens=None,
+                **mixer_kwargs):
+        if position_ids is None and seq_idx is None and cu_seqlens is None:
+            return super().forward(input_ids, inference_params=inference_params, **mixer_kwargs)
+        if inference_params is not None:
+            raise ValueError("enable_packing: inference_params (generation) cannot be combined with packed boundaries")
+        _, seq = _resolve_for_model(self, input_ids, position_ids, seq_idx, cu_seqlens)
+        return super().forward(input_ids, seq_idx=seq, **mixer_kwargs)
+
+
+_CLASS_CACHE: Dict[tuple, type] = {}
+
+
+def _swap_class(m: nn.Module, mixin: type, prefix: str) -> None:
+    cls = type(m)
+    if getattr(cls, "_packloader_packed", False):
+        return
+    key = (cls, mixin)
+    new = _CLASS_CACHE.get(key)
+    if new is None:
+        new = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": __name__})
+        _CLASS_CACHE[key] = new
+    m.__class__ = new
+
+
+def _accepts_var_kwargs(fn) -> bool:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def _is_mixer_slot(parent: nn.Module, name: str) -> bool:
+    return name == "mixer"
+
+
+def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = True) -> nn.Module:
+    """Convert ``model`` in place so it trains on packed batches; returns ``model``.
+
+    Args:
+        model: a ``MambaLMHeadModel`` (mamba-ssm ``models.mixer_seq_simple``), its ``MixerModel``
+            backbone, or any module containing Mamba-1 / Mamba-2 mixers. For the first two, the
+            forward gains ``position_ids=`` / ``seq_idx=`` / ``cu_seqlens=``; for other modules
+            only the mixers are converted (pass ``position_ids`` or ``seq_idx`` to them yourself).
+        strict: raise on mixers that are not packing-safe (attention, Mamba-3, unknown classes
+            sitting in a ``.mixer`` slot). With ``strict=False`` they are left as they are.
+        validate: validate the boundaries once per batch (one host sync).
+
+    Returns:
+        the same model object. Parameters are shared, never copied; ``state_dict`` keys unchanged.
+
+    Example::
+
+        model = MambaLMHeadModel(config, device="cuda", dtype=torch.bfloat16)
+        ops.enable_packing(model)
+        logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits
+    """
+    replaced: List[str] = []
+    mamba2: List[str] = []
+    unsafe: List[str] = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if is_mamba1_mixer(child):
+                setattr(parent, name, PackedMamba.from_mamba(child))
+                replaced.append(full)
+            elif isinstance(child, PackedMamba):
+                replaced.append(full)
+            elif is_mamba2_mixer(child):
+                _swap_class(child, _PackedMamba2Mixin, "Packed")
+                mamba2.append(full)
+            elif _is_mixer_slot(parent, name):
+                unsafe.append(f"{full} ({type(child).__name__})")
+    if unsafe and strict:
+        raise NotImplementedError(
+            "enable_packing: these mixers are not packing-safe and would leak across sequences: "
+            + ", ".join(unsafe)
+            + ". Pass strict=False to convert the rest anyway (then run ops.check_isolation)."
+        )
+    if model is not None and (hasattr(model, "backbone") or (hasattr(model, "layers") and hasattr(model, "embedding"))):
+        backbone = model.backbone if hasattr(model, "backbone") else model
+        for i, layer in enumerate(getattr(backbone, "layers", [])):
+            if not _accepts_var_kwargs(type(layer).forward):
+                raise NotImplementedError(
+                    f"enable_packing: {type(layer).__name__}.forward (layer {i}) does not pass **mixer_kwargs "
+                    "to its mixer; mamba-ssm >= 2.0 is needed to thread the boundaries through"
+                )
+        if not _accepts_var_kwargs(type(backbone).forward):
+            raise NotImplementedError(
+                f"enable_packing: {type(backbone).__name__}.forward does not take **mixer_kwargs; "
+                "mamba-ssm >= 2.0 is needed"
+            )
+        _swap_class(model, _PackedLMMixin if hasattr(model, "backbone") else _PackedBackboneMixin, "Packed")
+        model._packloader_validate = validate
+    model._packloader_conversion = {"mamba1": replaced, "mamba2": mamba2, "left_unsafe": unsafe}
+    return model

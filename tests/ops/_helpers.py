@@ -1,0 +1,153 @@
+"""Shared helpers of the ops tests: random packed layouts, per-sequence oracles, a tiny LM mirror."""
+from __future__ import annotations
+
+import collections
+import math
+import random
+from typing import List, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ops import PackedMamba, packed_causal_conv1d
+from ops.mamba_inner import packed_mamba_inner_ref
+
+
+def random_row(rng: random.Random, seqlen: int, *, max_len=None, pad=True, short_bias=True) -> List[int]:
+    """Lengths of one packed row summing to seqlen (the last piece may be padding)."""
+    lens, left = [], seqlen
+    while left > 0:
+        choices = [1, 2, 3] if short_bias and rng.random() < 0.4 else None
+        hi = min(left, max_len or left)
+        n = rng.choice([c for c in choices if c <= hi]) if choices and hi >= 1 else rng.randint(1, hi)
+        lens.append(n)
+        left -= n
+    return lens
+
+
+def positions(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+
+
+def layouts(seqlen: int, batch: int, seed: int) -> List[List[int]]:
+    """A batch mixing: random mixes with 1-length and short pieces, a one-sequence row, padding."""
+    rng = random.Random(seed)
+    rows = [random_row(rng, seqlen) for _ in range(batch)]
+    rows[0] = [seqlen]  # a row that is one sequence
+    if batch > 1:
+        rows[1] = [1] * min(3, seqlen) + ([seqlen - 3] if seqlen > 3 else [])  # length-1 sequences
+    return rows
+
+
+def spans(rows):
+    out = []
+    for r, row in enumerate(rows):
+        s = 0
+        for n in row:
+            out.append((r, s, n))
+            s += n
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    den = b.norm().item()
+    return (a - b).norm().item() / (den if den > 0 else 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny mirror of mamba_ssm.models.mixer_seq_simple (same structure and forward signatures)
+
+class Mamba(nn.Module):
+    """Upstream-style Mamba-1 mixer: same parameters as PackedMamba, boundaries unknown to it."""
+
+    def __init__(self, d_model, layer_idx=None, **kw):
+        super().__init__()
+        p = PackedMamba(d_model, layer_idx=layer_idx, **kw)
+        for a in ("d_model", "d_state", "d_conv", "expand", "d_inner", "dt_rank", "use_fast_path", "layer_idx",
+                  "activation", "validate_boundaries", "backend"):
+            setattr(self, a, getattr(p, a))
+        self.in_proj, self.conv1d, self.act = p.in_proj, p.conv1d, p.act
+        self.x_proj, self.dt_proj = p.x_proj, p.dt_proj
+        self.A_log, self.D = p.A_log, p.D
+        self.out_proj = p.out_proj
+
+    def forward(self, hidden_states, inference_params=None):
+        return PackedMamba.forward(self, hidden_states)
+
+
+class Mamba2(nn.Module):
+    """Stand-in for mamba-ssm's Mamba2: a gated conv mixer that honours its seq_idx argument."""
+
+    def __init__(self, d_model, layer_idx=None, d_conv=4, **kw):
+        super().__init__()
+        self.in_proj = nn.Linear(d_model, 2 * d_model, bias=False)
+        self.conv1d = nn.Conv1d(d_model, d_model, d_conv, groups=d_model, padding=d_conv - 1)
+        self.out_proj = nn.Linear(d_model, d_model, bias=False)
+        self.seen_seq_idx = []
+
+    def forward(self, u, seqlen=None, seq_idx=None, cu_seqlens=None, inference_params=None):
+        self.seen_seq_idx.append(seq_idx)
+        x, z = self.in_proj(u).chunk(2, dim=-1)
+        x = packed_causal_conv1d(x.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, "silu",
+                                 seq_idx=seq_idx).transpose(1, 2)
+        return self.out_proj(x * F.silu(z))
+
+
+class MHA(nn.Module):
+    def __init__(self, d_model, layer_idx=None):
+        super().__init__()
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x, inference_params=None):
+        return self.proj(x)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, mixer):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mixer = mixer
+
+    def forward(self, hidden_states, residual=None, inference_params=None, **mixer_kwargs):
+        residual = hidden_states + residual if residual is not None else hidden_states
+        hidden_states = self.norm(residual)
+        hidden_states = self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
+        return hidden_states, residual
+
+
+class MixerModel(nn.Module):
+    def __init__(self, d_model, n_layer, vocab_size, mixers=("Mamba1",), **mixer_kw):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        kinds = [mixers[i % len(mixers)] for i in range(n_layer)]
+        cls = {"Mamba1": Mamba, "Mamba2": Mamba2, "MHA": MHA}
+        self.layers = nn.ModuleList(
+            [Block(d_model, cls[k](d_model, layer_idx=i, **(mixer_kw if k == "Mamba1" else {})))
+             for i, k in enumerate(kinds)])
+        self.norm_f = nn.LayerNorm(d_model)
+
+    def forward(self, input_ids, inference_params=None, **mixer_kwargs):
+        hidden_states = self.embedding(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params,
+                                            **mixer_kwargs)
+        residual = hidden_states + residual if residual is not None else hidden_states
+        return self.norm_f(residual)
+
+
+class MambaLMHeadModel(nn.Module):
+    def __init__(self, d_model=16, n_layer=2, vocab_size=50, mixers=("Mamba1",), **mixer_kw):
+        super().__init__()
+        self.backbone = MixerModel(d_model, n_layer, vocab_size, mixers, **mixer_kw)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head.weight = self.backbone.embedding.weight
+
+    def forward(self, input_ids, position_ids=None, inference_params=None, num_last_tokens=0, **mixer_kwargs):
+        hidden_states = self.backbone(input_ids, inference_params=inference_params, **mixer_kwargs)
+        if num_last_tokens > 0:
+            hidden_states = hidden_states[:, -num_last_tokens:]
+        CausalLMOutput = collections.namedtuple("CausalLMOutput", ["logits"])
+        return CausalLMOutput(logits=self.lm_head(hidden_states))
