@@ -46,9 +46,11 @@ puts them. All ranks consume the same number of batches, so any rank's state can
 (saving rank 0's is enough). Resume also works with a different ``num_workers``.
 
 Epochs follow ``DistributedSampler``: call :meth:`set_epoch` before each epoch to reshuffle; iterating
-again without it repeats the epoch. A state saved at the end of an epoch, loaded, continues with the
-next :meth:`set_epoch` (or repeats the finished epoch from the start if the epoch is not changed, as the
-uninterrupted loader would).
+again without it repeats the epoch. After :meth:`load_state_dict` the *next* iterator yields the rest of
+the saved epoch (``set_epoch`` with the saved epoch keeps that; another epoch discards it), so the usual
+loop ``for e in range(state["epoch"], n_epochs): loader.set_epoch(e); for batch in loader: ...``
+continues exactly. A state saved at the very end of an epoch yields an empty rest of that epoch, then
+the loop moves on to the next epoch, as the uninterrupted run would.
 
 Padding batches and the loss
 ----------------------------
@@ -260,7 +262,7 @@ class PackedDataLoader:
     def __iter__(self) -> "_LoaderIterator":
         epoch = self._epoch
         n = self.num_batches(epoch)  # plan computed here, inherited by forked workers
-        start = self._resume if self._resume is not None and self._resume < n else 0
+        start = min(self._resume, n) if self._resume is not None else 0
         self._resume = None
         self.dataset.control[0] = epoch
         self.dataset.control[1] = start

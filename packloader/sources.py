@@ -775,6 +775,9 @@ def _walk_tar_py(buf):
         flag[m] = buf[p + 156]
         m += 1
         p += 512 + ((sz + 511) // 512) * 512
+    if err == 0 and p > n:  # the last member's padding is cut off: the file was truncated
+        err = 4
+        p = pos[m - 1]
     return pos[:m].copy(), size[:m].copy(), flag[:m].copy(), err, p
 
 
@@ -893,7 +896,7 @@ class TarShard(Shard):
         lab_dt: list[str] = []
         cur_key = None
         cur_tok = cur_lab = None
-        cur_first = None
+        cur_first = cur_lab_name = None
         posl = pos.tolist()
         sizel = sizes.tolist()
         npy = self._npy
@@ -911,7 +914,7 @@ class TarShard(Shard):
                 if cur_lab[1] != cur_tok[1]:
                     raise DataError(
                         f"sample {cur_key.decode('utf-8', 'replace')!r} has {cur_lab[1]} labels for "
-                        f"{cur_tok[1]} tokens", path=path, member=cur_lab[3], row=row,
+                        f"{cur_tok[1]} tokens", path=path, member=cur_lab_name.decode("utf-8", "replace"), row=row,
                     )
                 lab_off.append(cur_lab[0]); lab_n.append(cur_lab[1]); lab_dt.append(cur_lab[2])
             else:
@@ -933,6 +936,7 @@ class TarShard(Shard):
                 cur_tok = npy(posl[i] + 512, sizel[i], name, len(keys))
             elif lab_ext is not None and ext == lab_ext:
                 cur_lab = npy(posl[i] + 512, sizel[i], name, len(keys))
+                cur_lab_name = name
         if cur_key is not None:
             finish()
         self.keys = [k.decode("utf-8", "replace") for k in keys]

@@ -160,3 +160,56 @@ class ShardFactory:
 def shard_factory(tmp_path) -> ShardFactory:
     """A :class:`ShardFactory` writing under ``tmp_path / "shards"``."""
     return ShardFactory(tmp_path / "shards")
+
+
+def assert_packed_matches(out_dir, seqs_by_source: dict, labels_by_source: dict | None = None, *,
+                          expect_all: bool = True) -> int:
+    """Check a pre-packed directory against its sources, token by token.
+
+    Args:
+        out_dir: the ``pack_dataset`` output.
+        seqs_by_source: ``{source path: list of int32 token arrays}``.
+        labels_by_source: ``{source path: list of label arrays or None}`` (missing: labels = tokens).
+        expect_all: every token of every non-empty sequence must appear exactly once.
+
+    Checks: each piece equals its source slice; labels equal the source labels except -100 at each
+    piece's first position; padding is 0 / -100; ``seq_lens`` sum to the row fill. Returns the rows.
+    """
+    from packloader.prepacked import PrepackedDataset
+
+    labels_by_source = labels_by_source or {}
+    with PrepackedDataset(out_dir) as ds:
+        n = len(ds)
+        ids, lab, offs, lens = ds.read_rows(0, n)
+        soffs, sf, sr, ss = ds.read_sources(0, n)
+        assert np.array_equal(offs, soffs)
+        covered = {}
+        for r in range(n):
+            pos = 0
+            for q in range(int(offs[r]), int(offs[r + 1])):
+                src = ds.sources[int(sf[q])]
+                L, row, start = int(lens[q]), int(sr[q]), int(ss[q])
+                seq = seqs_by_source[src][row]
+                assert np.array_equal(ids[r, pos:pos + L], seq[start:start + L]), (r, q, src, row)
+                lsrc = labels_by_source.get(src)
+                want = (seq if lsrc is None or lsrc[row] is None else lsrc[row])[start:start + L].copy()
+                want[0] = -100
+                assert np.array_equal(lab[r, pos:pos + L], want), (r, q, src, row)
+                covered.setdefault((src, row), []).append((start, L))
+                pos += L
+            assert pos <= ds.capacity
+            assert (ids[r, pos:] == 0).all() and (lab[r, pos:] == -100).all()
+        if expect_all:
+            for src, seqs in seqs_by_source.items():
+                for row, seq in enumerate(seqs):
+                    if len(seq) == 0:
+                        assert (src, row) not in covered
+                        continue
+                    pieces = sorted(covered.get((src, row), []))
+                    assert pieces, f"{src} row {row} missing"
+                    pos = 0
+                    for start, L in pieces:
+                        assert start == pos, (src, row, pieces)
+                        pos += L
+                    assert pos == len(seq), (src, row, pieces)
+        return n
