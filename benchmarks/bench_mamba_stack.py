@@ -168,7 +168,7 @@ def main(argv=None):
     conv_b = backends.resolve_backend("causal_conv1d", h0)
     scan_b = backends.resolve_backend("selective_scan", h0)
     print(f"device {torch.cuda.get_device_name() if dev == 'cuda' else platform.processor() or 'cpu'}; "
-          f"B={B} L={L} d_model={d} layers={args.layers} {str(dtype).replace("torch.", "")}; default backends: conv={conv_b} scan={scan_b}",
+          f"B={B} L={L} d_model={d} layers={args.layers} {str(dtype).replace('torch.', '')}; default backends: conv={conv_b} scan={scan_b}",
           flush=True)
     rows = []
     base_ms = None
