@@ -146,8 +146,12 @@ def cu_seqlens_to_position_ids(
     Returns:
         position_ids (batch, seqlen).
     """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise BoundaryError(f"cu_seqlens must be 1-D with at least one entry, got {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise BoundaryError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
     cu = cu_seqlens.to(torch.int64)
     total = int(cu[-1])
     if int(cu[0]) != 0:
@@ -163,13 +167,13 @@ def cu_seqlens_to_position_ids(
             f"cu_seqlens covers {total} tokens but shape {(batch, seqlen)} holds {batch * seqlen}"
         )
     if seqlen > 0:
-        row_starts = cu[:-1][lens > 0]
-        crosses = (row_starts // seqlen) != ((row_starts + lens[lens > 0] - 1) // seqlen)
+        starts, ends = cu[:-1], cu[1:]
+        crosses = (lens > 0) & ((starts // seqlen) != ((ends - 1) // seqlen))
         if bool(crosses.any()):
             i = int(crosses.nonzero()[0])
             raise BoundaryError(
-                f"sequence {i} of cu_seqlens (tokens {int(row_starts[i])}..."
-                f"{int(row_starts[i] + lens[lens > 0][i])}) straddles two rows of length {seqlen}"
+                f"sequence {i} of cu_seqlens (tokens [{int(starts[i])}, {int(ends[i])}) of the flattened "
+                f"batch) straddles two rows of length {seqlen}"
             )
     ar = torch.arange(total, device=cu.device, dtype=torch.int64)
     start_of_token = cu[:-1].repeat_interleave(lens)

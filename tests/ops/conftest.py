@@ -1,0 +1,30 @@
+"""Fixtures of the ops tests: a fresh seed per test (printed, so a failure can be replayed with
+``PACKLOADER_TEST_SEED=<seed>``) and the backend choice restored after every test."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def seed():
+    value = int(os.environ.get("PACKLOADER_TEST_SEED", random.randrange(2**31)))
+    print(f"seed={value} (replay with PACKLOADER_TEST_SEED={value})")
+    torch.manual_seed(value)
+    random.seed(value)
+    return value
+
+
+@pytest.fixture(autouse=True)
+def _restore_backends(monkeypatch):
+    """No test leaks a set_backend() choice or PACKLOADER_OPS_BACKEND into the next one."""
+    from ops import backends
+
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    saved = dict(backends._override)
+    yield
+    backends._override.clear()
+    backends._override.update(saved)

@@ -1,0 +1,263 @@
+"""ops.boundaries: the three forms of packed-sequence boundaries (position_ids, seq_idx, cu_seqlens),
+their conversions, validation errors and the per-batch resolution cache."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ops.boundaries import (
+    BoundaryError,
+    cu_seqlens_to_position_ids,
+    cu_seqlens_to_seq_idx,
+    position_ids_to_cu_seqlens,
+    position_ids_to_seq_idx,
+    resolve_boundaries,
+    resolve_position_ids,
+    seq_idx_to_position_ids,
+    validate_position_ids,
+)
+
+from ._helpers import layouts
+
+
+def forms_from_lengths(rows):
+    """The three forms built by hand from lists of segment lengths (one list per row)."""
+    pos, seq, cu = [], [], [0]
+    for row in rows:
+        pos.append([t for n in row for t in range(n)])
+        seq.append([i for i, n in enumerate(row) for _ in range(n)])
+        for n in row:
+            cu.append(cu[-1] + n)
+    return torch.tensor(pos), torch.tensor(seq), torch.tensor(cu)
+
+
+def random_rows(rng, batch, seqlen):
+    rows = layouts(seqlen, batch, rng.randrange(2**31))
+    for row in rows:
+        assert sum(row) == seqlen
+    return rows
+
+
+@pytest.mark.parametrize("seqlen", [1, 2, 7, 33])
+def test_round_trips_on_random_layouts(seed, seqlen):
+    rng = random.Random(seed)
+    for _ in range(5):
+        batch = rng.randint(1, 4)
+        rows = random_rows(rng, batch, seqlen)
+        pos, seq, cu = forms_from_lengths(rows)
+        shape = (batch, seqlen)
+        # every conversion gives the hand-built form, int32 and contiguous
+        for got, want in [
+            (seq_idx_to_position_ids(seq), pos),
+            (position_ids_to_seq_idx(pos), seq),
+            (cu_seqlens_to_position_ids(cu, shape), pos),
+            (cu_seqlens_to_seq_idx(cu, shape), seq),
+        ]:
+            assert got.dtype == torch.int32 and got.is_contiguous()
+            assert torch.equal(got.long(), want), (rows, got, want)
+        cu2, max_len = position_ids_to_cu_seqlens(pos)
+        assert cu2.dtype == torch.int32
+        assert torch.equal(cu2.long(), cu), (rows, cu2, cu)
+        assert max_len == max(max(r) for r in rows)
+        # round trips
+        assert torch.equal(seq_idx_to_position_ids(position_ids_to_seq_idx(pos)).long(), pos)
+        assert torch.equal(position_ids_to_seq_idx(seq_idx_to_position_ids(seq)).long(), seq)
+        assert torch.equal(cu_seqlens_to_position_ids(position_ids_to_cu_seqlens(pos)[0], shape).long(), pos)
+        validate_position_ids(pos)
+
+
+def test_dtype_argument_and_int32_inputs():
+    pos = torch.tensor([[0, 1, 0, 1, 2]], dtype=torch.int32)
+    assert seq_idx_to_position_ids(pos, dtype=torch.int64).dtype == torch.int64
+    assert position_ids_to_seq_idx(pos, dtype=torch.int64).dtype == torch.int64
+    assert position_ids_to_cu_seqlens(pos, dtype=torch.int64)[0].dtype == torch.int64
+    assert position_ids_to_seq_idx(pos).tolist() == [[0, 0, 1, 1, 1]]
+
+
+def test_seq_idx_any_change_starts_a_sequence():
+    # ids need not be consecutive nor increasing; only changes matter; every row starts a sequence
+    seq = torch.tensor([[5, 5, 2, 2, 2, 5, 7], [7, 7, 7, 7, 7, 7, 7]])
+    assert seq_idx_to_position_ids(seq).tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 6]]
+
+
+def test_position_ids_to_seq_idx_treats_column_0_as_a_start_and_does_not_modify_input():
+    pos = torch.tensor([[3, 4, 0, 1]])
+    before = pos.clone()
+    assert position_ids_to_seq_idx(pos).tolist() == [[0, 0, 1, 1]]
+    assert torch.equal(pos, before)
+    cu, _ = position_ids_to_cu_seqlens(pos)
+    assert cu.tolist() == [0, 2, 4] and torch.equal(pos, before)
+
+
+def test_padding_is_its_own_segment_and_matches_the_loader(seed):
+    """The loader's collation (packloader.batch) and ops' conversions describe the same boundaries."""
+    from packloader.batch import collate_packed
+
+    rng = np.random.default_rng(seed)
+    B, L = 4, 24
+    lens, offsets = [], [0]
+    for b in range(B):
+        row, left = [], L - int(rng.integers(0, 4))  # 0-3 tokens of padding
+        while left > 0 and rng.random() < 0.85:
+            n = int(rng.integers(1, left + 1))
+            row.append(n)
+            left -= n
+        lens.extend(row)
+        offsets.append(len(lens))
+    ids = rng.integers(1, 100, size=(B, L)).astype(np.int32)
+    batch = collate_packed(ids, None, np.array(offsets), np.array(lens, dtype=np.int32))
+    pos, seq, cu = batch["position_ids"], batch["seq_idx"], batch["cu_seqlens"]
+    validate_position_ids(pos)
+    assert torch.equal(seq_idx_to_position_ids(seq).long(), pos)
+    assert torch.equal(position_ids_to_seq_idx(pos), seq)
+    assert torch.equal(cu_seqlens_to_position_ids(cu, (B, L)).long(), pos)
+    cu2, max_len = position_ids_to_cu_seqlens(pos)
+    assert torch.equal(cu2, cu) and max_len == batch["max_seqlen"]
+    # padding tails: a segment after the row's real sequences, counting up from 0
+    for b in range(B):
+        used = sum(lens[offsets[b]:offsets[b + 1]])
+        if used < L:
+            assert pos[b, used:].tolist() == list(range(L - used))
+            assert seq[b, used] == offsets[b + 1] - offsets[b]
+
+
+def test_empty_shapes():
+    assert seq_idx_to_position_ids(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0)
+    assert position_ids_to_seq_idx(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0)
+    validate_position_ids(torch.zeros(3, 0, dtype=torch.long))
+    cu, m = position_ids_to_cu_seqlens(torch.zeros(0, 5, dtype=torch.long))
+    assert cu.tolist() == [0] and m == 0
+    assert cu_seqlens_to_position_ids(torch.tensor([0]), (0, 0)).shape == (0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation errors
+
+
+@pytest.mark.parametrize(
+    "ids, where, words",
+    [
+        ([[1, 2, 3]], "position_ids[0, 0] = 1", "begin at 0"),
+        ([[0, 1, 2], [0, 2, 3]], "position_ids[1, 1] = 2 after 0", "expected 0 or 1"),
+        ([[0, 1, 1]], "position_ids[0, 2] = 1 after 1", "count up by 1"),
+        ([[0, 1, 2, 5, 6]], "position_ids[0, 3] = 5 after 2", "restart at 0"),
+        ([[0, -1]], "position_ids[0, 1] = -1 after 0", "expected 0 or 1"),
+        ([[0, 1, 0, 1], [0, 1, 2, 3], [0, 0, 0, 7]], "position_ids[2, 3] = 7 after 0", "expected 0 or 1"),
+    ],
+)
+def test_validate_names_the_first_bad_id(ids, where, words):
+    with pytest.raises(BoundaryError) as exc:
+        validate_position_ids(torch.tensor(ids))
+    assert where in str(exc.value) and words in str(exc.value)
+    assert isinstance(exc.value, ValueError)  # BoundaryError is a ValueError
+
+
+def test_validate_accepts_every_valid_layout(seed):
+    rng = random.Random(seed)
+    for _ in range(10):
+        rows = random_rows(rng, rng.randint(1, 3), rng.randint(1, 40))
+        validate_position_ids(forms_from_lengths(rows)[0])
+
+
+@pytest.mark.parametrize("fn", [validate_position_ids, position_ids_to_seq_idx, position_ids_to_cu_seqlens,
+                                seq_idx_to_position_ids])
+def test_wrong_shape_and_dtype(fn):
+    name = "seq_idx" if fn is seq_idx_to_position_ids else "position_ids"
+    with pytest.raises(BoundaryError, match=rf"{name} must have shape \(batch, seqlen\), got \(4,\)"):
+        fn(torch.arange(4))
+    with pytest.raises(BoundaryError, match=rf"{name} must have shape .* got \(1, 2, 2\)"):
+        fn(torch.zeros(1, 2, 2, dtype=torch.long))
+    for dt in (torch.float32, torch.float64, torch.bool):
+        with pytest.raises(BoundaryError, match=rf"{name} must be an integer tensor, got {dt}"):
+            fn(torch.zeros(1, 3, dtype=dt))
+    with pytest.raises(TypeError, match=rf"{name} must be a torch.Tensor, got list"):
+        fn([[0, 1, 2]])
+
+
+def test_cu_seqlens_errors():
+    with pytest.raises(BoundaryError, match="must start at 0, got 2"):
+        cu_seqlens_to_position_ids(torch.tensor([2, 4]))
+    with pytest.raises(BoundaryError, match="non-decreasing"):
+        cu_seqlens_to_position_ids(torch.tensor([0, 4, 3, 8]), (2, 4))
+    with pytest.raises(BoundaryError, match=r"covers 8 tokens but shape \(3, 4\) holds 12"):
+        cu_seqlens_to_position_ids(torch.tensor([0, 4, 8]), (3, 4))
+    with pytest.raises(BoundaryError, match=r"1-D with at least one entry"):
+        cu_seqlens_to_position_ids(torch.tensor([[0, 4]]))
+    with pytest.raises(BoundaryError, match=r"1-D with at least one entry"):
+        cu_seqlens_to_position_ids(torch.zeros(0, dtype=torch.long))
+    with pytest.raises(BoundaryError, match="integer tensor, got torch.float32"):
+        cu_seqlens_to_position_ids(torch.tensor([0.0, 4.0]))
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        cu_seqlens_to_position_ids([0, 4])
+    # a sequence crossing a row end; the index counts empty sequences too (sequence 2 here)
+    with pytest.raises(BoundaryError, match=r"sequence 2 of cu_seqlens \(tokens \[2, 5\).*straddles two rows of length 4"):
+        cu_seqlens_to_position_ids(torch.tensor([0, 2, 2, 5, 8]), (2, 4))
+
+
+def test_cu_seqlens_default_shape_and_empty_sequences():
+    assert cu_seqlens_to_position_ids(torch.tensor([0, 3, 5])).tolist() == [[0, 1, 2, 0, 1]]
+    # zero-length sequences (repeated offsets) are allowed and occupy nothing
+    assert cu_seqlens_to_position_ids(torch.tensor([0, 4, 4, 6, 8]), (2, 4)).tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# resolution (what the ops call)
+
+
+def test_resolve_returns_int32_position_ids_from_either_form():
+    pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    seq = position_ids_to_seq_idx(pos)
+    assert resolve_position_ids(None, None) is None
+    for got in (resolve_position_ids(pos), resolve_position_ids(None, seq), resolve_position_ids(pos, seq, 2, 5)):
+        assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got.long(), pos)
+    # non-contiguous input
+    pos_t = pos.t().contiguous().t()
+    assert not pos_t.is_contiguous()
+    assert torch.equal(resolve_position_ids(pos_t).long(), pos)
+
+
+def test_resolve_errors():
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    with pytest.raises(BoundaryError, match=r"boundaries have shape \(1, 5\) but the activations are \(batch=1, seqlen=6\)"):
+        resolve_position_ids(pos, None, 1, 6)
+    with pytest.raises(BoundaryError, match=r"position_ids\[0, 2\] = 3"):
+        resolve_position_ids(torch.tensor([[0, 1, 3]]))
+    with pytest.raises(BoundaryError, match=r"disagree at \[0, 3\]"):
+        resolve_position_ids(pos, torch.tensor([[0, 0, 0, 0, 1]]))
+    with pytest.raises(BoundaryError, match="different shapes"):
+        resolve_position_ids(pos, torch.zeros(1, 4, dtype=torch.long))
+    # validate=False skips the check (the caller vouches for the ids)
+    bad = torch.tensor([[0, 1, 3]])
+    assert resolve_position_ids(bad, validate=False).tolist() == [[0, 1, 3]]
+
+
+def test_resolve_cache_sees_in_place_changes():
+    pos = torch.tensor([[0, 1, 2, 3]])
+    assert resolve_position_ids(pos).tolist() == [[0, 1, 2, 3]]
+    pos[0, 2:] = torch.tensor([0, 1])  # a new sequence starts: the cached result must not be reused
+    assert resolve_position_ids(pos).tolist() == [[0, 1, 0, 1]]
+    pos[0, 3] = 5  # and now invalid: validation runs again
+    with pytest.raises(BoundaryError):
+        resolve_position_ids(pos)
+    # an unvalidated resolution is not reused by a validating call
+    bad = torch.tensor([[0, 2]])
+    resolve_position_ids(bad, validate=False)
+    with pytest.raises(BoundaryError):
+        resolve_position_ids(bad)
+
+
+def test_resolve_boundaries_all_three_forms():
+    rows = [[3, 1, 2], [6]]
+    pos, seq, cu = forms_from_lengths(rows)
+    for kw in ({"position_ids": pos}, {"seq_idx": seq}, {"cu_seqlens": cu}):
+        p, s = resolve_boundaries(**kw, shape=(2, 6), need_seq_idx=True)
+        assert torch.equal(p.long(), pos) and torch.equal(s.long(), seq)
+        assert p.dtype == torch.int32 and s.dtype == torch.int32
+    p, s = resolve_boundaries(position_ids=pos, shape=(2, 6))
+    assert s is None
+    assert resolve_boundaries(shape=(2, 6)) == (None, None)
+    with pytest.raises(BoundaryError, match="needs the"):
+        resolve_boundaries(cu_seqlens=cu)
