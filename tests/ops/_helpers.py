@@ -40,6 +40,37 @@ def layouts(seqlen: int, batch: int, seed: int) -> List[List[int]]:
     return rows
 
 
+def mixed_rows(rng: random.Random, batch: int, seqlen: int, width: int = 4) -> List[List[int]]:
+    """Rows of segment lengths covering every case the ops must handle, then random mixes:
+    row 0 one sequence; row 1 length-1 sequences first; row 2 only sequences shorter than the conv
+    ``width``; row 3 random sequences followed by a padding tail (its own segment); more rows random.
+    The rows cycle through these kinds when ``batch`` < 4 (the seed rotates the starting kind)."""
+    kinds = ["one", "ones", "short", "padded", "random"]
+    start = rng.randrange(4)
+    rows = []
+    for i in range(batch):
+        kind = kinds[(start + i) % 4] if i < 4 else "random"
+        if kind == "one":
+            row = [seqlen]
+        elif kind == "ones":
+            k = min(seqlen, rng.randint(1, 4))
+            row = [1] * k + (random_row(rng, seqlen - k) if seqlen > k else [])
+        elif kind == "short":
+            row, left = [], seqlen
+            while left > 0:
+                n = min(left, rng.randint(1, max(1, width - 1)))
+                row.append(n)
+                left -= n
+        elif kind == "padded":
+            pad = rng.randint(1, max(1, seqlen // 4))
+            row = (random_row(rng, seqlen - pad) if seqlen > pad else []) + [pad]
+        else:
+            row = random_row(rng, seqlen)
+        assert sum(row) == seqlen and min(row) >= 1
+        rows.append(row)
+    return rows
+
+
 def spans(rows):
     out = []
     for r, row in enumerate(rows):

@@ -1,0 +1,229 @@
+"""Packed causal depthwise conv1d on CPU in float64: the reference op and the autograd Function
+(backend ``ref_kernel``: PackedCausalConv1dFn with the reference standing in for the compiled kernels)
+against a per-timestep oracle written here and against running every sequence alone, for random
+length mixes (length-1 sequences, sequences shorter than the conv width, a row that is one sequence,
+a padding tail), both boundary forms, channel-first and channel-last inputs, with and without bias and
+silu, conv widths 2-4."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ops
+from ops.conv1d_interface import causal_conv1d_ref
+
+from ._helpers import mixed_rows, positions, spans
+
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+def conv_oracle(x, weight, bias, activation, rows):
+    """out[t] = bias + sum_k weight[:, W-1-k] * x[t-k] over the taps k that stay inside t's sequence."""
+    batch, dim, seqlen = x.shape
+    w = weight.reshape(dim, -1)
+    W = w.shape[1]
+    cols = []
+    for b, row in enumerate(rows):
+        row_cols = []
+        start = 0
+        for length in row:
+            for t in range(start, start + length):
+                acc = torch.zeros(dim, dtype=F64) if bias is None else bias.clone()
+                for k in range(W):
+                    if t - k >= start:
+                        acc = acc + w[:, W - 1 - k] * x[b, :, t - k]
+                if activation in ("silu", "swish"):
+                    acc = acc * torch.sigmoid(acc)
+                row_cols.append(acc)
+            start += length
+        cols.append(torch.stack(row_cols, -1))
+    return torch.stack(cols)
+
+
+def make_x(batch, dim, seqlen, channel_last, dtype=F64):
+    if channel_last:
+        x = torch.randn(batch, seqlen, dim, dtype=dtype).transpose(1, 2)
+        assert x.stride(1) == 1 and not x.is_contiguous()
+        return x
+    return torch.randn(batch, dim, seqlen, dtype=dtype)
+
+
+def leaf(t):
+    return None if t is None else t.detach().clone().requires_grad_(True)
+
+
+def grads(out, ins, dout):
+    wrt = [t for t in ins if t is not None]
+    g = iter(torch.autograd.grad(out, wrt, dout))
+    return [None if t is None else next(g) for t in ins]
+
+
+VARIANTS = {
+    # name: (width, has_bias, activation, weight as nn.Conv1d's (dim, 1, width))
+    "w4_bias_silu_3d": (4, True, "silu", True),
+    "w2_plain": (2, False, None, False),
+    "w3_bias_swish": (3, True, "swish", False),
+    "w4_nobias_linear_3d": (4, False, None, True),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "ref_kernel"])
+@pytest.mark.parametrize("form", ["position_ids", "seq_idx"])
+@pytest.mark.parametrize("channel_last", [False, True], ids=["channel_first", "channel_last"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_packed_equals_oracle_and_each_sequence_alone(seed, backend, form, channel_last, variant):
+    width, has_bias, activation, w3d = VARIANTS[variant]
+    rng = random.Random(seed)
+    batch, dim, seqlen = 4, 5, rng.choice([9, 26])
+    rows = mixed_rows(rng, batch, seqlen, width=width)
+    print("rows", rows)
+    pos = positions(rows)
+    bounds = {"position_ids": pos} if form == "position_ids" else {"seq_idx": ops.position_ids_to_seq_idx(pos)}
+    x = leaf(make_x(batch, dim, seqlen, channel_last))
+    w = leaf(torch.randn(dim, 1, width, dtype=F64) if w3d else torch.randn(dim, width, dtype=F64))
+    bias = leaf(torch.randn(dim, dtype=F64)) if has_bias else None
+    out = ops.packed_causal_conv1d(x, w, bias, activation, backend=backend, **bounds)
+    assert out.shape == x.shape and out.dtype == F64
+    assert out.stride() == x.stride(), "output in the input's layout"
+    dout = torch.randn(out.shape, dtype=F64)
+    g = grads(out, [x, w, bias], dout)
+    assert g[1].shape == w.shape
+
+    # the oracle
+    ox, ow, ob = leaf(x), leaf(w), leaf(bias)
+    o_out = conv_oracle(ox, ow, ob, activation, rows)
+    torch.testing.assert_close(out, o_out, **TOL)
+    for name, a, b in zip(["x", "weight", "bias"], g, grads(o_out, [ox, ow, ob], dout)):
+        if a is not None:
+            torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"grad of {name}: {m}")
+
+    # each sequence alone, no boundaries
+    dw, db = torch.zeros_like(w), (torch.zeros_like(bias) if has_bias else None)
+    for b, s, n in spans(rows):
+        xs = x.detach()[b:b + 1, :, s:s + n]
+        xs = leaf(xs.transpose(1, 2).contiguous().transpose(1, 2) if channel_last else xs.contiguous())
+        ws, bs = leaf(w), leaf(bias)
+        o = ops.packed_causal_conv1d(xs, ws, bs, activation, backend=backend)
+        torch.testing.assert_close(out[b:b + 1, :, s:s + n], o, **TOL)
+        gx, gw, gb = grads(o, [xs, ws, bs], dout[b:b + 1, :, s:s + n])
+        torch.testing.assert_close(g[0][b:b + 1, :, s:s + n], gx, **TOL)
+        dw += gw
+        if has_bias:
+            db += gb
+    torch.testing.assert_close(g[1], dw, **TOL)
+    if has_bias:
+        torch.testing.assert_close(g[2], db, **TOL)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("seqlen", [1, 2, 17])
+def test_no_boundaries_equals_torch_conv1d(seed, width, seqlen):
+    """Without boundaries: nn.Conv1d(groups=dim, padding=width-1) truncated to seqlen, as in Mamba."""
+    dim = 3
+    conv = torch.nn.Conv1d(dim, dim, width, groups=dim, padding=width - 1, dtype=F64)
+    x = torch.randn(2, dim, seqlen, dtype=F64)
+    want = F.silu(conv(x)[..., :seqlen])
+    for backend in ("reference", "ref_kernel"):
+        got = ops.packed_causal_conv1d(x, conv.weight, conv.bias, "silu", backend=backend)
+        torch.testing.assert_close(got, want, **TOL)
+        # position_ids counting 0..L-1 (one sequence per row) is the same thing
+        pos = torch.arange(seqlen).expand(2, seqlen)
+        torch.testing.assert_close(ops.packed_causal_conv1d(x, conv.weight, conv.bias, "silu", position_ids=pos,
+                                                            backend=backend), want, **TOL)
+
+
+@pytest.mark.parametrize("channel_last", [False, True], ids=["channel_first", "channel_last"])
+def test_gradcheck_through_the_autograd_function(seed, channel_last):
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 0]])
+    x = leaf(make_x(2, 3, 8, channel_last))
+    w, b = leaf(torch.randn(3, 4, dtype=F64)), leaf(torch.randn(3, dtype=F64))
+    assert torch.autograd.gradcheck(
+        lambda x_, w_, b_: ops.packed_causal_conv1d(x_, w_, b_, "silu", position_ids=pos, backend="ref_kernel"),
+        (x, w, b), eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradcheck(
+        lambda x_, w_: ops.packed_causal_conv1d(x_, w_, None, None, position_ids=pos, backend="ref_kernel"),
+        (x, w), eps=1e-6, atol=1e-7)
+
+
+def test_no_tap_crosses_a_boundary_forward_or_backward(seed):
+    x = torch.randn(1, 4, 12, dtype=F64)
+    w, b = torch.randn(4, 4, dtype=F64), torch.randn(4, dtype=F64)
+    pos = positions([[5, 7]])
+    for backend in ("reference", "ref_kernel"):
+        xl = leaf(x)
+        out = ops.packed_causal_conv1d(xl, w, b, "silu", position_ids=pos, backend=backend)
+        x2 = x.clone()
+        x2[..., :5] += 10.0  # change the first sequence
+        out2 = ops.packed_causal_conv1d(x2, w, b, "silu", position_ids=pos, backend=backend)
+        assert torch.equal(out[..., 5:], out2[..., 5:])
+        assert (out[..., :5] - out2[..., :5]).abs().max() > 0
+        out[..., 5:].sum().backward()
+        assert xl.grad[..., :5].abs().max() == 0 and xl.grad[..., 5:].abs().max() > 0
+
+
+def test_channel_last_and_channel_first_agree(seed):
+    x = torch.randn(2, 8, 11, dtype=F64)
+    x_cl = x.transpose(1, 2).contiguous().transpose(1, 2)
+    w, b = torch.randn(8, 3, dtype=F64), torch.randn(8, dtype=F64)
+    pos = positions([[3, 1, 7], [11]])
+    for backend in ("reference", "ref_kernel"):
+        r = []
+        for inp in (x, x_cl):
+            xl = leaf(inp)
+            out = ops.packed_causal_conv1d(xl, w, b, "silu", position_ids=pos, backend=backend)
+            out.square().sum().backward()
+            r.append((out, xl.grad))
+        torch.testing.assert_close(r[0][0], r[1][0], **TOL)
+        torch.testing.assert_close(r[0][1], r[1][1], **TOL)
+        assert r[1][0].stride(1) == 1  # channel-last in, channel-last out
+
+
+def test_strided_input_that_is_neither_layout(seed):
+    """A slice of a wider tensor (Mamba's x half of xz): the Function copies to a kernel layout."""
+    xz = torch.randn(2, 6, 9, dtype=F64)
+    x = xz[:, :3]
+    w = torch.randn(3, 4, dtype=F64)
+    pos = positions([[4, 5], [2, 7]])
+    a = ops.packed_causal_conv1d(x, w, None, "silu", position_ids=pos, backend="ref_kernel")
+    b = ops.packed_causal_conv1d(x.contiguous(), w, None, "silu", position_ids=pos, backend="reference")
+    torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_on_cpu(seed, dtype):
+    rows = [[2, 1, 9], [12]]
+    x = torch.randn(2, 4, 12).to(dtype)
+    w, b = torch.randn(4, 4).to(dtype), torch.randn(4).to(dtype)
+    want = conv_oracle(x.double(), w.double(), b.double(), "silu", rows)
+    for backend in ("reference", "ref_kernel"):
+        out = ops.packed_causal_conv1d(x, w, b, "silu", position_ids=positions(rows), backend=backend)
+        assert out.dtype == dtype
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        assert ((out.double() - want).norm() / want.norm()).item() <= tol
+
+
+def test_reference_function_matches_the_op(seed):
+    x, w = torch.randn(2, 3, 10, dtype=F64), torch.randn(3, 2, dtype=F64)
+    pos = positions([[3, 7], [1, 9]])
+    torch.testing.assert_close(causal_conv1d_ref(x, w, None, "silu", position_ids=pos),
+                               ops.packed_causal_conv1d(x, w, None, "silu", position_ids=pos), rtol=0, atol=0)
+
+
+def test_errors():
+    x, w = torch.randn(2, 4, 10), torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"activation must be None, 'silu' or 'swish', got 'relu'"):
+        ops.packed_causal_conv1d(x, w, activation="relu")
+    with pytest.raises(ValueError, match=r"weight must be \(dim=4, width\) or \(dim, 1, width\), got \(3, 3\)"):
+        ops.packed_causal_conv1d(x, w[:3])
+    with pytest.raises(ValueError, match=r"weight must be .* got \(4, 2, 3\)"):
+        ops.packed_causal_conv1d(x, torch.randn(4, 2, 3))
+    with pytest.raises(ValueError, match=r"bias must be \(dim=4,\), got \(3,\)"):
+        ops.packed_causal_conv1d(x, w, torch.randn(3))
+    with pytest.raises(ValueError, match=r"x must be \(batch, dim, seqlen\), got \(4, 10\)"):
+        ops.packed_causal_conv1d(x[0], w)
+    with pytest.raises(ops.BoundaryError, match=r"seq_idx must have shape \(batch, seqlen\)"):
+        ops.packed_causal_conv1d(x, w, seq_idx=torch.zeros(10, dtype=torch.long))

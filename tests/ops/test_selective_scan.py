@@ -1,0 +1,345 @@
+"""Packed selective scan on CPU in float64: the reference op and the autograd Function (backend
+``ref_kernel``: PackedSelectiveScanFn with the reference standing in for the compiled kernels) against
+
+- an independent oracle written here: a per-sequence, per-timestep loop, deliberately simple;
+- running every sequence of the packed rows alone (outputs, and the gradients of u, delta, A, B, C,
+  D, z, delta_bias: per-token gradients match slice by slice, parameter gradients sum);
+
+for random length mixes (length-1 sequences, short ones, a row that is one sequence, a padding tail),
+both boundary forms, grouped B/C, with and without z / D / delta_bias / softplus.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import ops
+from ops.selective_scan_interface import linear_scan, selective_scan_ref
+
+from ._helpers import mixed_rows, positions, spans
+
+F64 = torch.float64
+TOL = dict(rtol=1e-9, atol=1e-11)
+
+
+# ---------------------------------------------------------------------------------------------
+# the oracle
+
+
+def softplus64(x):
+    return torch.log1p(torch.exp(x))
+
+
+def scan_oracle(u, delta, A, B, C, D, z, delta_bias, softplus, rows):
+    """Sequence by sequence, timestep by timestep:
+    h = exp(dt * A) * h + dt * B[t] * u[t]; y = <C[t], h> + D * u[t]; y *= silu(z[t]).
+    Returns (out (batch, dim, seqlen), last_state (batch, dim, dstate) of each row's last sequence)."""
+    batch, dim, seqlen = u.shape
+    dstate = A.shape[1]
+    grouped = B.dim() == 4
+    group_of = [d // (dim // B.shape[1]) for d in range(dim)] if grouped else None
+    cols, lasts = [], []
+    for b, row in enumerate(rows):
+        row_cols = []
+        t = 0
+        for length in row:
+            h = torch.zeros(dim, dstate, dtype=F64)
+            for _ in range(length):
+                dt = delta[b, :, t]
+                if delta_bias is not None:
+                    dt = dt + delta_bias
+                if softplus:
+                    dt = softplus64(dt)
+                if grouped:
+                    Bt, Ct = B[b, group_of, :, t], C[b, group_of, :, t]  # (dim, dstate)
+                else:
+                    Bt, Ct = B[b, :, t].expand(dim, dstate), C[b, :, t].expand(dim, dstate)
+                h = torch.exp(dt[:, None] * A) * h + (dt * u[b, :, t])[:, None] * Bt
+                y = (h * Ct).sum(-1)
+                if D is not None:
+                    y = y + D * u[b, :, t]
+                if z is not None:
+                    y = y * z[b, :, t] * torch.sigmoid(z[b, :, t])
+                row_cols.append(y)
+                t += 1
+        cols.append(torch.stack(row_cols, -1))
+        lasts.append(h)
+    return torch.stack(cols), torch.stack(lasts)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+VARIANTS = {
+    # name: (has_z, has_D, has_delta_bias, softplus, groups)
+    "full": (True, True, True, True, 0),
+    "bare": (False, False, False, False, 0),
+    "grouped": (True, True, False, True, 2),
+    "grouped_nogate": (False, True, True, False, 3),
+}
+
+
+def make_inputs(batch, dim, dstate, seqlen, variant, dtype=F64):
+    has_z, has_D, has_db, softplus, groups = VARIANTS[variant]
+    u = torch.randn(batch, dim, seqlen, dtype=dtype)
+    # without softplus the time steps must be positive to keep the state bounded
+    delta = 0.5 * torch.randn(batch, dim, seqlen, dtype=dtype) if softplus else torch.rand(batch, dim, seqlen, dtype=dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate, dtype=dtype))
+    shape = (batch, dstate, seqlen) if groups == 0 else (batch, groups, dstate, seqlen)
+    B = torch.randn(*shape, dtype=dtype)
+    C = torch.randn(*shape, dtype=dtype)
+    D = torch.randn(dim, dtype=dtype) if has_D else None
+    z = torch.randn(batch, dim, seqlen, dtype=dtype) if has_z else None
+    db = 0.3 * torch.randn(dim, dtype=dtype) if has_db else None
+    return [u, delta, A, B, C, D, z, db], softplus
+
+
+NAMES = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias"]
+PER_TOKEN = {"u", "delta", "B", "C", "z"}
+
+
+def leaves(inputs):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in inputs]
+
+
+def grads_of(out, ins, dout):
+    wrt = [t for t in ins if t is not None]
+    g = iter(torch.autograd.grad(out, wrt, dout))
+    return [None if t is None else next(g) for t in ins]
+
+
+def run_op(ins, softplus, backend, **bounds):
+    return ops.packed_selective_scan(*ins, delta_softplus=softplus, backend=backend, **bounds)
+
+
+def bounds_for(form, pos):
+    if form == "position_ids":
+        return {"position_ids": pos}
+    return {"seq_idx": ops.position_ids_to_seq_idx(pos)}
+
+
+def slice_seq(t, name, b, s, e):
+    if t is None:
+        return None
+    if name in ("A", "D", "delta_bias"):
+        return t
+    return t[b:b + 1, ..., s:e]
+
+
+# ---------------------------------------------------------------------------------------------
+# the tests
+
+
+@pytest.mark.parametrize("backend", ["reference", "ref_kernel"])
+@pytest.mark.parametrize("form", ["position_ids", "seq_idx"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_packed_equals_oracle_and_each_sequence_alone(seed, backend, form, variant):
+    rng = random.Random(seed)
+    batch, dim, dstate, seqlen = 4, 6, 3, rng.choice([23, 37])  # 37 > 32: the parallel reference scan
+    rows = mixed_rows(rng, batch, seqlen)
+    print("rows", rows)
+    pos = positions(rows)
+    inputs, softplus = make_inputs(batch, dim, dstate, seqlen, variant)
+    ins = leaves(inputs)
+    out = run_op(ins, softplus, backend, **bounds_for(form, pos))
+    assert out.shape == (batch, dim, seqlen) and out.dtype == F64
+    dout = torch.randn_like(out)
+    grads = grads_of(out, ins, dout)
+
+    # 1. the oracle, its gradients by autograd through the loop
+    o_ins = leaves(inputs)
+    o_out, _ = scan_oracle(*o_ins, softplus, rows)
+    torch.testing.assert_close(out, o_out, **TOL)
+    for name, g, og in zip(NAMES, grads, grads_of(o_out, o_ins, dout)):
+        if g is None:
+            assert og is None
+            continue
+        torch.testing.assert_close(g, og, **TOL, msg=lambda m: f"grad of {name}: {m}")
+
+    # 2. every sequence alone, without boundaries
+    acc = {n: torch.zeros_like(t) for n, t in zip(NAMES, inputs) if t is not None and n not in PER_TOKEN}
+    for b, s, n in spans(rows):
+        e = s + n
+        s_ins = leaves([slice_seq(t, name, b, s, e) for name, t in zip(NAMES, inputs)])
+        s_out = run_op(s_ins, softplus, backend)
+        torch.testing.assert_close(out[b:b + 1, :, s:e], s_out, **TOL)
+        for name, g, sg in zip(NAMES, grads, grads_of(s_out, s_ins, dout[b:b + 1, :, s:e].contiguous())):
+            if sg is None:
+                continue
+            if name in PER_TOKEN:
+                torch.testing.assert_close(g[b:b + 1, ..., s:e], sg, **TOL, msg=lambda m: f"grad of {name} [{b}, {s}:{e}]: {m}")
+            else:
+                acc[name] += sg
+    for name, total in acc.items():
+        torch.testing.assert_close(grads[NAMES.index(name)], total, **TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_gradcheck_through_the_autograd_function(seed, grouped):
+    """torch.autograd.gradcheck of PackedSelectiveScanFn (ref_kernel backend) at tiny sizes, float64."""
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0]])
+    inputs, softplus = make_inputs(2, 4, 2, 7, "grouped" if grouped else "full")
+    if grouped:
+        inputs[7] = 0.3 * torch.randn(4, dtype=F64)  # also delta_bias
+    ins = tuple(leaves(inputs))
+    assert torch.autograd.gradcheck(
+        lambda *a: ops.packed_selective_scan(*a, delta_softplus=softplus, position_ids=pos, backend="ref_kernel"),
+        ins, eps=1e-6, atol=1e-7)
+
+
+def test_reference_gradcheck_with_parallel_scan(seed):
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2]])
+    inputs, softplus = make_inputs(1, 2, 2, 9, "full")
+    assert torch.autograd.gradcheck(
+        lambda *a: selective_scan_ref(*a, delta_softplus=softplus, position_ids=pos, method="parallel"),
+        tuple(leaves(inputs)), eps=1e-6, atol=1e-7)
+
+
+def test_sequential_and_parallel_reference_agree_and_last_state(seed):
+    rng = random.Random(seed)
+    rows = mixed_rows(rng, 3, 45)
+    pos = positions(rows)
+    inputs, softplus = make_inputs(3, 5, 4, 45, "full")
+    outs = {}
+    for method in ("sequential", "parallel", "auto"):
+        outs[method] = selective_scan_ref(*inputs, delta_softplus=softplus, position_ids=pos,
+                                          return_last_state=True, method=method)
+    o_out, o_last = scan_oracle(*inputs, softplus, rows)
+    for method, (out, last) in outs.items():
+        torch.testing.assert_close(out, o_out, **TOL)
+        # the state after each row's last token: that of the row's last sequence only
+        torch.testing.assert_close(last, o_last, **TOL)
+    with pytest.raises(ValueError, match="unknown method"):
+        linear_scan(torch.ones(1, 3), torch.ones(1, 3), dim=1, method="fast")
+
+
+def test_linear_scan_both_methods(seed):
+    a, b = torch.rand(3, 4, 50, dtype=F64), torch.randn(3, 4, 50, dtype=F64)
+    want = torch.zeros_like(b)
+    h = torch.zeros(3, 4, dtype=F64)
+    for t in range(50):
+        h = a[..., t] * h + b[..., t]
+        want[..., t] = h
+    for method in ("sequential", "parallel"):
+        torch.testing.assert_close(linear_scan(a, b, dim=2, method=method), want, **TOL)
+        # another axis
+        torch.testing.assert_close(linear_scan(a.movedim(2, 0), b.movedim(2, 0), dim=0, method=method),
+                                   want.movedim(2, 0), **TOL)
+
+
+def test_no_boundaries_is_one_sequence_per_row_and_boundaries_matter(seed):
+    inputs, softplus = make_inputs(2, 4, 3, 12, "full")
+    pos_one = torch.arange(12).expand(2, 12)
+    pos_two = positions([[6, 6], [5, 7]])
+    for backend in ("reference", "ref_kernel"):
+        plain = run_op(inputs, softplus, backend)
+        torch.testing.assert_close(plain, run_op(inputs, softplus, backend, position_ids=pos_one), rtol=0, atol=0)
+        two = run_op(inputs, softplus, backend, position_ids=pos_two)
+        # the first sequence of each row is unaffected by the reset, the second one is not
+        torch.testing.assert_close(two[0, :, :6], plain[0, :, :6], rtol=0, atol=0)
+        assert (two[0, :, 6:] - plain[0, :, 6:]).abs().max() > 1e-3
+
+
+def test_reset_blocks_gradients_across_the_boundary(seed):
+    """A loss on the second sequence only gives exactly zero gradient to the first one's inputs."""
+    inputs, softplus = make_inputs(1, 4, 3, 16, "full")
+    pos = positions([[9, 7]])
+    for backend in ("reference", "ref_kernel"):
+        ins = leaves(inputs)
+        out = run_op(ins, softplus, backend, position_ids=pos)
+        out[..., 9:].sum().backward()
+        for name, t in zip(NAMES, ins):
+            if name in PER_TOKEN:
+                assert t.grad[..., :9].abs().max() == 0, name
+                assert t.grad[..., 9:].abs().max() > 0, name
+
+
+def test_function_handles_non_contiguous_inputs_and_keeps_shapes(seed):
+    """B and C as transposed views (what Mamba's x_proj produces), u and z as slices of one tensor."""
+    batch, dim, dstate, L = 2, 4, 3, 10
+    pos = positions([[4, 6], [1, 9]])
+    xz = torch.randn(batch, 2 * dim, L, dtype=F64)
+    BC = torch.randn(batch, L, 2 * dstate, dtype=F64)
+    delta, A = 0.5 * torch.randn(batch, dim, L, dtype=F64), -torch.rand(dim, dstate, dtype=F64)
+    D, db = torch.randn(dim, dtype=F64), torch.randn(dim, dtype=F64)
+    results = []
+    for make_contiguous in (False, True):
+        xz_l, BC_l = xz.clone().requires_grad_(True), BC.clone().requires_grad_(True)
+        u, z = xz_l[:, :dim], xz_l[:, dim:]
+        B, C = BC_l[..., :dstate].transpose(1, 2), BC_l[..., dstate:].transpose(1, 2)
+        if make_contiguous:
+            u, z, B, C = (t.contiguous() for t in (u, z, B, C))
+        else:
+            assert not B.is_contiguous()
+        out = ops.packed_selective_scan(u, delta, A, B, C, D, z, db, True, position_ids=pos, backend="ref_kernel")
+        out.square().sum().backward()
+        results.append((out.detach(), xz_l.grad, BC_l.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_function_backward_twice_with_retain_graph(seed):
+    inputs, softplus = make_inputs(2, 4, 3, 9, "grouped")
+    pos = positions([[3, 6], [9]])
+    ins = leaves(inputs)
+    out = run_op(ins, softplus, "ref_kernel", position_ids=pos)
+    out.sum().backward(retain_graph=True)
+    first = [t.grad.clone() for t in ins if t is not None]
+    out.sum().backward()
+    for g1, t in zip(first, [t for t in ins if t is not None]):
+        torch.testing.assert_close(t.grad, 2 * g1, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_inputs_on_cpu(seed, dtype):
+    """float32 / bf16 activations (A, D, delta_bias float32, as Mamba passes them): the output has the
+    input dtype and is close to the float64 oracle."""
+    rows = [[5, 1, 10], [16]]
+    pos = positions(rows)
+    inputs, softplus = make_inputs(2, 4, 3, 16, "full")
+    low = [t if t is None else (t.float() if name in ("A", "D", "delta_bias") else t.to(dtype))
+           for name, t in zip(NAMES, inputs)]
+    want, _ = scan_oracle(*[None if t is None else t.double() for t in low], softplus, rows)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for backend in ("reference", "ref_kernel"):
+        out = run_op(low, softplus, backend, position_ids=pos)
+        assert out.dtype == dtype
+        assert ((out.double() - want).norm() / want.norm()).item() <= tol
+
+
+def test_explicit_backend_with_a_dstate_the_kernel_cannot_take(monkeypatch):
+    from ops import _ref_kernels
+
+    monkeypatch.setattr(_ref_kernels, "_MAX_DSTATE", 2, raising=False)
+    inputs, softplus = make_inputs(1, 2, 3, 5, "full")
+    with pytest.raises(ValueError, match="dstate 3 > 2 is not supported"):
+        run_op(inputs, softplus, "ref_kernel")
+
+
+def test_shape_errors():
+    inputs, _ = make_inputs(2, 4, 3, 8, "full")
+    u, delta, A, B, C, D, z, db = inputs
+
+    def call(**over):
+        kw = dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=db)
+        kw.update(over)
+        return ops.packed_selective_scan(**kw)
+
+    with pytest.raises(ValueError, match=r"u must be \(batch, dim, seqlen\), got \(4, 8\)"):
+        call(u=u[0])
+    with pytest.raises(ValueError, match=r"delta \(2, 4, 7\) must have u's shape \(2, 4, 8\)"):
+        call(delta=delta[..., :7])
+    with pytest.raises(ValueError, match=r"A must be \(dim=4, dstate\), got \(3, 3\)"):
+        call(A=A[:3])
+    with pytest.raises(ValueError, match=r"B must be \(batch, dstate, seqlen\) = \(2, 3, 8\)"):
+        call(B=B[..., :7])
+    with pytest.raises(ValueError, match=r"C must be .* with dim % n_groups == 0, got \(2, 3, 3, 8\)"):
+        call(C=torch.randn(2, 3, 3, 8, dtype=F64))
+    with pytest.raises(ValueError, match=r"z \(2, 4, 5\) must have u's shape"):
+        call(z=z[..., :5])
+    with pytest.raises(ops.BoundaryError, match=r"boundaries have shape \(2, 7\) but the activations are \(batch=2, seqlen=8\)"):
+        call(position_ids=torch.zeros(2, 7, dtype=torch.long))
+    with pytest.raises(ops.BoundaryError, match=r"position_ids\[1, 4\] = 2 after 3"):
+        call(position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 2, 0, 1, 2]]))
