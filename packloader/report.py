@@ -272,6 +272,7 @@ class PackingReport:
             ("seqs per row min/mean/max",
              f"{self.min_seqs_per_row} / {self.mean_seqs_per_row:.2f} / {self.max_seqs_per_row}"),
             ("split / truncated / dropped", f"{self.split:,} / {self.truncated:,} / {self.dropped:,}"),
+            ("tokens lost (trunc./drop)", f"{self.lost_tokens:,}"),
             ("empty sequences", f"{self.empty:,}"),
             ("time read/plan/write", f"{self.read_seconds:.2f} / {self.plan_seconds:.2f} / {self.write_seconds:.2f} s"),
             ("total time", f"{self.total_seconds:.2f} s"),
@@ -350,7 +351,8 @@ def plot_reports(reports: Sequence[PackingReport], path, titles: Sequence[str] |
     ax2.set_title(f"fill of packed rows (capacity {first.capacity})")
     ax2.set_xlabel("row fill (% of capacity)")
     ax2.set_ylabel("rows")
-    ax2.set_yscale("log")
+    if any(c > 0 for r in reports for c in r.fill_counts):  # a log axis needs a positive count
+        ax2.set_yscale("log")
     ax2.legend(loc="upper left")
     fig.tight_layout()
     path = os.fspath(path)
