@@ -12,6 +12,11 @@ ALGORITHMS = ("ffd", "bfd", "first_fit", "next_fit", "online")
 DEFAULT_BUFFER_SIZE = 1000
 
 
+def _cap_witness(capacity):
+    """An empty array whose dtype (int32 when it can) holds remaining capacities in the FFD tree."""
+    return np.empty(0, dtype=np.int32 if capacity < 2**31 - 1 else np.int64)
+
+
 def pack(lengths, capacity, algorithm="bfd", *, overflow="error", max_items_per_bin=None,
          buffer_size=None, seed=None) -> PackPlan:
     """Pack sequences of the given lengths into rows of ``capacity`` tokens.
@@ -76,16 +81,25 @@ def pack(lengths, capacity, algorithm="bfd", *, overflow="error", max_items_per_
         off, ids, starts, lens = packer._run_pieces(*packer._arrays(pc), True)
     else:
         witness = np.empty(0, dtype=np.int32 if m < 2**31 - 1 else np.int64)
-        if algorithm in ("ffd", "bfd"):
-            tie = None if seed is None else np.random.default_rng(seed).permutation(m).astype(witness.dtype)
-            order = offline.sort_decreasing(pc.length, tie, capacity, witness)
-        else:
-            order = None
-        kernel = {"ffd": offline.first_fit, "first_fit": offline.first_fit,
-                  "bfd": offline.best_fit, "next_fit": offline.next_fit}[algorithm]
-        bin_seq, nb = kernel(order, pc.length, capacity, mx, witness)
         starts = np.zeros(m, dtype=np.int64)
-        off, ids, lens = offline.build_csr(order, bin_seq, nb, pc.item, pc.start, pc.length, starts)
+        if algorithm in ("ffd", "bfd"):
+            # longest first: one run per length, placed a bin at a time (see offline.py)
+            tie = None if seed is None else np.random.default_rng(seed).permutation(m).astype(witness.dtype)
+            order, count = offline.sort_decreasing(pc.length, tie, capacity, witness)
+            if algorithm == "bfd":
+                vbin, vcnt, nv, nb = offline.best_fit_runs(count, capacity, mx, witness)
+            else:
+                vbin, vcnt, nv, nb = offline.first_fit_runs(count, capacity, mx, witness,
+                                                            _cap_witness(capacity))
+            off, ids, lens = offline.build_csr_runs(order, count, capacity, vbin, vcnt, nv, nb,
+                                                    pc.item, pc.start, starts)
+        else:
+            if algorithm == "first_fit":
+                bin_seq, nb = offline.first_fit(None, pc.length, capacity, mx, witness,
+                                                _cap_witness(capacity))
+            else:
+                bin_seq, nb = offline.next_fit(None, pc.length, capacity, mx, witness)
+            off, ids, lens = offline.build_csr(None, bin_seq, nb, pc.item, pc.start, pc.length, starts)
     return PackPlan(capacity, off, ids, starts, lens, split_ids=pc.split_ids,
                     truncated_ids=pc.truncated_ids, dropped_ids=pc.dropped_ids, n_empty=pc.n_empty,
                     algorithm=algorithm, overflow=overflow, max_items_per_bin=max_items_per_bin)
