@@ -123,7 +123,11 @@ def _cmd_pack(a) -> int:
 def _cmd_report(a) -> int:
     from packloader.prepacked import PrepackedDataset
 
+    from packloader.errors import DataError
+
     with PrepackedDataset(a.dir) as ds:  # validates the directory, not only index.json
+        if not isinstance(ds.index.get("report"), dict):
+            raise DataError("index.json holds no packing report", path=a.dir)
         report = ds.report
     print(report.to_json() if a.json else report)
     if a.plot:
@@ -145,7 +149,10 @@ def main(argv=None) -> int:
     from packloader.errors import DataError
 
     parser = build_parser()
-    a = parser.parse_args(argv)
+    try:
+        a = parser.parse_args(argv)
+    except SystemExit as e:  # usage error (2), --help / --version (0): a status, not an exception
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if a.command is None:
         parser.print_help()
         return 2
@@ -155,7 +162,7 @@ def main(argv=None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad settings, unreadable / unwritable paths
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
