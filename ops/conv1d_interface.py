@@ -66,17 +66,18 @@ def causal_conv1d_ref(
     *,
     position_ids: Optional[torch.Tensor] = None,
     seq_idx: Optional[torch.Tensor] = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Pure-PyTorch packed causal conv1d: the oracle, and the CPU / float64 path.
 
     Same arguments and shapes as :func:`packed_causal_conv1d`. Computes in float32 (float64 for
-    float64 inputs), returns ``x``'s dtype and layout.
+    float64 inputs), returns ``x``'s dtype and layout. ``validate=False`` skips the boundary check.
     """
     activation = _norm_activation(activation)
     batch, dim, seqlen = x.shape
     weight = _norm_weight(weight, dim)
     width = weight.shape[1]
-    pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=x.device)
+    pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=x.device, validate=validate)
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(ct)
     w = weight.to(ct)
@@ -170,7 +171,7 @@ def packed_causal_conv1d(
     pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=x.device, validate=validate)
     name = _backends.resolve_backend("causal_conv1d", x, backend)
     if name == "reference":
-        return causal_conv1d_ref(x, weight, bias, activation, position_ids=pos)
+        return causal_conv1d_ref(x, weight, bias, activation, position_ids=pos, validate=False)
     if name == "upstream":
         from . import _upstream
 

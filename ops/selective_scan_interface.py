@@ -96,18 +96,20 @@ def selective_scan_ref(
     position_ids: Optional[torch.Tensor] = None,
     seq_idx: Optional[torch.Tensor] = None,
     method: str = "auto",
+    validate: bool = True,
 ):
     """Pure-PyTorch packed selective scan: the oracle, and the CPU / float64 path.
 
     Same arguments and shapes as :func:`packed_selective_scan`. Computes in float32 (float64 for
     float64 inputs) and returns ``u``'s dtype. ``return_last_state`` returns ``(out, last_state)``
     with ``last_state`` (batch, dim, dstate) the state after the last token (of the last sequence
-    of each row). ``method`` picks the time scan (see :func:`linear_scan`).
+    of each row). ``method`` picks the time scan (see :func:`linear_scan`). ``validate=False`` skips
+    the boundary check (for callers that already resolved and validated them).
     """
     dtype_in = u.dtype
     ct = _compute_dtype(u.dtype)
     batch, dim, seqlen = u.shape
-    pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=u.device)
+    pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=u.device, validate=validate)
     u_ = u.to(ct)
     dt = delta.to(ct)
     if delta_bias is not None:
@@ -285,12 +287,14 @@ def packed_selective_scan(
     pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=u.device, validate=validate)
     name = _backends.resolve_backend("selective_scan", u, backend)
     if name == "reference":
-        return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, position_ids=pos)
+        return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, position_ids=pos,
+                                  validate=False)
     kernels = _backends.kernels_for("selective_scan", name)
     if dstate > getattr(kernels, "_MAX_DSTATE", 1 << 30):
         if (backend or _backends.get_backend("selective_scan")) != "auto":
             raise ValueError(f"backend {name!r}: dstate {dstate} > {kernels._MAX_DSTATE} is not supported")
-        return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, position_ids=pos)
+        return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, position_ids=pos,
+                                  validate=False)
     if pos is None:
         pos = _no_boundaries(batch, seqlen, u.device)
     return PackedSelectiveScanFn.apply(

@@ -37,6 +37,12 @@ from ..mamba_inner import fused_backends, packed_mamba_inner_fn, packed_mamba_in
 __all__ = ["PackedMamba"]
 
 
+def _ssm_float(t: torch.Tensor) -> torch.Tensor:
+    """The SSM parameters (A_log, D, dt bias) in float32 as upstream passes them, but a float64 module
+    (the CPU reference, tests) stays in float64 instead of losing precision in a float32 round trip."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 class PackedMamba(nn.Module):
     """Mamba-1 mixer, packing-safe. Arguments as ``mamba_ssm.modules.mamba_simple.Mamba``:
 
@@ -179,11 +185,11 @@ class PackedMamba(nn.Module):
             position_ids = cu_seqlens_to_position_ids(cu_seqlens.to(hidden_states.device), (batch, seqlen))
         pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=hidden_states.device,
                                    validate=self.validate_boundaries)
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(_ssm_float(self.A_log))
         args = (
             hidden_states, self.in_proj.weight, self.in_proj.bias, self.conv1d.weight, self.conv1d.bias,
             self.x_proj.weight, self.dt_proj.weight, self.out_proj.weight, self.out_proj.bias,
-            A, self.D.float(), self.dt_proj.bias.float(), True,
+            A, _ssm_float(self.D), _ssm_float(self.dt_proj.bias), True,
         )
         if self.use_fast_path and fused_backends(hidden_states, self.backend) is not None:
             return packed_mamba_inner_fn(*args, position_ids=pos, backend=self.backend, validate=False)
@@ -227,10 +233,10 @@ class PackedMamba(nn.Module):
         x_dbl = self.x_proj(x.transpose(1, 2))
         dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(_ssm_float(self.A_log))
         y, last = selective_scan_ref(
-            x, dt, A, B.transpose(1, 2), C.transpose(1, 2), self.D.float(), z,
-            self.dt_proj.bias.float(), True, return_last_state=True,
+            x, dt, A, B.transpose(1, 2), C.transpose(1, 2), _ssm_float(self.D), z,
+            _ssm_float(self.dt_proj.bias), True, return_last_state=True,
         )
         ssm_state.copy_(last)
         return self.out_proj(y.transpose(1, 2))
@@ -249,7 +255,7 @@ class PackedMamba(nn.Module):
         x = F.silu(x).to(dtype)
         dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.softplus(F.linear(dt, self.dt_proj.weight) + self.dt_proj.bias.to(dt.dtype))
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(_ssm_float(self.A_log))
         dA = torch.exp(dt.unsqueeze(-1) * A)
         dB = dt.unsqueeze(-1) * B.unsqueeze(1)
         ssm_state.copy_(ssm_state * dA + x.unsqueeze(-1) * dB)

@@ -182,3 +182,59 @@ class MambaLMHeadModel(nn.Module):
             hidden_states = hidden_states[:, -num_last_tokens:]
         CausalLMOutput = collections.namedtuple("CausalLMOutput", ["logits"])
         return CausalLMOutput(logits=self.lm_head(hidden_states))
+
+
+
+# ---------------------------------------------------------------------------------------------
+# packing-unpacking invariance of a (batch, seqlen, d) -> (batch, seqlen, d') function
+
+
+def boundary_kwargs(form: str, rows) -> dict:
+    """{"position_ids": ...} / {"seq_idx": ...} / {"cu_seqlens": ...} describing ``rows``."""
+    from ops import position_ids_to_cu_seqlens, position_ids_to_seq_idx
+
+    pos = positions(rows)
+    if form == "position_ids":
+        return {"position_ids": pos}
+    if form == "seq_idx":
+        return {"seq_idx": position_ids_to_seq_idx(pos)}
+    if form == "cu_seqlens":
+        return {"cu_seqlens": position_ids_to_cu_seqlens(pos)[0]}
+    raise ValueError(form)
+
+
+def out_and_grads(fn, inp, params, dout=None, **bounds):
+    """(output, grad of inp (None for integer inputs), grads of params) of ``(fn(inp) * dout).sum()``;
+    ``dout`` random when not given (returned as the 4th item)."""
+    x = inp.detach().clone().requires_grad_(True) if inp.is_floating_point() else inp
+    out = fn(x, **bounds)
+    if dout is None:
+        dout = torch.randn(out.shape, dtype=out.dtype)
+    wrt = ([x] if x.requires_grad else []) + list(params)
+    gs = list(torch.autograd.grad(out, wrt, dout, allow_unused=True))
+    gx = gs.pop(0) if x.requires_grad else None
+    return out.detach(), gx, gs, dout
+
+
+def assert_packing_invariant(fn, inp, params, rows, form="position_ids", names=None, rtol=1e-9, atol=1e-11):
+    """``fn(inp, **boundaries)`` on packed rows gives, for every sequence, the output (and the input
+    gradient) of ``fn`` run on that sequence alone without boundaries, and parameter gradients equal
+    to the sum over the sequences run alone. Returns (out, d inp, d params) of the packed run."""
+    names = names or [f"param {i}" for i in range(len(params))]
+    out, gx, gp, dout = out_and_grads(fn, inp, params, **boundary_kwargs(form, rows))
+    acc = [None] * len(params)
+    for b, s, n in spans(rows):
+        o1, gx1, gp1, _ = out_and_grads(fn, inp[b:b + 1, s:s + n], params, dout[b:b + 1, s:s + n].contiguous())
+        torch.testing.assert_close(out[b:b + 1, s:s + n], o1, rtol=rtol, atol=atol,
+                                   msg=lambda m: f"output of sequence [{b}, {s}:{s + n}]: {m}")
+        if gx is not None:
+            torch.testing.assert_close(gx[b:b + 1, s:s + n], gx1, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"input grad of sequence [{b}, {s}:{s + n}]: {m}")
+        for i, g in enumerate(gp1):
+            if g is not None:
+                acc[i] = g.clone() if acc[i] is None else acc[i] + g
+    for name, g, a in zip(names, gp, acc):
+        assert (g is None) == (a is None), name
+        if g is not None:
+            torch.testing.assert_close(g, a, rtol=rtol, atol=atol, msg=lambda m: f"grad of {name}: {m}")
+    return out, gx, gp

@@ -227,3 +227,13 @@ def test_errors():
         ops.packed_causal_conv1d(x[0], w)
     with pytest.raises(ops.BoundaryError, match=r"seq_idx must have shape \(batch, seqlen\)"):
         ops.packed_causal_conv1d(x, w, seq_idx=torch.zeros(10, dtype=torch.long))
+
+
+@pytest.mark.parametrize("backend", ["reference", "ref_kernel"])
+def test_validate_false_skips_the_boundary_check(backend):
+    """validate=False: the caller vouches for the ids; neither the op nor its reference re-checks."""
+    x, w = torch.randn(1, 2, 4), torch.randn(2, 3)
+    bad = torch.tensor([[0, 1, 0, 3]])
+    with pytest.raises(ops.BoundaryError):
+        ops.packed_causal_conv1d(x, w, position_ids=bad, backend=backend)
+    ops.packed_causal_conv1d(x, w, position_ids=bad, backend=backend, validate=False)

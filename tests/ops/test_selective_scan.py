@@ -343,3 +343,13 @@ def test_shape_errors():
         call(position_ids=torch.zeros(2, 7, dtype=torch.long))
     with pytest.raises(ops.BoundaryError, match=r"position_ids\[1, 4\] = 2 after 3"):
         call(position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 2, 0, 1, 2]]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "ref_kernel"])
+def test_validate_false_skips_the_boundary_check(backend):
+    """validate=False: the caller vouches for the ids; neither the op nor its reference re-checks."""
+    inputs, softplus = make_inputs(1, 2, 2, 4, "full")
+    bad = torch.tensor([[0, 1, 0, 3]])
+    with pytest.raises(ops.BoundaryError):
+        run_op(inputs, softplus, backend, position_ids=bad)
+    run_op(inputs, softplus, backend, position_ids=bad, validate=False)
