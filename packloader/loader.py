@@ -236,7 +236,10 @@ class PackedDataLoader:
         self._epoch = 0
         self._consumed = 0          # batches of self._epoch handed out (by the latest iterator)
         self._resume: int | None = None
-        self._active = None
+        # number of the latest iterator: only that one counts consumed batches. The loader holds no
+        # reference to its iterators: a loader <-> iterator cycle would leave a worker iterator to the
+        # cyclic garbage collector, and torch's worker shutdown run from there waits 5 s per worker.
+        self._iter_gen = 0
 
     # -- epochs and length ---------------------------------------------------------------------------
 
@@ -267,9 +270,8 @@ class PackedDataLoader:
         self.dataset.control[0] = epoch
         self.dataset.control[1] = start
         self._consumed = start
-        it = _LoaderIterator(self, iter(self._dl), epoch, start, n)
-        self._active = it
-        return it
+        self._iter_gen += 1
+        return _LoaderIterator(self, iter(self._dl), epoch, start, n, self._iter_gen)
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -334,9 +336,9 @@ class PackedDataLoader:
 class _LoaderIterator:
     """Counts batches as they are handed to the training loop (prefetched ones are not consumed)."""
 
-    def __init__(self, loader: PackedDataLoader, it, epoch: int, start: int, n: int):
+    def __init__(self, loader: PackedDataLoader, it, epoch: int, start: int, n: int, gen: int):
         self._loader, self._it = loader, it
-        self._epoch, self._pos, self._n = epoch, start, n
+        self._epoch, self._pos, self._n, self._gen = epoch, start, n, gen
 
     def __iter__(self):
         return self
@@ -345,9 +347,23 @@ class _LoaderIterator:
         return self._n - self._pos
 
     def __next__(self) -> dict[str, Any]:
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            raise
+        except Exception:
+            # a worker failed: stop the workers now (the epoch cannot go on). Otherwise the traceback
+            # keeps torch's iterator alive until the cyclic garbage collector runs, and torch's worker
+            # shutdown run from there waits 5 s per worker.
+            shutdown = getattr(self._it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+                dl = self._loader._dl
+                if getattr(dl, "_iterator", None) is self._it:  # persistent workers: start afresh next time
+                    dl._iterator = None
+            raise
         self._pos += 1
         loader = self._loader
-        if loader._active is self and loader._epoch == self._epoch:
+        if loader._iter_gen == self._gen and loader._epoch == self._epoch:
             loader._consumed = self._pos
         return batch

@@ -1,5 +1,7 @@
 """PackedDataLoader end to end: formats, pre-packed directories, determinism, DataLoader options, bad input."""
+import gc
 import json
+import weakref
 
 import numpy as np
 import pytest
@@ -182,13 +184,44 @@ def test_bad_arguments_are_named(tmp_path, kw, msg):
         PackedDataLoader(p, **kw)
 
 
-def test_worker_errors_reach_the_main_process(tmp_path):
-    """A shard that changes after the loader read its lengths fails clearly inside a worker."""
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_errors_reach_the_main_process(tmp_path, persistent):
+    """A shard that changes after the loader read its lengths fails clearly inside a worker; the workers
+    are stopped at once (not left to the garbage collector), and the next epoch fails the same way."""
     p = write_arrow(tmp_path / "a.arrow", random_sequences(20, seed=0, max_len=100))
-    loader = PackedDataLoader(p, capacity=128, batch_size=2, num_workers=1)
+    loader = PackedDataLoader(p, capacity=128, batch_size=2, num_workers=2, persistent_workers=persistent)
     (tmp_path / "a.arrow").write_bytes(b"not arrow any more")
+    it = iter(loader)
+    with pytest.raises(Exception, match="a.arrow"):
+        next(it)
+    assert it._it._workers and not any(w.is_alive() for w in it._it._workers)
     with pytest.raises(Exception, match="a.arrow"):
         list(loader)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_abandoned_worker_iterators_are_freed_without_the_garbage_collector(tmp_path, persistent):
+    """No loader <-> iterator reference cycle: an abandoned iterator (and with persistent workers, the
+    loader) is freed by reference counting, so its workers stop at once. (torch's worker shutdown run
+    from the cyclic garbage collector waits 5 s per worker.)"""
+    paths, _, _ = make_shards(tmp_path, "arrow")
+    loader = PackedDataLoader(paths, capacity=256, batch_size=2, num_workers=2, persistent_workers=persistent)
+    gc.disable()
+    try:
+        it = iter(loader)
+        next(it)
+        inner = weakref.ref(it._it)
+        workers = list(it._it._workers)
+        del it
+        if persistent:
+            assert inner() is not None  # kept by the DataLoader for the next epoch, as torch does
+            del loader
+        assert inner() is None
+    finally:
+        gc.enable()
+    for w in workers:
+        w.join(timeout=10)
+        assert not w.is_alive()
 
 
 def test_state_is_small_json(tmp_path):
@@ -199,3 +232,4 @@ def test_state_is_small_json(tmp_path):
     sd = loader.state_dict()
     text = json.dumps(sd)
     assert len(text) < 1000 and sd["batches_consumed"] == 1
+    assert json.loads(text) == sd
