@@ -131,13 +131,36 @@ class _PackedLMMixin:
 
     def forward(self, input_ids, position_ids=None, inference_params=None, num_last_tokens=0, *,
                 seq_idx=None, cu_seqlens=None, **mixer_kwargs):
-        if position_ids is None and seq_idx is None and cu_seqlens is None:
-            return super().forward(input_ids, inference_params=inference_params,
-                                   num_last_tokens=num_last_tokens, **mixer_kwargs)
         if inference_params is not None:
-            raise ValueError("enable_packing: inference_params (generation) cannot be combined with packed boundaries")
+            # generation: mamba-ssm's GenerationMixin passes position_ids (for Transformer
+            # compatibility) with the caches; upstream ignores them, and so do we. Packed boundaries
+            # given explicitly cannot be honoured by the recurrent caches.
+            if seq_idx is not None or cu_seqlens is not None:
+                raise ValueError("enable_packing: inference_params (generation) cannot be combined with packed "
+                                 "boundaries (seq_idx / cu_seqlens); generate one sequence per row")
+            return super().forward(input_ids, position_ids=position_ids, inference_params=inference_params,
+                                   num_last_tokens=num_last_tokens, **mixer_kwargs)
+        if position_ids is None and seq_idx is None and cu_seqlens is None:
+            return super().forward(input_ids, num_last_tokens=num_last_tokens, **mixer_kwargs)
         _, seq = _resolve_for_model(self, input_ids, position_ids, seq_idx, cu_seqlens)
         return super().forward(input_ids, num_last_tokens=num_last_tokens, seq_idx=seq, **mixer_kwargs)
+
+
+_BOUNDARY_KWARGS = ("position_ids", "seq_idx", "cu_seqlens")
+
+
+class _BoundaryBlindMixin:
+    """For mixers left unconverted (``strict=False``): drop the boundary kwargs their forward does
+    not take, so the model still runs (and :func:`ops.check_isolation` can measure their leak)."""
+
+    _packloader_packed = True
+    _packloader_accepts: tuple = ()
+
+    def forward(self, *args, **kwargs):
+        for k in _BOUNDARY_KWARGS:
+            if k in kwargs and k not in self._packloader_accepts:
+                kwargs.pop(k)
+        return super().forward(*args, **kwargs)
 
 
 class _PackedBackboneMixin:
@@ -158,16 +181,26 @@ class _PackedBackboneMixin:
 _CLASS_CACHE: Dict[tuple, type] = {}
 
 
-def _swap_class(m: nn.Module, mixin: type, prefix: str) -> None:
+def _swap_class(m: nn.Module, mixin: type, prefix: str, attrs: Optional[dict] = None) -> None:
     cls = type(m)
     if getattr(cls, "_packloader_packed", False):
         return
     key = (cls, mixin)
     new = _CLASS_CACHE.get(key)
     if new is None:
-        new = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": __name__})
+        new = type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": __name__, **(attrs or {})})
         _CLASS_CACHE[key] = new
     m.__class__ = new
+
+
+def _accepted_kwargs(fn) -> tuple:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return _BOUNDARY_KWARGS
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return _BOUNDARY_KWARGS
+    return tuple(p.name for p in params if p.name in _BOUNDARY_KWARGS)
 
 
 def _accepts_var_kwargs(fn) -> bool:
@@ -191,11 +224,21 @@ def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = Tr
             forward gains ``position_ids=`` / ``seq_idx=`` / ``cu_seqlens=``; for other modules
             only the mixers are converted (pass ``position_ids`` or ``seq_idx`` to them yourself).
         strict: raise on mixers that are not packing-safe (attention, Mamba-3, unknown classes
-            sitting in a ``.mixer`` slot). With ``strict=False`` they are left as they are.
+            sitting in a ``.mixer`` slot). With ``strict=False`` they keep their computation and
+            are handed only the boundary kwargs their forward accepts (so the model runs, and
+            :func:`ops.check_isolation` shows what leaks). A conversion that raises changes nothing.
         validate: validate the boundaries once per batch (one host sync).
 
     Returns:
         the same model object. Parameters are shared, never copied; ``state_dict`` keys unchanged.
+        Generation (``inference_params``, as mamba-ssm's ``generate`` calls it, ``position_ids``
+        included) runs as before conversion.
+
+    Raises:
+        NotImplementedError: unsafe mixers with ``strict=True``; a Block / backbone whose forward does
+            not pass ``**mixer_kwargs`` on (mamba-ssm < 2.0).
+        ValueError: no Mamba-1 / Mamba-2 mixer in ``model``.
+        TypeError: ``model`` is itself an upstream Mamba-1 mixer (use ``PackedMamba.from_mamba``).
 
     Example::
 
@@ -203,30 +246,46 @@ def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = Tr
         ops.enable_packing(model)
         logits = model(batch["input_ids"], position_ids=batch["position_ids"]).logits
     """
-    replaced: List[str] = []
-    mamba2: List[str] = []
-    unsafe: List[str] = []
+    if isinstance(model, PackedMamba):
+        return model
+    if is_mamba1_mixer(model):
+        raise TypeError(
+            "enable_packing converts a model in place and cannot replace the Mamba mixer it was given "
+            "itself; pass the model that contains it, or use ops.PackedMamba.from_mamba(mixer)"
+        )
+    if is_mamba2_mixer(model):
+        _swap_class(model, _PackedMamba2Mixin, "Packed")
+        return model
+    # 1. find every mixer and check everything before changing anything: a refused conversion
+    #    leaves the model as it was
+    found = []  # (kind, parent, name, child, full name)
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
             if is_mamba1_mixer(child):
-                setattr(parent, name, PackedMamba.from_mamba(child))
-                replaced.append(full)
+                found.append(("mamba1", parent, name, child, full))
             elif isinstance(child, PackedMamba):
-                replaced.append(full)
+                found.append(("packed", parent, name, child, full))
             elif is_mamba2_mixer(child):
-                _swap_class(child, _PackedMamba2Mixin, "Packed")
-                mamba2.append(full)
+                found.append(("mamba2", parent, name, child, full))
             elif _is_mixer_slot(parent, name):
-                unsafe.append(f"{full} ({type(child).__name__})")
+                found.append(("unsafe", parent, name, child, full))
+    unsafe = [f"{full} ({type(child).__name__})" for kind, _, _, child, full in found if kind == "unsafe"]
     if unsafe and strict:
         raise NotImplementedError(
             "enable_packing: these mixers are not packing-safe and would leak across sequences: "
             + ", ".join(unsafe)
             + ". Pass strict=False to convert the rest anyway (then run ops.check_isolation)."
         )
-    if model is not None and (hasattr(model, "backbone") or (hasattr(model, "layers") and hasattr(model, "embedding"))):
-        backbone = model.backbone if hasattr(model, "backbone") else model
+    if not found:
+        raise ValueError(
+            f"enable_packing: found no Mamba-1 or Mamba-2 mixer in {type(model).__name__}; it converts mamba-ssm's "
+            "MambaLMHeadModel / MixerModel or any module containing Mamba / Mamba2 mixers"
+        )
+    is_lm = hasattr(model, "backbone")
+    is_backbone = hasattr(model, "layers") and hasattr(model, "embedding")
+    if is_lm or is_backbone:
+        backbone = model.backbone if is_lm else model
         for i, layer in enumerate(getattr(backbone, "layers", [])):
             if not _accepts_var_kwargs(type(layer).forward):
                 raise NotImplementedError(
@@ -238,7 +297,23 @@ def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = Tr
                 f"enable_packing: {type(backbone).__name__}.forward does not take **mixer_kwargs; "
                 "mamba-ssm >= 2.0 is needed"
             )
-        _swap_class(model, _PackedLMMixin if hasattr(model, "backbone") else _PackedBackboneMixin, "Packed")
+    # 2. convert
+    replaced: List[str] = []
+    mamba2: List[str] = []
+    for kind, parent, name, child, full in found:
+        if kind == "mamba1":
+            setattr(parent, name, PackedMamba.from_mamba(child))
+            replaced.append(full)
+        elif kind == "packed":
+            replaced.append(full)
+        elif kind == "mamba2":
+            _swap_class(child, _PackedMamba2Mixin, "Packed")
+            mamba2.append(full)
+        elif not getattr(type(child), "_packloader_packed", False):
+            _swap_class(child, _BoundaryBlindMixin, "BoundaryBlind",
+                        {"_packloader_accepts": _accepted_kwargs(type(child).forward)})
+    if is_lm or is_backbone:
+        _swap_class(model, _PackedLMMixin if is_lm else _PackedBackboneMixin, "Packed")
         model._packloader_validate = validate
     model._packloader_conversion = {"mamba1": replaced, "mamba2": mamba2, "left_unsafe": unsafe}
     return model

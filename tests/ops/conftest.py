@@ -28,3 +28,13 @@ def _restore_backends(monkeypatch):
     yield
     backends._override.clear()
     backends._override.update(saved)
+
+
+@pytest.fixture(autouse=True, scope="package")
+def _one_thread():
+    """The ops tests run thousands of tiny kernels: intra-op threads only add overhead (10x on a busy
+    2-core machine), so run them on one thread and restore the setting afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
