@@ -646,3 +646,29 @@ def test_progress_output_modes(shard_factory, tmp_path, capsys):
     pack_dataset(paths, tmp_path / "c", capacity=300, progress=True)
     err = capsys.readouterr().err
     assert "\r" in err or "100%" in err  # a tqdm bar
+
+
+# ---------------------------------------------------------------- the benchmark script
+
+
+def test_bench_prepack_quick_smoke(tmp_path):
+    """``benchmarks/bench_prepack.py --quick`` runs, prints its table and writes its JSON (figures are
+    not checked: this is not a timed test)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "prepack.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "bench_prepack.py"), "--quick", "--formats",
+         "arrow,tar,parquet", "--data-dir", str(tmp_path / "data"), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "M tok/s" in proc.stdout and "arrow" in proc.stdout and "tar" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert [r["format"] for r in doc["results"]] == ["arrow", "tar", "parquet"]
+    toks = {r["tokens"] for r in doc["results"]}
+    assert len(toks) == 1 and 3e6 < toks.pop() < 5e6  # the same documents in every format
+    for r in doc["results"]:
+        assert len(r["seconds"]) == 2 and r["best_tokens_per_s"] > 0 and 0.9 < r["efficiency"] <= 1
+        assert r["meets_target"] in (True, False, None)
+    assert doc["machine"]["cpus"] >= 1 and doc["config"]["quick"] is True
+    assert not os.listdir(tmp_path / "data" / "out")  # outputs are removed after each format

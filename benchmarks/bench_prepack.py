@@ -1,0 +1,279 @@
+"""Pre-packing throughput: token shards in, packed Arrow IPC rows out (``pack_dataset``), one process.
+
+Generates synthetic token shards once (lognormal document lengths, random ids) into a git-ignored folder
+(default ``.bench_data/prepack/``), in every requested source format:
+
+* ``arrow``: uncompressed Arrow IPC files, ``list<int32>`` tokens in record batches of ``--batch-rows``
+  rows (1,000 like Hugging Face ``datasets``), read memory-mapped;
+* ``tar``: WebDataset shards, one ``KEY.input_ids.npy`` member per document;
+* ``parquet`` (optional): uncompressed Parquet.
+
+Then, per format, packs all shards ``--repeats`` times into a fresh output directory with
+``pack_dataset(..., workers=1)`` and reports input tokens per second of wall time (planning, reading,
+scattering and writing included). A warm-up pack of a small shard of each format runs first, so the Numba
+JIT compile (or cache load) is excluded. The inputs are in the page cache (they were just written or read);
+the outputs go through the page cache to the output folder's disk.
+
+Targets (issue 3): Arrow IPC >= 50 M tokens/s, WebDataset tar >= 10 M tokens/s.
+
+Usage::
+
+    python benchmarks/bench_prepack.py                       # ~200 M tokens per format, ~1-2 minutes
+    python benchmarks/bench_prepack.py --quick               # seconds (smoke test)
+    python benchmarks/bench_prepack.py --tokens 4e8 --shards 16 --formats arrow,tar,parquet \\
+        --out benchmarks/results/prepack.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+TARGETS = {"arrow": 50e6, "tar": 10e6}
+EXT = {"arrow": "arrow", "tar": "tar", "parquet": "parquet"}
+GEN_VERSION = 1
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a few million tokens, runs in seconds")
+    p.add_argument("--tokens", type=float, default=2e8, help="total input tokens per format (default 2e8)")
+    p.add_argument("--shards", type=int, default=8, help="shards per format (default 8)")
+    p.add_argument("--capacity", type=int, default=4096)
+    p.add_argument("--algorithm", default="bfd")
+    p.add_argument("--overflow", default="split", help="documents longer than capacity (default split)")
+    p.add_argument("--median-length", type=float, default=600.0, help="median document length (lognormal)")
+    p.add_argument("--sigma", type=float, default=1.1, help="lognormal sigma of document lengths")
+    p.add_argument("--max-length", type=int, default=16384, help="longest document")
+    p.add_argument("--batch-rows", type=int, default=1000, help="rows per Arrow record batch in the inputs")
+    p.add_argument("--formats", default="arrow,tar", help="comma-separated: arrow, tar, parquet")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default=os.path.join(ROOT, ".bench_data", "prepack"),
+                   help="where the synthetic shards are kept (git-ignored)")
+    p.add_argument("--out-dir", default=None, help="where packed outputs go (default DATA_DIR/out)")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "prepack.json"),
+                   help="JSON results file")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.tokens = min(a.tokens, 4e6)
+        a.shards = min(a.shards, 2)
+        a.repeats = min(a.repeats, 2)
+    a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+    for f in a.formats:
+        if f not in EXT:
+            p.error(f"unknown format {f!r}")
+    return a
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def synth_lengths(rng, n_tokens: int, median: float, sigma: float, max_len: int) -> np.ndarray:
+    """Lognormal document lengths (at least 1, at most ``max_len``) summing to about ``n_tokens``."""
+    mean = median * np.exp(sigma**2 / 2)
+    n = max(1, int(n_tokens / mean * 1.1))
+    lens = np.clip(np.exp(rng.normal(np.log(median), sigma, n)), 1, max_len).astype(np.int64)
+    cum = np.cumsum(lens)
+    k = int(np.searchsorted(cum, n_tokens)) + 1
+    return lens[:k]
+
+
+def write_arrow_shard(path, offsets, tokens, batch_rows):
+    import pyarrow as pa
+
+    arr = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens))
+    table = pa.table({"input_ids": arr})
+    tmp = path + ".tmp"
+    with pa.OSFile(tmp, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table, max_chunksize=batch_rows)
+    os.replace(tmp, path)
+
+
+def write_parquet_shard(path, offsets, tokens, batch_rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arr = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens))
+    pq.write_table(pa.table({"input_ids": arr}), path + ".tmp", compression="none",
+                   row_group_size=max(batch_rows, 16384))
+    os.replace(path + ".tmp", path)
+
+
+def ensure_data(a) -> dict:
+    """Generate (or reuse) the shards; returns {format: (paths, tokens, sequences)}."""
+    from packloader.prepare import write_webdataset_shard
+
+    spec = {"version": GEN_VERSION, "tokens": int(a.tokens), "shards": a.shards, "median": a.median_length,
+            "sigma": a.sigma, "max_length": a.max_length, "batch_rows": a.batch_rows, "seed": a.seed}
+    os.makedirs(a.data_dir, exist_ok=True)
+    spec_path = os.path.join(a.data_dir, "spec.json")
+    old = None
+    if os.path.isfile(spec_path):
+        with open(spec_path) as f:
+            old = json.load(f)
+    if old is None or old.get("spec") != spec:
+        old = {"spec": spec, "formats": {}}
+        for name in os.listdir(a.data_dir):
+            if name.startswith("shard-"):
+                os.remove(os.path.join(a.data_dir, name))
+    out = {}
+    per_shard = int(a.tokens) // a.shards
+    for fmt in a.formats:
+        paths = [os.path.join(a.data_dir, f"shard-{k:03d}.{EXT[fmt]}") for k in range(a.shards)]
+        done = old["formats"].get(fmt)
+        if done and all(os.path.isfile(p) for p in paths):
+            out[fmt] = (paths, done["tokens"], done["sequences"])
+            continue
+        t0 = time.perf_counter()
+        n_tok = n_seq = 0
+        for k, path in enumerate(paths):
+            rng = np.random.default_rng([a.seed, k])  # the same documents in every format
+            lens = synth_lengths(rng, per_shard, a.median_length, a.sigma, a.max_length)
+            offsets = np.zeros(len(lens) + 1, np.int64)
+            np.cumsum(lens, out=offsets[1:])
+            tokens = rng.integers(0, 50_277, int(offsets[-1]), dtype=np.int32)
+            if fmt == "arrow":
+                write_arrow_shard(path, offsets, tokens, a.batch_rows)
+            elif fmt == "parquet":
+                write_parquet_shard(path, offsets, tokens, a.batch_rows)
+            else:
+                write_webdataset_shard(path, offsets, tokens)
+            n_tok += int(offsets[-1])
+            n_seq += len(lens)
+        old["formats"][fmt] = {"tokens": n_tok, "sequences": n_seq}
+        with open(spec_path, "w") as f:
+            json.dump(old, f, indent=1)
+        size = sum(os.path.getsize(p) for p in paths)
+        print(f"generated {len(paths)} {fmt} shards: {n_seq:,} documents, {n_tok:,} tokens, "
+              f"{size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        out[fmt] = (paths, n_tok, n_seq)
+    return out
+
+
+def warm_up(a, out_root):
+    """Pack a small shard of every format once: compiles / loads the Numba kernels."""
+    from packloader.prepack import pack_dataset
+    from packloader.prepare import write_webdataset_shard
+
+    rng = np.random.default_rng(1)
+    lens = synth_lengths(rng, 200_000, a.median_length, a.sigma, a.max_length)
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    tokens = rng.integers(0, 50_277, int(offsets[-1]), dtype=np.int32)
+    d = os.path.join(out_root, "warmup")
+    os.makedirs(d, exist_ok=True)
+    t0 = time.perf_counter()
+    for fmt in a.formats:
+        p = os.path.join(d, f"w.{EXT[fmt]}")
+        if fmt == "arrow":
+            write_arrow_shard(p, offsets, tokens, a.batch_rows)
+        elif fmt == "parquet":
+            write_parquet_shard(p, offsets, tokens, a.batch_rows)
+        else:
+            write_webdataset_shard(p, offsets, tokens)
+        pack_dataset([p], os.path.join(d, f"out-{fmt}"), capacity=a.capacity, algorithm=a.algorithm,
+                     overflow=a.overflow, quiet=True)
+    shutil.rmtree(d)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def bench_format(a, fmt, paths, n_tok, out_root) -> dict:
+    from packloader.prepack import pack_dataset
+
+    out = os.path.join(out_root, f"packed-{fmt}")
+    runs = []
+    for _ in range(a.repeats):
+        shutil.rmtree(out, ignore_errors=True)  # a fresh directory: nothing to reuse
+        t0 = time.perf_counter()
+        rep = pack_dataset(paths, out, capacity=a.capacity, algorithm=a.algorithm, overflow=a.overflow,
+                           workers=1, quiet=True)
+        dt = time.perf_counter() - t0
+        assert rep.tokens == n_tok and rep.reused_files == 0
+        runs.append({"seconds": dt, "read_s": rep.read_seconds, "plan_s": rep.plan_seconds,
+                     "write_s": rep.write_seconds, "rows": rep.rows, "efficiency": rep.efficiency})
+    out_bytes = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out) if n.endswith(".arrow"))
+    shutil.rmtree(out, ignore_errors=True)
+    secs = [r["seconds"] for r in runs]
+    best = min(range(len(runs)), key=lambda i: secs[i])
+    return {
+        "format": fmt,
+        "tokens": n_tok,
+        "input_bytes": sum(os.path.getsize(p) for p in paths),
+        "output_bytes": out_bytes,
+        "seconds": secs,
+        "best_tokens_per_s": n_tok / secs[best],
+        "median_tokens_per_s": n_tok / statistics.median(secs),
+        "best_run": runs[best],
+        "rows": runs[best]["rows"],
+        "efficiency": runs[best]["efficiency"],
+        "target_tokens_per_s": TARGETS.get(fmt),
+        "meets_target": (n_tok / secs[best] >= TARGETS[fmt]) if fmt in TARGETS else None,
+    }
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    import numba
+    import pyarrow
+
+    load0 = os.getloadavg()
+    data = ensure_data(a)
+    out_root = a.out_dir or os.path.join(a.data_dir, "out")
+    os.makedirs(out_root, exist_ok=True)
+    warm = warm_up(a, out_root)
+    results = [bench_format(a, fmt, *data[fmt][:2], out_root) for fmt in a.formats]
+    load1 = os.getloadavg()
+
+    head = (f"{'source':<8} {'tokens':>13} {'documents':>10} {'best s':>8} {'median s':>9} {'best M tok/s':>13} "
+            f"{'median M tok/s':>15} {'read/plan/write s (best)':>25} {'target':>8}  ok")
+    print(f"pre-packing, 1 process: capacity {a.capacity}, {a.algorithm}, overflow={a.overflow}, "
+          f"{a.repeats} runs each, warm-up {warm:.1f} s excluded; load average {load0[0]:.2f} -> {load1[0]:.2f} "
+          f"on {os.cpu_count()} CPUs")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        b = r["best_run"]
+        tgt = r["target_tokens_per_s"]
+        print(f"{r['format']:<8} {r['tokens']:>13,} {data[r['format']][2]:>10,} {min(r['seconds']):>8.3f} "
+              f"{statistics.median(r['seconds']):>9.3f} {r['best_tokens_per_s'] / 1e6:>13.1f} "
+              f"{r['median_tokens_per_s'] / 1e6:>15.1f} "
+              f"{b['read_s']:>7.3f} /{b['plan_s']:>6.3f} /{b['write_s']:>7.3f} "
+              f"{'' if tgt is None else f'{tgt / 1e6:.0f} M':>8}  "
+              f"{'-' if r['meets_target'] is None else ('yes' if r['meets_target'] else 'NO')}")
+    print(f"(packed rows: {results[0]['rows']:,} at {100 * results[0]['efficiency']:.2f} % efficiency; "
+          f"output {results[0]['output_bytes'] / 1e9:.2f} GB per run)")
+
+    doc = {
+        "benchmark": "prepack",
+        "config": {k: v for k, v in vars(a).items() if k not in ("out",)},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "numpy": np.__version__, "pyarrow": pyarrow.__version__, "numba": numba.__version__,
+                    "loadavg_before": load0, "loadavg_after": load1},
+        "warmup_seconds": warm,
+        "results": results,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
