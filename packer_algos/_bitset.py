@@ -10,6 +10,9 @@ The structure is three arrays made by :func:`bs_new`: ``bits`` (uint64 words of 
 (int64, first word of each level) and ``nbits`` (int64, bits per level); ``nlev = off.size``. It
 only records *whether* a key is present: callers keep their own per-key counts or lists and call
 :func:`bs_set` when a key becomes non-empty and :func:`bs_clear` when it becomes empty.
+
+These functions are inlined into the cached kernels of ``offline.py``; Numba's on-disk cache only
+watches the kernel's own file, so after editing this file clear ``packer_algos/__pycache__/*.nb*``.
 """
 import numpy as np
 from llvmlite import ir
@@ -99,7 +102,7 @@ def bs_clear(bits, off, key):
 def bs_next(bits, off, nbits, key):
     """Smallest present key ``>= key``, or -1."""
     nlev = off.size
-    k = key
+    k = key if key > 0 else 0
     lvl = 0
     while True:
         if k >= nbits[lvl]:

@@ -37,8 +37,9 @@ def pack(lengths, capacity, algorithm="bfd", *, overflow="error", max_items_per_
             Negative entries raise ValueError naming the index. Zero-length sequences are dropped
             and counted (``plan.n_empty``), never placed. Floats/bools raise TypeError.
         capacity: tokens per packed row, an int >= 1.
-        algorithm: ``"bfd"`` best-fit decreasing (the default; O(n log capacity)), ``"ffd"``
-            first-fit decreasing (O(n log n_bins)), ``"first_fit"`` first fit in the given order,
+        algorithm: ``"bfd"`` best-fit decreasing (the default), ``"ffd"`` first-fit decreasing
+            (both O(n + capacity) plus a search per bin visit: a run of equal lengths fills each bin
+            it reaches at once), ``"first_fit"`` first fit in the given order,
             ``"next_fit"`` in-order greedy (one open row; what PackMamba and torchtune do; the
             baseline), ``"online"`` the streaming packer of :class:`OnlinePacker` run over the
             sequences in the given order and flushed at the end.
