@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any, Iterator
 
 import numpy as np
@@ -170,6 +171,12 @@ class PackedDataLoader:
     Raises:
         packloader.errors.DataError: the source is missing, unreadable or empty (names it).
         ValueError: a bad argument (names it).
+
+    Warns:
+        UserWarning: when an epoch is started on a rank that gets no data: the source packs into fewer rows
+        than ``world_size * batch_size``, so the rank yields only padding batches (or, with
+        ``drop_last=True``, no batch at all on any rank). A rank never has "no shards": shards are not
+        split between ranks, rows of the whole epoch's plan are.
     """
 
     def __init__(self, source, capacity: int | None = None, batch_size: int = 8, algorithm: str = "online",
@@ -240,6 +247,7 @@ class PackedDataLoader:
         # reference to its iterators: a loader <-> iterator cycle would leave a worker iterator to the
         # cyclic garbage collector, and torch's worker shutdown run from there waits 5 s per worker.
         self._iter_gen = 0
+        self._warned: set[int] = set()  # epochs warned about (see _warn_if_no_data)
 
     # -- epochs and length ---------------------------------------------------------------------------
 
@@ -265,6 +273,7 @@ class PackedDataLoader:
     def __iter__(self) -> "_LoaderIterator":
         epoch = self._epoch
         n = self.num_batches(epoch)  # plan computed here, inherited by forked workers
+        self._warn_if_no_data(epoch, n)
         start = min(self._resume, n) if self._resume is not None else 0
         self._resume = None
         self.dataset.control[0] = epoch
@@ -272,6 +281,27 @@ class PackedDataLoader:
         self._consumed = start
         self._iter_gen += 1
         return _LoaderIterator(self, iter(self._dl), epoch, start, n, self._iter_gen)
+
+    def _warn_if_no_data(self, epoch: int, n: int) -> None:
+        """Warn (once per epoch) when this rank gets no real row: the data packs into fewer rows than
+        one global step. Not an error: the rank still yields its padding batches, in step with the rest."""
+        if epoch in self._warned:
+            return
+        sched = self.dataset.schedule(epoch)
+        if n and (sched >= 0).any():
+            return
+        self._warned.add(epoch)
+        n_rows = len(self.dataset.rows.epoch_rows(self.seed, epoch, self.shuffle))
+        step = self.world_size * self.batch_size
+        if n == 0:
+            warnings.warn(f"PackedDataLoader: epoch {epoch} has no batches: the source packs into {n_rows} "
+                          f"row(s), fewer than world_size * batch_size = {step}, and drop_last=True drops "
+                          "them; use drop_last=False or a smaller batch_size / world_size", stacklevel=3)
+        else:
+            warnings.warn(f"PackedDataLoader: rank {self.rank} of {self.world_size} gets no data in epoch "
+                          f"{epoch}: the source packs into {n_rows} row(s), fewer than world_size * "
+                          f"batch_size = {step}; this rank yields {n} batch(es) of padding rows only "
+                          "(num_loss_tokens == 0)", stacklevel=3)
 
     # -- state ---------------------------------------------------------------------------------------
 

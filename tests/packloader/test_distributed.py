@@ -1,5 +1,7 @@
 """Rank / worker partitioning: every sequence exactly once per epoch, equal batch counts on every rank,
 results independent of num_workers."""
+import warnings
+
 import numpy as np
 import pytest
 
@@ -134,13 +136,29 @@ def test_rank_without_data_yields_padding_batches(tmp_path):
     """One short shard, 8 ranks: ranks that get no real row still yield the same number of batches,
     made of padding rows that carry no loss tokens."""
     p = write_arrow(tmp_path / "tiny.arrow", random_sequences(3, seed=3, max_len=50))
-    seen = 0
+    seen, empty_ranks = 0, 0
     for rank in range(8):
         dl = PackedDataLoader(p, capacity=128, batch_size=2, rank=rank, world_size=8, return_ids=True)
-        batches = list(dl)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            batches = list(dl)
+            list(dl)  # warned once per epoch
         assert len(batches) == 1
         b = batches[0]
         seen += len(b["sample_ids"])
+        msgs = [str(x.message) for x in w if "gets no data" in str(x.message)]
         if len(b["sample_ids"]) == 0:
+            empty_ranks += 1
             assert b["num_loss_tokens"] == 0 and (b["labels"] == -100).all()
-    assert seen == 3
+            assert len(msgs) == 1 and f"rank {rank} of 8 gets no data in epoch 0" in msgs[0], msgs
+            assert "fewer than world_size * batch_size = 16" in msgs[0]
+        else:
+            assert msgs == []
+    assert seen == 3 and empty_ranks >= 6
+
+
+def test_drop_last_with_less_than_one_step_warns(tmp_path):
+    p = write_arrow(tmp_path / "tiny.arrow", random_sequences(3, seed=3, max_len=50))
+    dl = PackedDataLoader(p, capacity=128, batch_size=2, rank=0, world_size=4, drop_last=True)
+    with pytest.warns(UserWarning, match="epoch 0 has no batches.*drop_last=True"):
+        assert list(dl) == []

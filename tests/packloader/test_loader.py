@@ -233,3 +233,41 @@ def test_state_is_small_json(tmp_path):
     text = json.dumps(sd)
     assert len(text) < 1000 and sd["batches_consumed"] == 1
     assert json.loads(text) == sd
+
+
+@pytest.mark.parametrize("kind", ["stream", "prepacked"])
+def test_batch_keys_and_dtypes_are_the_documented_ones(tmp_path, kind):
+    """Every loader batch has exactly the keys of packloader.batch.BATCH_KEYS (+ the hf_compat names),
+    with the documented shapes and dtypes; cu_seqlens spans the flattened B*L tokens and agrees with
+    seq_idx / position_ids."""
+    from packloader.batch import BATCH_KEYS
+
+    paths, seqs, _ = make_shards(tmp_path, "arrow", n_shards=2)
+    src = paths
+    if kind == "prepacked":
+        src, _ = write_prepacked(tmp_path / "pp", seqs, 256)
+    loader = PackedDataLoader(src, capacity=256, batch_size=3, hf_compat=True, num_workers=1)
+    dtypes = {"int64": torch.int64, "int32": torch.int32}
+    n = 0
+    for b in loader:
+        n += 1
+        assert set(b) == set(BATCH_KEYS) | {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+        for key, (shape, dtype) in BATCH_KEYS.items():
+            if dtype is None:
+                assert type(b[key]) is int, key
+            else:
+                assert b[key].dtype == dtypes[dtype], key
+                if shape == "[B, L]":
+                    assert tuple(b[key].shape) == (3, 256), key
+        pos, seg = b["position_ids"].reshape(-1), b["seq_idx"]
+        starts = torch.nonzero(pos == 0).reshape(-1)
+        cu = b["cu_seqlens"]
+        assert cu.tolist() == starts.tolist() + [3 * 256]
+        # a new segment starts exactly where seq_idx changes or a row begins
+        seg_start = torch.ones(3, 256, dtype=torch.bool)
+        seg_start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+        assert torch.equal(seg_start.reshape(-1), pos == 0)
+        assert b["max_seqlen"] == int(torch.diff(cu).max()) == b["max_length_q"] == b["max_length_k"]
+        assert torch.equal(b["cu_seq_lens_q"], cu) and torch.equal(b["cu_seq_lens_k"], cu)
+        assert b["num_loss_tokens"] == int((b["labels"] != -100).sum())
+    assert n == len(loader) > 0
