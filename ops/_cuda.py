@@ -199,9 +199,7 @@ def selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, out, po
         C = C.to(B.dtype)
     pos = _pos32(position_ids, batch, seqlen, u.device)
     dout = dout.to(u.dtype).contiguous()
-    out = None if (out is None or z is None) else out.to(u.dtype).contiguous()
-    if z is not None and out is None:
-        raise ValueError("selective_scan_bwd: `out` (forward output before gating) is needed when z is given")
+    out = None  # the kernel recomputes the forward output for dz; `out` is accepted for the common contract
     slices = _group_slices(dim, B.shape[1])
     if slices is not None:
         res = _bwd_by_group(u, delta, A32, B, C, D32, z, db32, dout, saved, out, pos, delta_softplus, slices)

@@ -1,12 +1,16 @@
 // Packed causal depthwise conv1d, forward and backward. Lag-k tap (weight[:, W-1-k] times x[t-k]) is used at
 // time t only where position_ids[t] >= k, so no tap reaches into the previous sequence of a packed row.
 //
-// Each thread owns one (batch, channel) and a run of kRun consecutive timesteps: it loads the run plus the
-// W-1 halo once into registers and reads position_ids once per timestep.  Channel-first: the 128 threads of a
-// block walk consecutive runs of one channel (16-byte vector loads where aligned).  Channel-last: a block is
-// 32 channels x 4 runs, consecutive threads on consecutive channels, so every load is coalesced over d.
-// Backward: g = dout * act'(pre) is recomputed on the run plus W-1 ahead, then
-// dx[t] = sum_k w[W-1-k] g[t+k] [pos[t+k] >= k]; dweight/dbias are reduced in the block, one atomic per block.
+// Channel-first (x contiguous, (batch, dim, seqlen)): a block of 128 threads covers 1024 timesteps of one
+// batch row and walks kChCF channels; each thread owns a run of kRun = 8 consecutive timesteps (one 16-byte
+// load for bf16/fp16).  position_ids are read once per block and kept in registers as "reach" (how many
+// earlier taps lie in the same sequence, min(pos, W-1)) for all of the block's channels.  The W-1 timesteps
+// before a run come from the neighbouring lane by warp shuffle (lane 0 reads them); in the backward the W-1
+// gradients after a run come from the next lane the same way (lane 31 recomputes them).
+// Channel-last (x is (batch, seqlen, dim) memory): each thread owns kVec consecutive channels (one vector
+// load per timestep) and a run of timesteps, sliding a window of the last W inputs (forward) or the last W
+// gradients (backward) through registers; position_ids[t] is one broadcast load per timestep.
+// dweight / dbias are reduced in the block (warp shuffles, then shared memory), one atomic per block.
 #include "ops_common.h"
 #include "dtype_utils.cuh"
 
@@ -14,220 +18,463 @@ namespace packloader_ops {
 
 namespace {
 
-constexpr int kRun = 8;
-constexpr int kBX = 32, kBY = 4;   // block shape
+constexpr unsigned kFull = 0xffffffffu;
 
-template <typename T>
-__device__ __forceinline__ void load_run_vec(const T *ptr, float (&v)[kRun]) {
-  // kRun elements, 16-byte aligned
-  constexpr int kPerVec = 16 / sizeof(T);
-  constexpr int kNV = kRun / kPerVec;
-#pragma unroll
-  for (int i = 0; i < kNV; ++i) {
-    uint4 raw = reinterpret_cast<const uint4 *>(ptr)[i];
-    const T *e = reinterpret_cast<const T *>(&raw);
-#pragma unroll
-    for (int k = 0; k < kPerVec; ++k) v[i * kPerVec + k] = to_f(e[k]);
-  }
-}
+// ------------------------------------------------------------------------------------------------------------
+// loads / stores of a few consecutive elements (vector when aligned and in range, else element by element)
 
-template <typename T>
-__device__ __forceinline__ void store_run_vec(T *ptr, const float (&v)[kRun]) {
-  constexpr int kPerVec = 16 / sizeof(T);
-  constexpr int kNV = kRun / kPerVec;
+template <typename T, int N>
+__device__ __forceinline__ void load_n(const T *ptr, int valid, float (&v)[N]) {
+  constexpr int kBytes = N * sizeof(T);
+  if (valid >= N && (kBytes == 16 || kBytes == 8) && (reinterpret_cast<uintptr_t>(ptr) % kBytes) == 0) {
+    if constexpr (kBytes == 16) {
+      uint4 raw = *reinterpret_cast<const uint4 *>(ptr);
+      const T *e = reinterpret_cast<const T *>(&raw);
 #pragma unroll
-  for (int i = 0; i < kNV; ++i) {
-    uint4 raw;
-    T *e = reinterpret_cast<T *>(&raw);
+      for (int k = 0; k < N; ++k) v[k] = to_f(e[k]);
+    } else {
+      uint2 raw = *reinterpret_cast<const uint2 *>(ptr);
+      const T *e = reinterpret_cast<const T *>(&raw);
 #pragma unroll
-    for (int k = 0; k < kPerVec; ++k) e[k] = from_f<T>(v[i * kPerVec + k]);
-    reinterpret_cast<uint4 *>(ptr)[i] = raw;
-  }
-}
-
-struct Coords { int b, d, t0; };
-
-template <bool kCL>
-__device__ __forceinline__ Coords coords() {
-  Coords c;
-  c.b = blockIdx.z;
-  if (kCL) {
-    c.d = blockIdx.x * kBX + threadIdx.x;
-    c.t0 = (blockIdx.y * kBY + threadIdx.y) * kRun;
+      for (int k = 0; k < N; ++k) v[k] = to_f(e[k]);
+    }
   } else {
-    c.d = blockIdx.x;
-    c.t0 = (blockIdx.y * (kBX * kBY) + threadIdx.y * kBX + threadIdx.x) * kRun;
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = k < valid ? to_f(ptr[k]) : 0.f;
   }
-  return c;
 }
 
-template <typename T, int kW, bool kCL>
-__global__ void __launch_bounds__(kBX * kBY) conv_fwd_kernel(const ConvParams p) {
-  const Coords c = coords<kCL>();
-  if (c.d >= p.dim || c.t0 >= p.seqlen) return;
+template <typename T, int N>
+__device__ __forceinline__ void store_n(T *ptr, int valid, const float (&v)[N]) {
+  constexpr int kBytes = N * sizeof(T);
+  if (valid >= N && (kBytes == 16 || kBytes == 8) && (reinterpret_cast<uintptr_t>(ptr) % kBytes) == 0) {
+    if constexpr (kBytes == 16) {
+      uint4 raw;
+      T *e = reinterpret_cast<T *>(&raw);
+#pragma unroll
+      for (int k = 0; k < N; ++k) e[k] = from_f<T>(v[k]);
+      *reinterpret_cast<uint4 *>(ptr) = raw;
+    } else {
+      uint2 raw;
+      T *e = reinterpret_cast<T *>(&raw);
+#pragma unroll
+      for (int k = 0; k < N; ++k) e[k] = from_f<T>(v[k]);
+      *reinterpret_cast<uint2 *>(ptr) = raw;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      if (k < valid) ptr[k] = from_f<T>(v[k]);
+  }
+}
+
+__device__ __forceinline__ float silu_grad_factor(float pre) {
+  const float sg = sigmoidf_(pre);
+  return sg * (1.f + pre * (1.f - sg));
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// channel-first
+
+constexpr int kRun = 8;          // timesteps per thread
+constexpr int kThreadsCF = 128;  // 1024 timesteps per block
+constexpr int kSpanCF = kRun * kThreadsCF;
+constexpr int kChCF = 4;         // channels walked by one block (position_ids read once for all)
+
+__device__ __forceinline__ void load_reach(const int *pos, int t0, int L, int wm1, int (&reach)[kRun]) {
+  if (t0 + kRun <= L && (reinterpret_cast<uintptr_t>(pos + t0) & 15) == 0) {
+    const int4 a = *reinterpret_cast<const int4 *>(pos + t0);
+    const int4 b = *reinterpret_cast<const int4 *>(pos + t0 + 4);
+    reach[0] = a.x; reach[1] = a.y; reach[2] = a.z; reach[3] = a.w;
+    reach[4] = b.x; reach[5] = b.y; reach[6] = b.z; reach[7] = b.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) reach[i] = t0 + i < L ? pos[t0 + i] : 0;
+  }
+#pragma unroll
+  for (int i = 0; i < kRun; ++i) reach[i] = min(reach[i], wm1);
+}
+
+template <typename T, int kW>
+__global__ void __launch_bounds__(kThreadsCF) conv_fwd_cf(const ConvParams p) {
+  const int b = blockIdx.z;
+  const int lane = threadIdx.x & 31;
   const int L = p.seqlen;
-  const T *x = reinterpret_cast<const T *>(p.x) + c.b * p.x_bs + c.d * p.x_cs;
-  T *out = reinterpret_cast<T *>(p.out) + c.b * p.x_bs + c.d * p.x_cs;
-  const int *pos = p.pos + (int64_t)c.b * L;
-  float w[kW];
-#pragma unroll
-  for (int k = 0; k < kW; ++k) w[k] = p.weight[c.d * kW + k];
-  const float bias = p.bias ? p.bias[c.d] : 0.f;
-  // xs[i] = x[t0 - (kW-1) + i]
-  float xs[kRun + kW - 1];
-#pragma unroll
-  for (int i = 0; i < kW - 1; ++i) {
-    const int t = c.t0 - (kW - 1) + i;
-    xs[i] = t >= 0 ? to_f(x[t * p.x_ls]) : 0.f;
-  }
-  const bool full = c.t0 + kRun <= L;
-  float main[kRun];
-  if (!kCL && full && p.x_ls == 1 && ((reinterpret_cast<uintptr_t>(x + c.t0) & 15) == 0)) {
-    load_run_vec<T>(x + c.t0, main);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kRun; ++i) main[i] = (c.t0 + i < L) ? to_f(x[(c.t0 + i) * p.x_ls]) : 0.f;
-  }
-#pragma unroll
-  for (int i = 0; i < kRun; ++i) xs[kW - 1 + i] = main[i];
-  float o[kRun];
-#pragma unroll
-  for (int i = 0; i < kRun; ++i) {
-    const int t = c.t0 + i;
-    const int ps = t < L ? pos[t] : 0;
-    float acc = bias;
-#pragma unroll
-    for (int k = 0; k < kW; ++k) acc += (k <= ps ? w[kW - 1 - k] : 0.f) * xs[i + kW - 1 - k];
-    if (p.silu) acc = acc * sigmoidf_(acc);
-    o[i] = acc;
-  }
-  if (!kCL && full && p.x_ls == 1 && ((reinterpret_cast<uintptr_t>(out + c.t0) & 15) == 0)) {
-    store_run_vec<T>(out + c.t0, o);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kRun; ++i)
-      if (c.t0 + i < L) out[(c.t0 + i) * p.x_ls] = from_f<T>(o[i]);
-  }
-}
-
-template <typename T, int kW, bool kCL>
-__global__ void __launch_bounds__(kBX * kBY) conv_bwd_kernel(const ConvParams p) {
-  __shared__ float s_acc[kBX][kW + 1];
-  const int tid = threadIdx.y * kBX + threadIdx.x;
-  for (int i = tid; i < kBX * (kW + 1); i += kBX * kBY) s_acc[i / (kW + 1)][i % (kW + 1)] = 0.f;
-  __syncthreads();
-  const Coords c = coords<kCL>();
-  const int L = p.seqlen;
-  float dw[kW + 1];   // dw[k] for weight index k, dw[kW] = dbias
-#pragma unroll
-  for (int k = 0; k <= kW; ++k) dw[k] = 0.f;
-  if (c.d < p.dim && c.t0 < L) {
-    const T *x = reinterpret_cast<const T *>(p.x) + c.b * p.x_bs + c.d * p.x_cs;
-    const T *dout = reinterpret_cast<const T *>(p.dout) + c.b * p.g_bs + c.d * p.g_cs;
-    T *dx = reinterpret_cast<T *>(p.dx) + c.b * p.x_bs + c.d * p.x_cs;
-    const int *pos = p.pos + (int64_t)c.b * L;
+  const int t0 = blockIdx.y * kSpanCF + threadIdx.x * kRun;
+  const int valid = max(0, min(kRun, L - t0));
+  int reach[kRun];
+  load_reach(p.pos + (int64_t)b * L, t0, L, kW - 1, reach);
+#pragma unroll 1
+  for (int c = 0; c < kChCF; ++c) {
+    const int d = blockIdx.x * kChCF + c;
+    if (d >= p.dim) break;   // uniform over the block
+    const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs;
+    T *out = reinterpret_cast<T *>(p.out) + b * p.x_bs + d * p.x_cs;
     float w[kW];
 #pragma unroll
-    for (int k = 0; k < kW; ++k) w[k] = p.weight[c.d * kW + k];
-    const float bias = p.bias ? p.bias[c.d] : 0.f;
-    constexpr int kNX = kRun + 2 * (kW - 1);   // x[t0-(W-1) .. t0+kRun-1+(W-1)]
-    constexpr int kNG = kRun + kW - 1;         // g[t0 .. t0+kRun-1+(W-1)]
-    float xs[kNX];
+    for (int k = 0; k < kW; ++k) w[k] = p.weight[d * kW + k];
+    const float bias = p.bias ? p.bias[d] : 0.f;
+    // xs[i] = x[t0 - (kW-1) + i]
+    float xs[kRun + kW - 1];
+    float main[kRun];
+    load_n<T, kRun>(x + t0, valid, main);
 #pragma unroll
-    for (int i = 0; i < kNX; ++i) {
-      const int t = c.t0 - (kW - 1) + i;
-      xs[i] = (t >= 0 && t < L) ? to_f(x[t * p.x_ls]) : 0.f;
-    }
-    float g[kNG];
-    int ps[kNG];
+    for (int k = 0; k < kW - 1; ++k) xs[k] = __shfl_up_sync(kFull, main[kRun - (kW - 1) + k], 1);
+    if (lane == 0) {
 #pragma unroll
-    for (int i = 0; i < kNG; ++i) {
-      const int t = c.t0 + i;
-      ps[i] = t < L ? pos[t] : 0;
-      float gv = t < L ? to_f(dout[t * p.g_ls]) : 0.f;
-      if (p.silu) {
-        float acc = bias;
-#pragma unroll
-        for (int k = 0; k < kW; ++k) acc += (k <= ps[i] ? w[kW - 1 - k] : 0.f) * xs[i + kW - 1 - k];
-        const float sg = sigmoidf_(acc);
-        gv *= sg * (1.f + acc * (1.f - sg));
+      for (int k = 0; k < kW - 1; ++k) {
+        const int t = t0 - (kW - 1) + k;
+        xs[k] = (t >= 0 && t < L) ? to_f(x[t]) : 0.f;
       }
-      g[i] = gv;
+    }
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) xs[kW - 1 + i] = main[i];
+    float o[kRun];
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) {
+      float acc = bias;
+#pragma unroll
+      for (int k = 0; k < kW; ++k) acc = fmaf(k <= reach[i] ? w[kW - 1 - k] : 0.f, xs[i + kW - 1 - k], acc);
+      o[i] = p.silu ? acc * sigmoidf_(acc) : acc;
+    }
+    if (valid > 0) store_n<T, kRun>(out + t0, valid, o);
+  }
+}
+
+template <int kW>
+__device__ __forceinline__ void block_reduce_dw(float (&dw)[kW + 1], float (*s_red)[kW + 1], float *dweight,
+                                                float *dbias, int d) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int k = 0; k <= kW; ++k) {
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) dw[k] += __shfl_xor_sync(kFull, dw[k], o);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k <= kW; ++k) s_red[warp][k] = dw[k];
+  }
+  __syncthreads();
+  if (threadIdx.x <= kW) {
+    float s = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kThreadsCF / 32; ++wi) s += s_red[wi][threadIdx.x];
+    if (threadIdx.x < kW) atomicAdd(dweight + d * kW + threadIdx.x, s);
+    else if (dbias) atomicAdd(dbias + d, s);
+  }
+  __syncthreads();
+}
+
+template <typename T, int kW>
+__global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
+  __shared__ float s_red[kThreadsCF / 32][kW + 1];
+  const int b = blockIdx.z;
+  const int lane = threadIdx.x & 31;
+  const int L = p.seqlen;
+  const int t0 = blockIdx.y * kSpanCF + threadIdx.x * kRun;
+  const int valid = max(0, min(kRun, L - t0));
+  const int *pos = p.pos + (int64_t)b * L;
+  int reach[kRun];
+  load_reach(pos, t0, L, kW - 1, reach);
+  // reach of the W-1 timesteps after the run (from the next lane; lane 31 reads them)
+  int reach_nx[kW - 1];
+#pragma unroll
+  for (int k = 0; k < kW - 1; ++k) reach_nx[k] = __shfl_down_sync(kFull, reach[k], 1);
+  if (lane == 31) {
+#pragma unroll
+    for (int k = 0; k < kW - 1; ++k) {
+      const int t = t0 + kRun + k;
+      reach_nx[k] = t < L ? min(pos[t], kW - 1) : 0;
+    }
+  }
+#pragma unroll 1
+  for (int c = 0; c < kChCF; ++c) {
+    const int d = blockIdx.x * kChCF + c;
+    if (d >= p.dim) break;   // uniform over the block
+    const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs;
+    const T *dout = reinterpret_cast<const T *>(p.dout) + b * p.g_bs + d * p.g_cs;
+    T *dx = reinterpret_cast<T *>(p.dx) + b * p.x_bs + d * p.x_cs;
+    float w[kW];
+#pragma unroll
+    for (int k = 0; k < kW; ++k) w[k] = p.weight[d * kW + k];
+    const float bias = p.bias ? p.bias[d] : 0.f;
+    float xs[kRun + kW - 1];   // x[t0 - (kW-1) + i]
+    float main[kRun];
+    load_n<T, kRun>(x + t0, valid, main);
+#pragma unroll
+    for (int k = 0; k < kW - 1; ++k) xs[k] = __shfl_up_sync(kFull, main[kRun - (kW - 1) + k], 1);
+    if (lane == 0) {
+#pragma unroll
+      for (int k = 0; k < kW - 1; ++k) {
+        const int t = t0 - (kW - 1) + k;
+        xs[k] = (t >= 0 && t < L) ? to_f(x[t]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) xs[kW - 1 + i] = main[i];
+    float g[kRun + kW - 1];   // g[t0 + i]: dout * act'(pre)
+    {
+      float gd[kRun];
+      load_n<T, kRun>(dout + t0, valid, gd);
+#pragma unroll
+      for (int i = 0; i < kRun; ++i) {
+        float gv = gd[i];
+        if (p.silu) {
+          float acc = bias;
+#pragma unroll
+          for (int k = 0; k < kW; ++k) acc = fmaf(k <= reach[i] ? w[kW - 1 - k] : 0.f, xs[i + kW - 1 - k], acc);
+          gv *= silu_grad_factor(acc);
+        }
+        g[i] = gv;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kW - 1; ++k) g[kRun + k] = __shfl_down_sync(kFull, g[k], 1);
+    if (lane == 31) {
+      // the W-1 gradients after this run, recomputed: x[t0+kRun-(W-1) ..] are main's tail and the next ones
+#pragma unroll
+      for (int k = 0; k < kW - 1; ++k) {
+        const int t = t0 + kRun + k;
+        float gv = 0.f;
+        if (t < L) {
+          gv = to_f(dout[t]);
+          if (p.silu) {
+            float acc = bias;
+#pragma unroll
+            for (int j = 0; j < kW; ++j) {   // lag j: x[t - j]
+              const int tj = t - j;
+              const float xv = tj < t0 + kRun ? xs[kW - 1 + (tj - t0)] : to_f(x[tj]);
+              acc = fmaf(j <= reach_nx[k] ? w[kW - 1 - j] : 0.f, xv, acc);
+            }
+            gv *= silu_grad_factor(acc);
+          }
+        }
+        g[kRun + k] = gv;
+      }
     }
     float dxv[kRun];
+    float dw[kW + 1];
+#pragma unroll
+    for (int k = 0; k <= kW; ++k) dw[k] = 0.f;
 #pragma unroll
     for (int i = 0; i < kRun; ++i) {
       float acc = 0.f;
 #pragma unroll
-      for (int k = 0; k < kW; ++k) acc += (k <= ps[i + k] ? w[kW - 1 - k] : 0.f) * g[i + k];
+      for (int k = 0; k < kW; ++k) {
+        const int r = (i + k < kRun) ? reach[i + k] : reach_nx[i + k - kRun];
+        acc = fmaf(k <= r ? w[kW - 1 - k] : 0.f, g[i + k], acc);
+      }
       dxv[i] = acc;
-      if (c.t0 + i < L) {
+      const float gi = i < valid ? g[i] : 0.f;
 #pragma unroll
-        for (int k = 0; k < kW; ++k) dw[kW - 1 - k] += (k <= ps[i] ? g[i] : 0.f) * xs[i + kW - 1 - k];
-        dw[kW] += g[i];
+      for (int k = 0; k < kW; ++k) dw[kW - 1 - k] = fmaf(k <= reach[i] ? gi : 0.f, xs[i + kW - 1 - k], dw[kW - 1 - k]);
+      dw[kW] += gi;
+    }
+    if (valid > 0) store_n<T, kRun>(dx + t0, valid, dxv);
+    block_reduce_dw<kW>(dw, s_red, p.dweight, p.dbias, d);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// channel-last
+
+constexpr int kBXCL = 32, kBYCL = 4;   // 32 threads over channels x 4 over time
+constexpr int kRunCL = 32;             // timesteps per thread
+
+template <typename T>
+struct ClVec { static constexpr int kFwd = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T); static constexpr int kBwd = 4; };
+
+template <typename T, int kW>
+__global__ void __launch_bounds__(kBXCL * kBYCL) conv_fwd_cl(const ConvParams p) {
+  constexpr int kV = ClVec<T>::kFwd;
+  const int b = blockIdx.z;
+  const int L = p.seqlen;
+  const int d0 = (blockIdx.x * kBXCL + threadIdx.x) * kV;
+  const int t0 = (blockIdx.y * kBYCL + threadIdx.y) * kRunCL;
+  if (d0 >= p.dim || t0 >= L) return;
+  const int nv = min(kV, p.dim - d0);
+  const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d0;
+  T *out = reinterpret_cast<T *>(p.out) + b * p.x_bs + d0;
+  const int *pos = p.pos + (int64_t)b * L;
+  float w[kW][kV], bias[kV];
+#pragma unroll
+  for (int c = 0; c < kV; ++c) {
+    const int d = min(d0 + c, p.dim - 1);
+#pragma unroll
+    for (int k = 0; k < kW; ++k) w[k][c] = p.weight[d * kW + k];
+    bias[c] = p.bias ? p.bias[d] : 0.f;
+  }
+  float win[kW][kV];   // win[kW-1] = x[t], win[kW-1-j] = x[t-j]
+#pragma unroll
+  for (int j = 0; j < kW - 1; ++j) {
+    const int t = t0 - (kW - 1) + j;
+    if (t >= 0) load_n<T, kV>(x + t * p.x_ls, nv, win[j + 1]);
+    else {
+#pragma unroll
+      for (int c = 0; c < kV; ++c) win[j + 1][c] = 0.f;
+    }
+  }
+  const int tend = min(t0 + kRunCL, L);
+#pragma unroll 2
+  for (int t = t0; t < tend; ++t) {
+#pragma unroll
+    for (int j = 0; j < kW - 1; ++j)
+#pragma unroll
+      for (int c = 0; c < kV; ++c) win[j][c] = win[j + 1][c];
+    load_n<T, kV>(x + t * p.x_ls, nv, win[kW - 1]);
+    const int r = pos[t];
+    float o[kV];
+#pragma unroll
+    for (int c = 0; c < kV; ++c) {
+      float acc = bias[c];
+#pragma unroll
+      for (int k = 0; k < kW; ++k) acc = fmaf(k <= r ? w[kW - 1 - k][c] : 0.f, win[kW - 1 - k][c], acc);
+      o[c] = p.silu ? acc * sigmoidf_(acc) : acc;
+    }
+    store_n<T, kV>(out + t * p.x_ls, nv, o);
+  }
+}
+
+template <typename T, int kW>
+__global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p) {
+  constexpr int kV = ClVec<T>::kBwd;
+  __shared__ float s_red[kBYCL][kBXCL * kV][kW + 1];
+  const int b = blockIdx.z;
+  const int L = p.seqlen;
+  const int d0 = (blockIdx.x * kBXCL + threadIdx.x) * kV;
+  const int t0 = (blockIdx.y * kBYCL + threadIdx.y) * kRunCL;
+  const bool active = d0 < p.dim && t0 < L;
+  float dw[kW + 1][kV];
+#pragma unroll
+  for (int k = 0; k <= kW; ++k)
+#pragma unroll
+    for (int c = 0; c < kV; ++c) dw[k][c] = 0.f;
+  if (active) {
+    const int nv = min(kV, p.dim - d0);
+    const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d0;
+    const T *dout = reinterpret_cast<const T *>(p.dout) + b * p.g_bs + d0;
+    T *dx = reinterpret_cast<T *>(p.dx) + b * p.x_bs + d0;
+    const int *pos = p.pos + (int64_t)b * L;
+    float w[kW][kV], bias[kV];
+#pragma unroll
+    for (int c = 0; c < kV; ++c) {
+      const int d = min(d0 + c, p.dim - 1);
+#pragma unroll
+      for (int k = 0; k < kW; ++k) w[k][c] = p.weight[d * kW + k];
+      bias[c] = p.bias ? p.bias[d] : 0.f;
+    }
+    float xw[kW][kV];    // xw[kW-1] = x[t], xw[kW-1-j] = x[t-j]
+    float gw[kW][kV];    // gw[kW-1] = g[t], gw[kW-1-j] = g[t-j]
+    int rw[kW];          // reach of the same timesteps as gw
+#pragma unroll
+    for (int j = 0; j < kW - 1; ++j) {
+      const int t = t0 - (kW - 1) + j;
+      if (t >= 0) load_n<T, kV>(x + t * p.x_ls, nv, xw[j + 1]);
+      else {
+#pragma unroll
+        for (int c = 0; c < kV; ++c) xw[j + 1][c] = 0.f;
+      }
+#pragma unroll
+      for (int c = 0; c < kV; ++c) gw[j + 1][c] = 0.f;
+      rw[j + 1] = 0;
+    }
+    const int tend = min(t0 + kRunCL, L);
+    const int tlast = min(t0 + kRunCL + kW - 1, L + kW - 1);
+#pragma unroll 1
+    for (int t = t0; t < tlast; ++t) {
+#pragma unroll
+      for (int j = 0; j < kW - 1; ++j) {
+        rw[j] = rw[j + 1];
+#pragma unroll
+        for (int c = 0; c < kV; ++c) { xw[j][c] = xw[j + 1][c]; gw[j][c] = gw[j + 1][c]; }
+      }
+      float gt[kV];
+      int r = 0;
+      if (t < L) {
+        load_n<T, kV>(x + t * p.x_ls, nv, xw[kW - 1]);
+        load_n<T, kV>(dout + t * p.g_ls, nv, gt);
+        r = min(pos[t], kW - 1);
+        if (p.silu) {
+#pragma unroll
+          for (int c = 0; c < kV; ++c) {
+            float acc = bias[c];
+#pragma unroll
+            for (int k = 0; k < kW; ++k) acc = fmaf(k <= r ? w[kW - 1 - k][c] : 0.f, xw[kW - 1 - k][c], acc);
+            gt[c] *= silu_grad_factor(acc);
+          }
+        }
+        if (t < tend) {
+#pragma unroll
+          for (int c = 0; c < kV; ++c) {
+#pragma unroll
+            for (int k = 0; k < kW; ++k) dw[kW - 1 - k][c] = fmaf(k <= r ? gt[c] : 0.f, xw[kW - 1 - k][c], dw[kW - 1 - k][c]);
+            dw[kW][c] += gt[c];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < kV; ++c) { xw[kW - 1][c] = 0.f; gt[c] = 0.f; }
+      }
+#pragma unroll
+      for (int c = 0; c < kV; ++c) gw[kW - 1][c] = gt[c];
+      rw[kW - 1] = r;
+      // dx at s = t - (W-1): sum_k w[W-1-k] g[s+k] [reach(s+k) >= k]; g[s+k] = gw[k]
+      const int s = t - (kW - 1);
+      if (s >= t0 && s < tend) {
+        float o[kV];
+#pragma unroll
+        for (int c = 0; c < kV; ++c) {
+          float acc = 0.f;
+#pragma unroll
+          for (int k = 0; k < kW; ++k) acc = fmaf(k <= rw[k] ? w[kW - 1 - k][c] : 0.f, gw[k][c], acc);
+          o[c] = acc;
+        }
+        store_n<T, kV>(dx + s * p.x_ls, nv, o);
       }
     }
-    const bool full = c.t0 + kRun <= L;
-    if (!kCL && full && p.x_ls == 1 && ((reinterpret_cast<uintptr_t>(dx + c.t0) & 15) == 0)) {
-      store_run_vec<T>(dx + c.t0, dxv);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kRun; ++i)
-        if (c.t0 + i < L) dx[(c.t0 + i) * p.x_ls] = from_f<T>(dxv[i]);
-    }
   }
-  if (!kCL) {
-    // whole block is one channel: warp reduce, then shared
 #pragma unroll
-    for (int k = 0; k <= kW; ++k) {
-      float v = dw[k];
+  for (int k = 0; k <= kW; ++k)
 #pragma unroll
-      for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (threadIdx.x == 0) atomicAdd(&s_acc[0][k], v);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k <= kW; ++k) atomicAdd(&s_acc[threadIdx.x][k], dw[k]);
-  }
+    for (int c = 0; c < kV; ++c) s_red[threadIdx.y][threadIdx.x * kV + c][k] = dw[k][c];
   __syncthreads();
-  if (threadIdx.y == 0) {
-    const int d = kCL ? c.d : (int)blockIdx.x;
-    if ((kCL || threadIdx.x == 0) && d < p.dim) {
-      const int slot = kCL ? threadIdx.x : 0;
+  for (int i = threadIdx.y * kBXCL + threadIdx.x; i < kBXCL * kV * (kW + 1); i += kBXCL * kBYCL) {
+    const int cl = i / (kW + 1), k = i % (kW + 1);
+    const int d = blockIdx.x * kBXCL * kV + cl;
+    if (d >= p.dim) continue;
+    float s = 0.f;
 #pragma unroll
-      for (int k = 0; k < kW; ++k) atomicAdd(p.dweight + d * kW + k, s_acc[slot][k]);
-      if (p.dbias) atomicAdd(p.dbias + d, s_acc[slot][kW]);
-    }
+    for (int y = 0; y < kBYCL; ++y) s += s_red[y][cl][k];
+    if (k < kW) atomicAdd(p.dweight + d * kW + k, s);
+    else if (p.dbias) atomicAdd(p.dbias + d, s);
   }
 }
 
-template <bool kCL>
-dim3 conv_grid(const ConvParams &p) {
-  const int runs = (p.seqlen + kRun - 1) / kRun;
-  if (kCL) return dim3((p.dim + kBX - 1) / kBX, (runs + kBY - 1) / kBY, p.batch);
-  return dim3(p.dim, (runs + kBX * kBY - 1) / (kBX * kBY), p.batch);
-}
+// ------------------------------------------------------------------------------------------------------------
+// launch
 
-template <typename T, int kW, bool kCL>
+template <typename T, int kW>
 void launch_w(const ConvParams &p, cudaStream_t st, bool bwd) {
-  dim3 grid = conv_grid<kCL>(p), block(kBX, kBY);
-  if (bwd) conv_bwd_kernel<T, kW, kCL><<<grid, block, 0, st>>>(p);
-  else conv_fwd_kernel<T, kW, kCL><<<grid, block, 0, st>>>(p);
-}
-
-template <typename T, bool kCL>
-void launch_cl(const ConvParams &p, cudaStream_t st, bool bwd) {
-  switch (p.width) {
-    case 2: launch_w<T, 2, kCL>(p, st, bwd); break;
-    case 3: launch_w<T, 3, kCL>(p, st, bwd); break;
-    default: launch_w<T, 4, kCL>(p, st, bwd); break;
+  if (p.channel_last) {
+    const int kV = bwd ? ClVec<T>::kBwd : ClVec<T>::kFwd;
+    dim3 grid((p.dim + kBXCL * kV - 1) / (kBXCL * kV), (p.seqlen + kBYCL * kRunCL - 1) / (kBYCL * kRunCL), p.batch);
+    dim3 block(kBXCL, kBYCL);
+    if (bwd) conv_bwd_cl<T, kW><<<grid, block, 0, st>>>(p);
+    else conv_fwd_cl<T, kW><<<grid, block, 0, st>>>(p);
+  } else {
+    dim3 grid((p.dim + kChCF - 1) / kChCF, (p.seqlen + kSpanCF - 1) / kSpanCF, p.batch);
+    if (bwd) conv_bwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
+    else conv_fwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
   }
 }
 
 template <typename T>
 void launch_t(const ConvParams &p, cudaStream_t st, bool bwd) {
-  if (p.channel_last) launch_cl<T, true>(p, st, bwd);
-  else launch_cl<T, false>(p, st, bwd);
+  switch (p.width) {
+    case 2: launch_w<T, 2>(p, st, bwd); break;
+    case 3: launch_w<T, 3>(p, st, bwd); break;
+    default: launch_w<T, 4>(p, st, bwd); break;
+  }
 }
 
 void launch(const ConvParams &p, cudaStream_t st, bool bwd) {

@@ -22,7 +22,7 @@ struct ScanParams {
   void *out, *out_z;
   float *saved;     // (batch, dim, nchunks, 16): state at the end of every chunk
   // backward
-  const void *dout, *out_fwd;        // out_fwd: forward `out` (before gating), needed for dz
+  const void *dout, *out_fwd;        // out_fwd: unused (the backward recomputes the forward output for dz)
   void *du, *ddelta, *dz;
   float *dA, *dB, *dC, *dD, *ddelta_bias;   // fp32 accumulators, zero-initialised by the caller
 };

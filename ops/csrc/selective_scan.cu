@@ -68,6 +68,53 @@ __device__ __forceinline__ void reduce_scatter16(float (&v)[16], int lane16) {
 
 __device__ __forceinline__ float softplus_(float x) { return x <= 20.f ? log1pf(__expf(x)) : x; }
 
+// ---- raw staging: the next chunk's inputs are copied into shared memory with cp.async (4-byte units, zero-filled
+// past the end) while the current chunk computes; a conversion pass then turns them into the fp32 arrays.
+__device__ __forceinline__ void cp_async4(void *dst, const void *src, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+template <typename in_t, typename w_t, int kNIn>
+struct RawChunk {
+  in_t in[kNIn][kDB][kChunk];   // forward: u, delta, z; backward: u, delta, z, dout
+  w_t bc[2][kLanes][kChunk];    // B, C
+  int pos[kChunk];
+};
+
+// rows r < 16 of a (rows, L) matrix with row stride `stride`, timesteps t0..t0+63, into dst[r][0..63].
+// kAsync: cp.async in 4-byte units (needs 4-byte aligned rows: L even for 16-bit types); else plain loads.
+template <bool kAsync, typename T>
+__device__ __forceinline__ void stage_rows(T (*dst)[kChunk], const T *src, int64_t stride, int rows, int t0, int L,
+                                           int tid) {
+  if constexpr (kAsync) {
+    constexpr int kEpu = 4 / sizeof(T);
+    constexpr int kUpr = kChunk / kEpu;
+    for (int i = tid; i < 16 * kUpr; i += kThreads) {
+      const int r = i / kUpr, tu = (i % kUpr) * kEpu, t = t0 + tu;
+      const bool ok = r < rows && t < L;
+      cp_async4(&dst[r][tu], ok ? (const void *)(src + r * stride + t) : (const void *)src,
+                ok ? (int)(min(kEpu, L - t) * sizeof(T)) : 0);
+    }
+  } else {
+    for (int i = tid; i < 16 * kChunk; i += kThreads) {
+      const int r = i / kChunk, tt = i % kChunk, t = t0 + tt;
+      dst[r][tt] = (r < rows && t < L) ? src[r * stride + t] : from_f<T>(0.f);
+    }
+  }
+}
+
+template <bool kAsync>
+__device__ __forceinline__ void stage_pos(int *dst, const int *pos, int t0, int L, int tid) {
+  if (tid < kChunk) {
+    const int t = t0 + tid;
+    if constexpr (kAsync) cp_async4(dst + tid, t < L ? pos + t : pos, t < L ? 4 : 0);
+    else dst[tid] = t < L ? pos[t] : 0;
+  }
+}
+
 // Shared staging of one chunk. Channel-indexed arrays are [t][kPad], state-indexed ones [t][kPad] too.
 struct FwdSmem {
   float dt[kChunk][kPad];
@@ -79,9 +126,10 @@ struct FwdSmem {
   float m[kChunk];
 };
 
-template <typename in_t, typename w_t, bool kHasZ>
+template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
 __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams p) {
   __shared__ FwdSmem sm;
+  __shared__ __align__(16) RawChunk<in_t, w_t, 3> raw;
   const int tid = threadIdx.x;
   const int n = tid & 15;
   const int dl = tid >> 4;
@@ -102,21 +150,33 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
   in_t *out = reinterpret_cast<in_t *>(p.out) + ((int64_t)b * p.dim) * L;
   in_t *out_z = kHasZ ? reinterpret_cast<in_t *>(p.out_z) + ((int64_t)b * p.dim) * L : nullptr;
 
+  const int rows = p.dim - d0;
+  auto stage = [&](int t0) {
+    stage_rows<kAsync>(raw.in[0], u + (int64_t)d0 * L, L, rows, t0, L, tid);
+    stage_rows<kAsync>(raw.in[1], delta + (int64_t)d0 * L, L, rows, t0, L, tid);
+    if constexpr (kHasZ) stage_rows<kAsync>(raw.in[2], z + (int64_t)d0 * L, L, rows, t0, L, tid);
+    stage_rows<kAsync>(raw.bc[0], Bp, L, p.dstate, t0, L, tid);
+    stage_rows<kAsync>(raw.bc[1], Cp, L, p.dstate, t0, L, tid);
+    stage_pos<kAsync>(raw.pos, pos, t0, L, tid);
+    if constexpr (kAsync) cp_async_commit();
+  };
+  stage(0);
+
   float h = 0.f;
   for (int c = 0; c < p.nchunks; ++c) {
     const int t0 = c * kChunk;
+    if constexpr (kAsync) cp_async_wait_all();
     __syncthreads();
     for (int i = tid; i < kDB * kChunk; i += kThreads) {
       const int dd = i / kChunk, tt = i % kChunk, dg = d0 + dd, t = t0 + tt;
       float dtv = 0.f, uv = 0.f, zs = 0.f, skip = 0.f;
       if (dg < p.dim && t < L) {
-        const int64_t off = (int64_t)dg * L + t;
-        uv = to_f(u[off]);
-        dtv = to_f(delta[off]);
+        uv = to_f(raw.in[0][dd][tt]);
+        dtv = to_f(raw.in[1][dd][tt]);
         if (p.delta_bias) dtv += p.delta_bias[dg];
         if (p.softplus) dtv = softplus_(dtv);
         if (p.D) skip = p.D[dg] * uv;
-        if (kHasZ) { const float zv = to_f(z[off]); zs = zv * sigmoidf_(zv); }
+        if (kHasZ) { const float zv = to_f(raw.in[2][dd][tt]); zs = zv * sigmoidf_(zv); }
       }
       sm.dt[tt][dd] = dtv;
       sm.dtu[tt][dd] = dtv * uv;
@@ -126,12 +186,13 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
     for (int i = tid; i < kLanes * kChunk; i += kThreads) {
       const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
       float bv = 0.f, cv = 0.f;
-      if (nn < p.dstate && t < L) { bv = to_f(Bp[(int64_t)nn * L + t]); cv = to_f(Cp[(int64_t)nn * L + t]); }
+      if (nn < p.dstate && t < L) { bv = to_f(raw.bc[0][nn][tt]); cv = to_f(raw.bc[1][nn][tt]); }
       sm.Bm[tt][nn] = bv;
       sm.Cm[tt][nn] = cv;
     }
-    if (tid < kChunk) sm.m[tid] = (t0 + tid < L && pos[t0 + tid] == 0) ? 0.f : 1.f;
+    if (tid < kChunk) sm.m[tid] = (t0 + tid < L && raw.pos[tid] == 0) ? 0.f : 1.f;
     __syncthreads();
+    if (c + 1 < p.nchunks) stage(t0 + kChunk);   // overlaps with this chunk's scan
 
 #pragma unroll 1
     for (int s = 0; s < kNSub; ++s) {
@@ -156,22 +217,26 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
   }
 }
 
+template <typename in_t, typename w_t>
 struct BwdSmem {
+  RawChunk<in_t, w_t, 4> raw;
   float dt[kChunk][kPad];
   float dtu[kChunk][kPad];
   float u[kChunk][kPad];
   float dy[kChunk][kPad];
   float sig[kChunk][kPad];   // d softplus / d x
+  float gz[kChunk][kPad];    // dz = (y + D u) * gz: dout * sigmoid(z) * (1 + z (1 - sigmoid(z)))
   float Bm[kChunk][kPad];
   float Cm[kChunk][kPad];
   float m[kChunk];
   float red[2][2][kThreads / 32][kLanes][kSub + 1];   // [buffer][dB|dC][warp][n][j]
 };
 
-template <typename in_t, typename w_t, bool kHasZ>
+template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
 __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  BwdSmem &sm = *reinterpret_cast<BwdSmem *>(smem_raw);
+  BwdSmem<in_t, w_t> &sm = *reinterpret_cast<BwdSmem<in_t, w_t> *>(smem_raw);
+  auto &raw = sm.raw;
   const int tid = threadIdx.x;
   const int n = tid & 15;
   const int dl = tid >> 4;
@@ -192,7 +257,6 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
   const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
   const in_t *z = kHasZ ? reinterpret_cast<const in_t *>(p.z) + row : nullptr;
   const in_t *dout = reinterpret_cast<const in_t *>(p.dout) + row;
-  const in_t *ofwd = kHasZ ? reinterpret_cast<const in_t *>(p.out_fwd) + row : nullptr;
   const int64_t bc_off = ((int64_t)b * p.n_groups + grp) * p.dstate * L;
   const w_t *Bp = reinterpret_cast<const w_t *>(p.B) + bc_off;
   const w_t *Cp = reinterpret_cast<const w_t *>(p.C) + bc_off;
@@ -206,25 +270,37 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
   float gc = 0.f;        // adjoint carried from t+1 (already multiplied by a_{t+1})
   float dA_acc = 0.f, dD_acc = 0.f, dbias_acc = 0.f;
 
+  const int rows = p.dim - d0;
+  auto stage = [&](int t0) {
+    stage_rows<kAsync>(raw.in[0], u + (int64_t)d0 * L, L, rows, t0, L, tid);
+    stage_rows<kAsync>(raw.in[1], delta + (int64_t)d0 * L, L, rows, t0, L, tid);
+    if constexpr (kHasZ) stage_rows<kAsync>(raw.in[2], z + (int64_t)d0 * L, L, rows, t0, L, tid);
+    stage_rows<kAsync>(raw.in[3], dout + (int64_t)d0 * L, L, rows, t0, L, tid);
+    stage_rows<kAsync>(raw.bc[0], Bp, L, p.dstate, t0, L, tid);
+    stage_rows<kAsync>(raw.bc[1], Cp, L, p.dstate, t0, L, tid);
+    stage_pos<kAsync>(raw.pos, pos, t0, L, tid);
+    if constexpr (kAsync) cp_async_commit();
+  };
+  stage((p.nchunks - 1) * kChunk);
+
   for (int c = p.nchunks - 1; c >= 0; --c) {
     const int t0 = c * kChunk;
+    if constexpr (kAsync) cp_async_wait_all();
     __syncthreads();
     for (int i = tid; i < kDB * kChunk; i += kThreads) {
       const int dd = i / kChunk, tt = i % kChunk, dg = d0 + dd, t = t0 + tt;
-      float dtv = 0.f, uv = 0.f, dyv = 0.f, sg = 0.f;
+      float dtv = 0.f, uv = 0.f, dyv = 0.f, sg = 0.f, gzv = 0.f;
       if (dg < p.dim && t < L) {
-        const int64_t off = (int64_t)dg * L + t;
-        uv = to_f(u[off]);
-        dtv = to_f(delta[off]);
+        uv = to_f(raw.in[0][dd][tt]);
+        dtv = to_f(raw.in[1][dd][tt]);
         if (p.delta_bias) dtv += p.delta_bias[dg];
         if (p.softplus) { sg = sigmoidf_(dtv); dtv = softplus_(dtv); } else { sg = 1.f; }
-        const float g = to_f(dout[off]);
+        const float g = to_f(raw.in[3][dd][tt]);
         if (kHasZ) {
-          const float zv = to_f(z[off]);
+          const float zv = to_f(raw.in[2][dd][tt]);
           const float sz = sigmoidf_(zv);
-          const float o = to_f(ofwd[off]);
           dyv = g * zv * sz;
-          dz[off] = from_f<in_t>(g * o * sz * (1.f + zv * (1.f - sz)));
+          gzv = g * sz * (1.f + zv * (1.f - sz));
         } else {
           dyv = g;
         }
@@ -234,29 +310,40 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
       sm.u[tt][dd] = uv;
       sm.dy[tt][dd] = dyv;
       sm.sig[tt][dd] = sg;
+      if (kHasZ) sm.gz[tt][dd] = gzv;
     }
     for (int i = tid; i < kLanes * kChunk; i += kThreads) {
       const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
       float bv = 0.f, cv = 0.f;
-      if (nn < p.dstate && t < L) { bv = to_f(Bp[(int64_t)nn * L + t]); cv = to_f(Cp[(int64_t)nn * L + t]); }
+      if (nn < p.dstate && t < L) { bv = to_f(raw.bc[0][nn][tt]); cv = to_f(raw.bc[1][nn][tt]); }
       sm.Bm[tt][nn] = bv;
       sm.Cm[tt][nn] = cv;
     }
-    if (tid < kChunk) sm.m[tid] = (t0 + tid < L && pos[t0 + tid] == 0) ? 0.f : 1.f;
+    if (tid < kChunk) sm.m[tid] = (t0 + tid < L && raw.pos[tid] == 0) ? 0.f : 1.f;
     __syncthreads();
+    if (c > 0) stage(t0 - kChunk);   // overlaps with this chunk's backward
 
     // states at the start of every sub-chunk
     float hs[kNSub];
     {
       float h = (c > 0 && d_ok) ? p.saved[(((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes + n] : 0.f;
-#pragma unroll
+#pragma unroll 1
       for (int s = 0; s < kNSub; ++s) {
         hs[s] = h;
+        float yv[kSub];
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
           const int tt = s * kSub + j;
           const float a = exp2f(sm.dt[tt][dl] * A2) * sm.m[tt];
           h = fmaf(a, h, sm.dtu[tt][dl] * sm.Bm[tt][n]);
+          if (kHasZ) yv[j] = h * sm.Cm[tt][n];
+        }
+        if (kHasZ) {
+          // dz needs the forward output y + D u in fp32: y = sum_n C h is recomputed here, so dz is rounded
+          // once and the forward output need not be kept for the backward
+          reduce_scatter16(yv, n);
+          const int tt = s * kSub + n, t = t0 + tt;
+          if (d_ok && t < L) dz[(int64_t)d * L + t] = from_f<in_t>(fmaf(Dd, sm.u[tt][dl], yv[0]) * sm.gz[tt][dl]);
         }
       }
     }
@@ -345,25 +432,39 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
   }
 }
 
+// cp.async moves 4-byte units: rows of 16-bit tensors must start 4-byte aligned (seqlen even); the rare odd
+// seqlen stages with plain loads instead.
 template <typename in_t, typename w_t>
-void fwd_dispatch_z(const ScanParams &p, cudaStream_t st) {
-  dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
-  if (p.z) scan_fwd_kernel<in_t, w_t, true><<<grid, kThreads, 0, st>>>(p);
-  else scan_fwd_kernel<in_t, w_t, false><<<grid, kThreads, 0, st>>>(p);
+bool use_async(const ScanParams &p) {
+  return (sizeof(in_t) == 4 || p.seqlen % 2 == 0) && (sizeof(w_t) == 4 || p.seqlen % 2 == 0);
 }
 
-template <typename in_t, typename w_t, bool kHasZ>
+template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
+void fwd_launch_one(const ScanParams &p, cudaStream_t st) {
+  dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
+  scan_fwd_kernel<in_t, w_t, kHasZ, kAsync><<<grid, kThreads, 0, st>>>(p);
+}
+
+template <typename in_t, typename w_t>
+void fwd_dispatch_z(const ScanParams &p, cudaStream_t st) {
+  const bool a = use_async<in_t, w_t>(p);
+  if (p.z) { if (a) fwd_launch_one<in_t, w_t, true, true>(p, st); else fwd_launch_one<in_t, w_t, true, false>(p, st); }
+  else { if (a) fwd_launch_one<in_t, w_t, false, true>(p, st); else fwd_launch_one<in_t, w_t, false, false>(p, st); }
+}
+
+template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
 void bwd_launch_one(const ScanParams &p, cudaStream_t st) {
   dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
-  const int smem = sizeof(BwdSmem);
-  cudaFuncSetAttribute(scan_bwd_kernel<in_t, w_t, kHasZ>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  scan_bwd_kernel<in_t, w_t, kHasZ><<<grid, kThreads, smem, st>>>(p);
+  const int smem = sizeof(BwdSmem<in_t, w_t>);
+  cudaFuncSetAttribute(scan_bwd_kernel<in_t, w_t, kHasZ, kAsync>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  scan_bwd_kernel<in_t, w_t, kHasZ, kAsync><<<grid, kThreads, smem, st>>>(p);
 }
 
 template <typename in_t, typename w_t>
 void bwd_dispatch_z(const ScanParams &p, cudaStream_t st) {
-  if (p.z) bwd_launch_one<in_t, w_t, true>(p, st);
-  else bwd_launch_one<in_t, w_t, false>(p, st);
+  const bool a = use_async<in_t, w_t>(p);
+  if (p.z) { if (a) bwd_launch_one<in_t, w_t, true, true>(p, st); else bwd_launch_one<in_t, w_t, true, false>(p, st); }
+  else { if (a) bwd_launch_one<in_t, w_t, false, true>(p, st); else bwd_launch_one<in_t, w_t, false, false>(p, st); }
 }
 
 }  // namespace

@@ -164,6 +164,8 @@ GRAD_NAMES = ["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"]
 def check_scan(cuda_ops, batch, dim, dstate, L, dtype, kinds, **kw):
     softplus = kw.pop("softplus", True)
     inputs = make_scan_inputs(batch, dim, dstate, L, dtype, **kw)
+    if not softplus:  # the kernel then takes delta as given: keep it positive, as Mamba's dt is
+        inputs = (inputs[0], F.softplus(inputs[1].float()).to(dtype)) + tuple(inputs[2:])
     u, delta, A, Bm, Cm, D, z, db = inputs
     rows = [lengths_mix(L, kinds[i % len(kinds)]) for i in range(batch)]
     pos = position_ids_for(rows, "cuda")
@@ -203,6 +205,7 @@ def test_scan_variants(cuda_ops, dtype):
     check_scan(cuda_ops, 2, 40, 8, 70, dtype, ("mixed",), has_z=False, has_D=False, has_bias=False, softplus=False)
     check_scan(cuda_ops, 2, 24, 4, 1, dtype, ("one",))
     check_scan(cuda_ops, 2, 32, 16, 64, dtype, ("tiny", "padded"), has_z=False)
+    check_scan(cuda_ops, 2, 48, 16, 333, dtype, ("mixed", "tiny"))   # odd seqlen: staged without cp.async
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -295,8 +298,9 @@ def check_conv(cuda_ops, batch, dim, L, width, dtype, kinds, *, channel_last, ha
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channel_last", [False, True])
 @pytest.mark.parametrize("width", [2, 3, 4])
-def test_conv_vs_float64(cuda_ops, dtype, channel_last, width):
-    check_conv(cuda_ops, 3, 40, 333, width, dtype, ("mixed", "tiny", "padded"), channel_last=channel_last)
+@pytest.mark.parametrize("seqlen", [333, 2048])   # ragged tails / whole vector runs and several blocks
+def test_conv_vs_float64(cuda_ops, dtype, channel_last, width, seqlen):
+    check_conv(cuda_ops, 3, 40, seqlen, width, dtype, ("mixed", "tiny", "padded"), channel_last=channel_last)
 
 
 @pytest.mark.parametrize("channel_last", [False, True])
@@ -304,3 +308,5 @@ def test_conv_variants(cuda_ops, channel_last):
     check_conv(cuda_ops, 2, 64, 1024, 4, torch.float32, ("one", "mixed"), channel_last=channel_last,
                has_bias=False, activation=None)
     check_conv(cuda_ops, 2, 8, 3, 4, torch.bfloat16, ("tiny",), channel_last=channel_last)
+    check_conv(cuda_ops, 2, 13, 77, 4, torch.bfloat16, ("mixed",), channel_last=channel_last)  # ragged channels
+    check_conv(cuda_ops, 1, 6, 1030, 3, torch.float32, ("one", "tiny"), channel_last=channel_last)
