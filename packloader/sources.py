@@ -854,6 +854,13 @@ class TarShard(Shard):
         else:
             pos, sizes, flags, err, err_at = (np.zeros(0, np.int64),) * 2 + (np.zeros(0, np.uint8), 0, 0)
         m = len(pos)
+        if m and not err:  # the common case in one vectorised pass (packloader._tarindex), else member by member
+            from packloader._tarindex import index_common_case
+
+            fast = index_common_case(buf, pos, sizes, flags, tok_ext, lab_ext)
+            if fast is not None:
+                self.__dict__.update(fast)
+                return
         names = buf[pos[:, None] + np.arange(100)].view("S100").ravel().tolist() if m else []
         if err:
             prev = names[-1].decode("utf-8", "replace") if names else None
@@ -1038,8 +1045,9 @@ class TarShard(Shard):
         total = int(out_offsets[-1])
         if fast:
             src = self._buf[: len(self._buf) // 4 * 4].view(np.int32)
-            parts = [src[o // 4:o // 4 + c] for o, c in zip(offs.tolist(), counts.tolist())]
-            vals = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+            from packloader._tarindex import gather_runs
+
+            vals = gather_runs(src, offs // 4, counts, total)
             if not allow_negative and total and int(vals.min()) < 0:
                 _to_int32(self.path, vals, out_offsets, column, row0, allow_negative=False)
             return vals
