@@ -129,7 +129,8 @@ def run_obfd(lbp, lengths, capacity, repeat, full_check):
     nonempty = int((sizes > 0).sum())
     # check obfd's answer: every item once, no row over capacity
     flat = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
-    if flat.size != lengths.size or (full_check and not np.array_equal(np.sort(flat), np.arange(lengths.size))):
+    if flat.size != lengths.size or (full_check
+                                     and not np.array_equal(np.sort(flat), np.arange(lengths.size))):
         raise AssertionError("lightbinpack.obfd did not place every item exactly once")
     used = np.add.reduceat(lengths[flat], np.r_[0, np.cumsum(sizes[sizes > 0])[:-1]]) if flat.size else flat
     if used.size and used.max() > capacity:
@@ -145,8 +146,10 @@ def run_obfd(lbp, lengths, capacity, repeat, full_check):
 def bench_lognormal(n, seed, repeat, buffer_size, full_check, log):
     C = 4096
     lengths = lognormal_lengths(n, seed, C)
-    out = {"n": int(n), "seed": int(seed), "capacity": C, "distribution": "lognormal(5.5, 0.9) rounded, clipped to [1, 4096]",
-           "total_tokens": int(lengths.sum()), "lower_bound": int(-(-int(lengths.sum()) // C)), "rows": []}
+    total = int(lengths.sum())
+    out = {"n": int(n), "seed": int(seed), "capacity": C,
+           "distribution": "lognormal(5.5, 0.9) rounded, clipped to [1, 4096]",
+           "total_tokens": total, "lower_bound": -(-total // C), "rows": []}
     for a in ALGOS:
         kw = {"buffer_size": buffer_size} if a == "online" else {}
         plan, best, med, times = timed(lambda: pack(lengths, C, a, **kw), repeat)
@@ -222,7 +225,8 @@ def bench_wikipedia(wiki, path, scale_down, seed, repeat, buffer_size, full_chec
                 rows = int(pub[f"{name}_bins"])
                 out["published"].append({
                     "algorithm": f"graphcore {name} (published)", "rows": rows,
-                    "efficiency": total / (rows * C), "published_efficiency": pub.get(f"{name}_depth12_efficiency"),
+                    "efficiency": total / (rows * C),
+                    "published_efficiency": pub.get(f"{name}_depth12_efficiency"),
                     "gap_rows": rows - out["lower_bound"],
                     "gap_pct": 100.0 * (rows - out["lower_bound"]) / out["lower_bound"],
                     "seconds": pub.get(f"{name}_seconds")})
@@ -288,9 +292,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help=f"JSON output (default {DEFAULT_OUT})")
     ap.add_argument("--quick", action="store_true", help="small sizes, one repeat (smoke test)")
-    ap.add_argument("--n", type=int, default=None, help="lognormal lengths (default 1,000,000; --quick 20,000)")
-    ap.add_argument("--repeat", type=int, default=None, help="timed runs per row, best taken (default 3; --quick 1)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the lognormal draw and the Wikipedia shuffle")
+    ap.add_argument("--n", type=int, default=None,
+                    help="lognormal lengths (default 1,000,000; --quick 20,000)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="timed runs per row, best taken (default 3; --quick 1)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the lognormal draw and the Wikipedia shuffle")
     ap.add_argument("--buffer-size", type=int, default=1000, help="buffer of the online packer")
     ap.add_argument("--shared-data", default=str(DEFAULT_SHARED),
                     help=f"folder holding {WIKI_FILE} (default {DEFAULT_SHARED})")
@@ -317,8 +324,8 @@ def main(argv=None):
                     "numba": __import__("numba").__version__, "loadavg_before": list(load_before)},
     }
     log(f"lognormal: {n:,} lengths, capacity 4096, {repeat} run(s) each ...")
-    res["lognormal"] = bench_lognormal(n, args.seed, repeat, args.buffer_size, args.validate or n <= 2_000_000,
-                                       log)
+    res["lognormal"] = bench_lognormal(n, args.seed, repeat, args.buffer_size,
+                                       args.validate or n <= 2_000_000, log)
     wiki, path = load_wikipedia(args.shared_data)
     if wiki is None:
         msg = f"skipping the Wikipedia part: {path} not found (the shared data folder ../shared is absent)"
