@@ -276,6 +276,27 @@ def test_content_hash_changes_with_inputs_and_settings(shard_factory, tmp_path, 
     assert read_index(out)["content_hash"] != h_before and len(read_index(out)["sources"]) == 3
 
 
+def test_source_digest_sees_content_size_and_mtime(tmp_path, seed):
+    from packloader.prepack import source_digest
+
+    rng = np.random.default_rng(seed)
+    for size in (1000, 3 << 20):
+        p = tmp_path / f"f{size}.bin"
+        data = bytearray(rng.bytes(size))
+        p.write_bytes(bytes(data))
+        st = os.stat(p)
+        d0 = source_digest(p)
+        assert source_digest(p) == d0
+        where = size - 1 if size < (1 << 20) else 12345  # a small file: anywhere; a large one: a sampled block
+        data[where] ^= 1
+        p.write_bytes(bytes(data))
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime, other content
+        d1 = source_digest(p)
+        assert d1 != d0
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+        assert source_digest(p) not in (d0, d1)
+
+
 # ---------------------------------------------------------------- overflow policies
 
 
