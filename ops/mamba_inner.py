@@ -272,10 +272,13 @@ def packed_mamba_inner_fn(
     pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=hidden_states.device, validate=validate)
     ks = fused_backends(hidden_states, backend)
     if ks is None or A.shape[1] > getattr(ks[0], "_MAX_DSTATE", 1 << 30):
+        # the composed path, each op on the backend asked for (an explicit "reference" stays the
+        # reference; auto lets each op pick, e.g. the conv kernel with the reference scan when
+        # dstate is beyond what the scan kernel takes; an explicit kernel backend then raises there)
         return packed_mamba_inner_ref(
             hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
             delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias, delta_softplus,
-            position_ids=pos, backend=None if ks is None else "reference", validate=False,
+            position_ids=pos, backend=backend, validate=False,
         )
     if pos is None:
         pos = _no_boundaries(batch, seqlen, hidden_states.device)

@@ -170,6 +170,10 @@ class PackedMamba(nn.Module):
         Returns:
             (batch, seqlen, d_model), same dtype as hidden_states.
         """
+        if (position_ids is not None and not isinstance(position_ids, torch.Tensor)
+                and hasattr(position_ids, "key_value_memory_dict")):
+            # upstream's signature is forward(hidden_states, inference_params=None): a positional cache
+            inference_params, position_ids = position_ids, None
         batch, seqlen, _ = hidden_states.shape
         has_bounds = position_ids is not None or seq_idx is not None or cu_seqlens is not None
         if inference_params is not None:

@@ -165,3 +165,18 @@ def test_bad_boundaries_are_rejected():
         fn(h, position_ids=torch.tensor([[0, 1, 4, 0, 1], [0, 1, 2, 3, 4]]))
     with pytest.raises(ops.BoundaryError, match=r"boundaries have shape \(2, 4\)"):
         fn(h, position_ids=torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_explicit_backend_is_honoured_when_the_fused_path_cannot_run(monkeypatch):
+    """dstate beyond the scan kernel's limit: an explicit kernel backend fails loudly (as the op does)
+    instead of silently running something else; auto / reference still compute."""
+    from ops import _ref_kernels
+
+    monkeypatch.setattr(_ref_kernels, "_MAX_DSTATE", 2, raising=False)
+    w = make_weights(d_state=3)
+    h = torch.randn(1, 7, 6, dtype=F64)
+    pos = positions([[3, 4]])
+    with pytest.raises(ValueError, match="dstate 3 > 2 is not supported"):
+        fn_for(w, "ref_kernel")[0](h, position_ids=pos)
+    want = fn_for(w, "reference")[0](h, position_ids=pos)
+    torch.testing.assert_close(fn_for(w, None)[0](h, position_ids=pos), want, rtol=0, atol=0)

@@ -226,6 +226,10 @@ def test_generation_matches_the_full_forward(seed):
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-9, atol=1e-11)
     conv_state, ssm_state = params.key_value_memory_dict[0]
     assert conv_state.shape == (2, 16, 4) and ssm_state.shape == (2, 16, 4)
+    # upstream's positional form forward(hidden_states, inference_params) works too
+    params = types.SimpleNamespace(key_value_memory_dict={}, seqlen_offset=0)
+    torch.testing.assert_close(layer(h[:, :5], params), full[:, :5], rtol=1e-9, atol=1e-11)
+    assert 0 in params.key_value_memory_dict
     # a prompt shorter than the conv width
     params = types.SimpleNamespace(key_value_memory_dict={}, seqlen_offset=0)
     outs = [layer(h[:, :2], inference_params=params)]
