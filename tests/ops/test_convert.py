@@ -198,3 +198,21 @@ def test_bare_mamba2_mixer_and_a_container(seed):
     enable_packing(holder)
     assert isinstance(holder[0], PackedMamba)
     assert_packing_invariant(lambda x, **b: holder[0](x, **b), h, list(holder.parameters()), rows)
+
+
+def test_checkpoint_of_the_unconverted_model_loads_into_a_converted_one(seed):
+    """A state_dict saved (torch.save) from the mirror before conversion loads unchanged (strict) into a
+    converted model, which then computes the same logits; and the other way round."""
+    import io
+
+    src = make_model(("Mamba1", "Mamba2"), n_layer=3, seed=seed)
+    buf = io.BytesIO()
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    dst = enable_packing(make_model(("Mamba1", "Mamba2"), n_layer=3, seed=seed + 1))
+    dst.load_state_dict(torch.load(buf), strict=True)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    torch.testing.assert_close(dst(ids).logits, src(ids).logits, rtol=0, atol=0)
+    back = make_model(("Mamba1", "Mamba2"), n_layer=3, seed=seed + 2)
+    back.load_state_dict(dst.state_dict(), strict=True)
+    torch.testing.assert_close(back(ids).logits, src(ids).logits, rtol=0, atol=0)
