@@ -233,6 +233,19 @@ def test_demo_end_to_end(tmp_path):
     assert all(r.reused_files == r.files > 0 for r in reports.values())
 
 
+def test_demo_data_is_embedded_with_licences():
+    import gzip
+
+    corpus, tokenizer = data_path(CORPUS), data_path(TOKENIZER)
+    with gzip.open(corpus, "rt", encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
+    assert len(recs) >= 2000 and all(r["question"] and "####" in r["answer"] for r in recs)
+    with gzip.open(tokenizer, "rt", encoding="utf-8") as f:
+        assert json.load(f)["model"]["type"] == "BPE"
+    notice = open(os.path.join(os.path.dirname(corpus), "NOTICE.md"), encoding="utf-8").read()
+    assert "MIT" in notice and "Apache" in notice
+
+
 def test_demo_small_in_process(tmp_path, capsys):
     rc, stdout, stderr = run(capsys, "demo", "--out", tmp_path / "d", "--limit", 300, "--capacity", 1024,
                              "--no-plot", "-q")

@@ -376,17 +376,18 @@ def test_overflow_truncate_and_drop_are_counted(shard_factory, tmp_path, seed, p
 # ---------------------------------------------------------------- atomic writes and restart
 
 
-def test_rerun_skips_finished_outputs(shard_factory, tmp_path, seed):
+@pytest.mark.parametrize("global_packing", [False, True])
+def test_rerun_skips_finished_outputs(shard_factory, tmp_path, seed, global_packing):
     paths, seqs, _ = make_shards(shard_factory, "arrow", n_shards=3, n_seqs=40, seed=seed)
     out = tmp_path / "out"
-    r1 = pack(paths, out, capacity=300)
+    r1 = pack(paths, out, capacity=300, global_packing=global_packing)
     snap = snapshot(out)
-    r2 = pack(paths, out, capacity=300)
+    r2 = pack(paths, out, capacity=300, global_packing=global_packing)
     assert snapshot(out) == snap  # nothing rewritten, not even index.json
     assert r2.reused_files == 3 and (r2.rows, r2.packed_tokens) == (r1.rows, r1.packed_tokens)
     # without index.json the finished jobs are found from their state files: parts kept, index rebuilt
     os.remove(out / INDEX_NAME)
-    r3 = pack(paths, out, capacity=300)
+    r3 = pack(paths, out, capacity=300, global_packing=global_packing)
     snap3 = snapshot(out)
     assert {k: v for k, v in snap3.items() if k != INDEX_NAME} == {k: v for k, v in snap.items() if k != INDEX_NAME}
     assert r3.reused_files == 3
@@ -631,6 +632,15 @@ def test_bad_input_clear_error_and_output_intact(shard_factory, tmp_path, seed, 
         assert_packed_matches(out, seqs)
 
 
+def test_bad_input_in_a_worker_process_names_file_and_row(shard_factory, tmp_path, seed):
+    paths, seqs, _ = make_shards(shard_factory, "arrow", n_shards=2, n_seqs=30, seed=seed, max_len=250)
+    bad, row, message = _negative("tar")(shard_factory, seed)
+    with pytest.raises(DataError) as ei:
+        pack([paths[0], bad, paths[1]], tmp_path / "out", capacity=300, workers=2)
+    assert ei.value.path == bad and ei.value.row == row and message in str(ei.value)
+    assert not (tmp_path / "out" / INDEX_NAME).exists() and temp_files(tmp_path / "out") == []
+
+
 def test_empty_shard_allowed_when_asked(shard_factory, tmp_path, seed):
     paths, seqs, _ = make_shards(shard_factory, "arrow", n_shards=2, n_seqs=30, seed=seed)
     empty = shard_factory.arrow("empty.arrow", [])
@@ -666,7 +676,25 @@ def test_progress_output_modes(shard_factory, tmp_path, capsys):
     assert "packing 2 shard(s)" in err and "2/2 job" in err and "efficiency" in err and "\r" not in err
     pack_dataset(paths, tmp_path / "c", capacity=300, progress=True)
     err = capsys.readouterr().err
-    assert "\r" in err or "100%" in err  # a tqdm bar
+    assert "\r" in err and "100%" in err  # a tqdm bar
+
+
+def test_progress_bar_by_default_on_a_terminal(shard_factory, tmp_path, monkeypatch):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    paths, _, _ = make_shards(shard_factory, "arrow", n_shards=2, n_seqs=10)
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    pack_dataset(paths, tmp_path / "a", capacity=300)
+    assert "\r" in term.getvalue() and "100%" in term.getvalue()
+    pipe = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", pipe)
+    pack_dataset(paths, tmp_path / "b", capacity=300)
+    assert "\r" not in pipe.getvalue() and "2/2 job" in pipe.getvalue()
 
 
 # ---------------------------------------------------------------- the benchmark script
