@@ -315,16 +315,19 @@ def side_by_side(reports: Sequence[PackingReport], titles: Sequence[str] | None 
 
 def plot_reports(reports: Sequence[PackingReport], path, titles: Sequence[str] | None = None) -> str:
     """Write a PNG with the sequence-length histogram (of the first report; the same corpus) and the
-    row-fill histogram of every report, overlaid. Uses matplotlib's Agg backend. Returns ``path``."""
-    import matplotlib
+    row-fill histogram of every report, overlaid. Returns ``path``.
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    Draws on a bare :class:`matplotlib.figure.Figure` rendered by the Agg canvas: no display is needed and
+    pyplot's backend and figure list (a notebook's, say) are left alone."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     reports = list(reports)
     titles = list(titles) if titles is not None else [str(r.algorithm) for r in reports]
     first = reports[0]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = Figure(figsize=(12, 4.5))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
     edges = np.asarray(first.length_edges())
     counts = np.asarray(first.length_counts[:-1])
     ax1.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color="#4C72B0", edgecolor="white",
@@ -359,7 +362,11 @@ def plot_reports(reports: Sequence[PackingReport], path, titles: Sequence[str] |
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
     return path

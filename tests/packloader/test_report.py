@@ -220,15 +220,17 @@ def test_plot_png(shard_factory, tmp_path, seed):
     assert_png(PackingReport(capacity=64, algorithm="bfd").plot(tmp_path / "empty.png"))
 
 
-def test_plot_uses_agg_without_display(tmp_path, monkeypatch):
+def test_plot_needs_no_display_and_leaves_pyplot_alone(tmp_path):
+    """No display: the PNG is still written; a session's chosen backend and open figures are untouched."""
     import subprocess
     import sys
 
-    code = ("from packloader.report import PackingReport; import matplotlib; "
+    code = ("import matplotlib; matplotlib.use('svg'); import matplotlib.pyplot as plt; plt.figure(); "
+            "from packloader.report import PackingReport; "
             f"PackingReport.from_lengths([5, 9], 16, 'bfd', row_fills=[14]).plot({str(tmp_path / 'x.png')!r}); "
-            "print(matplotlib.get_backend())")
-    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}
+            "print(matplotlib.get_backend(), len(plt.get_fignums()))")
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "MPLBACKEND")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().lower() == "agg"
+    assert out.stdout.split() == ["svg", "1"]
     assert_png(tmp_path / "x.png")
