@@ -60,7 +60,8 @@ from numba import njit
 
 IGNORE_INDEX = -100
 
-__all__ = ["IGNORE_INDEX", "BATCH_KEYS", "collate_numpy", "collate_packed", "padding_row_layout"]
+__all__ = ["IGNORE_INDEX", "BATCH_KEYS", "collate_numpy", "collate_packed", "collate_raw", "raw_alloc",
+           "raw_views", "padding_row_layout"]
 
 #: key -> (shape, dtype) as documented above (``None`` dtype: a python int)
 BATCH_KEYS: dict[str, tuple[str, str | None]] = {
@@ -126,6 +127,41 @@ def _collate_kernel(input_ids, labels, has_labels, offsets, seq_lens,
     return n_seg, max_len, n_loss, -1
 
 
+def _check_inputs(input_ids, labels, seq_lens_offsets, seq_lens):
+    input_ids = np.asarray(input_ids)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be 2-D [B, L], got shape {input_ids.shape}")
+    B, L = input_ids.shape
+    if labels is not None:
+        labels = np.asarray(labels)
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {labels.shape} != input_ids shape {input_ids.shape}")
+    offsets = np.asarray(seq_lens_offsets, dtype=np.int64)
+    if offsets.shape != (B + 1,):
+        raise ValueError(f"seq_lens_offsets must have B+1 = {B + 1} entries, got {offsets.shape}")
+    seq_lens = np.asarray(seq_lens)
+    if offsets[0] < 0 or offsets[-1] > len(seq_lens) or np.any(np.diff(offsets) < 0):
+        raise ValueError("seq_lens_offsets must be non-decreasing and within seq_lens")
+    return input_ids, labels, offsets, seq_lens
+
+
+def _collate_into(input_ids, labels, offsets, seq_lens, out: dict) -> dict:
+    """Run the kernel into the preallocated arrays of ``out`` (numpy views); fills in the python ints
+    and trims ``cu_seqlens``. Returns ``out``'s numpy results as a new dict."""
+    has_labels = labels is not None
+    n_seg, max_len, n_loss, bad = _collate_kernel(input_ids, labels if has_labels else input_ids, has_labels,
+                                                  offsets, seq_lens, out["input_ids"], out["labels"],
+                                                  out["position_ids"], out["seq_idx"], out["cu_seqlens"])
+    if bad >= 0:
+        lens = seq_lens[offsets[bad]:offsets[bad + 1]]
+        raise ValueError(f"row {bad}: sequence lengths {lens.tolist()} are not all positive or sum to "
+                         f"{int(lens.sum())} > capacity {input_ids.shape[1]}")
+    return {"n_seg": int(n_seg), "max_seqlen": int(max_len), "num_loss_tokens": int(n_loss)}
+
+
+_OUT_DTYPES = (("input_ids", np.int64), ("labels", np.int64), ("position_ids", np.int64), ("seq_idx", np.int32))
+
+
 def collate_numpy(input_ids: np.ndarray, labels: np.ndarray | None, seq_lens_offsets: np.ndarray,
                   seq_lens: np.ndarray) -> dict[str, Any]:
     """Build the packed batch (numpy arrays) from packed rows.
@@ -145,47 +181,21 @@ def collate_numpy(input_ids: np.ndarray, labels: np.ndarray | None, seq_lens_off
     Raises:
         ValueError: shapes disagree, or a row's lengths are not positive or overflow ``L`` (names the row).
     """
-    input_ids = np.asarray(input_ids)
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be 2-D [B, L], got shape {input_ids.shape}")
+    input_ids, labels, offsets, seq_lens = _check_inputs(input_ids, labels, seq_lens_offsets, seq_lens)
     B, L = input_ids.shape
-    has_labels = labels is not None
-    if has_labels:
-        labels = np.asarray(labels)
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels shape {labels.shape} != input_ids shape {input_ids.shape}")
-    else:
-        labels = input_ids
-    offsets = np.asarray(seq_lens_offsets, dtype=np.int64)
-    if offsets.shape != (B + 1,):
-        raise ValueError(f"seq_lens_offsets must have B+1 = {B + 1} entries, got {offsets.shape}")
-    seq_lens = np.asarray(seq_lens)
-    if offsets[0] < 0 or offsets[-1] > len(seq_lens) or np.any(np.diff(offsets) < 0):
-        raise ValueError("seq_lens_offsets must be non-decreasing and within seq_lens")
-    out_ids = np.empty((B, L), dtype=np.int64)
-    out_labels = np.empty((B, L), dtype=np.int64)
-    out_pos = np.empty((B, L), dtype=np.int64)
-    out_seq = np.empty((B, L), dtype=np.int32)
-    out_cu = np.empty(int(offsets[-1] - offsets[0]) + B + 1, dtype=np.int32)
-    n_seg, max_len, n_loss, bad = _collate_kernel(input_ids, labels, has_labels, offsets, seq_lens,
-                                                  out_ids, out_labels, out_pos, out_seq, out_cu)
-    if bad >= 0:
-        lens = seq_lens[offsets[bad]:offsets[bad + 1]]
-        raise ValueError(f"row {bad}: sequence lengths {lens.tolist()} are not all positive or sum to "
-                         f"{int(lens.sum())} > capacity {L}")
-    return {
-        "input_ids": out_ids,
-        "labels": out_labels,
-        "position_ids": out_pos,
-        "seq_idx": out_seq,
-        "cu_seqlens": out_cu[: n_seg + 1],
-        "max_seqlen": int(max_len),
-        "num_loss_tokens": int(n_loss),
-    }
+    out = {k: np.empty((B, L), dtype=dt) for k, dt in _OUT_DTYPES}
+    out["cu_seqlens"] = np.empty(int(offsets[-1] - offsets[0]) + B + 1, dtype=np.int32)
+    info = _collate_into(input_ids, labels, offsets, seq_lens, out)
+    out["cu_seqlens"] = out["cu_seqlens"][: info["n_seg"] + 1]
+    out["max_seqlen"], out["num_loss_tokens"] = info["max_seqlen"], info["num_loss_tokens"]
+    return out
+
+
+_TORCH_DTYPES = {np.int64: "int64", np.int32: "int32"}
 
 
 def collate_packed(input_ids, labels, seq_lens_offsets, seq_lens, *, hf_compat: bool = False,
-                   return_tensors: str = "pt") -> dict[str, Any]:
+                   return_tensors: str = "pt", pin_memory: bool = False) -> dict[str, Any]:
     """Build the packed training batch (see the key table in this module's docstring).
 
     Example::
@@ -202,22 +212,82 @@ def collate_packed(input_ids, labels, seq_lens_offsets, seq_lens, *, hf_compat: 
         hf_compat: also add ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/``max_length_k``
             (the names of Hugging Face's padding-free path; same values as ``cu_seqlens``/``max_seqlen``).
         return_tensors: ``"pt"`` (torch tensors sharing memory with the numpy arrays) or ``"np"``.
+        pin_memory: (``"pt"`` only) write the batch straight into page-locked tensors (needs an
+            accelerator), ready for ``.to(device, non_blocking=True)``; no extra copy.
     """
-    out = collate_numpy(input_ids, labels, seq_lens_offsets, seq_lens)
-    if return_tensors == "pt":
+    if return_tensors not in ("pt", "np"):
+        raise ValueError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}")
+    if return_tensors == "np" or not pin_memory:
+        out = collate_numpy(input_ids, labels, seq_lens_offsets, seq_lens)
+        if return_tensors == "pt":
+            import torch
+
+            for k, v in list(out.items()):
+                if isinstance(v, np.ndarray):
+                    out[k] = torch.from_numpy(v)
+    else:
         import torch
 
-        for k, v in list(out.items()):
-            if isinstance(v, np.ndarray):
-                out[k] = torch.from_numpy(v)
-    elif return_tensors != "np":
-        raise ValueError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}")
+        input_ids, labels, offsets, seq_lens = _check_inputs(input_ids, labels, seq_lens_offsets, seq_lens)
+        B, L = input_ids.shape
+        tens = {k: torch.empty((B, L), dtype=getattr(torch, _TORCH_DTYPES[dt]), pin_memory=True)
+                for k, dt in _OUT_DTYPES}
+        tens["cu_seqlens"] = torch.empty(int(offsets[-1] - offsets[0]) + B + 1, dtype=torch.int32,
+                                         pin_memory=True)
+        info = _collate_into(input_ids, labels, offsets, seq_lens, {k: v.numpy() for k, v in tens.items()})
+        out = dict(tens)
+        out["cu_seqlens"] = tens["cu_seqlens"][: info["n_seg"] + 1]
+        out["max_seqlen"], out["num_loss_tokens"] = info["max_seqlen"], info["num_loss_tokens"]
     if hf_compat:
         out["cu_seq_lens_q"] = out["cu_seqlens"]
         out["cu_seq_lens_k"] = out["cu_seqlens"]
         out["max_length_q"] = out["max_seqlen"]
         out["max_length_k"] = out["max_seqlen"]
     return out
+
+
+# ---- the raw form of a batch: one int32 buffer -------------------------------------------------------
+#
+# What a DataLoader worker sends to the main process: the packed rows before collation, in ONE int32
+# array (``[B, L, m, has_labels] | seq_lens_offsets [B+1] | seq_lens [m] | input_ids [B*L] |
+# labels [B*L] if has_labels``). torch moves each tensor between processes through its own shared-memory
+# segment and file descriptor, and that per-tensor cost, not the bytes, dominates: the collated batch
+# (4 [B, L] tensors + cu_seqlens, 28 bytes a token) costs about 4x as much to move as this buffer (4-8
+# bytes a token). The main process collates it (one Numba pass, tens of microseconds per batch).
+
+RAW_HEADER = 4
+
+
+def raw_alloc(batch_rows: int, capacity: int, n_pieces: int, has_labels: bool):
+    """A zeroed raw buffer and its views ``(buf, input_ids [B, L], labels [B, L] or None,
+    seq_lens_offsets int32 [B + 1], seq_lens int32 [m])`` to fill in."""
+    B, L, m = int(batch_rows), int(capacity), int(n_pieces)
+    n = RAW_HEADER + B + 1 + m + B * L * (2 if has_labels else 1)
+    buf = np.zeros(n, dtype=np.int32)
+    buf[:RAW_HEADER] = (B, L, m, int(bool(has_labels)))
+    return (buf,) + raw_views(buf)
+
+
+def raw_views(buf: np.ndarray):
+    """``(input_ids [B, L], labels [B, L] or None, seq_lens_offsets int32 [B + 1], seq_lens int32 [m])``
+    views of a raw buffer made by :func:`raw_alloc`."""
+    B, L, m, has_labels = (int(x) for x in buf[:RAW_HEADER])
+    p = RAW_HEADER
+    offsets = buf[p:p + B + 1]
+    p += B + 1
+    lens = buf[p:p + m]
+    p += m
+    ids = buf[p:p + B * L].reshape(B, L)
+    p += B * L
+    labels = buf[p:p + B * L].reshape(B, L) if has_labels else None
+    return ids, labels, offsets, lens
+
+
+def collate_raw(buf, *, hf_compat: bool = False, pin_memory: bool = False) -> dict[str, Any]:
+    """:func:`collate_packed` of a raw buffer (numpy array or torch tensor)."""
+    buf = buf.numpy() if hasattr(buf, "numpy") else np.asarray(buf)
+    ids, labels, offsets, lens = raw_views(buf)
+    return collate_packed(ids, labels, offsets, lens, hf_compat=hf_compat, pin_memory=pin_memory)
 
 
 def padding_row_layout(n_rows: int, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

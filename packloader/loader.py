@@ -32,7 +32,11 @@ What one epoch is
    one row of the epoch (``drop_last=False``); see :mod:`packloader.distributed`.
 3. **Workers.** Batch ``k`` of a rank is built by worker ``k % num_workers`` (counted from the first batch
    of the iterator); torch's round-robin collection gives the same batches in the same order for any
-   ``num_workers``.
+   ``num_workers``. A worker reads and places the tokens (the expensive part: shard decoding, gathers)
+   and sends the batch as ONE int32 buffer (:func:`packloader.batch.raw_alloc`); the main process turns
+   it into the tensors of the batch in one Numba pass (tens of microseconds), written straight into
+   page-locked memory with ``pin_memory=True``. Moving one small buffer instead of five tensors is what
+   makes workers pay: torch moves each tensor through its own shared-memory segment and file descriptor.
 
 Exact resume
 ------------
@@ -70,7 +74,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from packloader.batch import collate_packed
+from packloader.batch import collate_raw
 from packloader.distributed import assign_rows, current_worker, resolve_rank_world, worker_batch_indices
 from packloader.stream import PrepackedRows, StreamingRows, is_prepacked_dir
 
@@ -104,10 +108,11 @@ class _PackedIterable(IterableDataset):
             self._sched = (epoch, np.ascontiguousarray(sched))
         return self._sched[1]
 
-    def make_batch(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
-        ids, labels, seq_off, seq_lens, table = self.rows.build(self.seed, epoch, self.shuffle, rows,
-                                                                want_ids=self.return_ids)
-        out = collate_packed(ids, labels, seq_off, seq_lens, hf_compat=self.hf_compat)
+    def make_raw(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
+        """The batch before collation, as it travels from a worker: ``{"raw": int32 tensor}`` (one buffer,
+        see :func:`packloader.batch.raw_alloc`), plus the id tables with ``return_ids``."""
+        buf, table = self.rows.build(self.seed, epoch, self.shuffle, rows, want_ids=self.return_ids)
+        out = {"raw": torch.from_numpy(buf)}
         if self.return_ids:
             if self.rows.kind == "prepacked":
                 out["row_ids"] = torch.from_numpy(np.ascontiguousarray(table[0], dtype=np.int64))
@@ -115,12 +120,23 @@ class _PackedIterable(IterableDataset):
             out["sample_ids"] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
         return out
 
+    def collate(self, item: dict[str, Any], pin_memory: bool = False) -> dict[str, Any]:
+        """The training batch of a :meth:`make_raw` item (in the main process)."""
+        out = collate_raw(item["raw"], hf_compat=self.hf_compat, pin_memory=pin_memory)
+        for key in ("row_ids", "sample_ids"):
+            if key in item:
+                out[key] = item[key].pin_memory() if pin_memory else item[key]
+        return out
+
+    def make_batch(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
+        return self.collate(self.make_raw(epoch, rows))
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch, start = (int(x) for x in self.control.tolist())
         sched = self.schedule(epoch)
         wid, nw = current_worker()
         for k in worker_batch_indices(len(sched), start, wid, nw):
-            yield self.make_batch(epoch, sched[k])
+            yield self.make_raw(epoch, sched[k])
 
 
 class PackedDataLoader:
@@ -165,8 +181,11 @@ class PackedDataLoader:
             pre-packed ``index.json["sources"]``; and for a pre-packed directory ``row_ids``, its row
             of each batch row (-1: padding row).
         shard_cache: decoded shards kept per process (streaming).
-        pin_memory, persistent_workers, prefetch_factor, timeout, worker_init_fn,
-        multiprocessing_context, pin_memory_device: as in ``torch.utils.data.DataLoader``.
+        pin_memory: return page-locked tensors (the batch is collated straight into them, no extra copy),
+            ready for ``.to("cuda", non_blocking=True)``; ignored with a warning without an accelerator.
+        persistent_workers, prefetch_factor, timeout, worker_init_fn, multiprocessing_context: as in
+            ``torch.utils.data.DataLoader``.
+        pin_memory_device: accepted for compatibility and ignored (pinning is for the current accelerator).
 
     Raises:
         packloader.errors.DataError: the source is missing, unreadable or empty (names it).
@@ -237,9 +256,12 @@ class PackedDataLoader:
                          multiprocessing_context=multiprocessing_context)
             if prefetch_factor is not None:
                 dl_kw["prefetch_factor"] = prefetch_factor
-        self.pin_memory = bool(pin_memory)
-        self._dl = DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers,
-                              pin_memory=self.pin_memory, pin_memory_device=pin_memory_device, **dl_kw)
+        # pinning is done by the collation in the main process, straight into page-locked tensors
+        self.pin_memory = bool(pin_memory) and _can_pin()
+        if pin_memory and not self.pin_memory:
+            warnings.warn("PackedDataLoader: pin_memory=True but no accelerator is available; batches are "
+                          "not pinned", stacklevel=2)
+        self._dl = DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers, **dl_kw)
         self._epoch = 0
         self._consumed = 0          # batches of self._epoch handed out (by the latest iterator)
         self._resume: int | None = None
@@ -363,6 +385,13 @@ class PackedDataLoader:
         self._epoch, self._consumed, self._resume = epoch, consumed, consumed
 
 
+def _can_pin() -> bool:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
 class _LoaderIterator:
     """Counts batches as they are handed to the training loop (prefetched ones are not consumed)."""
 
@@ -392,8 +421,9 @@ class _LoaderIterator:
                 if getattr(dl, "_iterator", None) is self._it:  # persistent workers: start afresh next time
                     dl._iterator = None
             raise
-        self._pos += 1
         loader = self._loader
+        batch = loader.dataset.collate(batch, loader.pin_memory)
+        self._pos += 1
         if loader._iter_gen == self._gen and loader._epoch == self._epoch:
             loader._consumed = self._pos
         return batch

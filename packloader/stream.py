@@ -38,7 +38,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from packloader.batch import IGNORE_INDEX
+from packloader.batch import raw_alloc
 from packloader.errors import DataError
 
 __all__ = ["EpochPlan", "StreamingRows", "PrepackedRows", "ShardCache", "epoch_rng", "is_prepacked_dir"]
@@ -232,24 +232,28 @@ class StreamingRows:
     # -- building rows ---------------------------------------------------------------------------------
 
     def build(self, seed: int, epoch: int, shuffle: bool, rows: np.ndarray, want_ids: bool = False):
-        """Arrays ``(input_ids int32 [B, C], labels int32 [B, C] or None, seq_lens_offsets, seq_lens, ids)``
-        of the given plan rows (``-1``: a padding row); ``ids`` is the int64 [m, 5] (row in batch, shard,
-        sequence, start, length) table of the pieces when ``want_ids``."""
+        """The raw batch of the given plan rows (``-1``: a padding row): ``(buf, ids)`` where ``buf`` is the
+        int32 buffer of :func:`packloader.batch.raw_alloc` (input_ids, labels if the shards have any,
+        sequence lengths) and ``ids`` the int64 [m, 5] (row in batch, shard, sequence, start, length)
+        table of the pieces when ``want_ids`` (else None)."""
         ep = self.plan(seed, epoch, shuffle)
         if self._shards is None:
             self._shards = ShardCache(self.paths, self.token_column, self.labels_column, self.shard_cache)
         cache = self._shards
-        B, C = len(rows), self.capacity
-        ids = np.zeros((B, C), dtype=np.int32)
-        labels = np.full((B, C), IGNORE_INDEX, dtype=np.int32) if self.has_labels else None
-        seq_off = np.zeros(B + 1, dtype=np.int64)
-        lens_parts, id_parts = [], []
         ro = ep.row_offsets
+        rows = np.asarray(rows, dtype=np.int64)
+        real = rows >= 0
+        counts = np.zeros(len(rows), np.int64)
+        counts[real] = ro[rows[real] + 1] - ro[rows[real]]
+        buf, ids, labels, seq_off, seq_lens = raw_alloc(len(rows), self.capacity, int(counts.sum()),
+                                                        self.has_labels)
+        np.cumsum(counts, out=seq_off[1:])
+        id_parts = []
         for b, r in enumerate(rows.tolist()):
             if r < 0:
-                seq_off[b + 1] = seq_off[b]
                 continue
             lo, hi = int(ro[r]), int(ro[r + 1])
+            seq_lens[seq_off[b]:seq_off[b + 1]] = ep.length[lo:hi]
             t = 0
             for s, q, st, n in zip(ep.shard[lo:hi].tolist(), ep.row[lo:hi].tolist(),
                                    ep.start[lo:hi].tolist(), ep.length[lo:hi].tolist()):
@@ -259,16 +263,13 @@ class StreamingRows:
                 if labels is not None:
                     labels[b, t:t + n] = (tokens if lab is None else lab)[a:a + n]
                 t += n
-            lens_parts.append(ep.length[lo:hi])
-            seq_off[b + 1] = seq_off[b] + (hi - lo)
             if want_ids:
-                id_parts.append(np.stack([np.full(hi - lo, b, np.int64), ep.shard[lo:hi], ep.row[lo:hi], ep.start[lo:hi],
-                                          ep.length[lo:hi]], axis=1))
-        seq_lens = np.concatenate(lens_parts) if lens_parts else np.zeros(0, np.int64)
+                id_parts.append(np.stack([np.full(hi - lo, b, np.int64), ep.shard[lo:hi], ep.row[lo:hi],
+                                          ep.start[lo:hi], ep.length[lo:hi]], axis=1))
         table = None
         if want_ids:
             table = np.concatenate(id_parts) if id_parts else np.zeros((0, 5), np.int64)
-        return ids, labels, seq_off, seq_lens, table
+        return buf, table
 
 
 class PrepackedRows:
@@ -342,38 +343,35 @@ class PrepackedRows:
         from the directory's provenance columns (file indices into ``index.json["sources"]``)."""
         starts, parts, _, _ = self._load_chunks()
         order = self.order(seed, epoch, shuffle)
-        B, C = len(rows), self.capacity
-        ids = np.zeros((B, C), dtype=np.int32)
-        labels = np.full((B, C), IGNORE_INDEX, dtype=np.int32)
-        seq_off = np.zeros(B + 1, dtype=np.int64)
-        lens_parts = []
-        gids = np.full(B, -1, dtype=np.int64)
-        for b, r in enumerate(rows.tolist()):
-            if r < 0:
-                seq_off[b + 1] = seq_off[b]
-                continue
-            g = int(order[r])
-            gids[b] = g
-            c = int(np.searchsorted(starts, g, side="right")) - 1
-            i = g - int(starts[c])
-            cids, clab, csoff, cslen = parts[c]
+        rows = np.asarray(rows, dtype=np.int64)
+        gids = np.full(len(rows), -1, dtype=np.int64)
+        real = rows >= 0
+        gids[real] = order[rows[real]]
+        chunk = np.searchsorted(starts, gids, side="right") - 1
+        local = gids - starts[chunk]
+        counts = np.zeros(len(rows), np.int64)
+        for b in np.flatnonzero(real).tolist():
+            csoff = parts[chunk[b]][2]
+            counts[b] = csoff[local[b] + 1] - csoff[local[b]]
+        buf, ids, labels, seq_off, seq_lens = raw_alloc(len(rows), self.capacity, int(counts.sum()), True)
+        np.cumsum(counts, out=seq_off[1:])
+        for b in np.flatnonzero(real).tolist():
+            cids, clab, csoff, cslen = parts[chunk[b]]
+            i = int(local[b])
             ids[b] = cids[i]
             labels[b] = clab[i]
-            lo, hi = int(csoff[i]), int(csoff[i + 1])
-            lens_parts.append(cslen[lo:hi])
-            seq_off[b + 1] = seq_off[b] + (hi - lo)
-        seq_lens = np.concatenate(lens_parts) if lens_parts else np.zeros(0, np.int32)
+            seq_lens[seq_off[b]:seq_off[b + 1]] = cslen[int(csoff[i]):int(csoff[i + 1])]
         if not want_ids:
-            return ids, labels, seq_off, seq_lens, None
+            return buf, None
         if self._ds is None:
             from packloader.prepacked import PrepackedDataset
 
             self._ds = PrepackedDataset(self.directory)
-        parts = []
+        tparts = []
         for b, g in enumerate(gids.tolist()):
             if g >= 0:
                 _, sf, sr, ss = self._ds.read_sources(g, g + 1)
                 n = seq_lens[seq_off[b]:seq_off[b + 1]]
-                parts.append(np.stack([np.full(len(sf), b), sf, sr, ss, n]).T.astype(np.int64))
-        table = np.concatenate(parts) if parts else np.zeros((0, 5), np.int64)
-        return ids, labels, seq_off, seq_lens, (gids, table)
+                tparts.append(np.stack([np.full(len(sf), b), sf, sr, ss, n]).T.astype(np.int64))
+        table = np.concatenate(tparts) if tparts else np.zeros((0, 5), np.int64)
+        return buf, (gids, table)

@@ -146,3 +146,43 @@ def test_shape_errors():
     with pytest.raises(ValueError, match="return_tensors"):
         collate_packed(np.zeros((1, 5), np.int32), None, np.array([0, 0]), np.array([], np.int32),
                        return_tensors="tf")
+
+
+def test_raw_buffer_round_trip_and_collate_raw():
+    """The one-buffer form a worker sends (packloader.batch.raw_alloc) collates to the same batch as the
+    arrays it holds, with and without labels."""
+    from packloader.batch import collate_raw, raw_alloc, raw_views
+
+    rng = np.random.default_rng()
+    for has_labels in (False, True):
+        B, L = 3, 20
+        lens = np.array([5, 7, 20, 4], np.int32)
+        offs = np.array([0, 2, 3, 4])
+        buf, ids, lab, off, sl = raw_alloc(B, L, len(lens), has_labels)
+        assert buf.dtype == np.int32 and (lab is not None) == has_labels
+        ids[:] = rng.integers(0, 1000, (B, L))
+        if has_labels:
+            lab[:] = np.where(rng.random((B, L)) < 0.3, IGNORE_INDEX, ids)
+        off[:], sl[:] = offs, lens
+        v_ids, v_lab, v_off, v_sl = raw_views(buf.copy())
+        assert np.array_equal(v_ids, ids) and np.array_equal(v_off, offs) and np.array_equal(v_sl, lens)
+        got = collate_raw(torch.from_numpy(buf), hf_compat=True)
+        want = collate_packed(ids.copy(), None if lab is None else lab.copy(), offs, lens, hf_compat=True)
+        assert set(got) == set(want)
+        for k in want:
+            assert (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_pinned_collation_equals_plain():
+    rng = np.random.default_rng()
+    ids = rng.integers(0, 50, (2, 32)).astype(np.int32)
+    offs, lens = np.array([0, 2, 3]), np.array([10, 12, 32], np.int32)
+    plain = collate_packed(ids, None, offs, lens, hf_compat=True)
+    pinned = collate_packed(ids, None, offs, lens, hf_compat=True, pin_memory=True)
+    for k, v in plain.items():
+        if isinstance(v, torch.Tensor):
+            assert pinned[k].is_pinned() and torch.equal(pinned[k], v), k
+        else:
+            assert pinned[k] == v, k

@@ -271,3 +271,39 @@ def test_batch_keys_and_dtypes_are_the_documented_ones(tmp_path, kind):
         assert torch.equal(b["cu_seq_lens_q"], cu) and torch.equal(b["cu_seq_lens_k"], cu)
         assert b["num_loss_tokens"] == int((b["labels"] != -100).sum())
     assert n == len(loader) > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-accelerator fallback")
+def test_pin_memory_without_accelerator_warns_and_still_yields(tmp_path):
+    paths, _, _ = make_shards(tmp_path, "arrow", n_shards=1)
+    with pytest.warns(UserWarning, match="pin_memory=True but no accelerator"):
+        loader = PackedDataLoader(paths, capacity=128, batch_size=2, pin_memory=True, num_workers=1)
+    assert loader.pin_memory is False
+    ref = PackedDataLoader(paths, capacity=128, batch_size=2)
+    assert [batch_fingerprint(b) for b in loader] == [batch_fingerprint(b) for b in ref]
+
+
+def test_bench_loader_quick_smoke(tmp_path):
+    """``benchmarks/bench_loader.py --quick`` runs both cases, prints its table and writes its JSON
+    (the figures themselves are for a quiet machine, not checked here)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "loader.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_loader.py"), "--quick",
+                           "--tokens", "1e6", "--data-dir", str(tmp_path / "data"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "prepacked" in proc.stdout and "stream" in proc.stdout and "x 1M tok/s" in proc.stdout
+    doc = json.loads(out.read_text())
+    cases = {r["case"]: r for r in doc["results"]}
+    assert set(cases) == {"prepacked", "stream"}
+    assert cases["prepacked"]["num_workers"] == 0 and cases["stream"]["num_workers"] == 2
+    for r in cases.values():
+        assert r["tokens"] == doc["data"]["tokens"] > 0
+        assert r["best_tokens_per_s"] > 0 and r["ratio_to_1M_tokens_per_s"] == r["best_tokens_per_s"] / 1e6
+        assert isinstance(r["meets_target"], bool)
+    # the pre-packed directory was written by packloader's own pack_dataset
+    assert json.loads((tmp_path / "data" / "packed" / "index.json").read_text())["format"] == "packloader-packed"
