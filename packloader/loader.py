@@ -383,6 +383,7 @@ class PackedDataLoader:
             raise ValueError(f"state_dict position batches_consumed={consumed} is past the end of epoch {epoch} "
                              f"({n} batches)")
         self._epoch, self._consumed, self._resume = epoch, consumed, consumed
+        self._iter_gen += 1  # an iterator still open from before no longer counts
 
 
 def _can_pin() -> bool:

@@ -234,3 +234,31 @@ def test_every_cut_with_sequences_in_the_packer_buffer_and_a_partial_shard(tmp_p
             second.set_epoch(e)
             rest += [(e, batch_fingerprint(b)) for b in second]
         assert got + rest == ref, cut
+
+
+def test_persistent_workers_resume_after_an_abandoned_iterator(shards):
+    """Persistent workers hold prefetched batches of an abandoned iterator; loading a state and iterating
+    again gives exactly the saved position's batches (stale prefetches are dropped, not counted), and an
+    iterator left open across load_state_dict no longer moves the position."""
+    kw = dict(capacity=256, batch_size=2, seed=4)
+    ref = PackedDataLoader(shards, **kw)
+    ep0 = [batch_fingerprint(b) for b in ref]
+    ref.set_epoch(1)
+    ep1 = [batch_fingerprint(b) for b in ref]
+    probe = PackedDataLoader(shards, **kw)
+    it = iter(probe)
+    for _ in range(5):
+        next(it)
+    state5 = probe.state_dict()
+
+    pw = PackedDataLoader(shards, num_workers=2, persistent_workers=True, prefetch_factor=3, **kw)
+    it = iter(pw)
+    got = [batch_fingerprint(next(it)) for _ in range(2)]
+    assert got == ep0[:2] and pw.state_dict()["batches_consumed"] == 2
+    pw.load_state_dict(state5)
+    next(it)  # the old iterator: not counted any more
+    assert pw.state_dict()["batches_consumed"] == 5
+    assert [batch_fingerprint(b) for b in pw] == ep0[5:]
+    assert pw.state_dict()["batches_consumed"] == len(ep0)
+    pw.set_epoch(1)
+    assert [batch_fingerprint(b) for b in pw] == ep1
