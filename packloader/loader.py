@@ -11,13 +11,16 @@ Example::
         for batch in loader:                       # dict of tensors, see packloader.batch
             loss_sum = model(batch["input_ids"], position_ids=batch["position_ids"],
                              labels=batch["labels"])  # summed over tokens
-            (loss_sum / batch["num_loss_tokens"]).backward()  # or all-reduce the count first
+            (loss_sum / max(batch["num_loss_tokens"], 1)).backward()  # DDP: all-reduce the count first
             ...
             if step % 1000 == 0:
                 torch.save({"model": ..., "loader": loader.state_dict()}, "ckpt.pt")
 
     # later: a fresh loader with the same settings continues exactly where the checkpoint was taken
     loader.load_state_dict(torch.load("ckpt.pt")["loader"])
+
+A complete, runnable loop (DDP under torchrun, global loss normalisation, checkpoint and exact resume):
+``examples/train_packed_mamba.py``.
 
 What one epoch is
 -----------------
@@ -27,7 +30,9 @@ What one epoch is
    see :mod:`packloader.stream`. A pre-packed directory's rows are its rows, shuffled by ``(seed, epoch)``.
 2. **Ranks.** Global steps of ``world_size * batch_size`` consecutive rows; each rank gets ``batch_size``
    rows of each step, balanced by token count; the last step is completed with padding rows (no loss
-   tokens) or, with ``drop_last=True``, dropped. So **every rank yields the same number of batches**,
+   tokens) or, with ``drop_last=True``, dropped (at most ``world_size * batch_size - 1`` rows, counted in
+   no later epoch: every epoch is self-contained, which keeps the resume state a pure function of the
+   epoch). So **every rank yields the same number of batches**,
    every batch is ``[batch_size, capacity]``, and across ranks and workers every sequence is in exactly
    one row of the epoch (``drop_last=False``); see :mod:`packloader.distributed`.
 3. **Workers.** Batch ``k`` of a rank is built by worker ``k % num_workers`` (counted from the first batch
@@ -61,7 +66,9 @@ Padding batches and the loss
 Padding rows carry no loss tokens, and a tiny dataset split over many ranks can give a rank a batch of
 only padding rows (``num_loss_tokens == 0``). Sum the loss over tokens and divide by the global count
 (``all_reduce`` of ``num_loss_tokens``) rather than by the local one, so such a batch contributes
-nothing instead of NaN; it still runs forward/backward, so collectives stay in step.
+nothing instead of NaN; it still runs forward/backward, so collectives stay in step. A rank that gets
+no real row in an epoch (the data packs into fewer rows than one global step) is not an error; the
+loader warns once per epoch.
 """
 from __future__ import annotations
 
