@@ -61,6 +61,7 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--conv-iters", type=int, default=100, help="conv calls are ~0.2-1 ms: more runs per median")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -108,6 +109,13 @@ def main(argv=None):
     add("selective_scan", "ours (packed, position_ids)", "bwd", ours_b)
     ours_fb = bench(ours_fwdbwd, args.warmup, args.iters)
     add("selective_scan", "ours (packed, position_ids)", "fwd+bwd", ours_fb)
+    # the same kernels staging each chunk with plain loads instead of cp.async (what the overlap buys)
+    os.environ["PACKLOADER_SCAN_SYNC_STAGING"] = "1"
+    try:
+        add("selective_scan", "ours, sync staging", "fwd", bench(ours_fwd, args.warmup, args.iters))
+        add("selective_scan", "ours, sync staging", "fwd+bwd", bench(ours_fwdbwd, args.warmup, args.iters))
+    finally:
+        del os.environ["PACKLOADER_SCAN_SYNC_STAGING"]
     del state["f"], out, saved, out_z
 
     # through the ops-python helper's autograd Function, when present
@@ -161,14 +169,14 @@ def main(argv=None):
     g_cl = g_cf.transpose(1, 2).contiguous().transpose(1, 2)
     conv = {}
     for name, x, g in (("channel-first", x_cf, g_cf), ("channel-last", x_cl, g_cl)):
-        f = bench(lambda: _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu"), args.warmup, args.iters)
+        f = bench(lambda: _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu"), 3 * args.warmup, args.conv_iters)
         add("causal_conv1d", f"ours {name} (position_ids)", "fwd", f)
 
         def fb():
             _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu")
             _cuda.causal_conv1d_bwd(x, w, cb, g, pos, "silu")
 
-        fbt = bench(fb, args.warmup, args.iters)
+        fbt = bench(fb, 3 * args.warmup, args.conv_iters)
         add("causal_conv1d", f"ours {name} (position_ids)", "fwd+bwd", fbt)
         conv[("ours", name)] = (f, fbt)
     try:
@@ -178,7 +186,7 @@ def main(argv=None):
                                ("channel-last", x_cl, g_cl, seq_idx)):
             label = f"causal-conv1d {name} " + ("seq_idx" if si is not None else "(no bnd)")
             with torch.no_grad():
-                f = bench(lambda: causal_conv1d_fn(x, w, cb, seq_idx=si, activation="silu"), args.warmup, args.iters)
+                f = bench(lambda: causal_conv1d_fn(x, w, cb, seq_idx=si, activation="silu"), 3 * args.warmup, args.conv_iters)
             add("causal_conv1d", label, "fwd", f)
             xl = x.detach().clone().requires_grad_(True) if si is None else \
                 x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
@@ -190,7 +198,7 @@ def main(argv=None):
                 y = causal_conv1d_fn(xl, wl, bl, seq_idx=si, activation="silu")
                 y.backward(g)
 
-            fbt = bench(ufb, args.warmup, args.iters)
+            fbt = bench(ufb, 3 * args.warmup, args.conv_iters)
             add("causal_conv1d", label, "fwd+bwd", fbt)
             conv[("up" + ("_seq" if si is not None else ""), name)] = (f, fbt)
     except Exception as e:  # noqa: BLE001
@@ -215,7 +223,7 @@ def main(argv=None):
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "shapes": {"batch": Bz, "dim": D, "seqlen": L, "dstate": N, "width": W, "dtype": "bf16",
                    "sequences_per_row": [int((pos[b] == 0).sum()) for b in range(Bz)]},
-        "method": f"median of {args.iters} runs after {args.warmup} warm-up runs, CUDA events",
+        "method": f"median of {args.iters} runs (conv: {args.conv_iters}) after warm-up runs, CUDA events",
         "rows": rows, "summary": summary,
     }
     if args.out:

@@ -12,6 +12,8 @@
 // each 16-step sub-chunk start in registers, then re-running each sub-chunk (16 states + 16 decays in
 // registers) and walking it in reverse.  dB/dC are summed over the block's channels in shared memory and added
 // to fp32 buffers with one atomic per (block, n, t); dA, dD, ddelta_bias are reduced per thread/lane group.
+#include <cstdlib>
+
 #include "ops_common.h"
 #include "dtype_utils.cuh"
 
@@ -434,8 +436,11 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 
 // cp.async moves 4-byte units: rows of 16-bit tensors must start 4-byte aligned (seqlen even); the rare odd
 // seqlen stages with plain loads instead.
+// PACKLOADER_SCAN_SYNC_STAGING=1 forces plain loads (for benchmarks comparing the two).
 template <typename in_t, typename w_t>
 bool use_async(const ScanParams &p) {
+  const char *env = std::getenv("PACKLOADER_SCAN_SYNC_STAGING");
+  if (env != nullptr && env[0] == '1') return false;
   return (sizeof(in_t) == 4 || p.seqlen % 2 == 0) && (sizeof(w_t) == 4 || p.seqlen % 2 == 0);
 }
 
