@@ -13,7 +13,7 @@ if ls .gpu/up/upstream.tar.xz.part* >/dev/null 2>&1; then
     > /tmp/upstream.log 2>&1 & up=$!
   export PYTHONPATH=$PYTHONPATH:/tmp/upsite
 else
-  MAX_JOBS=12 BUILD_LOGS=/tmp/uplogs bash benchmarks/gpu/build_upstream_wheels.sh .gpu /tmp/wheels 90 > /tmp/upstream.log 2>&1 & up=$!
+  MAX_JOBS=${UP_JOBS:-12} BUILD_LOGS=/tmp/uplogs bash benchmarks/gpu/build_upstream_wheels.sh .gpu /tmp/wheels 90 > /tmp/upstream.log 2>&1 & up=$!
 fi
 t0=$(date +%s)
 python3 -c "from ops import _cuda; _cuda.load(); print('ours built')" 2>&1 | tail -20 | tee -a $OUT/run.log
@@ -22,7 +22,7 @@ timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu -q -s -p no:cacheprovider 
 echo "gpu tests rc=$?" | tee -a $OUT/run.log; grep -E "passed|failed|^FAILED|^E " $OUT/tests.log | tail -30
 wait $up; echo "upstream: $(tail -3 /tmp/upstream.log)" | tee -a $OUT/run.log
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_ops.py --out $OUT/ops.json --iters 10 2>&1 | tee -a $OUT/run.log | tail -30
-timeout ${STACK_TIMEOUT:-120} python3 benchmarks/bench_mamba_stack.py --out $OUT/mamba_stack.json 2>&1 | tee -a $OUT/run.log | tail -20
+[ -z "${SKIP_STACK:-}" ] && timeout ${STACK_TIMEOUT:-120} python3 benchmarks/bench_mamba_stack.py --out $OUT/mamba_stack.json 2>&1 | tee -a $OUT/run.log | tail -20
 if [ -n "${GPU_TESTS2:-}" ]; then
   echo "===== $GPU_TESTS2" >> $OUT/tests.log
   timeout ${TEST2_TIMEOUT:-120} python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout=150 --durations=0 $GPU_TESTS2 >> $OUT/tests.log 2>&1
