@@ -160,7 +160,10 @@ def test_packed_mamba_packed_rows_vs_each_sequence_alone(seed, cuda, dtype):
     show(f"packed vs alone ({dtype})", whole)
     show("packed vs alone, worst sequence", worst)
     show("packed vs sum over sequences alone", pgrads)
-    assert max(whole.values()) <= TOL[dtype], whole
+    assert whole["out"] <= TOL[dtype], whole
+    # dh comes back through in_proj's bf16 GEMM, whose accumulation order (and so its rounding) depends on the
+    # GEMM's shape: packed rows and single sequences are different GEMMs (fp32 shows no difference: 3e-7)
+    assert whole["dh"] <= {F32: TOL[F32], BF16: 5e-3}[dtype], whole
     assert max(worst.values()) <= {F32: 1e-4, BF16: 1e-2}[dtype], worst
     # (bf16: each per-sequence weight gradient is rounded to bf16 before the sum, ~2.5e-3 by itself)
     assert max(pgrads.values()) <= {F32: 1e-5, BF16: 1e-2}[dtype], pgrads
