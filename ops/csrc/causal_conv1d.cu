@@ -4,14 +4,15 @@
 // Channel-first (x contiguous, (batch, dim, seqlen)): a block of 128 threads covers 1024 timesteps of one
 // batch row and walks kChCF channels; each thread owns a run of kRun = 8 consecutive timesteps (one 16-byte
 // load for bf16/fp16).  position_ids are read once per block and kept in registers as "reach" (how many
-// earlier taps lie in the same sequence, min(pos, W-1)) for all of the block's channels.  The W-1 timesteps
-// before a run come from the neighbouring lane by warp shuffle (lane 0 reads them); in the backward the W-1
-// gradients after a run come from the next lane the same way (lane 31 recomputes them).
-// Channel-last (x is (batch, seqlen, dim) memory): each thread owns kVec consecutive channels (one vector
-// load per timestep) and a run of timesteps, sliding a window of the last W inputs (forward) or the last W
-// gradients (backward) through registers; position_ids[t] is one broadcast load per timestep.
+// earlier taps lie in the same sequence, min(pos, W-1)) for all of the block's channels.  The W-1 inputs
+// before a run (and, in the backward, the W-1 inputs and gradients after it) come from the neighbouring
+// runs' vectors, loaded by the thread itself together with its own, so no load waits on another.
+// Channel-last (x is (batch, seqlen, dim) memory): each thread owns consecutive channels (one vector load per
+// timestep) and a run of timesteps, sliding a window of the last W inputs (forward) or the last W gradients
+// (backward) through registers; position_ids[t] is one broadcast load per timestep.
 // dweight / dbias are reduced in the block (warp shuffles, then shared memory), one atomic per block.
 #include <algorithm>
+#include <cstdlib>
 
 #include "ops_common.h"
 #include "dtype_utils.cuh"
@@ -97,38 +98,43 @@ __device__ __forceinline__ void load_reach(const int *pos, int t0, int L, int wm
   for (int i = 0; i < kRun; ++i) reach[i] = min(reach[i], wm1);
 }
 
+// The W-1 inputs before a run and the W-1 after it are the tail / head of the neighbouring runs: each thread
+// loads those runs' 16-byte vectors itself (L1 hits: the neighbours load the same lines), so every load of a
+// thread is issued at once and nothing waits on another lane.
+template <typename T>
+__device__ __forceinline__ void load_prev_run(const T *row, int t0, int L, float (&v)[kRun]) {
+  if (t0 >= kRun) load_n<T, kRun>(row + t0 - kRun, min(kRun, L - (t0 - kRun)), v);
+  else {
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) v[i] = 0.f;
+  }
+}
+
 template <typename T, int kW>
 __global__ void __launch_bounds__(kThreadsCF) conv_fwd_cf(const ConvParams p) {
   const int b = blockIdx.z;
-  const int lane = threadIdx.x & 31;
   const int L = p.seqlen;
   const int t0 = blockIdx.y * kSpanCF + threadIdx.x * kRun;
-  const int valid = max(0, min(kRun, L - t0));
+  if (t0 >= L) return;
+  const int valid = min(kRun, L - t0);
   int reach[kRun];
   load_reach(p.pos + (int64_t)b * L, t0, L, kW - 1, reach);
 #pragma unroll 1
   for (int c = 0; c < kChCF; ++c) {
     const int d = blockIdx.x * kChCF + c;
-    if (d >= p.dim) break;   // uniform over the block
+    if (d >= p.dim) break;
     const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs;
     T *out = reinterpret_cast<T *>(p.out) + b * p.x_bs + d * p.x_cs;
+    float prev[kRun], main[kRun];
+    load_prev_run<T>(x, t0, L, prev);
+    load_n<T, kRun>(x + t0, valid, main);
     float w[kW];
 #pragma unroll
     for (int k = 0; k < kW; ++k) w[k] = p.weight[d * kW + k];
     const float bias = p.bias ? p.bias[d] : 0.f;
-    // xs[i] = x[t0 - (kW-1) + i]
-    float xs[kRun + kW - 1];
-    float main[kRun];
-    load_n<T, kRun>(x + t0, valid, main);
+    float xs[kRun + kW - 1];   // x[t0 - (kW-1) + i]
 #pragma unroll
-    for (int k = 0; k < kW - 1; ++k) xs[k] = __shfl_up_sync(kFull, main[kRun - (kW - 1) + k], 1);
-    if (lane == 0) {
-#pragma unroll
-      for (int k = 0; k < kW - 1; ++k) {
-        const int t = t0 - (kW - 1) + k;
-        xs[k] = (t >= 0 && t < L) ? to_f(x[t]) : 0.f;
-      }
-    }
+    for (int k = 0; k < kW - 1; ++k) xs[k] = prev[kRun - (kW - 1) + k];
 #pragma unroll
     for (int i = 0; i < kRun; ++i) xs[kW - 1 + i] = main[i];
     float o[kRun];
@@ -139,7 +145,7 @@ __global__ void __launch_bounds__(kThreadsCF) conv_fwd_cf(const ConvParams p) {
       for (int k = 0; k < kW; ++k) acc = fmaf(k <= reach[i] ? w[kW - 1 - k] : 0.f, xs[i + kW - 1 - k], acc);
       o[i] = p.silu ? acc * sigmoidf_(acc) : acc;
     }
-    if (valid > 0) store_n<T, kRun>(out + t0, valid, o);
+    store_n<T, kRun>(out + t0, valid, o);
   }
 }
 
@@ -167,25 +173,16 @@ __device__ __forceinline__ void block_reduce_dw(float (&dw)[kW + 1], float (*s_r
   __syncthreads();
 }
 
-// One block: kChCF channels of one batch row, walking time chunks of 1024 (blockIdx.y, stride gridDim.y);
-// dweight/dbias accumulate in registers over all of them and are reduced once per block at the end.
+// One block: kChCF channels of one batch row over the time chunks blockIdx.y, blockIdx.y + gridDim.y, ...
+// (one chunk per block by default; fewer, longer-lived blocks reduce dweight less often).
 template <typename T, int kW>
 __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
   __shared__ float s_red[kThreadsCF / 32][kW + 1];
   const int b = blockIdx.z;
-  const int lane = threadIdx.x & 31;
   const int L = p.seqlen;
   const int dbase = blockIdx.x * kChCF;
   const int nch = min(kChCF, p.dim - dbase);
   const int *pos = p.pos + (int64_t)b * L;
-  float w[kChCF][kW], bias[kChCF];
-#pragma unroll
-  for (int c = 0; c < kChCF; ++c) {
-    const int d = min(dbase + c, p.dim - 1);
-#pragma unroll
-    for (int k = 0; k < kW; ++k) w[c][k] = p.weight[d * kW + k];
-    bias[c] = p.bias ? p.bias[d] : 0.f;
-  }
   float dw[kChCF][kW + 1];
 #pragma unroll
   for (int c = 0; c < kChCF; ++c)
@@ -195,20 +192,12 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
 #pragma unroll 1
   for (int tb = blockIdx.y * kSpanCF; tb < L; tb += gridDim.y * kSpanCF) {
     const int t0 = tb + threadIdx.x * kRun;
-    const int valid = max(0, min(kRun, L - t0));
-    int reach[kRun];
+    if (t0 >= L) break;   // threads past the end only join the final reductions
+    const int valid = min(kRun, L - t0);
+    const int valid_nx = max(0, min(kRun, L - (t0 + kRun)));
+    int reach[kRun], reach_nx[kRun];
     load_reach(pos, t0, L, kW - 1, reach);
-    // reach of the W-1 timesteps after the run (from the next lane; lane 31 reads them)
-    int reach_nx[kW - 1];
-#pragma unroll
-    for (int k = 0; k < kW - 1; ++k) reach_nx[k] = __shfl_down_sync(kFull, reach[k], 1);
-    if (lane == 31) {
-#pragma unroll
-      for (int k = 0; k < kW - 1; ++k) {
-        const int t = t0 + kRun + k;
-        reach_nx[k] = t < L ? min(pos[t], kW - 1) : 0;
-      }
-    }
+    load_reach(pos, t0 + kRun, L, kW - 1, reach_nx);   // zeros past the end
 #pragma unroll
     for (int c = 0; c < kChCF; ++c) {
       if (c >= nch) break;   // uniform over the block
@@ -216,74 +205,59 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
       const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs;
       const T *dout = reinterpret_cast<const T *>(p.dout) + b * p.g_bs + d * p.g_cs;
       T *dx = reinterpret_cast<T *>(p.dx) + b * p.x_bs + d * p.x_cs;
-      float xs[kRun + kW - 1];   // x[t0 - (kW-1) + i]
-      float main[kRun], gd[kRun];
+      float prev[kRun], main[kRun], next[kRun], gd[kRun], gn[kRun];
+      load_prev_run<T>(x, t0, L, prev);
       load_n<T, kRun>(x + t0, valid, main);
       load_n<T, kRun>(dout + t0, valid, gd);
+      if (valid_nx > 0) {
+        load_n<T, kRun>(x + t0 + kRun, valid_nx, next);
+        load_n<T, kRun>(dout + t0 + kRun, valid_nx, gn);
+      } else {
 #pragma unroll
-      for (int k = 0; k < kW - 1; ++k) xs[k] = __shfl_up_sync(kFull, main[kRun - (kW - 1) + k], 1);
-      if (lane == 0) {
-#pragma unroll
-        for (int k = 0; k < kW - 1; ++k) {
-          const int t = t0 - (kW - 1) + k;
-          xs[k] = (t >= 0 && t < L) ? to_f(x[t]) : 0.f;
-        }
+        for (int i = 0; i < kRun; ++i) next[i] = gn[i] = 0.f;
       }
+      float w[kW];
+#pragma unroll
+      for (int k = 0; k < kW; ++k) w[k] = p.weight[d * kW + k];
+      const float bias = p.bias ? p.bias[d] : 0.f;
+      constexpr int kNX = kRun + 2 * (kW - 1);   // x[t0 - (kW-1) + i]
+      constexpr int kNG = kRun + kW - 1;         // g[t0 + i]
+      float xs[kNX];
+#pragma unroll
+      for (int k = 0; k < kW - 1; ++k) xs[k] = prev[kRun - (kW - 1) + k];
 #pragma unroll
       for (int i = 0; i < kRun; ++i) xs[kW - 1 + i] = main[i];
-      float g[kRun + kW - 1];   // g[t0 + i]: dout * act'(pre)
 #pragma unroll
-      for (int i = 0; i < kRun; ++i) {
-        float gv = gd[i];
+      for (int k = 0; k < kW - 1; ++k) xs[kW - 1 + kRun + k] = next[k];
+      float g[kNG];
+#pragma unroll
+      for (int i = 0; i < kNG; ++i) {
+        const int r = i < kRun ? reach[i] : reach_nx[i - kRun];
+        float gv = i < kRun ? gd[i] : gn[i - kRun];   // zero past the end
         if (p.silu) {
-          float acc = bias[c];
+          float acc = bias;
 #pragma unroll
-          for (int k = 0; k < kW; ++k) acc = fmaf(k <= reach[i] ? w[c][kW - 1 - k] : 0.f, xs[i + kW - 1 - k], acc);
+          for (int k = 0; k < kW; ++k) acc = fmaf(k <= r ? w[kW - 1 - k] : 0.f, xs[i + kW - 1 - k], acc);
           gv *= silu_grad_factor(acc);
         }
         g[i] = gv;
       }
-#pragma unroll
-      for (int k = 0; k < kW - 1; ++k) g[kRun + k] = __shfl_down_sync(kFull, g[k], 1);
-      if (lane == 31) {
-        // the W-1 gradients after this run, recomputed: x[t0+kRun-(W-1) ..] are main's tail and the next ones
-#pragma unroll
-        for (int k = 0; k < kW - 1; ++k) {
-          const int t = t0 + kRun + k;
-          float gv = 0.f;
-          if (t < L) {
-            gv = to_f(dout[t]);
-            if (p.silu) {
-              float acc = bias[c];
-#pragma unroll
-              for (int j = 0; j < kW; ++j) {   // lag j: x[t - j]
-                const int tj = t - j;
-                const float xv = tj < t0 + kRun ? xs[kW - 1 + (tj - t0)] : to_f(x[tj]);
-                acc = fmaf(j <= reach_nx[k] ? w[c][kW - 1 - j] : 0.f, xv, acc);
-              }
-              gv *= silu_grad_factor(acc);
-            }
-          }
-          g[kRun + k] = gv;
-        }
-      }
-      float dxv[kRun];
 #pragma unroll
       for (int i = 0; i < kRun; ++i) {
         float acc = 0.f;
 #pragma unroll
         for (int k = 0; k < kW; ++k) {
           const int r = (i + k < kRun) ? reach[i + k] : reach_nx[i + k - kRun];
-          acc = fmaf(k <= r ? w[c][kW - 1 - k] : 0.f, g[i + k], acc);
+          acc = fmaf(k <= r ? w[kW - 1 - k] : 0.f, g[i + k], acc);
         }
-        dxv[i] = acc;
+        main[i] = acc;   // dx
         const float gi = i < valid ? g[i] : 0.f;
 #pragma unroll
         for (int k = 0; k < kW; ++k)
           dw[c][kW - 1 - k] = fmaf(k <= reach[i] ? gi : 0.f, xs[i + kW - 1 - k], dw[c][kW - 1 - k]);
         dw[c][kW] += gi;
       }
-      if (valid > 0) store_n<T, kRun>(dx + t0, valid, dxv);
+      store_n<T, kRun>(dx + t0, valid, main);
     }
   }
 #pragma unroll
@@ -297,37 +271,23 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
 // channel-last
 
 constexpr int kBXCL = 32, kBYCL = 4;   // 32 threads over channels x 4 over time
-constexpr int kRunCL = 32;             // timesteps per thread (backward)
-constexpr int kRunCLF = 16;            // timesteps per thread (forward)
-constexpr int kVCL = 4;                // channels per thread
+constexpr int kRunCL = 32;             // timesteps per thread
 
-// Forward: 4 channels x kRunCLF timesteps per thread; every load of the run (and its W-1 halo) is issued
-// before any arithmetic, so a warp keeps ~20 loads in flight.
+template <typename T>
+struct ClVec { static constexpr int kFwd = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T); static constexpr int kBwd = 4; };
+
 template <typename T, int kW>
 __global__ void __launch_bounds__(kBXCL * kBYCL) conv_fwd_cl(const ConvParams p) {
-  constexpr int kV = kVCL;
+  constexpr int kV = ClVec<T>::kFwd;
   const int b = blockIdx.z;
   const int L = p.seqlen;
   const int d0 = (blockIdx.x * kBXCL + threadIdx.x) * kV;
-  const int t0 = (blockIdx.y * kBYCL + threadIdx.y) * kRunCLF;
+  const int t0 = (blockIdx.y * kBYCL + threadIdx.y) * kRunCL;
   if (d0 >= p.dim || t0 >= L) return;
   const int nv = min(kV, p.dim - d0);
   const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d0;
   T *out = reinterpret_cast<T *>(p.out) + b * p.x_bs + d0;
   const int *pos = p.pos + (int64_t)b * L;
-  float xs[kRunCLF + kW - 1][kV];   // x[t0 - (kW-1) + i]
-#pragma unroll
-  for (int i = 0; i < kRunCLF + kW - 1; ++i) {
-    const int t = t0 - (kW - 1) + i;
-    if (t >= 0 && t < L) load_n<T, kV>(x + t * p.x_ls, nv, xs[i]);
-    else {
-#pragma unroll
-      for (int c = 0; c < kV; ++c) xs[i][c] = 0.f;
-    }
-  }
-  int r[kRunCLF];
-#pragma unroll
-  for (int i = 0; i < kRunCLF; ++i) r[i] = t0 + i < L ? pos[t0 + i] : 0;
   float w[kW][kV], bias[kV];
 #pragma unroll
   for (int c = 0; c < kV; ++c) {
@@ -336,24 +296,40 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_fwd_cl(const ConvParams p)
     for (int k = 0; k < kW; ++k) w[k][c] = p.weight[d * kW + k];
     bias[c] = p.bias ? p.bias[d] : 0.f;
   }
+  float win[kW][kV];   // win[kW-1] = x[t], win[kW-1-j] = x[t-j]
 #pragma unroll
-  for (int i = 0; i < kRunCLF; ++i) {
-    if (t0 + i >= L) break;
+  for (int j = 0; j < kW - 1; ++j) {
+    const int t = t0 - (kW - 1) + j;
+    if (t >= 0) load_n<T, kV>(x + t * p.x_ls, nv, win[j + 1]);
+    else {
+#pragma unroll
+      for (int c = 0; c < kV; ++c) win[j + 1][c] = 0.f;
+    }
+  }
+  const int tend = min(t0 + kRunCL, L);
+#pragma unroll 2
+  for (int t = t0; t < tend; ++t) {
+#pragma unroll
+    for (int j = 0; j < kW - 1; ++j)
+#pragma unroll
+      for (int c = 0; c < kV; ++c) win[j][c] = win[j + 1][c];
+    load_n<T, kV>(x + t * p.x_ls, nv, win[kW - 1]);
+    const int r = pos[t];
     float o[kV];
 #pragma unroll
     for (int c = 0; c < kV; ++c) {
       float acc = bias[c];
 #pragma unroll
-      for (int k = 0; k < kW; ++k) acc = fmaf(k <= r[i] ? w[kW - 1 - k][c] : 0.f, xs[i + kW - 1 - k][c], acc);
+      for (int k = 0; k < kW; ++k) acc = fmaf(k <= r ? w[kW - 1 - k][c] : 0.f, win[kW - 1 - k][c], acc);
       o[c] = p.silu ? acc * sigmoidf_(acc) : acc;
     }
-    store_n<T, kV>(out + (t0 + i) * p.x_ls, nv, o);
+    store_n<T, kV>(out + t * p.x_ls, nv, o);
   }
 }
 
 template <typename T, int kW>
 __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p) {
-  constexpr int kV = kVCL;
+  constexpr int kV = ClVec<T>::kBwd;
   __shared__ float s_red[kBYCL][kBXCL * kV][kW + 1];
   const int b = blockIdx.z;
   const int L = p.seqlen;
@@ -472,23 +448,23 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
 template <typename T, int kW>
 void launch_w(const ConvParams &p, cudaStream_t st, bool bwd) {
   if (p.channel_last) {
-    const int run = bwd ? kRunCL : kRunCLF;
-    dim3 grid((p.dim + kBXCL * kVCL - 1) / (kBXCL * kVCL), (p.seqlen + kBYCL * run - 1) / (kBYCL * run), p.batch);
+    const int kV = bwd ? ClVec<T>::kBwd : ClVec<T>::kFwd;
+    dim3 grid((p.dim + kBXCL * kV - 1) / (kBXCL * kV), (p.seqlen + kBYCL * kRunCL - 1) / (kBYCL * kRunCL), p.batch);
     dim3 block(kBXCL, kBYCL);
     if (bwd) conv_bwd_cl<T, kW><<<grid, block, 0, st>>>(p);
     else conv_fwd_cl<T, kW><<<grid, block, 0, st>>>(p);
   } else {
     const int chunks = (p.seqlen + kSpanCF - 1) / kSpanCF;
-    const int64_t blocks_xz = (int64_t)((p.dim + kChCF - 1) / kChCF) * p.batch;
+    int gy = chunks;
     if (bwd) {
-      // enough blocks to fill the GPU; beyond that a block walks several time chunks (fewer dweight reductions)
-      const int gy = (int)std::max<int64_t>(1, std::min<int64_t>(chunks, (4096 + blocks_xz - 1) / blocks_xz));
-      dim3 grid((p.dim + kChCF - 1) / kChCF, gy, p.batch);
-      conv_bwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
-    } else {
-      dim3 grid((p.dim + kChCF - 1) / kChCF, chunks, p.batch);
-      conv_fwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
+      // PACKLOADER_CONV_BWD_CHUNKS=k: each backward block walks k time chunks (benchmark knob; default 1)
+      const char *env = std::getenv("PACKLOADER_CONV_BWD_CHUNKS");
+      const int per = env ? std::max(1, std::atoi(env)) : 1;
+      gy = (chunks + per - 1) / per;
     }
+    dim3 grid((p.dim + kChCF - 1) / kChCF, gy, p.batch);
+    if (bwd) conv_bwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
+    else conv_fwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
   }
 }
 

@@ -63,7 +63,9 @@ def mamba_ssm(cuda):
 @pytest.fixture
 def causal_conv1d(cuda):
     mod = pytest.importorskip("causal_conv1d", exc_type=ImportError)
-    if not ops._upstream.conv_available():
+    from ops import _upstream
+
+    if not _upstream.conv_available():
         pytest.skip("causal-conv1d imports but its CUDA functions are not usable")
     return mod
 
