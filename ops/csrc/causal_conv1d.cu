@@ -13,6 +13,7 @@
 // dweight / dbias are reduced in the block (warp shuffles, then shared memory), one atomic per block.
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 
 #include "ops_common.h"
 #include "dtype_utils.cuh"
@@ -173,98 +174,200 @@ __device__ __forceinline__ void block_reduce_dw(float (&dw)[kW + 1], float (*s_r
   __syncthreads();
 }
 
-// One block: kChCF channels of one batch row over the time chunks blockIdx.y, blockIdx.y + gridDim.y, ...
-// (one chunk per block by default; fewer, longer-lived blocks reduce dweight less often).
 template <typename T, int kW>
 __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
   __shared__ float s_red[kThreadsCF / 32][kW + 1];
   const int b = blockIdx.z;
+  const int lane = threadIdx.x & 31;
   const int L = p.seqlen;
-  const int dbase = blockIdx.x * kChCF;
-  const int nch = min(kChCF, p.dim - dbase);
+  const int t0 = blockIdx.y * kSpanCF + threadIdx.x * kRun;
+  const int valid = max(0, min(kRun, L - t0));
   const int *pos = p.pos + (int64_t)b * L;
-  float dw[kChCF][kW + 1];
+  int reach[kRun];
+  load_reach(pos, t0, L, kW - 1, reach);
+  // reach of the W-1 timesteps after the run (from the next lane; lane 31 reads them)
+  int reach_nx[kW - 1];
 #pragma unroll
-  for (int c = 0; c < kChCF; ++c)
+  for (int k = 0; k < kW - 1; ++k) reach_nx[k] = __shfl_down_sync(kFull, reach[k], 1);
+  if (lane == 31) {
 #pragma unroll
-    for (int k = 0; k <= kW; ++k) dw[c][k] = 0.f;
-
+    for (int k = 0; k < kW - 1; ++k) {
+      const int t = t0 + kRun + k;
+      reach_nx[k] = t < L ? min(pos[t], kW - 1) : 0;
+    }
+  }
 #pragma unroll 1
-  for (int tb = blockIdx.y * kSpanCF; tb < L; tb += gridDim.y * kSpanCF) {
-    const int t0 = tb + threadIdx.x * kRun;
-    if (t0 >= L) break;   // threads past the end only join the final reductions
-    const int valid = min(kRun, L - t0);
-    const int valid_nx = max(0, min(kRun, L - (t0 + kRun)));
-    int reach[kRun], reach_nx[kRun];
-    load_reach(pos, t0, L, kW - 1, reach);
-    load_reach(pos, t0 + kRun, L, kW - 1, reach_nx);   // zeros past the end
+  for (int c = 0; c < kChCF; ++c) {
+    const int d = blockIdx.x * kChCF + c;
+    if (d >= p.dim) break;   // uniform over the block
+    const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs;
+    const T *dout = reinterpret_cast<const T *>(p.dout) + b * p.g_bs + d * p.g_cs;
+    T *dx = reinterpret_cast<T *>(p.dx) + b * p.x_bs + d * p.x_cs;
+    float w[kW];
 #pragma unroll
-    for (int c = 0; c < kChCF; ++c) {
-      if (c >= nch) break;   // uniform over the block
-      const int d = dbase + c;
-      const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs;
-      const T *dout = reinterpret_cast<const T *>(p.dout) + b * p.g_bs + d * p.g_cs;
-      T *dx = reinterpret_cast<T *>(p.dx) + b * p.x_bs + d * p.x_cs;
-      float prev[kRun], main[kRun], next[kRun], gd[kRun], gn[kRun];
-      load_prev_run<T>(x, t0, L, prev);
-      load_n<T, kRun>(x + t0, valid, main);
-      load_n<T, kRun>(dout + t0, valid, gd);
-      if (valid_nx > 0) {
-        load_n<T, kRun>(x + t0 + kRun, valid_nx, next);
-        load_n<T, kRun>(dout + t0 + kRun, valid_nx, gn);
-      } else {
+    for (int k = 0; k < kW; ++k) w[k] = p.weight[d * kW + k];
+    const float bias = p.bias ? p.bias[d] : 0.f;
+    float xs[kRun + kW - 1];   // x[t0 - (kW-1) + i]
+    float main[kRun];
+    load_n<T, kRun>(x + t0, valid, main);
 #pragma unroll
-        for (int i = 0; i < kRun; ++i) next[i] = gn[i] = 0.f;
+    for (int k = 0; k < kW - 1; ++k) xs[k] = __shfl_up_sync(kFull, main[kRun - (kW - 1) + k], 1);
+    if (lane == 0) {
+#pragma unroll
+      for (int k = 0; k < kW - 1; ++k) {
+        const int t = t0 - (kW - 1) + k;
+        xs[k] = (t >= 0 && t < L) ? to_f(x[t]) : 0.f;
       }
-      float w[kW];
+    }
 #pragma unroll
-      for (int k = 0; k < kW; ++k) w[k] = p.weight[d * kW + k];
-      const float bias = p.bias ? p.bias[d] : 0.f;
-      constexpr int kNX = kRun + 2 * (kW - 1);   // x[t0 - (kW-1) + i]
-      constexpr int kNG = kRun + kW - 1;         // g[t0 + i]
-      float xs[kNX];
+    for (int i = 0; i < kRun; ++i) xs[kW - 1 + i] = main[i];
+    float g[kRun + kW - 1];   // g[t0 + i]: dout * act'(pre)
+    {
+      float gd[kRun];
+      load_n<T, kRun>(dout + t0, valid, gd);
 #pragma unroll
-      for (int k = 0; k < kW - 1; ++k) xs[k] = prev[kRun - (kW - 1) + k];
-#pragma unroll
-      for (int i = 0; i < kRun; ++i) xs[kW - 1 + i] = main[i];
-#pragma unroll
-      for (int k = 0; k < kW - 1; ++k) xs[kW - 1 + kRun + k] = next[k];
-      float g[kNG];
-#pragma unroll
-      for (int i = 0; i < kNG; ++i) {
-        const int r = i < kRun ? reach[i] : reach_nx[i - kRun];
-        float gv = i < kRun ? gd[i] : gn[i - kRun];   // zero past the end
+      for (int i = 0; i < kRun; ++i) {
+        float gv = gd[i];
         if (p.silu) {
           float acc = bias;
 #pragma unroll
-          for (int k = 0; k < kW; ++k) acc = fmaf(k <= r ? w[kW - 1 - k] : 0.f, xs[i + kW - 1 - k], acc);
+          for (int k = 0; k < kW; ++k) acc = fmaf(k <= reach[i] ? w[kW - 1 - k] : 0.f, xs[i + kW - 1 - k], acc);
           gv *= silu_grad_factor(acc);
         }
         g[i] = gv;
       }
-#pragma unroll
-      for (int i = 0; i < kRun; ++i) {
-        float acc = 0.f;
-#pragma unroll
-        for (int k = 0; k < kW; ++k) {
-          const int r = (i + k < kRun) ? reach[i + k] : reach_nx[i + k - kRun];
-          acc = fmaf(k <= r ? w[kW - 1 - k] : 0.f, g[i + k], acc);
-        }
-        main[i] = acc;   // dx
-        const float gi = i < valid ? g[i] : 0.f;
-#pragma unroll
-        for (int k = 0; k < kW; ++k)
-          dw[c][kW - 1 - k] = fmaf(k <= reach[i] ? gi : 0.f, xs[i + kW - 1 - k], dw[c][kW - 1 - k]);
-        dw[c][kW] += gi;
-      }
-      store_n<T, kRun>(dx + t0, valid, main);
     }
-  }
 #pragma unroll
-  for (int c = 0; c < kChCF; ++c) {
-    if (c >= nch) break;
-    block_reduce_dw<kW>(dw[c], s_red, p.dweight, p.dbias, dbase + c);
+    for (int k = 0; k < kW - 1; ++k) g[kRun + k] = __shfl_down_sync(kFull, g[k], 1);
+    if (lane == 31) {
+      // the W-1 gradients after this run, recomputed: x[t0+kRun-(W-1) ..] are main's tail and the next ones
+#pragma unroll
+      for (int k = 0; k < kW - 1; ++k) {
+        const int t = t0 + kRun + k;
+        float gv = 0.f;
+        if (t < L) {
+          gv = to_f(dout[t]);
+          if (p.silu) {
+            float acc = bias;
+#pragma unroll
+            for (int j = 0; j < kW; ++j) {   // lag j: x[t - j]
+              const int tj = t - j;
+              const float xv = tj < t0 + kRun ? xs[kW - 1 + (tj - t0)] : to_f(x[tj]);
+              acc = fmaf(j <= reach_nx[k] ? w[kW - 1 - j] : 0.f, xv, acc);
+            }
+            gv *= silu_grad_factor(acc);
+          }
+        }
+        g[kRun + k] = gv;
+      }
+    }
+    float dxv[kRun];
+    float dw[kW + 1];
+#pragma unroll
+    for (int k = 0; k <= kW; ++k) dw[k] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < kW; ++k) {
+        const int r = (i + k < kRun) ? reach[i + k] : reach_nx[i + k - kRun];
+        acc = fmaf(k <= r ? w[kW - 1 - k] : 0.f, g[i + k], acc);
+      }
+      dxv[i] = acc;
+      const float gi = i < valid ? g[i] : 0.f;
+#pragma unroll
+      for (int k = 0; k < kW; ++k) dw[kW - 1 - k] = fmaf(k <= reach[i] ? gi : 0.f, xs[i + kW - 1 - k], dw[kW - 1 - k]);
+      dw[kW] += gi;
+    }
+    if (valid > 0) store_n<T, kRun>(dx + t0, valid, dxv);
+    block_reduce_dw<kW>(dw, s_red, p.dweight, p.dbias, d);
   }
+}
+
+// Alternative backward (PACKLOADER_CONV_BWD_KERNEL=walk): one block per (batch row, channel) walking the whole
+// row in 1024-step chunks, dweight accumulated in registers and reduced once; halos are 4-element vectors of
+// the neighbouring runs, loaded with the thread's own (no lane waits on another).
+template <typename T, int kW>
+__global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_walk(const ConvParams p) {
+  static_assert(kW - 1 <= 4, "halo vectors hold 4 elements");
+  __shared__ float s_red[kThreadsCF / 32][kW + 1];
+  const int b = blockIdx.z, d = blockIdx.x;
+  const int L = p.seqlen;
+  const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs;
+  const T *dout = reinterpret_cast<const T *>(p.dout) + b * p.g_bs + d * p.g_cs;
+  T *dx = reinterpret_cast<T *>(p.dx) + b * p.x_bs + d * p.x_cs;
+  const int *pos = p.pos + (int64_t)b * L;
+  float w[kW];
+#pragma unroll
+  for (int k = 0; k < kW; ++k) w[k] = p.weight[d * kW + k];
+  const float bias = p.bias ? p.bias[d] : 0.f;
+  float dw[kW + 1];
+#pragma unroll
+  for (int k = 0; k <= kW; ++k) dw[k] = 0.f;
+#pragma unroll 1
+  for (int tb = 0; tb < L; tb += kSpanCF) {
+    const int t0 = tb + threadIdx.x * kRun;
+    if (t0 >= L) break;
+    const int valid = min(kRun, L - t0);
+    const int valid_nx = max(0, min(4, L - (t0 + kRun)));
+    float main[kRun], gd[kRun], pv[4], nx[4], gn[4];
+    load_n<T, kRun>(x + t0, valid, main);
+    load_n<T, kRun>(dout + t0, valid, gd);
+    if (t0 >= 4) load_n<T, 4>(x + t0 - 4, 4, pv);
+    else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pv[i] = 0.f;
+    }
+    if (valid_nx > 0) {
+      load_n<T, 4>(x + t0 + kRun, valid_nx, nx);
+      load_n<T, 4>(dout + t0 + kRun, valid_nx, gn);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) nx[i] = gn[i] = 0.f;
+    }
+    int reach[kRun], reach_nx[kW - 1];
+    load_reach(pos, t0, L, kW - 1, reach);
+#pragma unroll
+    for (int k = 0; k < kW - 1; ++k) reach_nx[k] = k < valid_nx ? min(pos[t0 + kRun + k], kW - 1) : 0;
+    constexpr int kNX = kRun + 2 * (kW - 1);   // x[t0 - (kW-1) + i]
+    constexpr int kNG = kRun + kW - 1;         // g[t0 + i]
+    float xs[kNX];
+#pragma unroll
+    for (int k = 0; k < kW - 1; ++k) xs[k] = pv[4 - (kW - 1) + k];
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) xs[kW - 1 + i] = main[i];
+#pragma unroll
+    for (int k = 0; k < kW - 1; ++k) xs[kW - 1 + kRun + k] = nx[k];
+    float g[kNG];
+#pragma unroll
+    for (int i = 0; i < kNG; ++i) {
+      const int r = i < kRun ? reach[i] : reach_nx[i - kRun];
+      float gv = i < kRun ? gd[i] : gn[i - kRun];   // zero past the end
+      if (p.silu) {
+        float acc = bias;
+#pragma unroll
+        for (int k = 0; k < kW; ++k) acc = fmaf(k <= r ? w[kW - 1 - k] : 0.f, xs[i + kW - 1 - k], acc);
+        gv *= silu_grad_factor(acc);
+      }
+      g[i] = gv;
+    }
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < kW; ++k) {
+        const int r = (i + k < kRun) ? reach[i + k] : reach_nx[i + k - kRun];
+        acc = fmaf(k <= r ? w[kW - 1 - k] : 0.f, g[i + k], acc);
+      }
+      main[i] = acc;   // dx
+      const float gi = i < valid ? g[i] : 0.f;
+#pragma unroll
+      for (int k = 0; k < kW; ++k) dw[kW - 1 - k] = fmaf(k <= reach[i] ? gi : 0.f, xs[i + kW - 1 - k], dw[kW - 1 - k]);
+      dw[kW] += gi;
+    }
+    store_n<T, kRun>(dx + t0, valid, main);
+  }
+  block_reduce_dw<kW>(dw, s_red, p.dweight, p.dbias, d);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -454,17 +557,16 @@ void launch_w(const ConvParams &p, cudaStream_t st, bool bwd) {
     if (bwd) conv_bwd_cl<T, kW><<<grid, block, 0, st>>>(p);
     else conv_fwd_cl<T, kW><<<grid, block, 0, st>>>(p);
   } else {
-    const int chunks = (p.seqlen + kSpanCF - 1) / kSpanCF;
-    int gy = chunks;
-    if (bwd) {
-      // PACKLOADER_CONV_BWD_CHUNKS=k: each backward block walks k time chunks (benchmark knob; default 1)
-      const char *env = std::getenv("PACKLOADER_CONV_BWD_CHUNKS");
-      const int per = env ? std::max(1, std::atoi(env)) : 1;
-      gy = (chunks + per - 1) / per;
+    dim3 grid((p.dim + kChCF - 1) / kChCF, (p.seqlen + kSpanCF - 1) / kSpanCF, p.batch);
+    // PACKLOADER_CONV_BWD_KERNEL=walk picks the alternative backward (benchmark knob)
+    const char *env = bwd ? std::getenv("PACKLOADER_CONV_BWD_KERNEL") : nullptr;
+    if (env != nullptr && std::string(env) == "walk") {
+      conv_bwd_cf_walk<T, kW><<<dim3(p.dim, 1, p.batch), kThreadsCF, 0, st>>>(p);
+    } else if (bwd) {
+      conv_bwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
+    } else {
+      conv_fwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
     }
-    dim3 grid((p.dim + kChCF - 1) / kChCF, gy, p.batch);
-    if (bwd) conv_bwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
-    else conv_fwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
   }
 }
 
