@@ -179,13 +179,6 @@ def main(argv=None):
         fbt = bench(fb, 3 * args.warmup, args.conv_iters)
         add("causal_conv1d", f"ours {name} (position_ids)", "fwd+bwd", fbt)
         conv[("ours", name)] = (f, fbt)
-        if name == "channel-first":   # the alternative backward: one block per channel walking the row
-            os.environ["PACKLOADER_CONV_BWD_KERNEL"] = "walk"
-            try:
-                add("causal_conv1d", "ours channel-first, bwd=walk", "fwd+bwd",
-                    bench(fb, 3 * args.warmup, args.conv_iters))
-            finally:
-                del os.environ["PACKLOADER_CONV_BWD_KERNEL"]
     try:
         from causal_conv1d import causal_conv1d_fn
 

@@ -20,11 +20,6 @@ python3 -c "from ops import _cuda; _cuda.load(); print('ours built')" 2>&1 | tai
 echo "our build: $(( $(date +%s) - t0 )) s" | tee -a $OUT/run.log
 timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu -q -s -p no:cacheprovider ${GPU_TESTS:-tests/ops/test_cuda_kernels.py} > $OUT/tests.log 2>&1
 echo "gpu tests rc=$?" | tee -a $OUT/run.log; grep -E "passed|failed|^FAILED|^E " $OUT/tests.log | tail -30
-if [ -n "${CONV_WALK_TESTS:-}" ]; then   # the alternative conv backward through the same conv tests
-  echo "===== PACKLOADER_CONV_BWD_KERNEL=walk" >> $OUT/tests.log
-  PACKLOADER_CONV_BWD_KERNEL=walk timeout 60 python3 -m pytest -m gpu -q -s -p no:cacheprovider -k conv tests/ops/test_cuda_kernels.py >> $OUT/tests.log 2>&1
-  echo "conv walk tests rc=$?" | tee -a $OUT/run.log
-fi
 wait $up; echo "upstream: $(tail -3 /tmp/upstream.log)" | tee -a $OUT/run.log
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_ops.py --out $OUT/ops.json --iters 10 2>&1 | tee -a $OUT/run.log | tail -30
 [ -z "${SKIP_STACK:-}" ] && timeout ${STACK_TIMEOUT:-120} python3 benchmarks/bench_mamba_stack.py --out $OUT/mamba_stack.json 2>&1 | tee -a $OUT/run.log | tail -20
