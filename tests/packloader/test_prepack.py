@@ -306,7 +306,8 @@ def overlong_shard(factory, seed, cap, fmt="arrow", name="long"):
     over_rows = sorted(rng.choice(np.arange(1, 50), 4, replace=False).tolist())
     for r in over_rows:
         seqs[r] = rng.integers(0, 1000, int(rng.integers(cap + 1, 3 * cap)), dtype=np.int32)
-    seqs[5 if 5 not in over_rows else 6] = np.zeros(0, np.int32)  # an empty sequence: counted, not placed
+    empty = next(r for r in range(5, 50) if r not in over_rows)
+    seqs[empty] = np.zeros(0, np.int32)  # an empty sequence: counted, not placed
     labels = sft_labels(seqs, seed=seed + 1)
     path = factory.write(fmt, f"{name}.{EXT[fmt]}", seqs, labels)
     return path, seqs, labels, over_rows
