@@ -212,6 +212,7 @@ def main(argv=None):
                     "loader": loader.state_dict(), "step": step}, args.save)
         print(f"saved {args.save} (loader at epoch {loader.epoch}, batch {loader.state_dict()['batches_consumed']})")
     if distributed:
+        dist.barrier()  # no rank tears the process group down while another still talks to it
         dist.destroy_process_group()
     return 0
 
