@@ -41,6 +41,9 @@ import warnings
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _synthetic import synth_lengths, write_arrow_shard  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -87,28 +90,6 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------------------------- data
-
-
-def synth_lengths(rng, n_tokens: int, median: float, sigma: float, max_len: int) -> np.ndarray:
-    """Lognormal document lengths in [1, max_len] summing to about ``n_tokens``."""
-    mean = median * np.exp(sigma**2 / 2)
-    n = max(1, int(n_tokens / mean * 1.1))
-    lens = np.clip(np.exp(rng.normal(np.log(median), sigma, n)), 1, max_len).astype(np.int64)
-    k = int(np.searchsorted(np.cumsum(lens), n_tokens)) + 1
-    return lens[:k]
-
-
-def write_arrow_shard(path, offsets, tokens, labels=None, batch_rows=1000):
-    import pyarrow as pa
-
-    off = pa.array(offsets.astype(np.int32))
-    cols = {"input_ids": pa.ListArray.from_arrays(off, pa.array(tokens))}
-    if labels is not None:
-        cols["labels"] = pa.ListArray.from_arrays(off, pa.array(labels))
-    table = pa.table(cols)
-    with pa.OSFile(path + ".tmp", "wb") as f, pa.ipc.new_file(f, table.schema) as w:
-        w.write_table(table, max_chunksize=batch_rows)
-    os.replace(path + ".tmp", path)
 
 
 def ensure_data(a) -> dict:

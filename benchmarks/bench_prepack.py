@@ -36,6 +36,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _synthetic import synth_lengths, write_arrow_shard  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -79,27 +82,6 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------------------------- data
-
-
-def synth_lengths(rng, n_tokens: int, median: float, sigma: float, max_len: int) -> np.ndarray:
-    """Lognormal document lengths (at least 1, at most ``max_len``) summing to about ``n_tokens``."""
-    mean = median * np.exp(sigma**2 / 2)
-    n = max(1, int(n_tokens / mean * 1.1))
-    lens = np.clip(np.exp(rng.normal(np.log(median), sigma, n)), 1, max_len).astype(np.int64)
-    cum = np.cumsum(lens)
-    k = int(np.searchsorted(cum, n_tokens)) + 1
-    return lens[:k]
-
-
-def write_arrow_shard(path, offsets, tokens, batch_rows):
-    import pyarrow as pa
-
-    arr = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens))
-    table = pa.table({"input_ids": arr})
-    tmp = path + ".tmp"
-    with pa.OSFile(tmp, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
-        w.write_table(table, max_chunksize=batch_rows)
-    os.replace(tmp, path)
 
 
 def write_parquet_shard(path, offsets, tokens, batch_rows):
@@ -146,7 +128,7 @@ def ensure_data(a) -> dict:
             np.cumsum(lens, out=offsets[1:])
             tokens = rng.integers(0, 50_277, int(offsets[-1]), dtype=np.int32)
             if fmt == "arrow":
-                write_arrow_shard(path, offsets, tokens, a.batch_rows)
+                write_arrow_shard(path, offsets, tokens, batch_rows=a.batch_rows)
             elif fmt == "parquet":
                 write_parquet_shard(path, offsets, tokens, a.batch_rows)
             else:
@@ -178,7 +160,7 @@ def warm_up(a, out_root):
     for fmt in a.formats:
         p = os.path.join(d, f"w.{EXT[fmt]}")
         if fmt == "arrow":
-            write_arrow_shard(p, offsets, tokens, a.batch_rows)
+            write_arrow_shard(p, offsets, tokens, batch_rows=a.batch_rows)
         elif fmt == "parquet":
             write_parquet_shard(p, offsets, tokens, a.batch_rows)
         else:
