@@ -18,7 +18,7 @@ import torch
 
 _CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("binding.cpp", "selective_scan.cu", "causal_conv1d.cu")
-_HEADERS = ("ops_common.h", "dtype_utils.cuh")
+_HEADERS = ("ops_common.h", "dtype_utils.cuh", "cp_async.cuh")
 _CHUNK = 64   # must match kScanChunk in csrc/ops_common.h
 _LANES = 16   # must match kScanLanes
 _MAX_DSTATE = 16

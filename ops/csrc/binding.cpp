@@ -100,10 +100,17 @@ static po::ConvParams conv_params(const Tensor &x, const Tensor &weight, const O
   return p;
 }
 
+// scratch for the channel-first kernels' boundary masks: one 16-bit word per run of 8 timesteps
+static Tensor conv_runmask(const Tensor &x) {
+  return at::empty({x.size(0), (int64_t)po::conv_mask_stride((int)x.size(2))}, x.options().dtype(at::kShort));
+}
+
 void conv_fwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor out) {
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(out.strides() == x.strides(), "out must have x's layout");
   po::ConvParams p = conv_params(x, weight, bias, pos, silu);
+  Tensor runmask = conv_runmask(x);
+  p.runmask = reinterpret_cast<uint16_t *>(runmask.data_ptr());
   p.out = out.data_ptr();
   po::conv_fwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -114,6 +121,8 @@ void conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor 
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(dx.strides() == x.strides(), "dx must have x's layout");
   po::ConvParams p = conv_params(x, weight, bias, pos, silu);
+  Tensor runmask = conv_runmask(x);
+  p.runmask = reinterpret_cast<uint16_t *>(runmask.data_ptr());
   p.g_bs = dout.stride(0);
   p.g_cs = dout.stride(1);
   p.g_ls = dout.stride(2);

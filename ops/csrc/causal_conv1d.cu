@@ -14,6 +14,9 @@
 
 #include "ops_common.h"
 #include "dtype_utils.cuh"
+#include "cp_async.cuh"
+#include <cstdlib>
+#include <cstring>
 
 namespace packloader_ops {
 
@@ -259,6 +262,333 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// channel-first, staged in shared memory (rows 16-byte aligned, seqlen a multiple of 16 / sizeof(T))
+//
+// A block owns one (batch row, channel) and a tile of kTile timesteps. It copies the tile, its halos, the tile's
+// boundary masks and the channel's weights to shared memory (bulk copies issued by one thread: a block keeps
+// ~8-16 KB in flight, and nothing else is loaded from global memory afterwards), then each thread computes runs
+// of kRun timesteps from shared memory. Boundaries come from one 16-bit mask per run (conv_runmask_kernel)
+// instead of 8 position ids per run and channel.
+//
+//   runmask bit i of run r  <=>  token 8r - 4 + i starts a sequence (position_ids == 0, or t == 0) or lies
+//                                 outside the row
+//   tap k of token t (lag k, weight[:, W-1-k]) is used iff none of tokens t-k+1 .. t starts a sequence
+//
+//   row:      | a0 a1 a2 | b0 b1 b2 b3 b4 | c0 ...        position_ids 0 1 2 0 1 2 3 4 0 ...
+//   b1 sees b0 (lag 1) but not a2 (lag 2: token b0 in between starts a sequence)
+//
+// A warp whose 32 runs hold no start takes code without any mask (the boundary test is warp-uniform); the others
+// skip a dropped tap's multiply-add under a predicate.
+
+constexpr int kHaloT = 8;   // halo timesteps staged on each side (one run; >= W-1, 16-byte multiples for all types)
+
+__global__ void conv_runmask_kernel(const int *pos, uint16_t *mask, int L, int nruns, int stride, int total) {
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const int b = idx / nruns, r = idx - b * nruns;
+  const int *row = pos + (int64_t)b * L;
+  unsigned m = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int t = r * kRun - 4 + i;
+    const bool start = t <= 0 || t >= L || row[t] == 0;
+    m |= static_cast<unsigned>(start) << i;
+  }
+  mask[(int64_t)b * stride + r] = static_cast<uint16_t>(m);
+}
+
+// relevant bits of a run's mask: tokens t0 - 2 .. t0 + 7 (taps of its own tokens reach back 3 steps)
+constexpr unsigned kRunBits = 0x0ffcu;
+
+// Dropped taps of one run: bit j of blk_k is set when tap k of the token at mask bit j (token t0 - 4 + j) is dropped,
+// i.e. a sequence starts within tokens j-k+1 .. j. Without kMasked every tap is kept (compile-time).
+template <bool kMasked>
+struct RunTaps {
+  unsigned blk1 = 0u, blk2 = 0u, blk3 = 0u;
+  __device__ __forceinline__ explicit RunTaps(unsigned m) {
+    if constexpr (kMasked) {
+      blk1 = m;
+      blk2 = m | (m << 1);
+      blk3 = blk2 | (m << 2);
+    }
+  }
+  template <int k>
+  __device__ __forceinline__ bool ok(int i) const {   // tap k of token t0 + i
+    if constexpr (!kMasked || k == 0) return true;
+    else return (((k == 1 ? blk1 : k == 2 ? blk2 : blk3) >> (i + 4)) & 1u) == 0u;
+  }
+};
+
+// N consecutive elements of shared memory (N * sizeof(T) a multiple of 8 bytes and aligned to it) as floats
+template <typename T, int N>
+__device__ __forceinline__ void lds_n(const T *ptr, float (&v)[N]) {
+  constexpr int kBytes = N * sizeof(T);
+  static_assert(kBytes % 8 == 0, "8-byte multiples");
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int q = 0; q < kBytes / 16; ++q) {
+      const uint4 raw = reinterpret_cast<const uint4 *>(ptr)[q];
+      const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+      for (int k = 0; k < 16 / (int)sizeof(T); ++k) v[q * (16 / sizeof(T)) + k] = to_f(e[k]);
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < kBytes / 8; ++q) {
+      const uint2 raw = reinterpret_cast<const uint2 *>(ptr)[q];
+      const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+      for (int k = 0; k < 8 / (int)sizeof(T); ++k) v[q * (8 / sizeof(T)) + k] = to_f(e[k]);
+    }
+  }
+}
+
+// x[t0 - 4 .. t0 + kRun) of a run from shared memory (sx points at x[t0])
+template <typename T>
+__device__ __forceinline__ void lds_window(const T *sx, float (&xs)[4 + kRun]) {
+  float pv[4], mn[kRun];
+  lds_n<T, 4>(sx - 4, pv);
+  lds_n<T, kRun>(sx, mn);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) xs[i] = pv[i];
+#pragma unroll
+  for (int i = 0; i < kRun; ++i) xs[4 + i] = mn[i];
+}
+
+// a run's kRun outputs to global memory (16-byte aligned there): vector stores when the run is whole
+template <typename T>
+__device__ __forceinline__ void stg_run(T *ptr, int valid, const float (&v)[kRun]) {
+  if (valid >= kRun) {
+    constexpr int kE = 16 / sizeof(T);
+#pragma unroll
+    for (int q = 0; q < kRun / kE; ++q) {
+      uint4 raw;
+      T *e = reinterpret_cast<T *>(&raw);
+#pragma unroll
+      for (int k = 0; k < kE; ++k) e[k] = from_f<T>(v[q * kE + k]);
+      reinterpret_cast<uint4 *>(ptr)[q] = raw;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kRun; ++k)
+      if (k < valid) ptr[k] = from_f<T>(v[k]);
+  }
+}
+
+// Shared memory of a channel-first block and the copies that fill it: x[tile0 - 8, tile0 + kTile (+ 8 backward)),
+// (backward) dout[tile0, tile0 + kTile + 8), the tile's run masks (one run more), the channel's weights and bias.
+// One thread issues a bulk copy per range (clipped to the row); the parts outside the row are zeroed by the block.
+template <typename T, int kW, int kRpt, bool kBwd>
+struct CfStage {
+  static constexpr int kTile = kThreadsCF * kRun * kRpt;
+  static constexpr int kE = 16 / sizeof(T);
+  static constexpr int kNX = kHaloT + kTile + (kBwd ? kHaloT : 0);
+  static constexpr int kNG = kBwd ? kTile + kHaloT : 0;
+  static constexpr int kNM = kRpt * kThreadsCF + 8;
+  alignas(16) T x[kNX];
+  alignas(16) T g[kNG > 0 ? kNG : 1];
+  alignas(16) uint16_t mask[kNM];
+  float w[kW + 1];   // weights, then bias
+  uint64_t bar;
+
+  // dst[from, to) = 0 (element indices, multiples of kE)
+  __device__ __forceinline__ static void zero(T *dst, int from, int to) {
+    for (int v = from / kE + threadIdx.x; v < to / kE; v += kThreadsCF)
+      reinterpret_cast<uint4 *>(dst)[v] = make_uint4(0u, 0u, 0u, 0u);
+  }
+
+  // Starts the copies; wait() before reading anything.
+  __device__ __forceinline__ void issue(const ConvParams &p, int b, int d, int tile0) {
+    const int L = p.seqlen;
+    const int x0 = tile0 - kHaloT;                         // timestep of x[0]
+    const int x_lo = max(x0, 0), x_hi = min(x0 + kNX, L);
+    zero(x, 0, x_lo - x0);
+    zero(x, x_hi - x0, kNX);
+    const int g_hi = kBwd ? min(tile0 + kNG, L) : tile0;
+    if constexpr (kBwd) zero(g, g_hi - tile0, kNG);
+    const int stride = conv_mask_stride(L);
+    const int r0 = tile0 / kRun, r_hi = min(r0 + kNM, stride);
+    if (threadIdx.x == 0) {
+      mbar_init(&bar, 1);
+      const unsigned bytes_x = (x_hi - x_lo) * sizeof(T), bytes_g = (g_hi - tile0) * sizeof(T),
+                     bytes_m = (r_hi - r0) * sizeof(uint16_t);
+      mbar_expect_tx(&bar, bytes_x + bytes_g + bytes_m);
+      bulk_g2s(x + (x_lo - x0), reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs + x_lo, bytes_x, &bar);
+      if (kBwd) bulk_g2s(g, reinterpret_cast<const T *>(p.dout) + b * p.g_bs + d * p.g_cs + tile0, bytes_g, &bar);
+      bulk_g2s(mask, p.runmask + (int64_t)b * stride + r0, bytes_m, &bar);
+    } else if (threadIdx.x >= 32 && threadIdx.x <= 32 + kW) {   // another warp: weights, bias
+      const int k = threadIdx.x - 32;
+      w[k] = k < kW ? p.weight[d * kW + k] : (p.bias ? p.bias[d] : 0.f);
+    }
+    __syncthreads();   // barrier initialised, zeros and weights written
+  }
+  __device__ __forceinline__ void wait() { mbar_wait(&bar, 0); }
+};
+
+template <int kW, bool kMasked>
+__device__ __forceinline__ float conv_pre(const float (&w)[kW], float bias, const float (&xs)[4 + kRun], int i,
+                                          const RunTaps<kMasked> &taps) {
+  // a dropped tap is skipped, not multiplied by zero (an inf or NaN in the sequence before must not leak)
+  float acc = fmaf(w[kW - 1], xs[4 + i], bias);
+  if constexpr (kW > 1) if (taps.template ok<1>(i)) acc = fmaf(w[kW - 2], xs[3 + i], acc);
+  if constexpr (kW > 2) if (taps.template ok<2>(i)) acc = fmaf(w[kW - 3], xs[2 + i], acc);
+  if constexpr (kW > 3) if (taps.template ok<3>(i)) acc = fmaf(w[kW - 4], xs[1 + i], acc);
+  return acc;
+}
+
+template <typename T, int kW, bool kMasked>
+__device__ __forceinline__ void conv_fwd_run(const float (&w)[kW], float bias, bool silu, unsigned m, const T *sx,
+                                             float (&o)[kRun]) {
+  float xs[4 + kRun];
+  lds_window<T>(sx, xs);
+  const RunTaps<kMasked> taps(m);
+#pragma unroll
+  for (int i = 0; i < kRun; ++i) {
+    const float acc = conv_pre<kW>(w, bias, xs, i, taps);
+    o[i] = silu ? acc * sigmoidf_(acc) : acc;
+  }
+}
+
+template <typename T, int kW, int kRpt>
+__global__ void __launch_bounds__(kThreadsCF) conv_fwd_cf_tile(const ConvParams p) {
+  using Stage = CfStage<T, kW, kRpt, false>;
+  __shared__ Stage s;
+  const int b = blockIdx.z, d = blockIdx.x, L = p.seqlen;
+  const int tile0 = blockIdx.y * Stage::kTile;
+  s.issue(p, b, d, tile0);
+  T *out = reinterpret_cast<T *>(p.out) + b * p.x_bs + d * p.x_cs;
+  s.wait();
+  float w[kW];
+#pragma unroll
+  for (int k = 0; k < kW; ++k) w[k] = s.w[k];
+  const float bias = s.w[kW];
+#pragma unroll
+  for (int j = 0; j < kRpt; ++j) {
+    const int r = j * kThreadsCF + threadIdx.x;
+    const int t0 = tile0 + r * kRun;
+    const unsigned m = t0 < L ? s.mask[r] : 0u;
+    const bool plain = !p.cf_always_masked && __all_sync(kFull, (m & kRunBits) == 0u);
+    if (t0 >= L) continue;
+    float o[kRun];
+    if (plain) conv_fwd_run<T, kW, false>(w, bias, p.silu, m, s.x + kHaloT + r * kRun, o);
+    else conv_fwd_run<T, kW, true>(w, bias, p.silu, m, s.x + kHaloT + r * kRun, o);
+    stg_run<T>(out + t0, L - t0, o);
+  }
+}
+
+// Backward of one run (or of the first kTok tokens of a run): g = dout * silu'(pre), then (kept taps only)
+//   dweight[W-1-k] += g[i] x[i-k]
+//   dx[i] = sum_k w[W-1-k] g[i+k]                  (the part with i + k inside this run)
+//   c[e-1] = sum_{k>=e} w[W-1-k] g[k-e]            (what this run adds to dx[kRun - e] of the run before it)
+template <int kW, bool kMasked, int kTok>
+__device__ __forceinline__ void conv_bwd_run(const float (&w)[kW], float bias, bool silu, unsigned m,
+                                             const float (&xs)[4 + kRun], const float (&gd)[kRun],
+                                             float (&dw)[kW + 1], float (&dx)[kRun], float (&c)[3]) {
+  const RunTaps<kMasked> taps(m);
+  float g[kTok];
+#pragma unroll
+  for (int i = 0; i < kTok; ++i) {
+    float gv = gd[i];
+    if (silu) gv *= silu_grad_factor(conv_pre<kW>(w, bias, xs, i, taps));
+    g[i] = gv;
+    dw[kW - 1] = fmaf(gv, xs[4 + i], dw[kW - 1]);
+    if constexpr (kW > 1) if (taps.template ok<1>(i)) dw[kW - 2] = fmaf(gv, xs[3 + i], dw[kW - 2]);
+    if constexpr (kW > 2) if (taps.template ok<2>(i)) dw[kW - 3] = fmaf(gv, xs[2 + i], dw[kW - 3]);
+    if constexpr (kW > 3) if (taps.template ok<3>(i)) dw[kW - 4] = fmaf(gv, xs[1 + i], dw[kW - 4]);
+    dw[kW] += gv;
+  }
+  if constexpr (kTok == kRun) {
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) {
+      float acc = w[kW - 1] * g[i];
+      if constexpr (kW > 1) if (i + 1 < kRun && taps.template ok<1>(i + 1)) acc = fmaf(w[kW - 2], g[i + 1], acc);
+      if constexpr (kW > 2) if (i + 2 < kRun && taps.template ok<2>(i + 2)) acc = fmaf(w[kW - 3], g[i + 2], acc);
+      if constexpr (kW > 3) if (i + 3 < kRun && taps.template ok<3>(i + 3)) acc = fmaf(w[kW - 4], g[i + 3], acc);
+      dx[i] = acc;
+    }
+  }
+  // c[0] -> dx[kRun-1]: taps 1, 2, 3 of tokens 0, 1, 2; c[1] -> dx[kRun-2]: taps 2, 3 of tokens 0, 1; c[2]: tap 3 of 0
+  c[0] = c[1] = c[2] = 0.f;
+  if constexpr (kW > 1) if (taps.template ok<1>(0)) c[0] = w[kW - 2] * g[0];
+  if constexpr (kW > 2) {
+    if (taps.template ok<2>(1)) c[0] = fmaf(w[kW - 3], g[1], c[0]);
+    if (taps.template ok<2>(0)) c[1] = w[kW - 3] * g[0];
+  }
+  if constexpr (kW > 3) {
+    if (taps.template ok<3>(2)) c[0] = fmaf(w[kW - 4], g[2], c[0]);
+    if (taps.template ok<3>(1)) c[1] = fmaf(w[kW - 4], g[1], c[1]);
+    if (taps.template ok<3>(0)) c[2] = w[kW - 4] * g[0];
+  }
+}
+
+// Backward: phase 1 computes each run's g, dweight and the dx terms inside the run, and leaves in shared memory
+// (over the run's own, already read, dout slot) what the run adds to the dx of the run before it; phase 2 adds
+// those and stores dx. The first run after the tile is done by thread 0 for its first W-1 tokens.
+template <typename T, int kW, int kRpt>
+__global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_tile(const ConvParams p) {
+  static_assert(kW <= 4, "taps reach at most 3 timesteps back");
+  static_assert(3 * sizeof(float) <= kRun * sizeof(T), "a run's dout slot holds its 3 contributions");
+  using Stage = CfStage<T, kW, kRpt, true>;
+  constexpr int kTile = Stage::kTile;
+  __shared__ Stage s;
+  __shared__ float s_red[kThreadsCF / 32][kW + 1];
+  const int b = blockIdx.z, d = blockIdx.x, L = p.seqlen;
+  const int tile0 = blockIdx.y * kTile;
+  s.issue(p, b, d, tile0);
+  T *dx = reinterpret_cast<T *>(p.dx) + b * p.x_bs + d * p.x_cs;
+  float dw[kW + 1];
+#pragma unroll
+  for (int k = 0; k <= kW; ++k) dw[k] = 0.f;
+  float dxr[kRpt][kRun];
+  s.wait();
+  float w[kW];
+#pragma unroll
+  for (int k = 0; k < kW; ++k) w[k] = s.w[k];
+  const float bias = s.w[kW];
+#pragma unroll
+  for (int j = 0; j < kRpt; ++j) {
+    const int r = j * kThreadsCF + threadIdx.x;
+    const int t0 = tile0 + r * kRun;
+    const unsigned m = t0 < L ? s.mask[r] : 0u;
+    const bool plain = !p.cf_always_masked && __all_sync(kFull, (m & kRunBits) == 0u);
+    float c[3] = {0.f, 0.f, 0.f};
+    if (t0 < L) {
+      float xs[4 + kRun], gd[kRun];
+      lds_window<T>(s.x + kHaloT + r * kRun, xs);
+      lds_n<T, kRun>(s.g + r * kRun, gd);
+      if (plain) conv_bwd_run<kW, false, kRun>(w, bias, p.silu, m, xs, gd, dw, dxr[j], c);
+      else conv_bwd_run<kW, true, kRun>(w, bias, p.silu, m, xs, gd, dw, dxr[j], c);
+    }
+    float *slot = reinterpret_cast<float *>(s.g + r * kRun);
+    slot[0] = c[0]; slot[1] = c[1]; slot[2] = c[2];
+  }
+  if (threadIdx.x == 0) {
+    // the first W-1 tokens of the next tile's first run (dout staged in the halo slot), for the tile's last run
+    float c[3] = {0.f, 0.f, 0.f};
+    if (tile0 + kTile < L) {
+      float xs[4 + kRun], gd[kRun], dw_unused[kW + 1] = {}, dx_unused[kRun];
+      lds_window<T>(s.x + kHaloT + kTile, xs);
+      lds_n<T, kRun>(s.g + kTile, gd);
+      conv_bwd_run<kW, true, 3>(w, bias, p.silu, s.mask[kTile / kRun], xs, gd, dw_unused, dx_unused, c);
+    }
+    float *slot = reinterpret_cast<float *>(s.g + kTile);
+    slot[0] = c[0]; slot[1] = c[1]; slot[2] = c[2];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kRpt; ++j) {
+    const int r = j * kThreadsCF + threadIdx.x;
+    const int t0 = tile0 + r * kRun;
+    if (t0 >= L) break;
+    const float *slot = reinterpret_cast<const float *>(s.g + (r + 1) * kRun);
+#pragma unroll
+    for (int e = 1; e < kW; ++e) dxr[j][kRun - e] += slot[e - 1];
+    stg_run<T>(dx + t0, L - t0, dxr[j]);
+  }
+  block_reduce_dw<kW>(dw, s_red, p.dweight, p.dbias, d);
+}
+
+// ------------------------------------------------------------------------------------------------------------
 // channel-last
 
 constexpr int kBXCL = 32, kBYCL = 4;   // 32 threads over channels x 4 over time
@@ -436,6 +766,30 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
 // ------------------------------------------------------------------------------------------------------------
 // launch
 
+// Runs per thread of the staged channel-first kernels (0: the register kernels above). They need every row
+// 16-byte aligned and seqlen a multiple of 16 / sizeof(T) (whole 16-byte copies). The tile is the smallest of
+// 1024 / 2048 / 4096 steps that covers the row (measured on the H200 at L=4096: the 4096-step tile is fastest,
+// its block keeps 16 KB in flight). PACKLOADER_CONV_CF picks a variant for benchmarks: "regs" (the register
+// kernels), "tile1" / "tile2" / "tile4", or "tile4m" (every warp through the masked code).
+int cf_tile_runs(const ConvParams &p, int elt, bool bwd, bool *always_masked) {
+  auto al = [](const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  bool ok = p.runmask != nullptr && p.x_ls == 1 && (p.seqlen * elt) % 16 == 0 && (p.x_bs * elt) % 16 == 0 &&
+            (p.x_cs * elt) % 16 == 0 && al(p.x);
+  if (bwd) ok = ok && p.g_ls == 1 && (p.g_bs * elt) % 16 == 0 && (p.g_cs * elt) % 16 == 0 && al(p.dout) && al(p.dx);
+  else ok = ok && al(p.out);
+  *always_masked = false;
+  if (!ok) return 0;
+  int rpt = p.seqlen <= kSpanCF ? 1 : p.seqlen <= 2 * kSpanCF ? 2 : 4;
+  if (const char *env = std::getenv("PACKLOADER_CONV_CF")) {
+    if (!std::strcmp(env, "regs")) rpt = 0;
+    else if (!std::strcmp(env, "tile1")) rpt = 1;
+    else if (!std::strcmp(env, "tile2")) rpt = 2;
+    else if (!std::strcmp(env, "tile4")) rpt = 4;
+    else if (!std::strcmp(env, "tile4m")) { rpt = 4; *always_masked = true; }
+  }
+  return rpt;
+}
+
 template <typename T, int kW>
 void launch_w(const ConvParams &p, cudaStream_t st, bool bwd) {
   if (p.channel_last) {
@@ -444,6 +798,23 @@ void launch_w(const ConvParams &p, cudaStream_t st, bool bwd) {
     dim3 block(kBXCL, kBYCL);
     if (bwd) conv_bwd_cl<T, kW><<<grid, block, 0, st>>>(p);
     else conv_fwd_cl<T, kW><<<grid, block, 0, st>>>(p);
+  } else if (bool masked; const int rpt = cf_tile_runs(p, sizeof(T), bwd, &masked)) {
+    ConvParams q = p;
+    q.cf_always_masked = masked;
+    const int nruns = (q.seqlen + kRun - 1) / kRun, total = q.batch * nruns;
+    conv_runmask_kernel<<<(total + 255) / 256, 256, 0, st>>>(q.pos, q.runmask, q.seqlen, nruns,
+                                                             conv_mask_stride(q.seqlen), total);
+    const int tile = kThreadsCF * kRun * rpt;
+    const dim3 grid(q.dim, (q.seqlen + tile - 1) / tile, q.batch);
+    if (bwd) {
+      if (rpt == 1) conv_bwd_cf_tile<T, kW, 1><<<grid, kThreadsCF, 0, st>>>(q);
+      else if (rpt == 2) conv_bwd_cf_tile<T, kW, 2><<<grid, kThreadsCF, 0, st>>>(q);
+      else conv_bwd_cf_tile<T, kW, 4><<<grid, kThreadsCF, 0, st>>>(q);
+    } else {
+      if (rpt == 1) conv_fwd_cf_tile<T, kW, 1><<<grid, kThreadsCF, 0, st>>>(q);
+      else if (rpt == 2) conv_fwd_cf_tile<T, kW, 2><<<grid, kThreadsCF, 0, st>>>(q);
+      else conv_fwd_cf_tile<T, kW, 4><<<grid, kThreadsCF, 0, st>>>(q);
+    }
   } else {
     if (bwd) {
       conv_bwd_cf<T, kW><<<dim3(p.dim, 1, p.batch), kThreadsCF, 0, st>>>(p);

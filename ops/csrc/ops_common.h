@@ -44,11 +44,20 @@ struct ConvParams {
   const void *x;
   const float *weight, *bias;   // bias may be null
   const int *pos;
+  uint16_t *runmask;            // scratch of (batch, conv_mask_stride(seqlen)) for the channel-first kernels
+  bool cf_always_masked;        // benchmarks: no warp takes the boundary-free path
   void *out;
   const void *dout;
   void *dx;
   float *dweight, *dbias;       // fp32 accumulators, zero-initialised by the caller
 };
+
+// Row stride (in 16-bit words) of the channel-first kernels' boundary masks: one word per run of 8 timesteps,
+// padded to 16 bytes so a tile's words are copied with 16-byte cp.async.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline int conv_mask_stride(int seqlen) { return ((seqlen + 7) / 8 + 7) / 8 * 8; }
 
 void conv_fwd_launch(const ConvParams &p, cudaStream_t stream);
 void conv_bwd_launch(const ConvParams &p, cudaStream_t stream);

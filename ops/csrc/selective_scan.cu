@@ -16,6 +16,7 @@
 
 #include "ops_common.h"
 #include "dtype_utils.cuh"
+#include "cp_async.cuh"
 
 namespace packloader_ops {
 
@@ -70,15 +71,8 @@ __device__ __forceinline__ void reduce_scatter16(float (&v)[16], int lane16) {
 
 __device__ __forceinline__ float softplus_(float x) { return x <= 20.f ? log1pf(__expf(x)) : x; }
 
-// ---- raw staging: the next chunk's inputs are copied into shared memory with cp.async (4-byte units, zero-filled
-// past the end) while the current chunk computes; a conversion pass then turns them into the fp32 arrays.
-__device__ __forceinline__ void cp_async4(void *dst, const void *src, int src_bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
+// ---- raw staging: the next chunk's inputs are copied into shared memory with cp.async (cp_async.cuh; 4-byte units,
+// zero-filled past the end) while the current chunk computes; a conversion pass then turns them into the fp32 arrays.
 template <typename in_t, typename w_t, int kNIn>
 struct RawChunk {
   in_t in[kNIn][kDB][kChunk];   // forward: u, delta, z; backward: u, delta, z, dout

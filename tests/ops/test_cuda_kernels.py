@@ -322,6 +322,17 @@ def test_conv_vs_float64(cuda_ops, dtype, channel_last, width, seqlen):
     check_conv(cuda_ops, 3, 40, seqlen, width, dtype, ("mixed", "tiny", "padded"), channel_last=channel_last)
 
 
+@pytest.mark.parametrize("variant", ["regs", "tile1", "tile2", "tile4", "tile4m"])
+@pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 5000), (torch.float32, 4100), (torch.float16, 1032)])
+def test_conv_channel_first_kernels(cuda_ops, monkeypatch, variant, dtype, seqlen):
+    # the register kernels and the shared-memory ones (1024 / 2048 / 4096 steps a block), chosen by
+    # PACKLOADER_CONV_CF; seqlens give several tiles, a partial last tile and (fp32 4100) a partial last run.
+    # The per-sequence runs inside check_conv use odd lengths, i.e. the register kernels: the two agree.
+    monkeypatch.setenv("PACKLOADER_CONV_CF", variant)
+    for width in (2, 4):
+        check_conv(cuda_ops, 2, 24, seqlen, width, dtype, ("mixed", "tiny", "padded", "one"), channel_last=False)
+
+
 @pytest.mark.parametrize("channel_last", [False, True])
 def test_conv_variants(cuda_ops, channel_last):
     check_conv(cuda_ops, 2, 64, 1024, 4, torch.float32, ("one", "mixed"), channel_last=channel_last,
