@@ -39,6 +39,11 @@ def bench(fn, warmup=5, iters=20):
     return statistics.median(times)
 
 
+def bench_reps(fn, reps, warmup=5, iters=20):
+    """Median time of one call, timing `reps` calls issued back to back per sample."""
+    return bench(lambda: [fn() for _ in range(reps)], warmup, iters) / reps
+
+
 def packed_position_ids(batch, seqlen, lo=10, hi=20, seed=0):
     rng = random.Random(seed)
     rows = []
@@ -62,6 +67,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--conv-iters", type=int, default=100, help="conv calls are ~0.2-1 ms: more runs per median")
+    ap.add_argument("--conv-reps", type=int, default=10,
+                    help="conv calls per timed sample, back to back (the GPU never waits for Python, as in "
+                         "training); the sample is divided by this")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -169,16 +177,26 @@ def main(argv=None):
     g_cl = g_cf.transpose(1, 2).contiguous().transpose(1, 2)
     conv = {}
     for name, x, g in (("channel-first", x_cf, g_cf), ("channel-last", x_cl, g_cl)):
-        f = bench(lambda: _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu"), 3 * args.warmup, args.conv_iters)
+        f = bench_reps(lambda: _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu"), args.conv_reps, args.warmup, args.conv_iters)
         add("causal_conv1d", f"ours {name} (position_ids)", "fwd", f)
 
         def fb():
             _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu")
             _cuda.causal_conv1d_bwd(x, w, cb, g, pos, "silu")
 
-        fbt = bench(fb, 3 * args.warmup, args.conv_iters)
+        fbt = bench_reps(fb, args.conv_reps, args.warmup, args.conv_iters)
         add("causal_conv1d", f"ours {name} (position_ids)", "fwd+bwd", fbt)
         conv[("ours", name)] = (f, fbt)
+        if name == "channel-first":   # the register kernels the staged ones replaced (PACKLOADER_CONV_CF=regs)
+            os.environ["PACKLOADER_CONV_CF"] = "regs"
+            try:
+                add("causal_conv1d", "ours channel-first, register kernels", "fwd",
+                    bench_reps(lambda: _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu"), args.conv_reps, args.warmup,
+                               args.conv_iters))
+                add("causal_conv1d", "ours channel-first, register kernels", "fwd+bwd",
+                    bench_reps(fb, args.conv_reps, args.warmup, args.conv_iters))
+            finally:
+                del os.environ["PACKLOADER_CONV_CF"]
     try:
         from causal_conv1d import causal_conv1d_fn
 
@@ -186,7 +204,8 @@ def main(argv=None):
                                ("channel-last", x_cl, g_cl, seq_idx)):
             label = f"causal-conv1d {name} " + ("seq_idx" if si is not None else "(no bnd)")
             with torch.no_grad():
-                f = bench(lambda: causal_conv1d_fn(x, w, cb, seq_idx=si, activation="silu"), 3 * args.warmup, args.conv_iters)
+                f = bench_reps(lambda: causal_conv1d_fn(x, w, cb, seq_idx=si, activation="silu"), args.conv_reps,
+                               args.warmup, args.conv_iters)
             add("causal_conv1d", label, "fwd", f)
             xl = x.detach().clone().requires_grad_(True) if si is None else \
                 x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
@@ -198,7 +217,7 @@ def main(argv=None):
                 y = causal_conv1d_fn(xl, wl, bl, seq_idx=si, activation="silu")
                 y.backward(g)
 
-            fbt = bench(ufb, 3 * args.warmup, args.conv_iters)
+            fbt = bench_reps(ufb, args.conv_reps, args.warmup, args.conv_iters)
             add("causal_conv1d", label, "fwd+bwd", fbt)
             conv[("up" + ("_seq" if si is not None else ""), name)] = (f, fbt)
     except Exception as e:  # noqa: BLE001
@@ -223,7 +242,8 @@ def main(argv=None):
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "shapes": {"batch": Bz, "dim": D, "seqlen": L, "dstate": N, "width": W, "dtype": "bf16",
                    "sequences_per_row": [int((pos[b] == 0).sum()) for b in range(Bz)]},
-        "method": f"median of {args.iters} runs (conv: {args.conv_iters}) after warm-up runs, CUDA events",
+        "method": f"median of {args.iters} runs (conv: {args.conv_iters} samples of {args.conv_reps} calls issued "
+                  f"back to back, divided by {args.conv_reps}) after warm-up runs, CUDA events",
         "rows": rows, "summary": summary,
     }
     if args.out:

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from benchmarks.bench_ops import bench, packed_position_ids  # noqa: E402
 
-VARIANTS = ("regs", "tile1", "tile2", "tile4", "tile4m")
+VARIANTS = ("regs", "vec1", "vec2", "vec4", "vecm")
 
 
 def main(argv=None):

@@ -5,7 +5,7 @@ set -u
 out=${1:-/tmp/prof}; mkdir -p $out
 sec="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats"
 # every PACKLOADER_CONV_CF variant, then causal-conv1d
-timeout 150 ncu --clock-control none $sec -k regex:"conv_bwd_cf_tile|conv_fwd_cf_tile|causal" \
+timeout 150 ncu --clock-control none $sec -k regex:"cf_vec|causal" \
   python3 benchmarks/gpu/conv_variants.py --once > $out/ncu_conv.txt 2>&1
 [ -n "${PROFILE_SCAN:-}" ] && timeout 200 ncu --clock-control none $sec -k regex:'scan|selective' \
   python3 benchmarks/gpu/scan_once.py > $out/ncu_scan.txt 2>&1

@@ -1,12 +1,14 @@
 // Packed causal depthwise conv1d, forward and backward. Lag-k tap (weight[:, W-1-k] times x[t-k]) is used at
 // time t only where position_ids[t] >= k, so no tap reaches into the previous sequence of a packed row.
 //
-// Channel-first (x contiguous, (batch, dim, seqlen)): each thread owns a run of kRun = 8 consecutive timesteps
-// (one 16-byte load for bf16/fp16) and 128 threads cover 1024 timesteps.  position_ids become "reach" (how
-// many earlier taps lie in the same sequence, min(pos, W-1)) in registers.  The forward block walks kChCF
-// channels with one read of position_ids; the backward block owns one channel and walks the whole row,
-// reducing dweight once.  The W-1 inputs before a run (and, in the backward, the W-1 inputs and gradients
-// after it) come from the neighbouring runs' vectors, loaded by the thread itself together with its own.
+// Channel-first (x contiguous, (batch, dim, seqlen)): each thread owns runs of kRun = 8 consecutive timesteps
+// (one 16-byte load for bf16/fp16) and 128 threads cover 1024 timesteps. Rows that are 16-byte aligned (the
+// usual case) go to the vector kernels, which read boundaries as one mask word per run (see "channel-first,
+// vector kernels"); the others to the register kernels, which turn position_ids into "reach" (how many earlier
+// taps lie in the same sequence, min(pos, W-1)) in registers. There the forward block walks kChCF channels with
+// one read of position_ids and the backward block owns one channel and walks the whole row. The W-1 inputs before
+// a run (and, in the backward, the W-1 inputs and gradients after it) come from the neighbouring runs' vectors,
+// loaded by the thread itself together with its own.
 // Channel-last (x is (batch, seqlen, dim) memory): each thread owns consecutive channels (one vector load per
 // timestep) and a run of timesteps, sliding a window of the last W inputs (forward) or the last W gradients
 // (backward) through registers; position_ids[t] is one broadcast load per timestep.
@@ -14,9 +16,9 @@
 
 #include "ops_common.h"
 #include "dtype_utils.cuh"
-#include "cp_async.cuh"
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace packloader_ops {
 
@@ -262,13 +264,14 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// channel-first, staged in shared memory (rows 16-byte aligned, seqlen a multiple of 16 / sizeof(T))
+// channel-first, vector kernels (rows 16-byte aligned, seqlen a multiple of 16 / sizeof(T))
 //
-// A block owns one (batch row, channel) and a tile of kTile timesteps. It copies the tile, its halos, the tile's
-// boundary masks and the channel's weights to shared memory (bulk copies issued by one thread: a block keeps
-// ~8-16 KB in flight, and nothing else is loaded from global memory afterwards), then each thread computes runs
-// of kRun timesteps from shared memory. Boundaries come from one 16-bit mask per run (conv_runmask_kernel)
-// instead of 8 position ids per run and channel.
+// A block owns one (batch row, channel) and a tile of kRpt * 1024 timesteps; each thread owns kRpt runs of
+// kRun = 8 timesteps (runs j * 128 + thread, so a warp's runs are 256 consecutive timesteps) and loads every
+// vector it needs (its runs' x, the 4 steps before each run, dout in the backward) straight into registers before
+// using any, so a thread keeps kRpt 16-byte loads in flight; the 4-step halo is the previous run's tail, an L1 hit.
+// Boundaries come from one 16-bit mask per run (conv_runmask_kernel, once per call) instead of 8 position ids
+// per run and channel.
 //
 //   runmask bit i of run r  <=>  token 8r - 4 + i starts a sequence (position_ids == 0, or t == 0) or lies
 //                                 outside the row
@@ -279,8 +282,11 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
 //
 // A warp whose 32 runs hold no start takes code without any mask (the boundary test is warp-uniform); the others
 // skip a dropped tap's multiply-add under a predicate.
-
-constexpr int kHaloT = 8;   // halo timesteps staged on each side (one run; >= W-1, 16-byte multiples for all types)
+//
+// Measured on the H200 (B=8, D=4096, L=4096, bf16, 12-18 sequences a row; benchmarks/gpu/conv_variants.py): the
+// register kernels above 0.178 + 0.463 ms (fwd + bwd); kernels that staged each tile in shared memory (cp.async,
+// then bulk copies: 0.166 + 0.300 ms; a persistent, double-buffered form was slower still) lost to these,
+// 0.141 + 0.273 ms, against causal-conv1d's 0.140 + 0.257 ms without boundaries.
 
 __global__ void conv_runmask_kernel(const int *pos, uint16_t *mask, int L, int nruns, int stride, int total) {
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
@@ -319,42 +325,6 @@ struct RunTaps {
   }
 };
 
-// N consecutive elements of shared memory (N * sizeof(T) a multiple of 8 bytes and aligned to it) as floats
-template <typename T, int N>
-__device__ __forceinline__ void lds_n(const T *ptr, float (&v)[N]) {
-  constexpr int kBytes = N * sizeof(T);
-  static_assert(kBytes % 8 == 0, "8-byte multiples");
-  if constexpr (kBytes % 16 == 0) {
-#pragma unroll
-    for (int q = 0; q < kBytes / 16; ++q) {
-      const uint4 raw = reinterpret_cast<const uint4 *>(ptr)[q];
-      const T *e = reinterpret_cast<const T *>(&raw);
-#pragma unroll
-      for (int k = 0; k < 16 / (int)sizeof(T); ++k) v[q * (16 / sizeof(T)) + k] = to_f(e[k]);
-    }
-  } else {
-#pragma unroll
-    for (int q = 0; q < kBytes / 8; ++q) {
-      const uint2 raw = reinterpret_cast<const uint2 *>(ptr)[q];
-      const T *e = reinterpret_cast<const T *>(&raw);
-#pragma unroll
-      for (int k = 0; k < 8 / (int)sizeof(T); ++k) v[q * (8 / sizeof(T)) + k] = to_f(e[k]);
-    }
-  }
-}
-
-// x[t0 - 4 .. t0 + kRun) of a run from shared memory (sx points at x[t0])
-template <typename T>
-__device__ __forceinline__ void lds_window(const T *sx, float (&xs)[4 + kRun]) {
-  float pv[4], mn[kRun];
-  lds_n<T, 4>(sx - 4, pv);
-  lds_n<T, kRun>(sx, mn);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) xs[i] = pv[i];
-#pragma unroll
-  for (int i = 0; i < kRun; ++i) xs[4 + i] = mn[i];
-}
-
 // a run's kRun outputs to global memory (16-byte aligned there): vector stores when the run is whole
 template <typename T>
 __device__ __forceinline__ void stg_run(T *ptr, int valid, const float (&v)[kRun]) {
@@ -375,56 +345,6 @@ __device__ __forceinline__ void stg_run(T *ptr, int valid, const float (&v)[kRun
   }
 }
 
-// Shared memory of a channel-first block and the copies that fill it: x[tile0 - 8, tile0 + kTile (+ 8 backward)),
-// (backward) dout[tile0, tile0 + kTile + 8), the tile's run masks (one run more), the channel's weights and bias.
-// One thread issues a bulk copy per range (clipped to the row); the parts outside the row are zeroed by the block.
-template <typename T, int kW, int kRpt, bool kBwd>
-struct CfStage {
-  static constexpr int kTile = kThreadsCF * kRun * kRpt;
-  static constexpr int kE = 16 / sizeof(T);
-  static constexpr int kNX = kHaloT + kTile + (kBwd ? kHaloT : 0);
-  static constexpr int kNG = kBwd ? kTile + kHaloT : 0;
-  static constexpr int kNM = kRpt * kThreadsCF + 8;
-  alignas(16) T x[kNX];
-  alignas(16) T g[kNG > 0 ? kNG : 1];
-  alignas(16) uint16_t mask[kNM];
-  float w[kW + 1];   // weights, then bias
-  uint64_t bar;
-
-  // dst[from, to) = 0 (element indices, multiples of kE)
-  __device__ __forceinline__ static void zero(T *dst, int from, int to) {
-    for (int v = from / kE + threadIdx.x; v < to / kE; v += kThreadsCF)
-      reinterpret_cast<uint4 *>(dst)[v] = make_uint4(0u, 0u, 0u, 0u);
-  }
-
-  // Starts the copies; wait() before reading anything.
-  __device__ __forceinline__ void issue(const ConvParams &p, int b, int d, int tile0) {
-    const int L = p.seqlen;
-    const int x0 = tile0 - kHaloT;                         // timestep of x[0]
-    const int x_lo = max(x0, 0), x_hi = min(x0 + kNX, L);
-    zero(x, 0, x_lo - x0);
-    zero(x, x_hi - x0, kNX);
-    const int g_hi = kBwd ? min(tile0 + kNG, L) : tile0;
-    if constexpr (kBwd) zero(g, g_hi - tile0, kNG);
-    const int stride = conv_mask_stride(L);
-    const int r0 = tile0 / kRun, r_hi = min(r0 + kNM, stride);
-    if (threadIdx.x == 0) {
-      mbar_init(&bar, 1);
-      const unsigned bytes_x = (x_hi - x_lo) * sizeof(T), bytes_g = (g_hi - tile0) * sizeof(T),
-                     bytes_m = (r_hi - r0) * sizeof(uint16_t);
-      mbar_expect_tx(&bar, bytes_x + bytes_g + bytes_m);
-      bulk_g2s(x + (x_lo - x0), reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs + x_lo, bytes_x, &bar);
-      if (kBwd) bulk_g2s(g, reinterpret_cast<const T *>(p.dout) + b * p.g_bs + d * p.g_cs + tile0, bytes_g, &bar);
-      bulk_g2s(mask, p.runmask + (int64_t)b * stride + r0, bytes_m, &bar);
-    } else if (threadIdx.x >= 32 && threadIdx.x <= 32 + kW) {   // another warp: weights, bias
-      const int k = threadIdx.x - 32;
-      w[k] = k < kW ? p.weight[d * kW + k] : (p.bias ? p.bias[d] : 0.f);
-    }
-    __syncthreads();   // barrier initialised, zeros and weights written
-  }
-  __device__ __forceinline__ void wait() { mbar_wait(&bar, 0); }
-};
-
 template <int kW, bool kMasked>
 __device__ __forceinline__ float conv_pre(const float (&w)[kW], float bias, const float (&xs)[4 + kRun], int i,
                                           const RunTaps<kMasked> &taps) {
@@ -434,46 +354,6 @@ __device__ __forceinline__ float conv_pre(const float (&w)[kW], float bias, cons
   if constexpr (kW > 2) if (taps.template ok<2>(i)) acc = fmaf(w[kW - 3], xs[2 + i], acc);
   if constexpr (kW > 3) if (taps.template ok<3>(i)) acc = fmaf(w[kW - 4], xs[1 + i], acc);
   return acc;
-}
-
-template <typename T, int kW, bool kMasked>
-__device__ __forceinline__ void conv_fwd_run(const float (&w)[kW], float bias, bool silu, unsigned m, const T *sx,
-                                             float (&o)[kRun]) {
-  float xs[4 + kRun];
-  lds_window<T>(sx, xs);
-  const RunTaps<kMasked> taps(m);
-#pragma unroll
-  for (int i = 0; i < kRun; ++i) {
-    const float acc = conv_pre<kW>(w, bias, xs, i, taps);
-    o[i] = silu ? acc * sigmoidf_(acc) : acc;
-  }
-}
-
-template <typename T, int kW, int kRpt>
-__global__ void __launch_bounds__(kThreadsCF) conv_fwd_cf_tile(const ConvParams p) {
-  using Stage = CfStage<T, kW, kRpt, false>;
-  __shared__ Stage s;
-  const int b = blockIdx.z, d = blockIdx.x, L = p.seqlen;
-  const int tile0 = blockIdx.y * Stage::kTile;
-  s.issue(p, b, d, tile0);
-  T *out = reinterpret_cast<T *>(p.out) + b * p.x_bs + d * p.x_cs;
-  s.wait();
-  float w[kW];
-#pragma unroll
-  for (int k = 0; k < kW; ++k) w[k] = s.w[k];
-  const float bias = s.w[kW];
-#pragma unroll
-  for (int j = 0; j < kRpt; ++j) {
-    const int r = j * kThreadsCF + threadIdx.x;
-    const int t0 = tile0 + r * kRun;
-    const unsigned m = t0 < L ? s.mask[r] : 0u;
-    const bool plain = !p.cf_always_masked && __all_sync(kFull, (m & kRunBits) == 0u);
-    if (t0 >= L) continue;
-    float o[kRun];
-    if (plain) conv_fwd_run<T, kW, false>(w, bias, p.silu, m, s.x + kHaloT + r * kRun, o);
-    else conv_fwd_run<T, kW, true>(w, bias, p.silu, m, s.x + kHaloT + r * kRun, o);
-    stg_run<T>(out + t0, L - t0, o);
-  }
 }
 
 // Backward of one run (or of the first kTok tokens of a run): g = dout * silu'(pre), then (kept taps only)
@@ -521,58 +401,151 @@ __device__ __forceinline__ void conv_bwd_run(const float (&w)[kW], float bias, b
   }
 }
 
-// Backward: phase 1 computes each run's g, dweight and the dx terms inside the run, and leaves in shared memory
-// (over the run's own, already read, dout slot) what the run adds to the dx of the run before it; phase 2 adds
-// those and stores dx. The first run after the tile is done by thread 0 for its first W-1 tokens.
+// N consecutive elements of global memory at a 16-byte aligned (N * sizeof(T) >= 16) or 8-byte aligned (== 8)
+// address, `valid` of them in the row (whole 16-byte pieces past it read as zeros)
+template <typename T, int N>
+struct GVec {
+  static constexpr int kBytes = N * sizeof(T);
+  static constexpr int kQ = kBytes >= 16 ? kBytes / 16 : 1;
+  static constexpr int kE = kBytes >= 16 ? 16 / sizeof(T) : N;
+  typename std::conditional<(kBytes >= 16), uint4, uint2>::type raw[kQ];
+  __device__ __forceinline__ void load(const T *ptr, int valid) {
+#pragma unroll
+    for (int q = 0; q < kQ; ++q) {
+      if (q * kE < valid) {
+        if constexpr (kBytes >= 16) raw[q] = __ldg(reinterpret_cast<const uint4 *>(ptr) + q);
+        else raw[q] = __ldg(reinterpret_cast<const uint2 *>(ptr));
+      } else {
+        if constexpr (kBytes >= 16) raw[q] = make_uint4(0u, 0u, 0u, 0u);
+        else raw[q] = make_uint2(0u, 0u);
+      }
+    }
+  }
+  __device__ __forceinline__ void to_float(float (&v)[N]) const {
+    const T *e = reinterpret_cast<const T *>(raw);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = to_f(e[k]);
+  }
+};
+
+template <typename T>
+struct RunLoad {   // x[t0 - 4, t0 + kRun) of one run, and its mask word
+  GVec<T, 4> prev;
+  GVec<T, kRun> main;
+  unsigned m;
+  __device__ __forceinline__ void load(const T *xrow, const uint16_t *mrow, int t0, int L) {
+    const bool in = t0 < L;
+    main.load(xrow + t0, in ? L - t0 : 0);
+    prev.load(xrow + t0 - 4, in && t0 > 0 ? 4 : 0);
+    m = in ? mrow[t0 / kRun] : 0u;
+  }
+  __device__ __forceinline__ void window(float (&xs)[4 + kRun]) const {
+    float pv[4], mn[kRun];
+    prev.to_float(pv);
+    main.to_float(mn);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) xs[i] = pv[i];
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) xs[4 + i] = mn[i];
+  }
+};
+
+template <typename T, int kW, bool kMasked>
+__device__ __forceinline__ void conv_fwd_run(const float (&w)[kW], float bias, bool silu, unsigned m,
+                                                const float (&xs)[4 + kRun], float (&o)[kRun]) {
+  const RunTaps<kMasked> taps(m);
+#pragma unroll
+  for (int i = 0; i < kRun; ++i) {
+    const float acc = conv_pre<kW>(w, bias, xs, i, taps);
+    o[i] = silu ? acc * sigmoidf_(acc) : acc;
+  }
+}
+
 template <typename T, int kW, int kRpt>
-__global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_tile(const ConvParams p) {
+__global__ void __launch_bounds__(kThreadsCF) conv_fwd_cf_vec(const ConvParams p) {
+  constexpr int kTile = kThreadsCF * kRun * kRpt;
+  const int b = blockIdx.z, d = blockIdx.x, L = p.seqlen;
+  const int tile0 = blockIdx.y * kTile;
+  const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs;
+  T *out = reinterpret_cast<T *>(p.out) + b * p.x_bs + d * p.x_cs;
+  const uint16_t *mrow = p.runmask + (int64_t)b * conv_mask_stride(L);
+  RunLoad<T> ld[kRpt];
+#pragma unroll
+  for (int j = 0; j < kRpt; ++j) ld[j].load(x, mrow, tile0 + (j * kThreadsCF + threadIdx.x) * kRun, L);
+  float w[kW];
+#pragma unroll
+  for (int k = 0; k < kW; ++k) w[k] = __ldg(p.weight + d * kW + k);
+  const float bias = p.bias ? __ldg(p.bias + d) : 0.f;
+#pragma unroll
+  for (int j = 0; j < kRpt; ++j) {
+    const int t0 = tile0 + (j * kThreadsCF + threadIdx.x) * kRun;
+    const bool plain = !p.cf_always_masked && __all_sync(kFull, (ld[j].m & kRunBits) == 0u);
+    if (t0 >= L) continue;
+    float xs[4 + kRun], o[kRun];
+    ld[j].window(xs);
+    if (plain) conv_fwd_run<T, kW, false>(w, bias, p.silu, ld[j].m, xs, o);
+    else conv_fwd_run<T, kW, true>(w, bias, p.silu, ld[j].m, xs, o);
+    stg_run<T>(out + t0, L - t0, o);
+  }
+}
+
+template <typename T, int kW, int kRpt>
+__global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_vec(const ConvParams p) {
   static_assert(kW <= 4, "taps reach at most 3 timesteps back");
-  static_assert(3 * sizeof(float) <= kRun * sizeof(T), "a run's dout slot holds its 3 contributions");
-  using Stage = CfStage<T, kW, kRpt, true>;
-  constexpr int kTile = Stage::kTile;
-  __shared__ Stage s;
+  constexpr int kTile = kThreadsCF * kRun * kRpt;
+  __shared__ float s_c[kRpt * kThreadsCF + 1][3];   // what run r adds to the dx of run r - 1
   __shared__ float s_red[kThreadsCF / 32][kW + 1];
   const int b = blockIdx.z, d = blockIdx.x, L = p.seqlen;
   const int tile0 = blockIdx.y * kTile;
-  s.issue(p, b, d, tile0);
+  const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d * p.x_cs;
+  const T *dout = reinterpret_cast<const T *>(p.dout) + b * p.g_bs + d * p.g_cs;
   T *dx = reinterpret_cast<T *>(p.dx) + b * p.x_bs + d * p.x_cs;
+  const uint16_t *mrow = p.runmask + (int64_t)b * conv_mask_stride(L);
+  RunLoad<T> ld[kRpt];
+  GVec<T, kRun> gl[kRpt];
+#pragma unroll
+  for (int j = 0; j < kRpt; ++j) {
+    const int t0 = tile0 + (j * kThreadsCF + threadIdx.x) * kRun;
+    ld[j].load(x, mrow, t0, L);
+    gl[j].load(dout + t0, t0 < L ? L - t0 : 0);
+  }
+  float w[kW];
+#pragma unroll
+  for (int k = 0; k < kW; ++k) w[k] = __ldg(p.weight + d * kW + k);
+  const float bias = p.bias ? __ldg(p.bias + d) : 0.f;
   float dw[kW + 1];
 #pragma unroll
   for (int k = 0; k <= kW; ++k) dw[k] = 0.f;
   float dxr[kRpt][kRun];
-  s.wait();
-  float w[kW];
-#pragma unroll
-  for (int k = 0; k < kW; ++k) w[k] = s.w[k];
-  const float bias = s.w[kW];
 #pragma unroll
   for (int j = 0; j < kRpt; ++j) {
     const int r = j * kThreadsCF + threadIdx.x;
     const int t0 = tile0 + r * kRun;
-    const unsigned m = t0 < L ? s.mask[r] : 0u;
-    const bool plain = !p.cf_always_masked && __all_sync(kFull, (m & kRunBits) == 0u);
+    const bool plain = !p.cf_always_masked && __all_sync(kFull, (ld[j].m & kRunBits) == 0u);
     float c[3] = {0.f, 0.f, 0.f};
     if (t0 < L) {
       float xs[4 + kRun], gd[kRun];
-      lds_window<T>(s.x + kHaloT + r * kRun, xs);
-      lds_n<T, kRun>(s.g + r * kRun, gd);
-      if (plain) conv_bwd_run<kW, false, kRun>(w, bias, p.silu, m, xs, gd, dw, dxr[j], c);
-      else conv_bwd_run<kW, true, kRun>(w, bias, p.silu, m, xs, gd, dw, dxr[j], c);
+      ld[j].window(xs);
+      gl[j].to_float(gd);
+      if (plain) conv_bwd_run<kW, false, kRun>(w, bias, p.silu, ld[j].m, xs, gd, dw, dxr[j], c);
+      else conv_bwd_run<kW, true, kRun>(w, bias, p.silu, ld[j].m, xs, gd, dw, dxr[j], c);
     }
-    float *slot = reinterpret_cast<float *>(s.g + r * kRun);
-    slot[0] = c[0]; slot[1] = c[1]; slot[2] = c[2];
+    s_c[r][0] = c[0]; s_c[r][1] = c[1]; s_c[r][2] = c[2];
   }
-  if (threadIdx.x == 0) {
-    // the first W-1 tokens of the next tile's first run (dout staged in the halo slot), for the tile's last run
+  if (threadIdx.x == 0) {   // the first W-1 tokens of the next tile's first run, for the tile's last run
     float c[3] = {0.f, 0.f, 0.f};
-    if (tile0 + kTile < L) {
+    const int tn = tile0 + kTile;
+    if (tn < L) {
+      RunLoad<T> nl;
+      GVec<T, kRun> ng;
+      nl.load(x, mrow, tn, L);
+      ng.load(dout + tn, L - tn);
       float xs[4 + kRun], gd[kRun], dw_unused[kW + 1] = {}, dx_unused[kRun];
-      lds_window<T>(s.x + kHaloT + kTile, xs);
-      lds_n<T, kRun>(s.g + kTile, gd);
-      conv_bwd_run<kW, true, 3>(w, bias, p.silu, s.mask[kTile / kRun], xs, gd, dw_unused, dx_unused, c);
+      nl.window(xs);
+      ng.to_float(gd);
+      conv_bwd_run<kW, true, 3>(w, bias, p.silu, nl.m, xs, gd, dw_unused, dx_unused, c);
     }
-    float *slot = reinterpret_cast<float *>(s.g + kTile);
-    slot[0] = c[0]; slot[1] = c[1]; slot[2] = c[2];
+    s_c[kRpt * kThreadsCF][0] = c[0]; s_c[kRpt * kThreadsCF][1] = c[1]; s_c[kRpt * kThreadsCF][2] = c[2];
   }
   __syncthreads();
 #pragma unroll
@@ -580,9 +553,8 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_tile(const ConvParams 
     const int r = j * kThreadsCF + threadIdx.x;
     const int t0 = tile0 + r * kRun;
     if (t0 >= L) break;
-    const float *slot = reinterpret_cast<const float *>(s.g + (r + 1) * kRun);
 #pragma unroll
-    for (int e = 1; e < kW; ++e) dxr[j][kRun - e] += slot[e - 1];
+    for (int e = 1; e < kW; ++e) dxr[j][kRun - e] += s_c[r + 1][e - 1];
     stg_run<T>(dx + t0, L - t0, dxr[j]);
   }
   block_reduce_dw<kW>(dw, s_red, p.dweight, p.dbias, d);
@@ -766,12 +738,12 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
 // ------------------------------------------------------------------------------------------------------------
 // launch
 
-// Runs per thread of the staged channel-first kernels (0: the register kernels above). They need every row
-// 16-byte aligned and seqlen a multiple of 16 / sizeof(T) (whole 16-byte copies). The tile is the smallest of
-// 1024 / 2048 / 4096 steps that covers the row (measured on the H200 at L=4096: the 4096-step tile is fastest,
-// its block keeps 16 KB in flight). PACKLOADER_CONV_CF picks a variant for benchmarks: "regs" (the register
-// kernels), "tile1" / "tile2" / "tile4", or "tile4m" (every warp through the masked code).
-int cf_tile_runs(const ConvParams &p, int elt, bool bwd, bool *always_masked) {
+// Runs per thread of the channel-first vector kernels (0: the register kernels, for rows that are not 16-byte
+// aligned or a seqlen that is not a multiple of 16 / sizeof(T)). Forward: the smallest tile of 1024 / 2048 / 4096
+// steps that covers the row; backward: at most 2048 (its 4096-step kernel holds twice the registers and ran
+// slower, 0.284 against 0.273 ms at L=4096). PACKLOADER_CONV_CF picks a variant for benchmarks and tests: "regs",
+// "vec1" / "vec2" / "vec4", or "vecm" (the default tiles, every warp through the masked code).
+int cf_vec_runs(const ConvParams &p, int elt, bool bwd, bool *always_masked) {
   auto al = [](const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
   bool ok = p.runmask != nullptr && p.x_ls == 1 && (p.seqlen * elt) % 16 == 0 && (p.x_bs * elt) % 16 == 0 &&
             (p.x_cs * elt) % 16 == 0 && al(p.x);
@@ -779,13 +751,13 @@ int cf_tile_runs(const ConvParams &p, int elt, bool bwd, bool *always_masked) {
   else ok = ok && al(p.out);
   *always_masked = false;
   if (!ok) return 0;
-  int rpt = p.seqlen <= kSpanCF ? 1 : p.seqlen <= 2 * kSpanCF ? 2 : 4;
+  int rpt = p.seqlen <= kSpanCF ? 1 : (p.seqlen <= 2 * kSpanCF || bwd) ? 2 : 4;
   if (const char *env = std::getenv("PACKLOADER_CONV_CF")) {
     if (!std::strcmp(env, "regs")) rpt = 0;
-    else if (!std::strcmp(env, "tile1")) rpt = 1;
-    else if (!std::strcmp(env, "tile2")) rpt = 2;
-    else if (!std::strcmp(env, "tile4")) rpt = 4;
-    else if (!std::strcmp(env, "tile4m")) { rpt = 4; *always_masked = true; }
+    else if (!std::strcmp(env, "vec1")) rpt = 1;
+    else if (!std::strcmp(env, "vec2")) rpt = 2;
+    else if (!std::strcmp(env, "vec4")) rpt = 4;
+    else if (!std::strcmp(env, "vecm")) *always_masked = true;
   }
   return rpt;
 }
@@ -798,22 +770,22 @@ void launch_w(const ConvParams &p, cudaStream_t st, bool bwd) {
     dim3 block(kBXCL, kBYCL);
     if (bwd) conv_bwd_cl<T, kW><<<grid, block, 0, st>>>(p);
     else conv_fwd_cl<T, kW><<<grid, block, 0, st>>>(p);
-  } else if (bool masked; const int rpt = cf_tile_runs(p, sizeof(T), bwd, &masked)) {
+  } else if (bool masked; const int rpt = cf_vec_runs(p, sizeof(T), bwd, &masked)) {
     ConvParams q = p;
     q.cf_always_masked = masked;
     const int nruns = (q.seqlen + kRun - 1) / kRun, total = q.batch * nruns;
     conv_runmask_kernel<<<(total + 255) / 256, 256, 0, st>>>(q.pos, q.runmask, q.seqlen, nruns,
                                                              conv_mask_stride(q.seqlen), total);
-    const int tile = kThreadsCF * kRun * rpt;
+    const int tile = kSpanCF * rpt;
     const dim3 grid(q.dim, (q.seqlen + tile - 1) / tile, q.batch);
     if (bwd) {
-      if (rpt == 1) conv_bwd_cf_tile<T, kW, 1><<<grid, kThreadsCF, 0, st>>>(q);
-      else if (rpt == 2) conv_bwd_cf_tile<T, kW, 2><<<grid, kThreadsCF, 0, st>>>(q);
-      else conv_bwd_cf_tile<T, kW, 4><<<grid, kThreadsCF, 0, st>>>(q);
+      if (rpt == 1) conv_bwd_cf_vec<T, kW, 1><<<grid, kThreadsCF, 0, st>>>(q);
+      else if (rpt == 2) conv_bwd_cf_vec<T, kW, 2><<<grid, kThreadsCF, 0, st>>>(q);
+      else conv_bwd_cf_vec<T, kW, 4><<<grid, kThreadsCF, 0, st>>>(q);
     } else {
-      if (rpt == 1) conv_fwd_cf_tile<T, kW, 1><<<grid, kThreadsCF, 0, st>>>(q);
-      else if (rpt == 2) conv_fwd_cf_tile<T, kW, 2><<<grid, kThreadsCF, 0, st>>>(q);
-      else conv_fwd_cf_tile<T, kW, 4><<<grid, kThreadsCF, 0, st>>>(q);
+      if (rpt == 1) conv_fwd_cf_vec<T, kW, 1><<<grid, kThreadsCF, 0, st>>>(q);
+      else if (rpt == 2) conv_fwd_cf_vec<T, kW, 2><<<grid, kThreadsCF, 0, st>>>(q);
+      else conv_fwd_cf_vec<T, kW, 4><<<grid, kThreadsCF, 0, st>>>(q);
     }
   } else {
     if (bwd) {

@@ -322,15 +322,46 @@ def test_conv_vs_float64(cuda_ops, dtype, channel_last, width, seqlen):
     check_conv(cuda_ops, 3, 40, seqlen, width, dtype, ("mixed", "tiny", "padded"), channel_last=channel_last)
 
 
-@pytest.mark.parametrize("variant", ["regs", "tile1", "tile2", "tile4", "tile4m"])
+@pytest.mark.parametrize("variant", ["regs", "vec1", "vec2", "vec4", "vecm"])
 @pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 5000), (torch.float32, 4100), (torch.float16, 1032)])
 def test_conv_channel_first_kernels(cuda_ops, monkeypatch, variant, dtype, seqlen):
-    # the register kernels and the shared-memory ones (1024 / 2048 / 4096 steps a block), chosen by
-    # PACKLOADER_CONV_CF; seqlens give several tiles, a partial last tile and (fp32 4100) a partial last run.
-    # The per-sequence runs inside check_conv use odd lengths, i.e. the register kernels: the two agree.
+    # the register kernels and the vector ones (1024 / 2048 / 4096 steps a block; "vecm": no boundary-free path),
+    # chosen by PACKLOADER_CONV_CF; seqlens give several tiles, a partial last tile and (fp32 4100) a partial last
+    # run. The per-sequence runs inside check_conv use odd lengths, i.e. the register kernels: the two agree.
     monkeypatch.setenv("PACKLOADER_CONV_CF", variant)
     for width in (2, 4):
         check_conv(cuda_ops, 2, 24, seqlen, width, dtype, ("mixed", "tiny", "padded", "one"), channel_last=False)
+
+
+ULP_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+
+
+@pytest.mark.parametrize("variant", ["vec1", "vec2", "vec4", "vecm"])
+@pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 5000), (torch.float32, 4100)])
+def test_conv_channel_first_kernels_elementwise(cuda_ops, monkeypatch, variant, dtype, seqlen):
+    # Element by element against the register kernels, on enough (row, channel, tile) items that every
+    # persistent block loops over many of them (a norm-based tolerance would let a few wrong items through).
+    # The forward does the same arithmetic in the same order: equal bits. The backward sums dx in another order:
+    # within one rounding of the dtype; dweight / dbias are fp32 sums in another order.
+    batch, dim, width = 2, 1024, 4
+    x = torch.randn(batch, dim, seqlen, device="cuda").to(dtype)
+    weight = torch.randn(dim, width, device="cuda") * 0.5
+    bias = torch.randn(dim, device="cuda")
+    dout = torch.randn_like(x)
+    rows = [lengths_mix(seqlen, k) for k in ("mixed", "tiny")]
+    pos = position_ids_for(rows, "cuda").int()
+    monkeypatch.setenv("PACKLOADER_CONV_CF", "regs")
+    out_r = cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, "silu")
+    dx_r, dw_r, db_r = cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, "silu")
+    monkeypatch.setenv("PACKLOADER_CONV_CF", variant)
+    for _ in range(2):   # twice: a race shows up as a difference between runs too
+        out = cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, "silu")
+        dx, dw, db = cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, "silu")
+        bad = (out != out_r).sum().item()
+        assert bad == 0, f"{bad} forward outputs differ from the register kernel"
+        torch.testing.assert_close(dx.float(), dx_r.float(), rtol=ULP_RTOL[dtype], atol=1e-5 * dx_r.float().abs().max().item())
+        torch.testing.assert_close(dw, dw_r, rtol=1e-4, atol=1e-4 * dw_r.abs().max().item())
+        torch.testing.assert_close(db, db_r, rtol=1e-4, atol=1e-4 * db_r.abs().max().item())
 
 
 @pytest.mark.parametrize("channel_last", [False, True])

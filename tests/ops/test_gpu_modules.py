@@ -300,15 +300,34 @@ def test_check_isolation_on_a_converted_mamba_lm(seed, lm_kind):
     rep = check_isolation(lambda b: model(b["input_ids"], position_ids=b["position_ids"]), batch, max_targets=4)
     print(rep)
     scale = embedding_grad_scale(model, batch)
-    print(f"gradient scale {scale:.3e}")
+    out_scale = model(batch["input_ids"], position_ids=batch["position_ids"]).logits.abs().max().item()
+    print(f"gradient scale {scale:.3e}, logits scale {out_scale:.3e}")
     assert rep.grads_checked
-    assert rep.max_output_change == 0.0, str(rep)  # the forward isolates exactly
-    # the backward kernels sum per-token gradients with atomics, so two runs can differ in the last bits
-    # even where nothing leaks; a leak is many orders of magnitude larger than this
-    assert rep.max_grad_change <= 1e-5 * scale, str(rep)
-    # the same model called without boundaries is caught leaking
+    # nothing flows from any other sequence's input into the target's loss
+    assert all(r.grad_leak in (None, 0.0) for r in rep.results), str(rep)
+    if lm_kind == "Mamba1":
+        assert rep.max_output_change == 0.0, str(rep)  # the forward isolates exactly
+        # the backward kernels sum per-token gradients with atomics, so two runs can differ in the last bits
+        # even where nothing leaks; a leak is many orders of magnitude larger than this
+        assert rep.max_grad_change <= 1e-5 * scale, str(rep)
+    else:
+        # mamba-ssm's Mamba-2 chunk scan (upstream's Triton kernels, run with its own seq_idx) masks every
+        # cross-sequence term, but forms exp(dA_cumsum[m] - dA_cumsum[k]) from cumulative sums that run over its
+        # whole chunk: an earlier sequence's dt cancels in exact arithmetic and changes only the rounding, which
+        # the backward's TF32 products carry into the other sequences' own gradients at ~1e-3 relative.
+        # benchmarks/gpu/mamba2_rounding.py separates the two (the earlier sequence's x changes nothing, its dt
+        # changes rounding). So: changes only in sequences after the target that share a chunk with it, and of
+        # rounding size.
+        chunk = model.backbone.layers[0].mixer.chunk_size
+        for r in rep.results:
+            if r.output_change > 0 or (r.grad_change or 0) > 0:
+                trow, tstart, tlen = rep.sequences[r.target]
+                assert r.row == trow and r.start > tstart and r.start // chunk <= (tstart + tlen - 1) // chunk, str(rep)
+        assert rep.max_output_change <= 1e-5 * out_scale, str(rep)
+        assert rep.max_grad_change <= 1e-2 * scale, str(rep)
+    # the same model called without boundaries is caught leaking, far above any of the above
     leaky = check_isolation(lambda b: model(b["input_ids"]), batch, max_targets=2)
-    assert not leaky.ok and leaky.max_output_change > 0, str(leaky)
+    assert not leaky.ok and leaky.max_output_change > 1e3 * max(rep.max_output_change, 1e-7 * out_scale), str(leaky)
 
 
 # ---------------------------------------------------------------------------------------------
