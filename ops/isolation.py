@@ -18,6 +18,13 @@ All must be exactly zero for a packing-safe model::
 Parameter gradients sum over every token of the batch, so they are not compared per sequence; the
 per-token input gradients above are what isolation means for them.
 
+Two things can make a safe model report tiny non-zero changes, and ``atol`` is for them. One is
+backward kernels that sum with atomics: their last bits vary from run to run. The other is kernels
+that form differences of cumulative sums running across boundaries. mamba-ssm's Mamba-2 chunk scan
+does this with ``seq_idx``: an earlier sequence's dt changes the rounding of a later one's outputs,
+about 3e-5 relative, though never through its content (``benchmarks/gpu/mamba2_rounding.py``). A
+leak is orders of magnitude larger. Our Mamba-1 kernels report exactly zero outputs.
+
 Example::
 
     >>> report = ops.check_isolation(lambda b: model(b["input_ids"], position_ids=b["position_ids"]).logits,
