@@ -35,6 +35,8 @@ def main(argv=None):
     ap.add_argument("--once", action="store_true", help="one call of each kernel (for ncu)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated PACKLOADER_CONV_CF values")
     ap.add_argument("--no-upstream", action="store_true")
+    ap.add_argument("--channel-last", action="store_true",
+                    help="channel-last x / dout; variants are then PACKLOADER_CONV_CL values (plain, grouped)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from ops import _cuda
@@ -45,6 +47,13 @@ def main(argv=None):
     pos, seq_idx = packed_position_ids(Bz, L)
     x = torch.randn(Bz, D, L, device="cuda", dtype=dt)
     g = torch.randn(Bz, D, L, device="cuda", dtype=dt)
+    env_name = "PACKLOADER_CONV_CF"
+    if args.channel_last:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        g = g.transpose(1, 2).contiguous().transpose(1, 2)
+        env_name = "PACKLOADER_CONV_CL"
+        if args.variants == ",".join(VARIANTS):
+            args.variants = "plain,grouped"
     w = 0.3 * torch.randn(D, W, device="cuda")
     cb = torch.randn(D, device="cuda")
     _cuda.load()
@@ -62,19 +71,19 @@ def main(argv=None):
 
     ref = None
     for v in args.variants.split(","):
-        os.environ["PACKLOADER_CONV_CF"] = v
+        os.environ[env_name] = v
         out = _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu")
         grads = _cuda.causal_conv1d_bwd(x, w, cb, g, pos, "silu")
         if ref is None:
             ref = (out, grads)
         else:   # every variant computes the same thing
-            assert torch.equal(out, ref[0]), v
+            assert torch.equal(out, ref[0]), v   # same arithmetic in every variant
             for a, b in zip(grads, ref[1]):   # summation orders differ: compare as relative norms
                 err = ((a.float() - b.float()).norm() / b.float().norm()).item()
                 assert err < 1e-3, (v, err)
         run(lambda: _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu"), "fwd", f"ours {v}", 2 * nbytes)
         run(lambda: _cuda.causal_conv1d_bwd(x, w, cb, g, pos, "silu"), "bwd", f"ours {v}", 3 * nbytes)
-    os.environ.pop("PACKLOADER_CONV_CF")
+    os.environ.pop(env_name)
     try:
         if args.no_upstream:
             raise ImportError("--no-upstream")

@@ -46,6 +46,7 @@ struct ConvParams {
   const int *pos;
   uint16_t *runmask;            // scratch of (batch, conv_mask_stride(seqlen)) for the channel-first kernels
   bool cf_always_masked;        // benchmarks: no warp takes the boundary-free path
+  bool cl_vec;                  // channel-last rows aligned to the kernels' vectors (set by the launcher)
   void *out;
   const void *dout;
   void *dx;

@@ -364,6 +364,31 @@ def test_conv_channel_first_kernels_elementwise(cuda_ops, monkeypatch, variant, 
         torch.testing.assert_close(db, db_r, rtol=1e-4, atol=1e-4 * db_r.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_conv_channel_last_grouped_loads_equal_plain(cuda_ops, monkeypatch, dtype):
+    # aligned channel-last rows load 8 timesteps at a time (PACKLOADER_CONV_CL=plain: one at a time); the
+    # arithmetic is the same code, so every output and gradient has the same bits
+    batch, dim, L, width = 2, 512, 1000, 4
+    x = torch.randn(batch, L, dim, device="cuda").to(dtype).transpose(1, 2)
+    weight = torch.randn(dim, width, device="cuda") * 0.5
+    bias = torch.randn(dim, device="cuda")
+    dout = torch.randn(batch, L, dim, device="cuda").to(dtype).transpose(1, 2)
+    pos = position_ids_for([lengths_mix(L, k) for k in ("mixed", "tiny")], "cuda").int()
+    res = {}
+    for mode in ("plain", "grouped"):
+        if mode == "plain":
+            monkeypatch.setenv("PACKLOADER_CONV_CL", "plain")
+        else:
+            monkeypatch.delenv("PACKLOADER_CONV_CL", raising=False)
+        res[mode] = (cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, "silu"),
+                     *cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, "silu"))
+    for name, a, b in zip(("out", "dx", "dweight", "dbias"), res["grouped"], res["plain"]):
+        if name in ("out", "dx"):
+            assert torch.equal(a, b), name
+        else:   # block sums in the same order, atomics across blocks in any order
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
 @pytest.mark.parametrize("channel_last", [False, True])
 def test_conv_variants(cuda_ops, channel_last):
     check_conv(cuda_ops, 2, 64, 1024, 4, torch.float32, ("one", "mixed"), channel_last=channel_last,
