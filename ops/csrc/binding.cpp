@@ -100,9 +100,12 @@ static po::ConvParams conv_params(const Tensor &x, const Tensor &weight, const O
   return p;
 }
 
-// scratch for the channel-first kernels' boundary masks: one 16-bit word per run of 8 timesteps
+// scratch for the channel-first kernels' boundary masks: one 16-bit word per run of 8 timesteps (none for
+// channel-last x, whose kernels read position_ids directly)
 static Tensor conv_runmask(const Tensor &x) {
-  return at::empty({x.size(0), (int64_t)po::conv_mask_stride((int)x.size(2))}, x.options().dtype(at::kShort));
+  const bool channel_last = x.stride(1) == 1 && x.size(1) > 1;
+  return at::empty({channel_last ? 0 : x.size(0), (int64_t)po::conv_mask_stride((int)x.size(2))},
+                   x.options().dtype(at::kShort));
 }
 
 void conv_fwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor out) {
@@ -110,7 +113,7 @@ void conv_fwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor 
   TORCH_CHECK(out.strides() == x.strides(), "out must have x's layout");
   po::ConvParams p = conv_params(x, weight, bias, pos, silu);
   Tensor runmask = conv_runmask(x);
-  p.runmask = reinterpret_cast<uint16_t *>(runmask.data_ptr());
+  p.runmask = runmask.numel() ? reinterpret_cast<uint16_t *>(runmask.data_ptr()) : nullptr;
   p.out = out.data_ptr();
   po::conv_fwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -122,7 +125,7 @@ void conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor 
   TORCH_CHECK(dx.strides() == x.strides(), "dx must have x's layout");
   po::ConvParams p = conv_params(x, weight, bias, pos, silu);
   Tensor runmask = conv_runmask(x);
-  p.runmask = reinterpret_cast<uint16_t *>(runmask.data_ptr());
+  p.runmask = runmask.numel() ? reinterpret_cast<uint16_t *>(runmask.data_ptr()) : nullptr;
   p.g_bs = dout.stride(0);
   p.g_cs = dout.stride(1);
   p.g_ls = dout.stride(2);

@@ -14,6 +14,10 @@
 // (backward) through registers; position_ids[t] is one broadcast load per timestep. On aligned rows the loads of
 // 8 timesteps are issued together (0.31 + 0.78 ms -> 0.23 + 0.45 ms on the H200 at B=8, D=4096, L=4096 bf16).
 // dweight / dbias are reduced in the block (warp shuffles, then shared memory), one atomic per block.
+// Every kernel skips a dropped tap's multiply-add instead of multiplying by zero, so an inf or NaN in one
+// sequence cannot reach another as 0 * inf. position_ids must restart at 0 and count up by 1 (the Python layer
+// validates them): the register and channel-last kernels read reach = min(pos, W-1), the vector kernels a start
+// where pos == 0, which agree on valid ids only.
 
 #include "ops_common.h"
 #include "dtype_utils.cuh"
@@ -146,7 +150,8 @@ __global__ void __launch_bounds__(kThreadsCF) conv_fwd_cf(const ConvParams p) {
     for (int i = 0; i < kRun; ++i) {
       float acc = bias;
 #pragma unroll
-      for (int k = 0; k < kW; ++k) acc = fmaf(k <= reach[i] ? w[kW - 1 - k] : 0.f, xs[i + kW - 1 - k], acc);
+      for (int k = 0; k < kW; ++k)
+        if (k <= reach[i]) acc = fmaf(w[kW - 1 - k], xs[i + kW - 1 - k], acc);
       o[i] = p.silu ? acc * sigmoidf_(acc) : acc;
     }
     store_n<T, kRun>(out + t0, valid, o);
@@ -240,7 +245,8 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
       if (p.silu) {
         float acc = bias;
 #pragma unroll
-        for (int k = 0; k < kW; ++k) acc = fmaf(k <= r ? w[kW - 1 - k] : 0.f, xs[i + kW - 1 - k], acc);
+        for (int k = 0; k < kW; ++k)
+          if (k <= r) acc = fmaf(w[kW - 1 - k], xs[i + kW - 1 - k], acc);
         gv *= silu_grad_factor(acc);
       }
       g[i] = gv;
@@ -251,12 +257,13 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
 #pragma unroll
       for (int k = 0; k < kW; ++k) {
         const int r = (i + k < kRun) ? reach[i + k] : reach_nx[i + k - kRun];
-        acc = fmaf(k <= r ? w[kW - 1 - k] : 0.f, g[i + k], acc);
+        if (k <= r) acc = fmaf(w[kW - 1 - k], g[i + k], acc);
       }
       main[i] = acc;   // dx
       const float gi = i < valid ? g[i] : 0.f;
 #pragma unroll
-      for (int k = 0; k < kW; ++k) dw[kW - 1 - k] = fmaf(k <= reach[i] ? gi : 0.f, xs[i + kW - 1 - k], dw[kW - 1 - k]);
+      for (int k = 0; k < kW; ++k)
+        if (k <= reach[i]) dw[kW - 1 - k] = fmaf(gi, xs[i + kW - 1 - k], dw[kW - 1 - k]);
       dw[kW] += gi;
     }
     store_n<T, kRun>(dx + t0, valid, main);
@@ -403,7 +410,9 @@ __device__ __forceinline__ void conv_bwd_run(const float (&w)[kW], float bias, b
 }
 
 // N consecutive elements of global memory at a 16-byte aligned (N * sizeof(T) >= 16) or 8-byte aligned (== 8)
-// address, `valid` of them in the row (whole 16-byte pieces past it read as zeros)
+// address, `valid` of them in the row; pieces past it read as zeros. A piece is loaded whole when it starts inside
+// the row, so rows must end on a piece boundary (cf_vec_runs: seqlen * sizeof(T) % 16 == 0; channel-last: whole
+// vectors of channels).
 template <typename T, int N>
 struct GVec {
   static constexpr int kBytes = N * sizeof(T);
@@ -610,7 +619,8 @@ __global__ void __launch_bounds__(kBXCL * kBYCL, 4) conv_fwd_cl(const ConvParams
     for (int c = 0; c < kV; ++c) {
       float acc = bias[c];
 #pragma unroll
-      for (int k = 0; k < kW; ++k) acc = fmaf(k <= r ? w[kW - 1 - k][c] : 0.f, win[kW - 1 - k][c], acc);
+      for (int k = 0; k < kW; ++k)
+        if (k <= r) acc = fmaf(w[kW - 1 - k][c], win[kW - 1 - k][c], acc);
       o[c] = p.silu ? acc * sigmoidf_(acc) : acc;
     }
     store_n<T, kV>(out + t * p.x_ls, nv, o);
@@ -714,7 +724,8 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
           for (int c = 0; c < kV; ++c) {
             float acc = bias[c];
 #pragma unroll
-            for (int k = 0; k < kW; ++k) acc = fmaf(k <= r ? w[kW - 1 - k][c] : 0.f, xw[kW - 1 - k][c], acc);
+            for (int k = 0; k < kW; ++k)
+              if (k <= r) acc = fmaf(w[kW - 1 - k][c], xw[kW - 1 - k][c], acc);
             gt[c] *= silu_grad_factor(acc);
           }
         }
@@ -722,7 +733,8 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
 #pragma unroll
           for (int c = 0; c < kV; ++c) {
 #pragma unroll
-            for (int k = 0; k < kW; ++k) dw[kW - 1 - k][c] = fmaf(k <= r ? gt[c] : 0.f, xw[kW - 1 - k][c], dw[kW - 1 - k][c]);
+            for (int k = 0; k < kW; ++k)
+              if (k <= r) dw[kW - 1 - k][c] = fmaf(gt[c], xw[kW - 1 - k][c], dw[kW - 1 - k][c]);
             dw[kW][c] += gt[c];
           }
         }
@@ -741,7 +753,8 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
         for (int c = 0; c < kV; ++c) {
           float acc = 0.f;
 #pragma unroll
-          for (int k = 0; k < kW; ++k) acc = fmaf(k <= rw[k] ? w[kW - 1 - k][c] : 0.f, gw[k][c], acc);
+          for (int k = 0; k < kW; ++k)
+            if (k <= rw[k]) acc = fmaf(w[kW - 1 - k][c], gw[k][c], acc);
           o[c] = acc;
         }
         store_n<T, kV>(dx + s * p.x_ls, nv, o);

@@ -54,7 +54,7 @@ struct ConvParams {
 };
 
 // Row stride (in 16-bit words) of the channel-first kernels' boundary masks: one word per run of 8 timesteps,
-// padded to 16 bytes so a tile's words are copied with 16-byte cp.async.
+// padded to a multiple of 8 words (16 bytes).
 #ifdef __CUDACC__
 __host__ __device__
 #endif

@@ -329,8 +329,8 @@ def test_conv_channel_first_kernels(cuda_ops, monkeypatch, variant, dtype, seqle
     # chosen by PACKLOADER_CONV_CF; seqlens give several tiles, a partial last tile and (fp32 4100) a partial last
     # run. The per-sequence runs inside check_conv use odd lengths, i.e. the register kernels: the two agree.
     monkeypatch.setenv("PACKLOADER_CONV_CF", variant)
-    for width in (2, 4):
-        check_conv(cuda_ops, 2, 24, seqlen, width, dtype, ("mixed", "tiny", "padded", "one"), channel_last=False)
+    for width in (2, 3, 4):
+        check_conv(cuda_ops, 4, 24, seqlen, width, dtype, ("mixed", "tiny", "padded", "one"), channel_last=False)
 
 
 ULP_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
@@ -339,8 +339,8 @@ ULP_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 *
 @pytest.mark.parametrize("variant", ["vec1", "vec2", "vec4", "vecm"])
 @pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 5000), (torch.float32, 4100)])
 def test_conv_channel_first_kernels_elementwise(cuda_ops, monkeypatch, variant, dtype, seqlen):
-    # Element by element against the register kernels, on enough (row, channel, tile) items that every
-    # persistent block loops over many of them (a norm-based tolerance would let a few wrong items through).
+    # Element by element against the register kernels, on many (row, channel, tile) blocks (a norm-based
+    # tolerance would let a few wrong blocks through: it did once, for a race in a persistent variant).
     # The forward does the same arithmetic in the same order: equal bits. The backward sums dx in another order:
     # within one rounding of the dtype; dweight / dbias are fp32 sums in another order.
     batch, dim, width = 2, 1024, 4
@@ -364,11 +364,89 @@ def test_conv_channel_first_kernels_elementwise(cuda_ops, monkeypatch, variant, 
         torch.testing.assert_close(db, db_r, rtol=1e-4, atol=1e-4 * db_r.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def tile_edge_row(seqlen: int) -> list[int]:
+    """Sequences starting at 1024k + {0, 1, 2, 3} and 1024k - 1: every tile edge of the vector kernels has a boundary
+    right at it, inside the 3 steps a tap reaches, and one step before it."""
+    starts = {0}
+    for edge in range(1024, seqlen, 1024):
+        starts |= {edge - 1, edge, edge + 1, edge + 3}
+    starts = sorted(t for t in starts if t < seqlen)
+    return [b - a for a, b in zip(starts, starts[1:] + [seqlen])]
+
+
+@pytest.mark.parametrize("dtype,seqlen", [(torch.float32, 4), (torch.float32, 12), (torch.float32, 1028),
+                                          (torch.float32, 2052), (torch.bfloat16, 8), (torch.bfloat16, 16),
+                                          (torch.bfloat16, 1032), (torch.float16, 3080)])
+@pytest.mark.parametrize("variant", ["vec1", "default"])
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_conv_vector_kernels_edge_cases(cuda_ops, monkeypatch, dtype, seqlen, variant, width):
+    # fixed shapes the vector kernels must get right: a single partial run (fp32 L=4), runs past a tile edge by 4
+    # or 8 steps, boundaries at every tile edge, no silu and no bias; against float64 and element by element
+    # against the register kernels
+    x = torch.randn(3, 16, seqlen, device="cuda").to(dtype)
+    weight = torch.randn(16, width, device="cuda") * 0.5
+    dout = torch.randn_like(x)
+    rows = [tile_edge_row(seqlen), lengths_mix(seqlen, "tiny"), lengths_mix(seqlen, "one")]
+    pos = position_ids_for(rows, "cuda").int()
+    for bias, act in ((torch.randn(16, device="cuda"), "silu"), (None, None)):
+        monkeypatch.setenv("PACKLOADER_CONV_CF", "regs")
+        ref = (cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, act),
+               *cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, act))
+        if variant == "default":
+            monkeypatch.delenv("PACKLOADER_CONV_CF")
+        else:
+            monkeypatch.setenv("PACKLOADER_CONV_CF", variant)
+        got = (cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, act),
+               *cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, act))
+        assert torch.equal(got[0], ref[0]), "forward differs from the register kernels"
+        torch.testing.assert_close(got[1].float(), ref[1].float(), rtol=ULP_RTOL[dtype],
+                                   atol=1e-5 * ref[1].float().abs().max().item())
+        torch.testing.assert_close(got[2], ref[2], rtol=1e-4, atol=1e-4 * ref[2].abs().max().item())
+        assert (got[3] is None) == (bias is None)
+        xl = x.detach().double().requires_grad_(True)
+        wl = weight.detach().double().requires_grad_(True)
+        out64 = conv_ref64(xl, wl, None if bias is None else bias.double(), pos, act)
+        out64.backward(dout.double())
+        tol = TOL[dtype]
+        assert kernel_err(got[0], out64) <= tol and kernel_err(got[1], xl.grad) <= tol
+        assert kernel_err(got[2], wl.grad) <= tol
+
+
+@pytest.mark.parametrize("layout,seqlen", [("channel-first", 2048), ("channel-first", 333), ("channel-last", 2048),
+                                           ("channel-last", 333)])
+def test_conv_inf_does_not_cross_a_boundary(cuda_ops, layout, seqlen):
+    # an inf in the last step of one sequence: every other sequence's outputs and input gradients stay finite and
+    # equal to the same sequence run alone (a dropped tap is skipped, not multiplied by zero). Channel-first 2048
+    # runs the vector kernels, 333 the register kernels.
+    dim, width = (32 if seqlen % 8 == 0 else 36), 4   # 36 channels: the channel-last forward's one-step path
+    mid = (seqlen - 103) // 2
+    rows = [[100, 1, 2, mid, seqlen - 103 - mid], [seqlen]]
+    pos = position_ids_for(rows, "cuda").int()
+    x = torch.randn(2, seqlen, dim, device="cuda").transpose(1, 2) if layout == "channel-last" else \
+        torch.randn(2, dim, seqlen, device="cuda")
+    x = x.to(torch.bfloat16)
+    x[0, :, 99] = float("inf")   # the last step of sequence [0, 100)
+    weight = torch.randn(dim, width, device="cuda") * 0.5
+    bias = torch.randn(dim, device="cuda")
+    dout = torch.randn_like(x)
+    out = cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, "silu")
+    dx, _, _ = cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, "silu")
+    for s, e in ((100, 101), (101, 103), (103, 103 + mid), (103 + mid, seqlen)):
+        xs = x[0:1, :, s:e]
+        xs = xs.transpose(1, 2).contiguous().transpose(1, 2) if layout == "channel-last" else xs.contiguous()
+        p1 = torch.arange(e - s, device="cuda", dtype=torch.int32)[None]
+        o1 = cuda_ops.causal_conv1d_fwd(xs, weight, bias, p1, "silu")
+        d1, _, _ = cuda_ops.causal_conv1d_bwd(xs, weight, bias, dout[0:1, :, s:e], p1, "silu")
+        assert torch.isfinite(out[0:1, :, s:e]).all() and torch.isfinite(dx[0:1, :, s:e]).all(), (s, e)
+        assert rel_err(out[0:1, :, s:e], o1) <= TOL[torch.bfloat16], (s, e)
+        assert rel_err(dx[0:1, :, s:e], d1) <= TOL[torch.bfloat16], (s, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_conv_channel_last_grouped_loads_equal_plain(cuda_ops, monkeypatch, dtype):
     # aligned channel-last rows load 8 timesteps at a time (PACKLOADER_CONV_CL=plain: one at a time); the
     # arithmetic is the same code, so every output and gradient has the same bits
-    batch, dim, L, width = 2, 512, 1000, 4
+    batch, dim, L, width = 2, 512, 1003, 4   # (1003: the last group of 8 steps is partial)
     x = torch.randn(batch, L, dim, device="cuda").to(dtype).transpose(1, 2)
     weight = torch.randn(dim, width, device="cuda") * 0.5
     bias = torch.randn(dim, device="cuda")
