@@ -7,7 +7,9 @@
 // over the 16 states (y = sum_n C h) is done every 16 timesteps with a butterfly reduce-scatter across the
 // 16 lanes, so lane n ends up owning timestep 16*s + n and writes it.
 // Reset: a_t = exp(delta_t A) * (pos_t != 0): the carried state is zeroed before the update, and in backward
-// the adjoint handed from t to t-1 is multiplied by the same a_t (0 at a reset), so nothing crosses.
+// the adjoint handed from t to t-1 is multiplied by the same a_t (0 at a reset), so nothing finite crosses. (An
+// inf or NaN state would: 0 * inf is NaN. The conv kernels skip dropped taps instead; doing the same here, a
+// select per step, is not done yet.)
 // Backward recomputes states per 64-step chunk from the forward's saved chunk-end states, keeping the state at
 // each 16-step sub-chunk start in registers, then re-running each sub-chunk (16 states + 16 decays in
 // registers) and walking it in reverse.  dB/dC are summed over the block's channels in shared memory and added
