@@ -86,8 +86,8 @@ def causal_conv1d_ref(
         out = out + bias.to(ct)[:, None]
     for k in range(min(width, seqlen)):
         shifted = F.pad(xc[..., : seqlen - k], (k, 0)) if k else xc
-        if pos is not None and k:
-            shifted = shifted * (pos >= k).to(ct)[:, None, :]
+        if pos is not None and k:   # a dropped tap is dropped, not multiplied by zero (inf * 0 would leak)
+            shifted = torch.where((pos >= k)[:, None, :], shifted, 0.0)
         out = out + w[:, width - 1 - k, None] * shifted
     if activation == "silu":
         out = F.silu(out)

@@ -38,35 +38,52 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def linear_scan(a: torch.Tensor, b: torch.Tensor, dim: int = 2, method: str = "auto") -> torch.Tensor:
+def linear_scan(a: torch.Tensor, b: torch.Tensor, dim: int = 2, method: str = "auto",
+                reset: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inclusive scan of ``h[t] = a[t] * h[t-1] + b[t]`` along ``dim`` (``h[-1] = 0``), out of place,
     differentiable by torch autograd.
 
+    ``reset``: optional bool tensor broadcastable to ``a``; where it is set, ``h[t] = b[t]`` and the carried state
+    is dropped, not multiplied by zero, so not even an inf or NaN state (nor its gradient) crosses the reset.
     ``method="sequential"``: the plain loop over time (the obviously-correct oracle);
     ``"parallel"``: Hillis-Steele doubling, ceil(log2 L) whole-tensor steps;
     ``"auto"``: sequential for L <= 32, else parallel.
     """
     L = a.shape[dim]
+    if reset is not None:
+        reset = torch.broadcast_to(reset, torch.broadcast_shapes(reset.shape, a.shape))
     if method == "auto":
         method = "sequential" if L <= 32 else "parallel"
     if method == "sequential":
         a_t, b_t = a.unbind(dim), b.unbind(dim)
+        r_t = reset.unbind(dim) if reset is not None else None
         hs = []
         h = torch.zeros_like(b_t[0]) if L else None
         for t in range(L):
-            h = a_t[t] * h + b_t[t]
+            if r_t is None:
+                h = a_t[t] * h + b_t[t]
+            else:
+                h = torch.where(r_t[t], b_t[t], a_t[t] * torch.where(r_t[t], 0.0, h) + b_t[t])
             hs.append(h)
         return torch.stack(hs, dim) if hs else b.clone()
     if method != "parallel":
         raise ValueError(f"unknown method {method!r}")
     a = a.movedim(dim, -1)
     b = b.movedim(dim, -1)
+    r = reset.movedim(dim, -1) if reset is not None else None
     shift = 1
     while shift < L:
         a_prev = F.pad(a[..., :-shift], (shift, 0), value=1.0)
         b_prev = F.pad(b[..., :-shift], (shift, 0), value=0.0)
-        b = a * b_prev + b
-        a = a * a_prev
+        if r is None:
+            b = a * b_prev + b
+            a = a * a_prev
+        else:
+            # r: a reset lies within this element's span; then what came before it is dropped
+            r_prev = F.pad(r[..., :-shift], (shift, 0), value=False)
+            b = torch.where(r, b, a * torch.where(r, 0.0, b_prev) + b)
+            a = torch.where(r, a, a * a_prev)
+            r = r | r_prev
         shift *= 2
     return b.movedim(-1, dim)
 
@@ -122,10 +139,9 @@ def selective_scan_ref(
     # (batch, dim, L, n)
     dA = torch.exp(dt.unsqueeze(-1) * A_[:, None, :])
     dBu = (dt * u_).unsqueeze(-1) * Bx.transpose(-1, -2)
-    if pos is not None:
-        keep = (pos != 0).to(ct)[:, None, :, None]  # state *= 0 where a sequence starts
-        dA = dA * keep
-    h = linear_scan(dA, dBu, dim=2, method=method)
+    # the state restarts where a sequence starts (dropped, not multiplied by zero: an inf cannot cross either)
+    reset = (pos == 0)[:, None, :, None] if pos is not None else None
+    h = linear_scan(dA, dBu, dim=2, method=method, reset=reset)
     y = (h * Cx.transpose(-1, -2)).sum(-1)  # (batch, dim, L)
     if D is not None:
         y = y + D.to(ct)[:, None] * u_

@@ -165,6 +165,25 @@ def test_no_tap_crosses_a_boundary_forward_or_backward(seed):
         assert xl.grad[..., :5].abs().max() == 0 and xl.grad[..., 5:].abs().max() > 0
 
 
+@pytest.mark.parametrize("backend", ["reference", "ref_kernel"])
+def test_inf_does_not_cross_a_boundary(seed, backend):
+    # an inf in the last step of the first sequence: the next sequence's outputs and input gradients stay finite
+    # and equal to it run alone (a dropped tap is dropped, not multiplied by zero, which would give NaN)
+    x = torch.randn(1, 4, 12, dtype=F64)
+    x[..., 4] = float("inf")
+    w, b = torch.randn(4, 4, dtype=F64), torch.randn(4, dtype=F64)
+    xl = leaf(x)
+    out = ops.packed_causal_conv1d(xl, w, b, "silu", position_ids=positions([[5, 7]]), backend=backend)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    x1 = leaf(x[..., 5:])
+    alone = ops.packed_causal_conv1d(x1, w, b, "silu", backend=backend)
+    alone.backward(dout[..., 5:])
+    assert torch.isfinite(out[..., 5:]).all() and torch.isfinite(xl.grad[..., 5:]).all()
+    torch.testing.assert_close(out[..., 5:], alone, **TOL)
+    torch.testing.assert_close(xl.grad[..., 5:], x1.grad, **TOL)
+
+
 def test_channel_last_and_channel_first_agree(seed):
     x = torch.randn(2, 8, 11, dtype=F64)
     x_cl = x.transpose(1, 2).contiguous().transpose(1, 2)

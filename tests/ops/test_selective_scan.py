@@ -229,6 +229,51 @@ def test_linear_scan_both_methods(seed):
                                    want.movedim(2, 0), **TOL)
 
 
+def test_linear_scan_reset_both_methods(seed):
+    # reset[t]: h[t] = b[t], whatever came before (a pure-Python loop as the oracle), for random reset patterns
+    # (resets at 0, adjacent resets, none at all in a row)
+    rng = random.Random(seed)
+    L = 50
+    a, b = torch.rand(3, 4, L, dtype=F64), torch.randn(3, 4, L, dtype=F64)
+    reset = torch.tensor([[rng.random() < p for _ in range(L)] for p in (0.0, 0.1, 0.6)])[:, None, :]
+    want = torch.zeros_like(b)
+    h = torch.zeros(3, 4, dtype=F64)
+    for t in range(L):
+        h = torch.where(reset[:, :, t], b[..., t], a[..., t] * h + b[..., t])
+        want[..., t] = h
+    for method in ("sequential", "parallel"):
+        got = linear_scan(a, b, dim=2, method=method, reset=reset)
+        torch.testing.assert_close(got, want, **TOL)
+        # on finite inputs, the same as the multiply-by-zero formulation
+        torch.testing.assert_close(got, linear_scan(a * ~reset, b, dim=2, method=method), **TOL)
+
+
+@pytest.mark.parametrize("method", ["sequential", "parallel"])
+def test_inf_state_does_not_cross_a_reset(seed, method):
+    # an inf in the last step of the first sequence of a row: the next sequences' outputs and every gradient of
+    # their inputs stay finite and equal to each sequence run alone (a reset drops the state, it does not
+    # multiply it by zero); with a multiply-by-zero reset they would be NaN
+    rows = [[7, 1, 2, 10], [20]]
+    inputs, softplus = make_inputs(2, 3, 4, 20, "full")
+    u = inputs[0].clone()
+    u[0, :, 6] = float("inf")
+    leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in (u,) + tuple(inputs[1:])]
+    out = selective_scan_ref(*leaves, delta_softplus=softplus, position_ids=positions(rows), method=method)
+    dout = torch.randn_like(out)
+    dout[0, :, :7] = 0.0   # the loss of the other sequences only
+    out.backward(dout)
+    for b, s, n in spans(rows):
+        if b == 0 and s == 0:
+            continue
+        assert torch.isfinite(out[b, :, s:s + n]).all(), (b, s)
+        alone = [None if t is None else (t[b:b + 1, ..., s:s + n] if t.dim() >= 3 and t.shape[-1] == 20 else t)
+                 for t in (u,) + tuple(inputs[1:])]
+        o1 = selective_scan_ref(*alone, delta_softplus=softplus, method=method)
+        torch.testing.assert_close(out[b:b + 1, :, s:s + n], o1, **TOL)
+        for name, leaf in zip(("u", "delta"), leaves[:2]):
+            assert torch.isfinite(leaf.grad[b, :, s:s + n]).all(), (name, b, s)
+
+
 def test_no_boundaries_is_one_sequence_per_row_and_boundaries_matter(seed):
     inputs, softplus = make_inputs(2, 4, 3, 12, "full")
     pos_one = torch.arange(12).expand(2, 12)
