@@ -292,9 +292,9 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
 // skip a dropped tap's multiply-add under a predicate.
 //
 // Measured on the H200 (B=8, D=4096, L=4096, bf16, 12-18 sequences a row; benchmarks/gpu/conv_variants.py): the
-// register kernels above 0.178 + 0.463 ms (fwd + bwd); kernels that staged each tile in shared memory (cp.async,
+// register kernels above 0.152 + 0.442 ms (fwd + bwd); kernels that staged each tile in shared memory (cp.async,
 // then bulk copies: 0.166 + 0.300 ms; a persistent, double-buffered form was slower still) lost to these,
-// 0.141 + 0.273 ms, against causal-conv1d's 0.140 + 0.257 ms without boundaries.
+// 0.138 + 0.271 ms, against causal-conv1d's 0.140 + 0.257 ms without boundaries.
 
 __global__ void conv_runmask_kernel(const int *pos, uint16_t *mask, int L, int nruns, int stride, int total) {
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
