@@ -213,3 +213,12 @@ def assert_packed_matches(out_dir, seqs_by_source: dict, labels_by_source: dict 
                         pos += L
                     assert pos == len(seq), (src, row, pieces)
         return n
+
+
+@pytest.fixture
+def seed():
+    """A fresh random seed per test, printed so a failure can be replayed (PACKLOADER_TEST_SEED=...)."""
+    env = os.environ.get("PACKLOADER_TEST_SEED")
+    s = int(env) if env else int(np.random.SeedSequence().entropy % (2**31))
+    print(f"random seed {s} (replay: PACKLOADER_TEST_SEED={s})")
+    return s

@@ -22,14 +22,6 @@ from tests.packloader.conftest import assert_packed_matches, random_sequences, s
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture
-def seed():
-    env = os.environ.get("PACKLOADER_TEST_SEED")
-    s = int(env) if env else int(np.random.SeedSequence().entropy % (2**31))
-    print(f"random seed {s} (replay: PACKLOADER_TEST_SEED={s})")
-    return s
-
-
 def run(capsys, *argv):
     rc = main([str(a) for a in argv])
     out = capsys.readouterr()

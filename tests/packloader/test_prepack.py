@@ -34,14 +34,6 @@ from tests.packloader.conftest import (
 EXT = {"arrow": "arrow", "parquet": "parquet", "tar": "tar"}
 
 
-@pytest.fixture
-def seed():
-    env = os.environ.get("PACKLOADER_TEST_SEED")
-    s = int(env) if env else int(np.random.SeedSequence().entropy % (2**31))
-    print(f"random seed {s} (replay: PACKLOADER_TEST_SEED={s})")
-    return s
-
-
 def pack(sources, out, **kw):
     kw.setdefault("quiet", True)
     return pack_dataset(sources, out, **kw)

@@ -32,14 +32,6 @@ from tests.packloader.conftest import assert_packed_matches
 EOS = "<|endoftext|>"
 
 
-@pytest.fixture
-def seed():
-    env = os.environ.get("PACKLOADER_TEST_SEED")
-    s = int(env) if env else int(np.random.SeedSequence().entropy % (2**31))
-    print(f"random seed {s} (replay: PACKLOADER_TEST_SEED={s})")
-    return s
-
-
 @pytest.fixture(scope="module")
 def tok_path():
     return data_path(TOKENIZER)

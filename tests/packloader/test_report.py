@@ -24,14 +24,6 @@ from tests.packloader.conftest import random_sequences
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture
-def seed():
-    env = os.environ.get("PACKLOADER_TEST_SEED")
-    s = int(env) if env else int(np.random.SeedSequence().entropy % (2**31))
-    print(f"random seed {s} (replay: PACKLOADER_TEST_SEED={s})")
-    return s
-
-
 def ref_length_hist(lengths, cap):
     """Independent twin: right-closed equal-width bins over (0, cap] by searchsorted on the edges
     (k * cap / 256 is exact in binary), one more bin for lengths above cap; empty ones not counted."""
