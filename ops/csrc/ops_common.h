@@ -27,8 +27,12 @@ struct ScanParams {
   float *dA, *dB, *dC, *dD, *ddelta_bias;   // fp32 accumulators, zero-initialised by the caller
 };
 
-constexpr int kScanChunk = 64;   // timesteps staged in shared memory at a time; forward saves a state per chunk
-constexpr int kScanLanes = 16;   // state lanes per channel (dstate padded up to 16)
+// The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.
+#if !defined(PACKLOADER_SCAN_CHUNK) || !defined(PACKLOADER_SCAN_LANES)
+#error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK and PACKLOADER_SCAN_LANES from ops/contract.py"
+#endif
+constexpr int kScanChunk = PACKLOADER_SCAN_CHUNK;   // timesteps staged in shared memory at a time; one saved state a chunk
+constexpr int kScanLanes = PACKLOADER_SCAN_LANES;   // state lanes per channel (dstate padded up to this)
 
 void scan_fwd_launch(const ScanParams &p, cudaStream_t stream);
 void scan_bwd_launch(const ScanParams &p, cudaStream_t stream);
@@ -45,7 +49,6 @@ struct ConvParams {
   const float *weight, *bias;   // bias may be null
   const int *pos;
   uint16_t *runmask;            // scratch of (batch, conv_mask_stride(seqlen)) for the channel-first kernels
-  bool cf_always_masked;        // benchmarks: no warp takes the boundary-free path
   bool cl_vec;                  // channel-last rows aligned to the kernels' vectors (set by the launcher)
   void *out;
   const void *dout;

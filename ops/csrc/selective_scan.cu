@@ -14,7 +14,7 @@
 // each 16-step sub-chunk start in registers, then re-running each sub-chunk (16 states + 16 decays in
 // registers) and walking it in reverse.  dB/dC are summed over the block's channels in shared memory and added
 // to fp32 buffers with one atomic per (block, n, t); dA, dD, ddelta_bias are reduced per thread/lane group.
-#include <cstdlib>
+#include "dispatch.cuh"
 
 #include "ops_common.h"
 #include "dtype_utils.cuh"
@@ -432,58 +432,51 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 
 // cp.async moves 4-byte units: rows of 16-bit tensors must start 4-byte aligned (seqlen even); the rare odd
 // seqlen stages with plain loads instead.
-// PACKLOADER_SCAN_SYNC_STAGING=1 forces plain loads (for benchmarks comparing the two).
 template <typename in_t, typename w_t>
 bool use_async(const ScanParams &p) {
-  const char *env = std::getenv("PACKLOADER_SCAN_SYNC_STAGING");
-  if (env != nullptr && env[0] == '1') return false;
   return (sizeof(in_t) == 4 || p.seqlen % 2 == 0) && (sizeof(w_t) == 4 || p.seqlen % 2 == 0);
 }
 
-template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
-void fwd_launch_one(const ScanParams &p, cudaStream_t st) {
-  dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
-  scan_fwd_kernel<in_t, w_t, kHasZ, kAsync><<<grid, kThreads, 0, st>>>(p);
+template <typename in_t, typename w_t>
+void fwd_launch(const ScanParams &p, cudaStream_t st) {
+  const dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
+  bool_switch(p.z != nullptr, [&](auto has_z) {
+    bool_switch(use_async<in_t, w_t>(p), [&](auto async) {
+      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value><<<grid, kThreads, 0, st>>>(p);
+    });
+  });
 }
 
 template <typename in_t, typename w_t>
-void fwd_dispatch_z(const ScanParams &p, cudaStream_t st) {
-  const bool a = use_async<in_t, w_t>(p);
-  if (p.z) { if (a) fwd_launch_one<in_t, w_t, true, true>(p, st); else fwd_launch_one<in_t, w_t, true, false>(p, st); }
-  else { if (a) fwd_launch_one<in_t, w_t, false, true>(p, st); else fwd_launch_one<in_t, w_t, false, false>(p, st); }
-}
-
-template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
-void bwd_launch_one(const ScanParams &p, cudaStream_t st) {
-  dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
+void bwd_launch(const ScanParams &p, cudaStream_t st) {
+  const dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
   const int smem = sizeof(BwdSmem<in_t, w_t>);
-  cudaFuncSetAttribute(scan_bwd_kernel<in_t, w_t, kHasZ, kAsync>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  scan_bwd_kernel<in_t, w_t, kHasZ, kAsync><<<grid, kThreads, smem, st>>>(p);
+  bool_switch(p.z != nullptr, [&](auto has_z) {
+    bool_switch(use_async<in_t, w_t>(p), [&](auto async) {
+      auto kernel = scan_bwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      kernel<<<grid, kThreads, smem, st>>>(p);
+    });
+  });
 }
 
-template <typename in_t, typename w_t>
-void bwd_dispatch_z(const ScanParams &p, cudaStream_t st) {
-  const bool a = use_async<in_t, w_t>(p);
-  if (p.z) { if (a) bwd_launch_one<in_t, w_t, true, true>(p, st); else bwd_launch_one<in_t, w_t, true, false>(p, st); }
-  else { if (a) bwd_launch_one<in_t, w_t, false, true>(p, st); else bwd_launch_one<in_t, w_t, false, false>(p, st); }
-}
-
+// u / delta / z in one dtype; B / C in that dtype or float32
 }  // namespace
 
 void scan_fwd_launch(const ScanParams &p, cudaStream_t st) {
-  switch (p.in_dtype) {
-    case kF32: fwd_dispatch_z<float, float>(p, st); break;
-    case kF16: if (p.w_f32) fwd_dispatch_z<__half, float>(p, st); else fwd_dispatch_z<__half, __half>(p, st); break;
-    default: if (p.w_f32) fwd_dispatch_z<__nv_bfloat16, float>(p, st); else fwd_dispatch_z<__nv_bfloat16, __nv_bfloat16>(p, st); break;
-  }
+  dtype_switch(p.in_dtype, [&](auto tag) {
+    using in_t = decltype(tag);
+    if (p.w_f32) fwd_launch<in_t, float>(p, st);
+    else fwd_launch<in_t, in_t>(p, st);
+  });
 }
 
 void scan_bwd_launch(const ScanParams &p, cudaStream_t st) {
-  switch (p.in_dtype) {
-    case kF32: bwd_dispatch_z<float, float>(p, st); break;
-    case kF16: if (p.w_f32) bwd_dispatch_z<__half, float>(p, st); else bwd_dispatch_z<__half, __half>(p, st); break;
-    default: if (p.w_f32) bwd_dispatch_z<__nv_bfloat16, float>(p, st); else bwd_dispatch_z<__nv_bfloat16, __nv_bfloat16>(p, st); break;
-  }
+  dtype_switch(p.in_dtype, [&](auto tag) {
+    using in_t = decltype(tag);
+    if (p.w_f32) bwd_launch<in_t, float>(p, st);
+    else bwd_launch<in_t, in_t>(p, st);
+  });
 }
 
 }  // namespace packloader_ops
