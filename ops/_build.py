@@ -96,6 +96,8 @@ def _load_aot():
     """``ops._C`` if it is installed and loads; a warning (once) if it is installed but broken."""
     if importlib.util.find_spec(AOT_MODULE) is None:
         return None
+    import torch  # noqa: F401  (the extension links against torch's libraries: load them first)
+
     try:
         return importlib.import_module(AOT_MODULE)
     except Exception as e:  # built for another torch / CUDA: say so, then build just in time
