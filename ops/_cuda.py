@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _build
-from .contract import MAX_DSTATE as _MAX_DSTATE, SCAN_CHUNK as _CHUNK, SCAN_LANES as _LANES
+from .contract import CONV_SLOT_STEPS, MAX_DSTATE as _MAX_DSTATE, SCAN_CHUNK as _CHUNK, SCAN_LANES as _LANES
 
 
 def is_available() -> bool:
@@ -119,15 +119,16 @@ def selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, out, po
         du = torch.empty_like(u)
         ddelta = torch.empty_like(u)
         dz = torch.empty_like(u) if z is not None else None
-        dA = torch.zeros_like(A32)
+        # dA / dD / ddelta_bias come per batch row and are summed here (no atomics: the same bits every run)
+        dA = torch.zeros((batch,) + tuple(A32.shape), device=u.device, dtype=torch.float32)
         dB = torch.zeros(B.shape, device=u.device, dtype=torch.float32)
         dC = torch.zeros(C.shape, device=u.device, dtype=torch.float32)
-        dD = torch.zeros_like(D32) if D32 is not None else None
-        ddb = torch.zeros_like(db32) if db32 is not None else None
+        dD = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if D32 is not None else None
+        ddb = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if db32 is not None else None
         if u.numel() > 0:
             ext.scan_bwd(u, delta, A32, B, C, D32, z, db32, pos, bool(delta_softplus), saved.contiguous(), dout, out,
                          du, ddelta, dz, dA, dB, dC, dD, ddb)
-        res = (du, ddelta, dA, dB, dC, dD, dz, ddb)
+        res = (du, ddelta, dA.sum(0), dB, dC, None if dD is None else dD.sum(0), dz, None if ddb is None else ddb.sum(0))
     du, ddelta, dA, dB, dC, dD, dz, ddb = res
     if B_in.dim() == 3:
         dB = dB.squeeze(1)
@@ -198,8 +199,11 @@ def causal_conv1d_bwd(x, weight, bias, dout, position_ids, activation):
     dx = torch.empty_like(x)
     if dx.stride() != x.stride():
         dx = _like_layout(torch.empty(x.shape, device=x.device, dtype=x.dtype), x)
-    dweight = torch.zeros(dim, width, device=x.device, dtype=torch.float32)
-    dbias = torch.zeros(dim, device=x.device, dtype=torch.float32) if bias is not None else None
+    # per-block partials of [dweight | dbias], summed here in a fixed order (no atomics: the same bits every run)
+    slots = batch * max(1, -(-seqlen // CONV_SLOT_STEPS))
+    dw_part = torch.zeros(slots, dim, width + 1, device=x.device, dtype=torch.float32)
     if x.numel() > 0:
-        ext.conv_bwd(x, w, b, pos, activation is not None, dout, dx, dweight, dbias)
-    return dx, dweight.reshape(weight.shape), dbias
+        ext.conv_bwd(x, w, b, pos, activation is not None, dout, dx, dw_part)
+    dw = dw_part.sum(0)
+    dbias = dw[:, width].contiguous() if bias is not None else None
+    return dx, dw[:, :width].reshape(weight.shape), dbias

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
     }
     store_n<T, kRun>(dx + t0, valid, main);
   }
-  block_reduce_dw<kW>(dw, s_red, p.dweight, p.dbias, d);
+  block_reduce_dw<kW>(dw, s_red, p.dw_part, d, p.dim);
 }
 
 }  // namespace

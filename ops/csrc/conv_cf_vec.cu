@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_vec(const ConvParams p
     for (int e = 1; e < kW; ++e) dxr[j][kRun - e] += s_c[r + 1][e - 1];
     stg_run<T>(dx + t0, L - t0, dxr[j]);
   }
-  block_reduce_dw<kW>(dw, s_red, p.dweight, p.dbias, d);
+  block_reduce_dw<kW>(dw, s_red, p.dw_part, d, p.dim);
 }
 
 

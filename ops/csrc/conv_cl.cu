@@ -13,7 +13,8 @@ namespace {
 
 constexpr int kBXCL = 32, kBYCL = 4;   // 32 threads over channels x 4 over time
 constexpr int kRunCL = 32;             // timesteps per thread
-constexpr int kGroupCL = 8;            // timesteps whose loads are issued together (cl_vec rows)
+constexpr int kGroupCL = 8;
+static_assert(kBYCL * kRunCL >= PACKLOADER_CONV_SLOT_STEPS, "one dweight slot per block row of timesteps");            // timesteps whose loads are issued together (cl_vec rows)
 
 template <typename T>
 struct ClVec { static constexpr int kFwd = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T); static constexpr int kBwd = 4; };
@@ -247,8 +248,7 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
     float s = 0.f;
 #pragma unroll
     for (int y = 0; y < kBYCL; ++y) s += s_red[y][cl][k];
-    if (k < kW) atomicAdd(p.dweight + d * kW + k, s);
-    else if (p.dbias) atomicAdd(p.dbias + d, s);
+    p.dw_part[((int64_t)dw_slot() * p.dim + d) * (kW + 1) + k] = s;
   }
 }
 

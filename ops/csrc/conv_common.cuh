@@ -71,9 +71,14 @@ constexpr int kRun = 8;          // timesteps per thread
 constexpr int kThreadsCF = 128;  // 1024 timesteps per block
 constexpr int kSpanCF = kRun * kThreadsCF;
 
+// dweight / dbias of one block go to its own slot of the partials (slots, dim, W + 1), which the caller sums in a
+// fixed order: no atomics, the same bits every run. A block's slot is its (batch row, time tile); no family has more
+// than one slot per PACKLOADER_CONV_SLOT_STEPS timesteps of a row (ops/contract.py sizes the buffer from that).
+__device__ __forceinline__ int dw_slot() { return blockIdx.z * gridDim.y + blockIdx.y; }
+
 template <int kW>
-__device__ __forceinline__ void block_reduce_dw(float (&dw)[kW + 1], float (*s_red)[kW + 1], float *dweight,
-                                                float *dbias, int d) {
+__device__ __forceinline__ void block_reduce_dw(float (&dw)[kW + 1], float (*s_red)[kW + 1], float *dw_part,
+                                                int d, int dim) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int k = 0; k <= kW; ++k) {
@@ -89,8 +94,7 @@ __device__ __forceinline__ void block_reduce_dw(float (&dw)[kW + 1], float (*s_r
     float s = 0.f;
 #pragma unroll
     for (int wi = 0; wi < kThreadsCF / 32; ++wi) s += s_red[wi][threadIdx.x];
-    if (threadIdx.x < kW) atomicAdd(dweight + d * kW + threadIdx.x, s);
-    else if (dbias) atomicAdd(dbias + d, s);
+    dw_part[(dw_slot() * dim + d) * (kW + 1) + threadIdx.x] = s;
   }
   __syncthreads();
 }

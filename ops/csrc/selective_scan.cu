@@ -6,14 +6,15 @@
 // B and C shared by the block's 16 channels).  Per timestep a thread does one exp2 and a few FMAs; the sum
 // over the 16 states (y = sum_n C h) is done every 16 timesteps with a butterfly reduce-scatter across the
 // 16 lanes, so lane n ends up owning timestep 16*s + n and writes it.
-// Reset: a_t = exp(delta_t A) * (pos_t != 0): the carried state is zeroed before the update, and in backward
-// the adjoint handed from t to t-1 is multiplied by the same a_t (0 at a reset), so nothing finite crosses. (An
-// inf or NaN state would: 0 * inf is NaN. The conv kernels skip dropped taps instead; doing the same here, a
-// select per step, is not done yet.)
+// Reset: where pos_t == 0 the update is h_t = delta_t B_t u_t, a select that drops the carried state instead of
+// multiplying it by zero, and in backward the adjoint handed from t to t-1 and the terms through h_{t-1} are
+// dropped the same way: not even an inf or NaN (0 * inf is NaN) crosses a boundary, forward or backward, nor the
+// chunk carry (the saved chunk-end states feed the same select).
 // Backward recomputes states per 64-step chunk from the forward's saved chunk-end states, keeping the state at
 // each 16-step sub-chunk start in registers, then re-running each sub-chunk (16 states + 16 decays in
 // registers) and walking it in reverse.  dB/dC are summed over the block's channels in shared memory and added
-// to fp32 buffers with one atomic per (block, n, t); dA, dD, ddelta_bias are reduced per thread/lane group.
+// to fp32 buffers with one atomic per (block, n, t); dA, dD, ddelta_bias are reduced per thread/lane group and
+// stored per batch row (the caller sums the rows: no atomics, the same bits every run).
 #include "dispatch.cuh"
 
 #include "ops_common.h"
@@ -198,8 +199,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
         const int tt = s * kSub + j;
-        const float a = exp2f(sm.dt[tt][dl] * A2) * sm.m[tt];
-        h = fmaf(a, h, sm.dtu[tt][dl] * sm.Bm[tt][n]);
+        const float bx = sm.dtu[tt][dl] * sm.Bm[tt][n];
+        h = sm.m[tt] != 0.f ? fmaf(exp2f(sm.dt[tt][dl] * A2), h, bx) : bx;   // a reset drops h (a select)
         yv[j] = h * sm.Cm[tt][n];
       }
       reduce_scatter16(yv, n);
@@ -332,8 +333,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
           const int tt = s * kSub + j;
-          const float a = exp2f(sm.dt[tt][dl] * A2) * sm.m[tt];
-          h = fmaf(a, h, sm.dtu[tt][dl] * sm.Bm[tt][n]);
+          const float bx = sm.dtu[tt][dl] * sm.Bm[tt][n];
+          h = sm.m[tt] != 0.f ? fmaf(exp2f(sm.dt[tt][dl] * A2), h, bx) : bx;
           if (kHasZ) yv[j] = h * sm.Cm[tt][n];
         }
         if (kHasZ) {
@@ -356,8 +357,9 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
           const int tt = s * kSub + j;
-          av[j] = exp2f(sm.dt[tt][dl] * A2) * sm.m[tt];
-          h = fmaf(av[j], h, sm.dtu[tt][dl] * sm.Bm[tt][n]);
+          av[j] = exp2f(sm.dt[tt][dl] * A2);
+          const float bx = sm.dtu[tt][dl] * sm.Bm[tt][n];
+          h = sm.m[tt] != 0.f ? fmaf(av[j], h, bx) : bx;
           hv[j] = h;
         }
       }
@@ -373,10 +375,13 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
         dCv[j] = dyv * hv[j];
         dBv[j] = g * sm.dtu[tt][dl];
         duv[j] = g * dtv * Bn;
-        const float ga = g * hprev * av[j];
+        // at a reset nothing flows to or from the sequence before: the terms through h[t-1] are dropped, not
+        // multiplied by zero (an inf or NaN on either side stays on its side)
+        const bool keep = sm.m[tt] != 0.f;
+        const float ga = keep ? g * hprev * av[j] : 0.f;
         ddv[j] = fmaf(ga, Anat, g * Bn * sm.u[tt][dl]);
         dA_acc = fmaf(ga, dtv, dA_acc);
-        gc = g * av[j];
+        gc = keep ? g * av[j] : 0.f;
       }
       // sums over the 16 states: lane n gets timestep s*16+n
       reduce_scatter16(duv, n);
@@ -418,15 +423,16 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
       }
     }
   }
-  if (d_ok && n < p.dstate) atomicAdd(p.dA + (int64_t)d * p.dstate + n, dA_acc);
+  // per batch row: the caller sums the rows (no atomics: the same bits every run)
+  if (d_ok && n < p.dstate) p.dA[((int64_t)b * p.dim + d) * p.dstate + n] = dA_acc;
 #pragma unroll
   for (int o = 8; o >= 1; o >>= 1) {
     dD_acc += __shfl_xor_sync(0xffffffffu, dD_acc, o);
     dbias_acc += __shfl_xor_sync(0xffffffffu, dbias_acc, o);
   }
   if (d_ok && n == 0) {
-    if (p.dD) atomicAdd(p.dD + d, dD_acc);
-    if (p.ddelta_bias) atomicAdd(p.ddelta_bias + d, dbias_acc);
+    if (p.dD) p.dD[(int64_t)b * p.dim + d] = dD_acc;
+    if (p.ddelta_bias) p.ddelta_bias[(int64_t)b * p.dim + d] = dbias_acc;
   }
 }
 

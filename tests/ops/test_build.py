@@ -22,6 +22,7 @@ def test_defines_carry_the_contract():
     flags = " ".join(_build.defines())
     assert f"-DPACKLOADER_SCAN_CHUNK={contract.SCAN_CHUNK}" in flags
     assert f"-DPACKLOADER_SCAN_LANES={contract.SCAN_LANES}" in flags
+    assert f"-DPACKLOADER_CONV_SLOT_STEPS={contract.CONV_SLOT_STEPS}" in flags
     for flags in (_build.cxx_flags(), _build.nvcc_flags()):
         assert set(_build.defines()) <= set(flags)
 
