@@ -16,7 +16,8 @@ Example::
             if step % 1000 == 0:
                 torch.save({"model": ..., "loader": loader.state_dict()}, "ckpt.pt")
 
-    # later: a fresh loader with the same settings continues exactly where the checkpoint was taken
+    # later: a fresh loader continues exactly where the checkpoint was taken, also on another number
+    # of GPUs or with another batch_size (see "Exact and elastic resume")
     loader.load_state_dict(torch.load("ckpt.pt")["loader"])
 
 A complete, runnable loop (DDP under torchrun, global loss normalisation, checkpoint and exact resume):
@@ -43,16 +44,42 @@ What one epoch is
    page-locked memory with ``pin_memory=True``. Moving one small buffer instead of five tensors is what
    makes workers pay: torch moves each tensor through its own shared-memory segment and file descriptor.
 
-Exact resume
-------------
-The epoch's plan is a pure function of (sequence lengths, settings, seed, epoch), so the state is only
-``{epoch, batches_consumed}`` plus the settings and a source fingerprint to check against (JSON, a few
-hundred bytes, no token data). Batches are counted when the training loop receives them (``__next__``
-in the main process): batches prefetched by workers but not yet handed out are not consumed. A fresh
-loader given the state recomputes the plan and starts at batch ``batches_consumed``; sequences that
-an online packer would have held in its buffer, or a partially read shard, are exactly where the plan
-puts them. All ranks consume the same number of batches, so any rank's state can be loaded on every rank
-(saving rank 0's is enough). Resume also works with a different ``num_workers``.
+Exact and elastic resume
+------------------------
+The epoch's plan is a pure function of (sequence lengths, settings, seed, epoch), and no rank, world
+size or worker count goes into it (every rank computes the whole plan, the online packer included), so
+the state is only the position in it: ``{epoch, rows_consumed}`` plus the settings, the epoch's row
+count and a digest of its plan to check against (JSON, a few hundred bytes, no token data).
+``rows_consumed`` is MosaicML streaming's ``sample_in_epoch``: the plan rows ``[0, R)`` handed out, over
+all ranks together. Batches are counted when the training loop receives them (``__next__`` in the main
+process): batches prefetched by workers but not yet handed out are not consumed. All ranks consume the
+same number of batches, so **every rank's state is the same**: save rank 0's (``if rank == 0:
+torch.save(...)``) and load it on every rank of the next run.
+
+A fresh loader given the state continues the epoch at plan row ``R``; sequences that an online packer
+would have held in its buffer, or a partially read shard, are exactly where the plan puts them:
+
+* **the same** ``world_size`` and ``batch_size``: the batches are exactly those of the uninterrupted run
+  (``len(loader)`` and ``batches_consumed`` too), with any ``num_workers``;
+* **another** ``world_size``, ``batch_size``, ``drop_last`` or ``num_workers`` (a job restarted on more or
+  fewer GPUs): the rows ``[R, N)`` are cut into global steps of the new ``world_size * batch_size``, so
+  every remaining sequence comes exactly once, none consumed before comes again, and every rank still
+  yields the same number of batches (the last step padded, or dropped with ``drop_last=True``). The
+  epoch's schedule then begins at row ``R % (world_size * batch_size)``: ``len(loader)`` counts its
+  batches (the same as a fresh epoch's, or one less), and the resumed iterator starts at batch
+  ``R // (world_size * batch_size)``;
+* **not** another ``source`` (other shards, another order of them, another pre-packed directory),
+  ``capacity``, ``seed``, ``shuffle``, ``algorithm``, ``buffer_size``, ``overflow`` or
+  ``max_items_per_bin``: these make the plan, so the saved position means nothing under other ones.
+  :meth:`load_state_dict` names the setting, both values and what may change; it also refuses a plan
+  that differs although the settings match (a packer changed between versions). Finish the epoch with
+  the old settings, or start a new epoch (``set_epoch``) without loading the state.
+
+Both sources are elastic: a pre-packed directory's plan is its rows in a ``(seed, epoch)`` order, a
+streaming source's the packer's rows over the ``(seed, epoch)`` stream order. Once every batch of an
+epoch is out the state says ``rows_consumed == epoch_rows`` (a tail that ``drop_last`` dropped counts as
+done), and any layout resumes it with an empty rest. States of the first format (``version`` 1,
+``batches_consumed`` of the saving layout) still load, elastically too.
 
 Epochs follow ``DistributedSampler``: call :meth:`set_epoch` before each epoch to reshuffle; iterating
 again without it repeats the epoch. After :meth:`load_state_dict` the *next* iterator yields the rest of
@@ -177,6 +204,14 @@ class PackedDataLoader:
         labels        [  - a1 a2 a3 a4 |  - b1 b2 |  - c1 c2 | - ]    (- = -100)
         position_ids  [  0  1  2  3  4 |  0  1  2 |  0  1  2 | 0 ]
         seq_idx       [  0  0  0  0  0 |  1  1  1 |  2  2  2 | 3 ]
+
+    Resume: :meth:`state_dict` is the position in the epoch's plan of rows (``rows_consumed``, counted over
+    all ranks), the same on every rank: save rank 0's. :meth:`load_state_dict` continues it exactly with the
+    same ``world_size`` and ``batch_size``, and elastically with another ``world_size``, ``batch_size``,
+    ``drop_last`` or ``num_workers``: every remaining sequence once, none repeated, the same number of
+    batches on every rank. ``source``, ``capacity``, ``seed``, ``shuffle``, ``algorithm``, ``buffer_size``,
+    ``overflow`` and ``max_items_per_bin`` must be the saved ones (they make the plan); another value is
+    refused with an error naming it. Details: "Exact and elastic resume" in :mod:`packloader.loader`.
 
     Args:
         source: token shards (a path, directory, glob / brace pattern, or a list of them: see
