@@ -110,8 +110,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from packloader.batch import collate_raw
-from packloader.distributed import (assign_rows, current_worker, num_batches as plan_batches, resolve_rank_world, resume_point,
-                                    rows_consumed, worker_batch_indices)
+from packloader.distributed import (assign_rows, current_worker, resolve_rank_world, resume_point, rows_consumed,
+                                    worker_batch_indices)
+from packloader.distributed import num_batches as plan_batches
 from packloader.stream import PrepackedRows, StreamingRows, is_prepacked_dir
 
 __all__ = ["PackedDataLoader", "STATE_FORMAT"]

@@ -246,16 +246,27 @@ def test_chained_elastic_resumes_and_exact_resume_after_them(request, data, name
 
 
 def test_resume_with_other_workers_and_world_size(stream_corpus):
-    """World size, batch size and num_workers change together (workers build the rest)."""
+    """World size, batch size and num_workers change together (workers build the rest); persistent
+    workers that already ran a whole epoch take up the resumed schedule (another offset)."""
     paths, seqs = stream_corpus
     kw = SOURCES["online"][1]
     first = make_ranks(paths, kw, 2, 2)
     plan = Plan(first[0], EPOCH)
     cuts = lockstep_states(first, plan)
-    state, rows, pieces = cuts[len(cuts) // 2]
+    # a resume point that is not a step boundary of the new layout (3 ranks x 1 row)
+    state, rows, pieces = next(c for k, c in enumerate(cuts) if k >= len(cuts) // 2 and k * 4 % 3)
     rest, rest_pieces, _ = resume_ranks(make_ranks(paths, kw, 3, 1, num_workers=2), state, plan, seqs=seqs)
     assert sorted(rows + rest) == list(range(plan.n)) and not set(rows) & set(rest)
     assert_exact_cover(pieces + rest_pieces, seqs)
+
+    second = make_ranks(paths, kw, 3, 1, num_workers=2, persistent_workers=True)
+    whole = []
+    for dl in second:
+        dl.set_epoch(EPOCH)
+        whole += [r for b in dl for r in plan.rows_of(b)]  # starts the workers, whole epoch
+    assert sorted(whole) == list(range(plan.n))
+    again, _, _ = resume_ranks(second, state, plan)
+    assert sorted(again) == sorted(rest)
 
 
 @pytest.mark.parametrize("name", ["online", "prepacked"])
