@@ -254,7 +254,7 @@ def test_resume_with_other_workers_and_world_size(stream_corpus):
     plan = Plan(first[0], EPOCH)
     cuts = lockstep_states(first, plan)
     # a resume point that is not a step boundary of the new layout (3 ranks x 1 row)
-    state, rows, pieces = next(c for k, c in enumerate(cuts) if k >= len(cuts) // 2 and k * 4 % 3)
+    state, rows, pieces = next(c for k, c in enumerate(cuts) if len(cuts) // 2 <= k < len(cuts) - 1 and k * 4 % 3)
     rest, rest_pieces, _ = resume_ranks(make_ranks(paths, kw, 3, 1, num_workers=2), state, plan, seqs=seqs)
     assert sorted(rows + rest) == list(range(plan.n)) and not set(rows) & set(rest)
     assert_exact_cover(pieces + rest_pieces, seqs)
