@@ -125,9 +125,12 @@ def selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, out, po
         dC = torch.zeros(C.shape, device=u.device, dtype=torch.float32)
         dD = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if D32 is not None else None
         ddb = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if db32 is not None else None
+        # deterministic mode: dB / dC added by the channel blocks in a fixed order (tickets), else with atomics
+        det_sem = (torch.zeros(batch, saved.shape[2], device=u.device, dtype=torch.int32)
+                   if torch.are_deterministic_algorithms_enabled() else None)
         if u.numel() > 0:
             ext.scan_bwd(u, delta, A32, B, C, D32, z, db32, pos, bool(delta_softplus), saved.contiguous(), dout, out,
-                         du, ddelta, dz, dA, dB, dC, dD, ddb)
+                         du, ddelta, dz, dA, dB, dC, dD, ddb, det_sem)
         res = (du, ddelta, dA.sum(0), dB, dC, None if dD is None else dD.sum(0), dz, None if ddb is None else ddb.sum(0))
     du, ddelta, dA, dB, dC, dD, dz, ddb = res
     if B_in.dim() == 3:

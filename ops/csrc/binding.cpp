@@ -62,7 +62,7 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
 
 void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
               bool softplus, Tensor saved, Tensor dout, OptT out_fwd, Tensor du, Tensor ddelta, OptT dz, Tensor dA,
-              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias) {
+              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_sem) {
   c10::cuda::CUDAGuard guard(u.device());
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
   p.saved = saved.data_ptr<float>();
@@ -76,6 +76,7 @@ void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
   p.dC = dC.data_ptr<float>();
   p.dD = ptr_or_null<float>(dD);
   p.ddelta_bias = ptr_or_null<float>(ddelta_bias);
+  p.det_sem = ptr_or_null<int>(det_sem);
   po::scan_bwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

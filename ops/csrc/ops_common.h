@@ -26,6 +26,7 @@ struct ScanParams {
   void *du, *ddelta, *dz;
   float *dB, *dC;                    // fp32 accumulators (batch, n_groups, dstate, seqlen), zeroed by the caller
   float *dA, *dD, *ddelta_bias;      // fp32 per batch row: (batch, dim, dstate), (batch, dim); the caller sums rows
+  int *det_sem;                      // deterministic mode: (batch, nchunks) int32 zeros, else null (atomics for dB/dC)
 };
 
 // The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.

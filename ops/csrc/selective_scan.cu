@@ -13,7 +13,7 @@
 // Backward recomputes states per 64-step chunk from the forward's saved chunk-end states, keeping the state at
 // each 16-step sub-chunk start in registers, then re-running each sub-chunk (16 states + 16 decays in
 // registers) and walking it in reverse.  dB/dC are summed over the block's channels in shared memory and added
-// to fp32 buffers with one atomic per (block, n, t); dA, dD, ddelta_bias are reduced per thread/lane group and
+// to fp32 buffers with one atomic per (block, n, t) (deterministic mode: ordered adds, see det_sem); dA, dD, ddelta_bias are reduced per thread/lane group and
 // stored per batch row (the caller sums the rows: no atomics, the same bits every run).
 #include "dispatch.cuh"
 
@@ -229,6 +229,7 @@ struct BwdSmem {
   float Cm[kChunk][kPad];
   float m[kChunk];
   float red[2][2][kThreads / 32][kLanes][kSub + 1];   // [buffer][dB|dC][warp][n][j]
+  float chunk_dbc[2][kLanes][kChunk];                 // deterministic mode: the chunk's dB / dC block sums
 };
 
 template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
@@ -416,11 +417,38 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
         float sb = 0.f, sc = 0.f;
 #pragma unroll
         for (int w = 0; w < kThreads / 32; ++w) { sb += red[0][w][rn][rj]; sc += red[1][w][rn][rj]; }
-        if (rn < p.dstate && t < L) {
+        if (p.det_sem) {
+          sm.chunk_dbc[0][rn][s * kSub + rj] = sb;
+          sm.chunk_dbc[1][rn][s * kSub + rj] = sc;
+        } else if (rn < p.dstate && t < L) {
           atomicAdd(dBp + (int64_t)rn * L + t, sb);
           atomicAdd(dCp + (int64_t)rn * L + t, sc);
         }
       }
+    }
+    if (p.det_sem) {
+      // Deterministic mode: the blocks of a batch row add their sums for this chunk in the order of blockIdx.x, each
+      // after the one before it (a ticket per (row, chunk)). Blocks start in index order, so the one waited for is
+      // already running or done. Plain adds through L2 (__ldcg / __stcg), published by a fence before the ticket.
+      int *ticket = p.det_sem + (int64_t)b * p.nchunks + c;
+      __syncthreads();
+      if (tid == 0) {
+        while (atomicAdd(ticket, 0) != (int)blockIdx.x) {
+        }
+        __threadfence();
+      }
+      __syncthreads();
+      for (int i = tid; i < kLanes * kChunk; i += kThreads) {
+        const int rn = i / kChunk, tt = i % kChunk, t = t0 + tt;
+        if (rn < p.dstate && t < L) {
+          float *pb = dBp + (int64_t)rn * L + t, *pc = dCp + (int64_t)rn * L + t;
+          __stcg(pb, __ldcg(pb) + sm.chunk_dbc[0][rn][tt]);
+          __stcg(pc, __ldcg(pc) + sm.chunk_dbc[1][rn][tt]);
+        }
+      }
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) atomicAdd(ticket, 1);
     }
   }
   // per batch row: the caller sums the rows (no atomics: the same bits every run)
