@@ -8,9 +8,9 @@ Default shapes (the issue's): d_model 2048 (Mamba 1.4B width: d_inner 4096, d_st
 Variants, all on the same tensors and the same weights (PackedMamba shares upstream's parameters):
 
 - ``upstream``: mamba-ssm's ``Mamba`` (fused ``mamba_inner_fn``) WITHOUT boundaries: the target;
-- ``packed fused``: ``PackedMamba`` with position_ids, fused path, default backends (validation of a
-  fresh position_ids tensor every step included);
-- ``packed fused conv=upstream``: the same with causal-conv1d's seq_idx conv as the conv backend;
+- ``packed fused``: ``PackedMamba`` with position_ids, fused path (the boundaries of a fresh position_ids
+  tensor resolved and validated once per step at the stack's entry, as a model does; the layers do not check
+  again);
 - ``packed fused no-bounds``: ``PackedMamba`` without boundaries (what the boundaries cost);
 - ``packed non-fused``: ``PackedMamba(use_fast_path=False)``: the composed functional ops.
 
@@ -47,11 +47,21 @@ def packed_positions(batch, seqlen, lo, hi, seed=0):
 
 
 class Stack(torch.nn.Module):
+    """``h = h + layer(h)`` over the layers; boundaries resolved and validated once, at the entry."""
+
     def __init__(self, layers):
         super().__init__()
         self.layers = torch.nn.ModuleList(layers)
+        for layer in layers:
+            if hasattr(layer, "validate_boundaries"):
+                layer.validate_boundaries = False
 
-    def forward(self, h, **kw):
+    def forward(self, h, position_ids=None):
+        import ops
+
+        kw = {}
+        if position_ids is not None:
+            kw["position_ids"] = ops.resolve_position_ids(position_ids, batch=h.shape[0], seqlen=h.shape[1])
         for layer in self.layers:
             h = h + layer(h, **kw)
         return h
@@ -111,8 +121,7 @@ def main(argv=None):
     if dev == "cpu" and dtype != torch.float32:
         dtype = torch.float32  # CPU reference path: float32
 
-    import ops
-    from ops import PackedMamba, backends
+    from ops import PackedMamba
 
     torch.manual_seed(0)
     B, L, d = args.batch, args.seqlen, args.d_model
@@ -140,7 +149,7 @@ def main(argv=None):
     dy = torch.randn(B, L, d, device=dev, dtype=dtype) * 0.01
     params = list(packed.parameters())
 
-    def step(model, bounded, backend=None):
+    def step(model, bounded):
         def fn():
             for p in params:
                 p.grad = None
@@ -148,40 +157,31 @@ def main(argv=None):
             kw = {}
             if bounded:
                 kw["position_ids"] = pos_loader.clone()  # a fresh batch: validated once, as in training
-            if backend is not None:
-                for m in model.layers:
-                    m.backend = backend
             out = model(h, **kw)
             out.backward(dy)
         return fn
 
     variants = []
     if upstream is not None:
-        variants.append(("upstream Mamba (no boundaries)", step(upstream, False), None))
-    variants.append(("packed fused", step(packed, True), None))
-    if dev == "cuda" and "upstream" in backends.available_backends("causal_conv1d"):
-        variants.append(("packed fused conv=upstream", step(packed, True, "upstream"), "upstream"))
-    variants.append(("packed fused no-bounds", step(packed, False), None))
-    variants.append(("packed non-fused", step(nonfused, True), None))
+        variants.append(("upstream Mamba (no boundaries)", step(upstream, False)))
+    variants.append(("packed fused", step(packed, True)))
+    variants.append(("packed fused no-bounds", step(packed, False)))
+    variants.append(("packed non-fused", step(nonfused, True)))
 
     run = timer(dev)
-    conv_b = backends.resolve_backend("causal_conv1d", h0)
-    scan_b = backends.resolve_backend("selective_scan", h0)
+    backend = "cuda" if dev == "cuda" else "reference"  # the kernel ops dispatch on the device
     print(f"device {torch.cuda.get_device_name() if dev == 'cuda' else platform.processor() or 'cpu'}; "
-          f"B={B} L={L} d_model={d} layers={args.layers} {str(dtype).replace('torch.', '')}; default backends: conv={conv_b} scan={scan_b}",
+          f"B={B} L={L} d_model={d} layers={args.layers} {str(dtype).replace('torch.', '')}; ops: {backend}",
           flush=True)
     rows = []
     base_ms = None
-    for name, fn, backend in variants:
+    for name, fn in variants:
         try:
             ms, all_ms = run(fn, args.warmup, args.iters)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"  {name:<34} FAILED: {type(e).__name__}: {e}", flush=True)
             rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"})
             continue
-        finally:
-            for m in packed.layers:
-                m.backend = None
         if name.startswith("upstream"):
             base_ms = ms
         rows.append({"variant": name, "ms": round(ms, 4), "tokens_per_s": round(B * L / (ms / 1e3), 1),
@@ -212,7 +212,7 @@ def main(argv=None):
         "torch": torch.__version__,
         "shape": {"batch": B, "seqlen": L, "d_model": d, "layers": args.layers, "dtype": args.dtype,
                   "seqs_per_row": [args.min_seqs, args.max_seqs]},
-        "backends": {"causal_conv1d": conv_b, "selective_scan": scan_b},
+        "backend": backend,
         "target_throughput_ratio": TARGET,
         "rows": rows,
         "fused_vs_nonfused_rel_err": agree,

@@ -1,4 +1,4 @@
-"""Benchmark of the packed kernels (ops._cuda) against upstream mamba-ssm / causal-conv1d on one GPU.
+"""Benchmark of the packed kernels (the torch.ops.packloader ops on CUDA tensors: ops._cuda) against upstream mamba-ssm / causal-conv1d on one GPU.
 
     python benchmarks/bench_ops.py --out benchmarks/results/ops.json
 
@@ -73,6 +73,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
+    import ops  # noqa: F401  (registers torch.ops.packloader.*)
     from ops import _cuda
 
     Bz, D, L, N = args.batch, args.dim, args.seqlen, args.dstate
@@ -102,22 +103,24 @@ def main(argv=None):
 
     state = {}
 
+    kops = torch.ops.packloader  # the kernel ops (CUDA implementation on these CUDA tensors)
+
     def ours_fwd():
-        state["f"] = _cuda.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
+        state["f"] = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
 
     def ours_fwdbwd():
-        out, saved, out_z = _cuda.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
-        _cuda.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, dout, saved, out, pos, True)
+        out, saved = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
+        kops.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, saved, dout)
 
     ours_f = bench(ours_fwd, args.warmup, args.iters)
     add("selective_scan", "ours (packed, position_ids)", "fwd", ours_f)
-    out, saved, out_z = state["f"]
-    ours_b = bench(lambda: _cuda.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, dout, saved, out, pos, True),
+    out, saved = state["f"]
+    ours_b = bench(lambda: kops.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, saved, dout),
                    args.warmup, args.iters)
     add("selective_scan", "ours (packed, position_ids)", "bwd", ours_b)
     ours_fb = bench(ours_fwdbwd, args.warmup, args.iters)
     add("selective_scan", "ours (packed, position_ids)", "fwd+bwd", ours_fb)
-    del state["f"], out, saved, out_z
+    del state["f"], out, saved
 
     # through the ops-python helper's autograd Function, when present
     try:
@@ -127,8 +130,7 @@ def main(argv=None):
         def auto_fwdbwd():
             for t in leaves:
                 t.grad = None
-            y = packed_selective_scan(*leaves, delta_softplus=True, position_ids=pos, backend="cuda",
-                                      validate=False)
+            y = packed_selective_scan(*leaves, delta_softplus=True, position_ids=pos, validate=False)
             y.backward(dout)
 
         add("selective_scan", "ours via packed_selective_scan", "fwd+bwd", bench(auto_fwdbwd, args.warmup, args.iters))
@@ -170,12 +172,12 @@ def main(argv=None):
     g_cl = g_cf.transpose(1, 2).contiguous().transpose(1, 2)
     conv = {}
     for name, x, g in (("channel-first", x_cf, g_cf), ("channel-last", x_cl, g_cl)):
-        f = bench_reps(lambda: _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu"), args.conv_reps, args.warmup, args.conv_iters)
+        f = bench_reps(lambda: kops.causal_conv1d_fwd(x, w, cb, pos, True), args.conv_reps, args.warmup, args.conv_iters)
         add("causal_conv1d", f"ours {name} (position_ids)", "fwd", f)
 
         def fb():
-            _cuda.causal_conv1d_fwd(x, w, cb, pos, "silu")
-            _cuda.causal_conv1d_bwd(x, w, cb, g, pos, "silu")
+            kops.causal_conv1d_fwd(x, w, cb, pos, True)
+            kops.causal_conv1d_bwd(x, w, cb, pos, True, g)
 
         fbt = bench_reps(fb, args.conv_reps, args.warmup, args.conv_iters)
         add("causal_conv1d", f"ours {name} (position_ids)", "fwd+bwd", fbt)

@@ -15,10 +15,19 @@ where ``position_ids == 0`` and conv tap ``k`` at time ``t`` is used only where
 Valid ``position_ids`` start every row at 0 and, from one token to the next, either restart at 0 or
 count up by exactly 1. :func:`validate_position_ids` checks that with one reduction (one host sync on
 GPU) and names the first offending row and column otherwise. Pass ``validate=False`` to skip it.
+
+Resolve once per step, where the boundaries enter a model (:class:`ops.PackedMamba`, a model converted by
+:func:`ops.enable_packing`): :func:`resolve_boundaries` / :func:`resolve_position_ids` turn whichever form
+was given into int32 ``position_ids`` (and ``seq_idx`` where a Mamba-2 mixer needs it), validate them, and
+the layers below receive the resolved tensors and do not check again.
+
+Under ``torch.compile`` validation is skipped (``torch.compiler.is_compiling()``): it needs a host sync, which
+would break the graph. Validate the batch outside the compiled region (``ops.validate_position_ids``) if the
+ids are not trusted; the loader's are valid by construction. The conversions themselves are sync-free
+(``cu_seqlens`` too, when the batch shape is given).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -32,6 +41,7 @@ __all__ = [
     "cu_seqlens_to_seq_idx",
     "resolve_position_ids",
     "resolve_boundaries",
+    "row_positions",
     "BoundaryError",
 ]
 
@@ -131,6 +141,8 @@ def cu_seqlens_to_position_ids(
     cu_seqlens: torch.Tensor,
     shape: Optional[Tuple[int, int]] = None,
     dtype: torch.dtype = torch.int32,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Convert ``cu_seqlens`` (n_seqs + 1,) over the flattened tokens into ``position_ids``.
 
@@ -140,8 +152,10 @@ def cu_seqlens_to_position_ids(
 
     Args:
         cu_seqlens: int tensor (n_seqs + 1,), non-decreasing, ``cu_seqlens[0] == 0``.
-        shape: ``(batch, seqlen)`` of the result; default ``(1, cu_seqlens[-1])``.
+        shape: ``(batch, seqlen)`` of the result; default ``(1, cu_seqlens[-1])`` (a host sync).
         dtype: dtype of the result.
+        validate: check the offsets (host syncs; skipped under ``torch.compile``). Given ``shape`` and
+            ``validate=False`` (or under compile) the conversion needs no sync.
 
     Returns:
         position_ids (batch, seqlen).
@@ -153,15 +167,25 @@ def cu_seqlens_to_position_ids(
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
         raise BoundaryError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
     cu = cu_seqlens.to(torch.int64)
+    if shape is None:
+        shape = (1, int(cu[-1]))
+    batch, seqlen = int(shape[0]), int(shape[1])
+    total = batch * seqlen
+    if validate and not torch.compiler.is_compiling():
+        _validate_cu_seqlens(cu, batch, seqlen)
+    ar = torch.arange(total, device=cu.device, dtype=torch.int64)
+    # the sequence holding token i is the last one starting at or before i (empty sequences skipped)
+    start = cu[torch.searchsorted(cu, ar, right=True) - 1]
+    return (ar - start).view(batch, seqlen).to(dtype).contiguous()
+
+
+def _validate_cu_seqlens(cu: torch.Tensor, batch: int, seqlen: int) -> None:
     total = int(cu[-1])
     if int(cu[0]) != 0:
         raise BoundaryError(f"cu_seqlens must start at 0, got {int(cu[0])}")
     lens = cu[1:] - cu[:-1]
     if bool((lens < 0).any()):
         raise BoundaryError("cu_seqlens must be non-decreasing")
-    if shape is None:
-        shape = (1, total)
-    batch, seqlen = int(shape[0]), int(shape[1])
     if batch * seqlen != total:
         raise BoundaryError(
             f"cu_seqlens covers {total} tokens but shape {(batch, seqlen)} holds {batch * seqlen}"
@@ -175,12 +199,6 @@ def cu_seqlens_to_position_ids(
                 f"sequence {i} of cu_seqlens (tokens [{int(starts[i])}, {int(ends[i])}) of the flattened "
                 f"batch) straddles two rows of length {seqlen}"
             )
-    ar = torch.arange(total, device=cu.device, dtype=torch.int64)
-    start_of_token = cu[:-1].repeat_interleave(lens)
-    pos = (ar - start_of_token).view(batch, seqlen)
-    # row starts that are not sequence starts cannot happen (checked above); a row that starts
-    # mid-way through nothing (total 0) is empty.
-    return pos.to(dtype).contiguous()
 
 
 def position_ids_to_cu_seqlens(position_ids: torch.Tensor, dtype: torch.dtype = torch.int32) -> Tuple[torch.Tensor, int]:
@@ -209,36 +227,24 @@ def cu_seqlens_to_seq_idx(cu_seqlens: torch.Tensor, shape: Optional[Tuple[int, i
 
 
 # ---------------------------------------------------------------------------------------------
-# Resolution with a small per-tensor cache: a model converts and validates the boundaries once
-# per batch, then every layer finds the result here (no further syncs, no further kernels).
+# Resolution: once per step, where the boundaries enter a model
 # ---------------------------------------------------------------------------------------------
 
-_CACHE: "dict[tuple, tuple]" = {}
-_CACHE_MAX = 64
+def row_positions(batch: int, seqlen: int, device=None) -> torch.Tensor:
+    """``position_ids`` of rows that are each one sequence: ``0, 1, ..., seqlen - 1`` (int32, contiguous)."""
+    return torch.arange(seqlen, dtype=torch.int32, device=device).expand(batch, seqlen).contiguous()
 
 
-def _key(t: Optional[torch.Tensor]):
-    return None if t is None else (id(t), t._version)
-
-
-def _cache_get(pos, seq, validate):
-    entry = _CACHE.get((_key(pos), _key(seq)))
-    if entry is None:
-        return None
-    refs, result, validated = entry
-    # the ids may have been recycled: check the objects are still the same ones
-    if any((r is not None and r() is not o) for r, o in zip(refs, (pos, seq))):
-        return None
-    if validate and not validated:
-        return None
-    return result
-
-
-def _cache_put(pos, seq, result, validated):
-    if len(_CACHE) >= _CACHE_MAX:
-        _CACHE.clear()
-    refs = tuple(None if t is None else weakref.ref(t) for t in (pos, seq))
-    _CACHE[(_key(pos), _key(seq))] = (refs, result, validated)
+def _check_agree(pos: torch.Tensor, seq_idx: torch.Tensor) -> None:
+    other = seq_idx_to_position_ids(seq_idx.to(pos.device))
+    diff = (other == 0) != (pos == 0)
+    if bool(diff.any()):
+        row, col = (int(v) for v in diff.nonzero()[0].tolist())
+        raise BoundaryError(
+            f"position_ids and seq_idx disagree at [{row}, {col}]: position_ids says "
+            f"{'a sequence starts' if int(pos[row, col]) == 0 else 'no sequence starts'} "
+            f"there, seq_idx says the opposite"
+        )
 
 
 def resolve_position_ids(
@@ -257,54 +263,42 @@ def resolve_position_ids(
         seq_idx: (batch, seqlen) integer segment numbers, or None.
         batch, seqlen: the expected shape (checked when given).
         device: move the result there (e.g. the activations' device).
-        validate: check ``position_ids`` (one reduction) and, when both forms are given, that they
-            describe the same boundaries. Results are cached per input tensor, so a model that
-            passes the same tensors to every layer pays for this once.
+        validate: check ``position_ids`` (one reduction, a host sync) and, when both forms are given, that
+            they describe the same boundaries. Skipped under ``torch.compile``. Call this once per step, where
+            the boundaries enter the model, and hand the result down with ``validate=False``.
 
     Returns:
-        int32 contiguous (batch, seqlen) tensor, or None when neither form is given (no boundaries:
-        each row is one sequence).
+        int32 contiguous (batch, seqlen) tensor (the input itself when it already is one), or None when
+        neither form is given (no boundaries: each row is one sequence).
 
     Raises:
         BoundaryError: wrong shape, malformed ids, or position_ids and seq_idx that disagree.
     """
     if position_ids is None and seq_idx is None:
         return None
-    hit = _cache_get(position_ids, seq_idx, validate)
-    if hit is None:
-        if position_ids is not None:
-            _check_2d("position_ids", position_ids)
-            pos = position_ids.to(torch.int32).contiguous()
-            if validate:
-                validate_position_ids(pos)
+    check = validate and not torch.compiler.is_compiling()
+    if position_ids is not None:
+        _check_2d("position_ids", position_ids)
+        pos = position_ids.to(torch.int32).contiguous()
+        if seq_idx is not None:
+            _check_2d("seq_idx", seq_idx)
+            if seq_idx.shape != position_ids.shape:
+                raise BoundaryError(
+                    f"position_ids {tuple(position_ids.shape)} and seq_idx {tuple(seq_idx.shape)} have different shapes"
+                )
+        if check:
+            validate_position_ids(pos)
             if seq_idx is not None:
-                _check_2d("seq_idx", seq_idx)
-                if seq_idx.shape != position_ids.shape:
-                    raise BoundaryError(
-                        f"position_ids {tuple(position_ids.shape)} and seq_idx {tuple(seq_idx.shape)} "
-                        "have different shapes"
-                    )
-                if validate:
-                    other = seq_idx_to_position_ids(seq_idx.to(pos.device))
-                    diff = other != pos
-                    if bool(diff.any()):
-                        row, col = (int(v) for v in diff.nonzero()[0].tolist())
-                        raise BoundaryError(
-                            f"position_ids and seq_idx disagree at [{row}, {col}]: position_ids says "
-                            f"{'a sequence starts' if int(pos[row, col]) == 0 else 'no sequence starts'} "
-                            f"there, seq_idx says the opposite"
-                        )
-        else:
-            pos = seq_idx_to_position_ids(seq_idx)
-        _cache_put(position_ids, seq_idx, pos, validate)
-        hit = pos
-    if batch is not None and seqlen is not None and tuple(hit.shape) != (batch, seqlen):
+                _check_agree(pos, seq_idx)
+    else:
+        pos = seq_idx_to_position_ids(seq_idx)
+    if batch is not None and seqlen is not None and tuple(pos.shape) != (batch, seqlen):
         raise BoundaryError(
-            f"boundaries have shape {tuple(hit.shape)} but the activations are (batch={batch}, seqlen={seqlen})"
+            f"boundaries have shape {tuple(pos.shape)} but the activations are (batch={batch}, seqlen={seqlen})"
         )
-    if device is not None and hit.device != torch.device(device):
-        hit = hit.to(device)
-    return hit
+    if device is not None and pos.device != torch.device(device):
+        pos = pos.to(device)
+    return pos
 
 
 def resolve_boundaries(
@@ -317,15 +311,18 @@ def resolve_boundaries(
     validate: bool = True,
     need_seq_idx: bool = False,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Model-level resolution: any of the three forms -> ``(position_ids, seq_idx)`` int32.
+    """Model-level resolution, once per step: any of the three forms -> ``(position_ids, seq_idx)`` int32
+    contiguous, validated (unless ``validate=False`` or under ``torch.compile``).
 
-    ``seq_idx`` is only computed when ``need_seq_idx`` (or when it was given). The returned
-    tensors are registered in the cache, so passing them on to every layer costs nothing more.
+    ``seq_idx`` is computed only when ``need_seq_idx`` (or passed through when given). ``(None, None)``
+    when no boundaries were given.
     """
     if position_ids is None and seq_idx is None and cu_seqlens is not None:
         if shape is None:
             raise BoundaryError("cu_seqlens needs the (batch, seqlen) shape of the batch")
-        position_ids = cu_seqlens_to_position_ids(cu_seqlens.to(device) if device is not None else cu_seqlens, shape)
+        position_ids = cu_seqlens_to_position_ids(cu_seqlens.to(device) if device is not None else cu_seqlens, shape,
+                                                  validate=validate)
+        validate = False  # checked as cu_seqlens: the position_ids made from them are valid by construction
     pos = resolve_position_ids(position_ids, seq_idx, *(shape or (None, None)), device=device, validate=validate)
     if pos is None:
         return None, None
@@ -334,9 +331,4 @@ def resolve_boundaries(
         seq = seq_idx.to(device=pos.device, dtype=torch.int32).contiguous()
     elif need_seq_idx:
         seq = position_ids_to_seq_idx(pos)
-    # register the resolved pair so that layers receiving them hit the cache
-    _cache_put(pos, None, pos, True)
-    if seq is not None:
-        _cache_put(None, seq, pos, True)
-        _cache_put(pos, seq, pos, True)
     return pos, seq

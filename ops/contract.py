@@ -1,9 +1,59 @@
-"""The kernel contract of ``ops``: the one home of the constants shared by the Python side and the CUDA sources.
+"""The kernel contract of ``ops``: what each kernel op receives and returns, and the constants it depends on.
 
-The CUDA build receives these as ``-D`` definitions (see ``ops._build``); nothing is copied by hand into the
-headers.
+This module is the one home of the constants shared by the Python side and the CUDA sources (the CUDA build
+receives them as ``-D`` definitions; nothing is copied by hand into the headers).
+
+Four ops are registered with ``torch.library.custom_op`` in the ``packloader`` namespace (``torch.ops.packloader``).
+Each has a fake (meta) implementation giving output shapes, dtypes and strides, a reference implementation in
+pure PyTorch (every device but CUDA; any float dtype, float64 included), a CUDA implementation that calls the
+compiled kernels (``ops._cuda``), and, for the two forward ops, an autograd formula that calls the matching
+backward op. Notation: ``b`` batch, ``d`` channels, ``L`` seqlen, ``n`` dstate, ``g`` groups of B/C, ``w`` conv width.
+
+Boundaries
+    ``position_ids``: int32, contiguous, ``(b, L)``; restarts at 0 at every sequence start (column 0 of every
+    row is a start). The scan drops its state where ``position_ids == 0``; conv tap ``k`` (the input ``k`` steps
+    back) is used at time ``t`` only where ``position_ids[t] >= k``. A row without boundaries is
+    ``arange(L)``. The ops do not validate them (that is done once per step where they enter a model:
+    :mod:`ops.boundaries`).
+
+``packloader::selective_scan_fwd(u, delta, A, B, C, D?, z?, delta_bias?, position_ids, delta_softplus)
+-> (out, saved)``
+    - ``u``, ``delta``: ``(b, d, L)``, last dim contiguous; ``z`` (optional): ``(b, d, L)``. Float dtype of
+      ``u``; the kernel takes float32/float16/bfloat16 (``delta``, ``z`` are cast to ``u``'s dtype).
+    - ``A``: ``(d, n)``; ``D``, ``delta_bias`` (optional): ``(d,)``. float32 (float64 for the reference).
+    - ``B``, ``C``: ``(b, n, L)`` or grouped ``(b, g, n, L)`` with ``d % g == 0``; ``u``'s dtype or float32.
+    - ``delta_softplus``: ``delta <- softplus(delta + delta_bias)``.
+    - ``out``: ``(b, d, L)``, ``u``'s dtype, contiguous: ``y (+ D u)``, times ``silu(z)`` when ``z`` is given.
+    - ``saved``: ``(b, d, ceil(L / SCAN_CHUNK), SCAN_LANES)`` float32, contiguous: the state ``h`` after the
+      last timestep of every chunk of ``SCAN_CHUNK`` timesteps (lanes ``>= n`` are 0). It is the only thing the
+      backward needs besides the inputs. Every implementation fills it the same way, so a forward run by the
+      reference and a backward run by the kernel (or the other way round) are consistent.
+    - Saved for backward (autograd): all inputs and ``saved``; not ``out``.
+
+``packloader::selective_scan_bwd(u, delta, A, B, C, D?, z?, delta_bias?, position_ids, delta_softplus, saved,
+dout) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)``
+    - ``dout``: ``(b, d, L)`` (any strides), the gradient of ``out``.
+    - Each gradient has its input's shape and dtype. An optional input that was not given gets an empty
+      float32 tensor of shape ``(0,)`` in its place (custom ops cannot return None).
+
+``packloader::causal_conv1d_fwd(x, weight, bias?, position_ids, silu) -> out``
+    - ``x``: ``(b, d, L)``, either channel-first contiguous or dense channel-last (memory ``(b, L, d)``,
+      ``x.stride() == (L*d, 1, d)``); the functional entry copies any other layout to channel-first.
+    - ``weight``: ``(d, w)`` with ``CONV_MIN_WIDTH <= w <= CONV_MAX_WIDTH`` on the kernel (any ``w`` for the
+      reference); ``bias`` (optional): ``(d,)``. Any float dtype (the kernel computes in float32).
+    - ``silu``: apply SiLU to the output.
+    - ``out``: ``x``'s shape, dtype and strides. Saved for backward: ``x``, ``weight``, ``bias``, ``position_ids``.
+
+``packloader::causal_conv1d_bwd(x, weight, bias?, position_ids, silu, dout) -> (dx, dweight, dbias)``
+    - ``dout``: ``(b, d, L)``, any strides. ``dx`` has ``x``'s strides; ``dweight``, ``dbias`` their inputs'
+      shapes and dtypes; ``dbias`` is an empty float32 ``(0,)`` tensor without a bias.
+
+Dispatch (:mod:`ops.backends`): the tensors' device picks the implementation; ``with ops.use_backend("reference"):``
+makes CUDA tensors run the reference too; a case the kernel cannot take raises (never a silent fallback).
 """
 from __future__ import annotations
+
+import torch
 
 SCAN_CHUNK = 64        # timesteps a scan block stages at a time; the forward saves one state per chunk
 SCAN_LANES = 16        # state lanes per channel in the CUDA scan (dstate is padded up to this)
@@ -11,3 +61,9 @@ MAX_DSTATE = 16        # largest d_state the CUDA scan takes
 CONV_MIN_WIDTH = 2     # conv widths the CUDA conv takes
 CONV_MAX_WIDTH = 4
 CONV_SLOT_STEPS = 128  # the conv backward writes one dweight/dbias partial per block; at most one per this many steps
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # activation dtypes the CUDA kernels take
+
+
+def scan_chunks(seqlen: int) -> int:
+    """Number of chunks of ``SCAN_CHUNK`` timesteps (the third dim of the scan's ``saved``)."""
+    return (seqlen + SCAN_CHUNK - 1) // SCAN_CHUNK

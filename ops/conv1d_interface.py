@@ -1,4 +1,4 @@
-"""Packing-safe depthwise causal conv1d: autograd Function, functional entry, reference.
+"""Packing-safe depthwise causal conv1d: the custom ops, the functional entry, the reference.
 
 Each output is a weighted sum of the current and the ``width - 1`` previous inputs of its channel.
 In a packed row, tap ``k`` (the input ``k`` steps back) is used at time ``t`` only where
@@ -17,18 +17,23 @@ Example::
     >>> y = ops.packed_causal_conv1d(x, w, activation="silu", position_ids=pos)
     >>> y_cl = ops.packed_causal_conv1d(x.transpose(1, 2).contiguous().transpose(1, 2), w,
     ...                                 activation="silu", position_ids=pos)  # channel-last
+
+The kernel ops ``torch.ops.packloader.causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (their contract: see
+:mod:`ops.contract`) are registered here: the reference implementation (every device but CUDA), the CUDA
+implementation (``ops._cuda``), the fake implementation and the autograd formula.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .boundaries import resolve_position_ids
+from .contract import CONV_SLOT_STEPS
+from .boundaries import resolve_position_ids, row_positions
 
-__all__ = ["packed_causal_conv1d", "causal_conv1d_ref", "PackedCausalConv1dFn"]
+__all__ = ["packed_causal_conv1d", "causal_conv1d_ref", "causal_conv1d_fwd", "causal_conv1d_bwd"]
 
 
 def _norm_activation(activation):
@@ -94,42 +99,178 @@ def causal_conv1d_ref(
     return _same_layout(out.to(x.dtype), x)
 
 
-def _kernel_layout(x: torch.Tensor) -> torch.Tensor:
-    """Channel-first contiguous or plain channel-last, as the kernels take."""
-    if x.is_contiguous():
-        return x
+# ----------------------------------------------------------------------------------------------------------------
+# The kernel ops (contract: ops/contract.py)
+
+def _is_dense_channel_last(x: torch.Tensor) -> bool:
     batch, dim, seqlen = x.shape
-    if x.stride(1) == 1 and x.stride(2) == dim and x.stride(0) == dim * seqlen:
+    return dim > 1 and x.stride(1) == 1 and x.stride(2) == dim and x.stride(0) == dim * seqlen
+
+
+def kernel_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when channel-first contiguous or dense channel-last (the layouts the op takes), else a
+    channel-first contiguous copy."""
+    if x.is_contiguous() or _is_dense_channel_last(x):
         return x
     return x.contiguous()
 
 
-class PackedCausalConv1dFn(torch.autograd.Function):
-    """Autograd Function over the raw-kernel contract (``causal_conv1d_fwd`` / ``_bwd``)."""
+def _check_layout(x: torch.Tensor) -> None:
+    if x.dim() != 3 or not (x.is_contiguous() or _is_dense_channel_last(x)):
+        raise ValueError(
+            f"packloader::causal_conv1d: x must be (batch, dim, seqlen), channel-first contiguous or dense "
+            f"channel-last, got shape {tuple(x.shape)} strides {x.stride()} (ops.packed_causal_conv1d copies "
+            "other layouts)")
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, position_ids, activation, kernels):
-        x = _kernel_layout(x)
-        weight = weight.contiguous()
-        bias = bias.contiguous() if bias is not None else None
-        out = kernels.causal_conv1d_fwd(x, weight, bias, position_ids, activation)
-        ctx.save_for_backward(x, weight, bias, position_ids)
-        ctx.activation = activation
-        ctx.kernels = kernels
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        x, weight, bias, position_ids = ctx.saved_tensors
-        # dout in x's layout
-        if is_channel_last(x):
-            if not (dout.stride(1) == 1 and dout.stride(2) == dout.shape[1]):
-                dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
-        else:
-            dout = dout.contiguous()
-        dx, dweight, dbias = ctx.kernels.causal_conv1d_bwd(x, weight, bias, dout, position_ids, ctx.activation)
-        return dx, dweight, dbias if bias is not None else None, None, None, None
+def _like(x: torch.Tensor) -> torch.Tensor:
+    """An empty tensor with x's shape, dtype and strides."""
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
 
+
+def _absent(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32, device=like.device)
+
+
+def _conv_fwd_reference(x, weight, bias, position_ids, silu):
+    _check_layout(x)
+    out = _like(x)
+    out.copy_(causal_conv1d_ref(x, weight, bias, "silu" if silu else None, position_ids=position_ids,
+                                validate=False))
+    return out
+
+
+def _conv_bwd_reference(x, weight, bias, position_ids, silu, dout):
+    """The reference implementation of ``causal_conv1d_bwd`` (analytic; dropped taps dropped, not zeroed)."""
+    _check_layout(x)
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xc, w = x.to(ct), weight.to(ct)
+    taps = []  # taps[k]: x shifted k steps, dropped where position_ids < k
+    pre = torch.zeros(batch, dim, seqlen, dtype=ct, device=x.device)
+    if bias is not None:
+        pre = pre + bias.to(ct)[:, None]
+    for k in range(min(width, seqlen)):
+        shifted = F.pad(xc[..., : seqlen - k], (k, 0)) if k else xc
+        if k:
+            shifted = torch.where((position_ids >= k)[:, None, :], shifted, 0.0)
+        taps.append(shifted)
+        pre = pre + w[:, width - 1 - k, None] * shifted
+    g = dout.to(ct)
+    if silu:
+        sig = torch.sigmoid(pre)
+        g = g * sig * (1 + pre * (1 - sig))
+    dx = torch.zeros_like(xc)
+    dw = torch.zeros(dim, width, dtype=ct, device=x.device)
+    for k, shifted in enumerate(taps):
+        dw[:, width - 1 - k] = (g * shifted).sum((0, 2))
+        gk = torch.where((position_ids >= k)[:, None, :], g, 0.0) if k else g
+        dx = dx + w[:, width - 1 - k, None] * (F.pad(gk[..., k:], (0, k)) if k else gk)
+    out_dx = _like(x)
+    out_dx.copy_(dx)
+    dweight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    dweight.copy_(dw)
+    if bias is None:
+        return out_dx, dweight, _absent(x)
+    dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
+    dbias.copy_(g.sum((0, 2)))
+    return out_dx, dweight, dbias
+
+
+def _like_layout(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """t with x's memory layout (channel-first contiguous or channel-last)."""
+    if x.is_contiguous():
+        return t.contiguous()
+    if _is_dense_channel_last(t):
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _conv_fwd_cuda(x, weight, bias, position_ids, silu):
+    _check_layout(x)
+    if _backends.implementation("causal_conv1d", "cuda", x.dtype, width=weight.shape[1]) == "reference":
+        return _conv_fwd_reference(x, weight, bias, position_ids, silu)
+    ext = _backends.load_kernels()
+    out = _like(x)
+    if x.numel() > 0:
+        ext.conv_fwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
+                     position_ids.to(torch.int32).contiguous(), bool(silu), out)
+    return out
+
+
+def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
+    _check_layout(x)
+    if _backends.implementation("causal_conv1d", "cuda", x.dtype, width=weight.shape[1]) == "reference":
+        return _conv_bwd_reference(x, weight, bias, position_ids, silu, dout)
+    ext = _backends.load_kernels()
+    dim, width = weight.shape
+    dout = _like_layout(dout.to(x.dtype), x)
+    dx = _like(x)
+    # per-block partials of [dweight | dbias], summed here in a fixed order (no atomics: the same bits every run)
+    batch, _, seqlen = x.shape
+    slots = batch * max(1, -(-seqlen // CONV_SLOT_STEPS))
+    dw_part = torch.zeros(slots, dim, width + 1, device=x.device, dtype=torch.float32)
+    if x.numel() > 0:
+        ext.conv_bwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
+                     position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dw_part)
+    dw = dw_part.sum(0)
+    return dx, dw[:, :width].to(weight.dtype), (dw[:, width].to(bias.dtype) if bias is not None else _absent(x))
+
+
+@torch.library.custom_op("packloader::causal_conv1d_fwd", mutates_args=(), device_types=None)
+def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      position_ids: torch.Tensor, silu: bool) -> torch.Tensor:
+    """Packed causal conv1d forward -> out (x's strides); see :mod:`ops.contract`. This body is the reference
+    implementation, used on every device but CUDA."""
+    return _conv_fwd_reference(x, weight, bias, position_ids, silu)
+
+
+causal_conv1d_fwd.register_kernel("cuda")(_conv_fwd_cuda)
+
+
+@causal_conv1d_fwd.register_fake
+def _conv_fwd_fake(x, weight, bias, position_ids, silu):
+    _check_layout(x)
+    return _like(x)
+
+
+@torch.library.custom_op("packloader::causal_conv1d_bwd", mutates_args=(), device_types=None)
+def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      position_ids: torch.Tensor, silu: bool, dout: torch.Tensor
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed causal conv1d backward -> (dx, dweight, dbias); see :mod:`ops.contract`. This body is the
+    reference implementation, used on every device but CUDA."""
+    return _conv_bwd_reference(x, weight, bias, position_ids, silu, dout)
+
+
+causal_conv1d_bwd.register_kernel("cuda")(_conv_bwd_cuda)
+
+
+@causal_conv1d_bwd.register_fake
+def _conv_bwd_fake(x, weight, bias, position_ids, silu, dout):
+    _check_layout(x)
+    dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None else _absent(x)
+    return _like(x), torch.empty(weight.shape, dtype=weight.dtype, device=weight.device), dbias
+
+
+def _conv_setup_context(ctx, inputs, output):
+    x, weight, bias, position_ids, silu = inputs
+    ctx.save_for_backward(x, weight, bias, position_ids)
+    ctx.silu = silu
+
+
+def _conv_backward(ctx, dout):
+    x, weight, bias, position_ids = ctx.saved_tensors
+    dx, dweight, dbias = causal_conv1d_bwd(x, weight, bias, position_ids, ctx.silu, dout)
+    return dx, dweight, (dbias if bias is not None else None), None, None
+
+
+causal_conv1d_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The functional entry
 
 def packed_causal_conv1d(
     x: torch.Tensor,
@@ -144,22 +285,32 @@ def packed_causal_conv1d(
 ) -> torch.Tensor:
     """Depthwise causal conv1d over packed rows; no tap crosses a sequence start.
 
+    Runs the ``packloader::causal_conv1d_fwd`` op (the compiled kernel on CUDA tensors, the reference
+    elsewhere: see :mod:`ops.backends`); differentiable; traceable by ``torch.compile`` without graph breaks.
+
     Args:
         x: (batch, dim, seqlen), channel-first (contiguous) or channel-last (``x.stride(1) == 1``,
-            i.e. a transposed (batch, seqlen, dim) tensor). The output has the same layout.
+            i.e. a transposed (batch, seqlen, dim) tensor). Other layouts are copied to channel-first.
+            The output has the same layout.
         weight: (dim, width), or nn.Conv1d's depthwise (dim, 1, width). Tap ``k`` (input ``k``
-            steps back) is ``weight[:, width - 1 - k]``, as in ``F.conv1d(..., padding=width-1)``.
+            steps back) is ``weight[:, width - 1 - k]``, as in ``F.conv1d(..., padding=width-1)``. The kernel
+            takes widths 2..4.
         bias: (dim,), optional.
         activation: None, ``"silu"`` or ``"swish"`` (= silu), applied after the bias.
         position_ids: (batch, seqlen) integer ids restarting at 0 at every sequence start. Tap ``k``
             at time ``t`` is used only where ``position_ids[t] >= k``.
         seq_idx: (batch, seqlen) segment numbers, the alternative to ``position_ids``. With neither,
             each row is one sequence (plain causal conv).
-        backend: ``"cuda" | "upstream" | "reference" | "ref_kernel" | "auto"`` (see ops.backends).
-        validate: check the boundaries (one host sync per new boundary tensor).
+        backend: None (by device) or ``"reference"`` for this call's forward (see
+            :func:`ops.packed_selective_scan`; prefer ``with ops.use_backend("reference"):``).
+        validate: check the boundaries (one host sync; skipped under ``torch.compile``).
 
     Returns:
         (batch, dim, seqlen) in ``x``'s dtype and layout.
+
+    Raises:
+        ValueError: shapes that do not fit. ops.backends.KernelUnsupportedError: a CUDA case the kernel cannot
+            take (float64, width outside 2..4), with how to run the reference instead.
     """
     if x.dim() != 3:
         raise ValueError(f"x must be (batch, dim, seqlen), got {tuple(x.shape)}")
@@ -169,16 +320,10 @@ def packed_causal_conv1d(
     if bias is not None and bias.shape != (dim,):
         raise ValueError(f"bias must be (dim={dim},), got {tuple(bias.shape)}")
     pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=x.device, validate=validate)
-    name = _backends.resolve_backend("causal_conv1d", x, backend)
-    if name == "reference":
-        return causal_conv1d_ref(x, weight, bias, activation, position_ids=pos, validate=False)
-    if name == "upstream":
-        from . import _upstream
-
-        return _upstream.causal_conv1d(x, weight, bias, activation, pos)
-    kernels = _backends.kernels_for("causal_conv1d", name)
     if pos is None:
-        from .selective_scan_interface import _no_boundaries
-
-        pos = _no_boundaries(batch, seqlen, x.device)
-    return PackedCausalConv1dFn.apply(x, weight, bias, pos, activation, kernels)
+        pos = row_positions(batch, seqlen, x.device)
+    args = (kernel_layout(x), weight, bias, pos, activation == "silu")
+    if backend is None or backend == "auto":
+        return causal_conv1d_fwd(*args)
+    with _backends.use_backend_for_call(backend):
+        return causal_conv1d_fwd(*args)

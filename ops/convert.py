@@ -12,8 +12,10 @@ threads the boundaries to every mixer:
 - each Mamba-2 mixer keeps mamba-ssm's own forward, which takes ``seq_idx`` (its conv and SSD
   kernels reset there); it is given a class that also accepts ``position_ids`` and converts;
 - the model (``MambaLMHeadModel``) or backbone (``MixerModel``) gets a class whose forward accepts
-  ``position_ids`` / ``seq_idx`` / ``cu_seqlens``, validates them once per batch and passes them
-  down through mamba-ssm's ``**mixer_kwargs`` (Block -> mixer).
+  ``position_ids`` / ``seq_idx`` / ``cu_seqlens``, resolves and validates them once per batch (validation
+  is skipped under ``torch.compile``: it needs a host sync) and passes the resolved int32 ``position_ids``
+  and ``seq_idx`` down through mamba-ssm's ``**mixer_kwargs`` (Block -> mixer): Mamba-1 mixers read
+  ``position_ids``, Mamba-2 mixers ``seq_idx``; neither checks them again.
 
 Without boundaries the converted model computes exactly what it did before. Attention mixers
 (``MHA``) and Mamba-3 are not packing-safe here: conversion refuses them unless ``strict=False``
@@ -21,6 +23,7 @@ Without boundaries the converted model computes exactly what it did before. Atte
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import sys
 from typing import Dict, List, Optional
@@ -28,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .boundaries import BoundaryError, resolve_boundaries, resolve_position_ids
+from .boundaries import resolve_boundaries
 from .modules.mamba_simple import PackedMamba
 
 __all__ = ["enable_packing", "is_mamba1_mixer", "is_mamba2_mixer"]
@@ -62,7 +65,10 @@ def is_mamba2_mixer(m: nn.Module) -> bool:
 
 
 class _PackedMamba2Mixin:
-    """Mamba-2 forward that also accepts ``position_ids`` (converted to mamba-ssm's ``seq_idx``)."""
+    """Mamba-2 forward that also accepts ``position_ids`` (converted to mamba-ssm's ``seq_idx``).
+
+    A converted model hands down both, resolved: ``seq_idx`` is then used as given, with no further work or
+    check. Called directly with ``position_ids`` only, the mixer converts (and validates) them itself."""
 
     _packloader_packed = True
 
@@ -75,56 +81,31 @@ class _PackedMamba2Mixin:
                 batch, seqlen = u.shape[0], u.shape[1]
             else:
                 batch = u.shape[0] // seqlen
-            pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=u.device)
-            seq_idx = _seq_idx_for(pos, seq_idx)
+            if seq_idx is None:
+                _, seq_idx = resolve_boundaries(position_ids, None, None, (batch, seqlen), device=u.device,
+                                                need_seq_idx=True)
+            else:
+                seq_idx = seq_idx.to(device=u.device, dtype=torch.int32).contiguous()
         return super().forward(u, *args, seq_idx=seq_idx, **kwargs)
 
 
-_SEQ_FOR_POS: Dict[int, tuple] = {}
-
-
-def _seq_idx_for(pos: torch.Tensor, given: Optional[torch.Tensor]) -> torch.Tensor:
-    """int32 contiguous seq_idx for resolved position_ids (computed once per batch)."""
-    if given is not None:
-        return given.to(device=pos.device, dtype=torch.int32).contiguous()
-    from .boundaries import position_ids_to_seq_idx
-
-    entry = _SEQ_FOR_POS.get(id(pos))
-    if entry is not None and entry[0]() is pos and entry[1] == pos._version:
-        return entry[2]
-    import weakref
-
-    seq = position_ids_to_seq_idx(pos)
-    if len(_SEQ_FOR_POS) > 32:
-        _SEQ_FOR_POS.clear()
-    _SEQ_FOR_POS[id(pos)] = (weakref.ref(pos), pos._version, seq)
-    return seq
+CausalLMOutput = collections.namedtuple("CausalLMOutput", ["logits"])  # what MambaLMHeadModel.forward returns
 
 
 def _resolve_for_model(model, input_ids, position_ids, seq_idx, cu_seqlens):
-    """Resolve once per batch; register the pair so every mixer maps seq_idx back to position_ids."""
-    import weakref
-
-    from .boundaries import _cache_put, position_ids_to_seq_idx
-
-    pos, seq = resolve_boundaries(
+    """Once per batch: (position_ids, seq_idx), int32, validated unless switched off (or compiling)."""
+    return resolve_boundaries(
         position_ids, seq_idx, cu_seqlens, shape=tuple(input_ids.shape[:2]), device=input_ids.device,
-        validate=getattr(model, "_packloader_validate", True), need_seq_idx=True,
+        validate=model._packloader_validate, need_seq_idx=True,
     )
-    if seq is None:
-        seq = position_ids_to_seq_idx(pos)
-    _cache_put(None, seq, pos, True)
-    _SEQ_FOR_POS[id(pos)] = (weakref.ref(pos), pos._version, seq)
-    return pos, seq
 
 
 class _PackedLMMixin:
     """``MambaLMHeadModel.forward`` plus packed boundaries.
 
-    ``position_ids`` is a named parameter of upstream's forward (unused there) and would stop at the
-    top; ``seq_idx`` is mamba-ssm's own mixer kwarg and flows Block -> mixer unchanged, so the
-    boundaries travel down as ``seq_idx`` and our mixers map it back to the ``position_ids`` resolved
-    here (cached: no recomputation, no further syncs).
+    ``position_ids`` is a named parameter of upstream's forward (unused there) and would stop at the top, so
+    with boundaries this forward runs the backbone itself, handing it the resolved ``position_ids`` and
+    ``seq_idx`` as mixer kwargs, then the LM head (what upstream's forward does after its backbone).
     """
 
     _packloader_packed = True
@@ -142,8 +123,11 @@ class _PackedLMMixin:
                                    num_last_tokens=num_last_tokens, **mixer_kwargs)
         if position_ids is None and seq_idx is None and cu_seqlens is None:
             return super().forward(input_ids, num_last_tokens=num_last_tokens, **mixer_kwargs)
-        _, seq = _resolve_for_model(self, input_ids, position_ids, seq_idx, cu_seqlens)
-        return super().forward(input_ids, num_last_tokens=num_last_tokens, seq_idx=seq, **mixer_kwargs)
+        pos, seq = _resolve_for_model(self, input_ids, position_ids, seq_idx, cu_seqlens)
+        hidden_states = self.backbone(input_ids, position_ids=pos, seq_idx=seq, **mixer_kwargs)
+        if num_last_tokens > 0:
+            hidden_states = hidden_states[:, -num_last_tokens:]
+        return CausalLMOutput(logits=self.lm_head(hidden_states))
 
 
 _BOUNDARY_KWARGS = ("position_ids", "seq_idx", "cu_seqlens")
@@ -174,8 +158,8 @@ class _PackedBackboneMixin:
             return super().forward(input_ids, inference_params=inference_params, **mixer_kwargs)
         if inference_params is not None:
             raise ValueError("enable_packing: inference_params (generation) cannot be combined with packed boundaries")
-        _, seq = _resolve_for_model(self, input_ids, position_ids, seq_idx, cu_seqlens)
-        return super().forward(input_ids, seq_idx=seq, **mixer_kwargs)
+        pos, seq = _resolve_for_model(self, input_ids, position_ids, seq_idx, cu_seqlens)
+        return super().forward(input_ids, position_ids=pos, seq_idx=seq, **mixer_kwargs)
 
 
 _CLASS_CACHE: Dict[tuple, type] = {}
@@ -315,5 +299,8 @@ def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = Tr
     if is_lm or is_backbone:
         _swap_class(model, _PackedLMMixin if is_lm else _PackedBackboneMixin, "Packed")
         model._packloader_validate = validate
+        for m in model.modules():
+            if isinstance(m, PackedMamba):
+                m.validate_boundaries = False  # the model validates at its entry; its mixers do not check again
     model._packloader_conversion = {"mamba1": replaced, "mamba2": mamba2, "left_unsafe": unsafe}
     return model

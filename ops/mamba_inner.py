@@ -11,7 +11,9 @@ Forward::
 
 The backward pass recomputes the conv output and ``delta`` (checkpoint_lvl=1, the default) instead
 of keeping them, and writes every gradient with batched GEMMs (no (b l) transposes of activations).
-Boundaries reach both kernels as int32 ``position_ids``.
+Boundaries reach both kernels as int32 ``position_ids``. The Function calls the kernel ops
+(``torch.ops.packloader.*``, see :mod:`ops.contract`) directly, so it runs on any device (the reference
+implementations off CUDA) and traces under ``torch.compile`` without graph breaks.
 """
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .boundaries import resolve_position_ids
+from . import conv1d_interface as _conv_ops  # noqa: F401  (registers torch.ops.packloader.causal_conv1d_*)
+from . import selective_scan_interface as _scan_ops  # noqa: F401  (registers torch.ops.packloader.selective_scan_*)
+from .boundaries import resolve_position_ids, row_positions
 from .conv1d_interface import packed_causal_conv1d
-from .selective_scan_interface import _no_boundaries, packed_selective_scan
+from .selective_scan_interface import packed_selective_scan
 
 __all__ = ["packed_mamba_inner_fn", "packed_mamba_inner_ref", "PackedMambaInnerFn"]
 
@@ -59,8 +63,6 @@ class PackedMambaInnerFn(torch.autograd.Function):
         position_ids,
         delta_softplus,
         checkpoint_lvl,
-        scan_kernels,
-        conv_kernels,
     ):
         if torch.is_autocast_enabled("cuda") and hidden_states.is_cuda:
             dt_ = torch.get_autocast_dtype("cuda")
@@ -83,12 +85,12 @@ class PackedMambaInnerFn(torch.autograd.Function):
             z = z + in_proj_bias[d_inner:, None].to(z.dtype)
         cw = conv1d_weight.reshape(d_inner, width).contiguous()
         cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
-        xc = conv_kernels.causal_conv1d_fwd(x, cw, cb, position_ids, "silu")  # (b, d_inner, l)
+        xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, position_ids, True)  # (b, d_inner, l)
         x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))  # (b, l, r+2n)
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))  # (b, d_inner, l)
         Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()  # (b, n, l)
         Cm = x_dbl[..., dt_rank + d_state:].transpose(1, 2).contiguous()
-        out, saved, out_z = scan_kernels.selective_scan_fwd(
+        out_z, saved = torch.ops.packloader.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, bool(delta_softplus)
         )
         y = torch.bmm(out_z.transpose(1, 2), out_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))  # (b, l, d_model)
@@ -96,7 +98,6 @@ class PackedMambaInnerFn(torch.autograd.Function):
             y = y + out_proj_bias.to(y.dtype)
         ctx.delta_softplus = bool(delta_softplus)
         ctx.checkpoint_lvl = checkpoint_lvl
-        ctx.scan_kernels, ctx.conv_kernels = scan_kernels, conv_kernels
         ctx.has_in_bias, ctx.has_out_bias, ctx.has_conv_bias = (
             in_proj_bias is not None, out_proj_bias is not None, conv1d_bias is not None)
         ctx.has_D, ctx.has_db = D is not None, delta_bias is not None
@@ -107,20 +108,16 @@ class PackedMambaInnerFn(torch.autograd.Function):
             xc_saved, delta_saved = None, None
         else:
             xc_saved, delta_saved = xc, delta
-        if not isinstance(saved, torch.Tensor):
-            ctx.saved_obj, saved = saved, None
         ctx.save_for_backward(
             hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-            out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, out, out_z, saved, xc_saved, delta_saved,
+            out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, out_z, saved, xc_saved, delta_saved,
         )
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-         out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, out, out_z, saved, xc, delta) = ctx.saved_tensors
-        if saved is None:
-            saved = getattr(ctx, "saved_obj", None)
+         out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, out_z, saved, xc, delta) = ctx.saved_tensors
         batch, seqlen, d_model = hidden_states.shape
         d_inner = x.shape[1]
         dt_rank = delta_proj_weight.shape[1]
@@ -128,15 +125,15 @@ class PackedMambaInnerFn(torch.autograd.Function):
         w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
         dy = dy.contiguous().to(out_z.dtype)
         if xc is None:
-            xc = ctx.conv_kernels.causal_conv1d_fwd(x, cw, cb, position_ids, "silu")
+            xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, position_ids, True)
             delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         # out_proj
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))  # (b, d_inner, l)
         dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)  # (d_model, d_inner)
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
         # scan
-        dxc, ddelta, dA, dB, dC, dD, dz, ddelta_bias = ctx.scan_kernels.selective_scan_bwd(
-            xc, delta, A, Bm, Cm, D, z, delta_bias, dout_y, saved, out, position_ids, ctx.delta_softplus
+        dxc, ddelta, dA, dB, dC, dD, dz, ddelta_bias = torch.ops.packloader.selective_scan_bwd(
+            xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, ctx.delta_softplus, saved, dout_y
         )
         # x_proj / dt_proj
         dx_dbl = torch.empty_like(x_dbl)  # (b, l, r + 2n)
@@ -150,7 +147,7 @@ class PackedMambaInnerFn(torch.autograd.Function):
         dxc = dxc.to(xc.dtype)
         dxc = torch.baddbmm(dxc, x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1), dx_dbl.transpose(1, 2))
         # conv
-        dx, dcw, dcb = ctx.conv_kernels.causal_conv1d_bwd(x, cw, cb, dxc, position_ids, "silu")
+        dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc)
         dx = dx.contiguous()
         dz = dz.contiguous().to(z.dtype)
         # in_proj
@@ -175,7 +172,7 @@ class PackedMambaInnerFn(torch.autograd.Function):
             dA,
             dD if ctx.has_D else None,
             ddelta_bias if ctx.has_db else None,
-            None, None, None, None, None,
+            None, None, None,
         )
 
 
@@ -190,11 +187,9 @@ def packed_mamba_inner_ref(
     delta_proj_weight, out_proj_weight, out_proj_bias, A, D=None, delta_bias=None,
     delta_softplus=True, *, position_ids=None, seq_idx=None, backend=None, validate=True,
 ):
-    """The same computation composed from the functional ops (torch autograd for the backward).
-
-    With the default backend on CPU this is the pure-PyTorch reference; it is also the non-fused
-    path of :class:`ops.PackedMamba`.
-    """
+    """The same computation composed from the functional ops (``F.linear``, :func:`ops.packed_causal_conv1d`,
+    :func:`ops.packed_selective_scan`; torch autograd between them): the non-fused path of
+    :class:`ops.PackedMamba`, and a check of the fused Function."""
     batch, seqlen, _ = hidden_states.shape
     d_inner = in_proj_weight.shape[0] // 2
     dt_rank = delta_proj_weight.shape[1]
@@ -202,28 +197,16 @@ def packed_mamba_inner_ref(
     pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=hidden_states.device, validate=validate)
     xz = F.linear(hidden_states, in_proj_weight, in_proj_bias).transpose(1, 2)  # (b, 2 d_inner, l)
     x, z = xz[:, :d_inner], xz[:, d_inner:]
-    xc = packed_causal_conv1d(x, conv1d_weight, conv1d_bias, "silu", position_ids=pos,
-                              backend=backend, validate=False)
+    xc = packed_causal_conv1d(x, conv1d_weight, conv1d_bias, "silu", position_ids=pos, backend=backend,
+                              validate=False)
     x_dbl = F.linear(xc.transpose(1, 2), x_proj_weight)  # (b, l, r + 2n)
     dt_low, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=-1)
     delta = F.linear(dt_low, delta_proj_weight).transpose(1, 2)  # (b, d_inner, l)
-    scan_backend = None if backend in (None, "upstream") else backend
     y = packed_selective_scan(
         xc, delta, A, Bm.transpose(1, 2), Cm.transpose(1, 2), D, z, delta_bias, delta_softplus,
-        position_ids=pos, backend=scan_backend, validate=False,
+        position_ids=pos, backend=backend, validate=False,
     )
     return F.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)
-
-
-def fused_backends(device_tensor: torch.Tensor, backend: Optional[str] = None):
-    """(scan kernels, conv kernels) for the fused path, or None where it cannot run (a reference)."""
-    scan_name = _backends.resolve_backend("selective_scan", device_tensor, None if backend == "upstream" else backend)
-    conv_name = _backends.resolve_backend("causal_conv1d", device_tensor, backend)
-    if scan_name == "reference" or conv_name == "reference":
-        return None
-    scan_k = _backends.kernels_for("selective_scan", scan_name)
-    conv_k = _backends.kernels_for("causal_conv1d", conv_name)
-    return scan_k, conv_k
 
 
 def packed_mamba_inner_fn(
@@ -247,7 +230,8 @@ def packed_mamba_inner_fn(
     backend: Optional[str] = None,
     validate: bool = True,
 ) -> torch.Tensor:
-    """The whole Mamba-1 mixer on packed rows in one autograd Function.
+    """The whole Mamba-1 mixer on packed rows in one autograd Function (the kernel ops inside: the compiled
+    kernels on CUDA tensors, the reference elsewhere).
 
     Args:
         hidden_states: (batch, seqlen, d_model).
@@ -262,28 +246,21 @@ def packed_mamba_inner_fn(
         delta_bias: (d_inner,) float32 or None; delta_softplus: softplus on delta + delta_bias.
         position_ids / seq_idx: (batch, seqlen) boundaries (see :mod:`ops.boundaries`).
         checkpoint_lvl: 1 recomputes the conv output and delta in the backward pass; 0 keeps them.
-        backend: as for the ops; the fused Function runs when both ops resolve to kernels
-            (``cuda`` / ``upstream`` / ``ref_kernel``), else the composed reference path runs.
+        backend: None (by device) or ``"reference"`` for this call's forward (prefer
+            ``with ops.use_backend("reference"):`` around forward and backward).
+        validate: check the boundaries (one host sync; skipped under ``torch.compile``).
 
     Returns:
         (batch, seqlen, d_model).
     """
     batch, seqlen, _ = hidden_states.shape
     pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=hidden_states.device, validate=validate)
-    ks = fused_backends(hidden_states, backend)
-    if ks is None or A.shape[1] > getattr(ks[0], "_MAX_DSTATE", 1 << 30):
-        # the composed path, each op on the backend asked for (an explicit "reference" stays the
-        # reference; auto lets each op pick, e.g. the conv kernel with the reference scan when
-        # dstate is beyond what the scan kernel takes; an explicit kernel backend then raises there)
-        return packed_mamba_inner_ref(
-            hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
-            delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias, delta_softplus,
-            position_ids=pos, backend=backend, validate=False,
-        )
     if pos is None:
-        pos = _no_boundaries(batch, seqlen, hidden_states.device)
-    return PackedMambaInnerFn.apply(
-        hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
-        delta_proj_weight, out_proj_weight, out_proj_bias, _fp32(A), _fp32(D), _fp32(delta_bias),
-        pos, delta_softplus, checkpoint_lvl, ks[0], ks[1],
-    )
+        pos = row_positions(batch, seqlen, hidden_states.device)
+    args = (hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
+            delta_proj_weight, out_proj_weight, out_proj_bias, _fp32(A), _fp32(D), _fp32(delta_bias),
+            pos, delta_softplus, checkpoint_lvl)
+    if backend is None or backend == "auto":
+        return PackedMambaInnerFn.apply(*args)
+    with _backends.use_backend_for_call(backend):
+        return PackedMambaInnerFn.apply(*args)

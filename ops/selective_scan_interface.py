@@ -1,4 +1,4 @@
-"""Packing-safe selective scan (Mamba-1's SSM): autograd Function, functional entry, reference.
+"""Packing-safe selective scan (Mamba-1's SSM): the custom ops, the functional entry, the reference.
 
 The scan runs, for every channel ``d`` and state index ``n``::
 
@@ -20,18 +20,23 @@ Example::
     >>> A = -torch.rand(d, n); B, C = torch.randn(b, n, L), torch.randn(b, n, L)
     >>> pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 0]])
     >>> y = ops.packed_selective_scan(u, delta, A, B, C, position_ids=pos)
+
+The kernel ops ``torch.ops.packloader.selective_scan_fwd`` / ``selective_scan_bwd`` (their contract: see
+:mod:`ops.contract`) are registered here: the reference implementation (every device but CUDA), the CUDA
+implementation (``ops._cuda``), the fake implementation and the autograd formula.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .boundaries import resolve_position_ids
+from .boundaries import resolve_position_ids, row_positions
+from .contract import SCAN_CHUNK, SCAN_LANES, scan_chunks
 
-__all__ = ["packed_selective_scan", "selective_scan_ref", "PackedSelectiveScanFn", "linear_scan"]
+__all__ = ["packed_selective_scan", "selective_scan_ref", "linear_scan", "selective_scan_fwd", "selective_scan_bwd"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -153,90 +158,304 @@ def selective_scan_ref(
     return out
 
 
-def _last_dim_contiguous(t):
-    if t is None:
+# ----------------------------------------------------------------------------------------------------------------
+# The kernel ops (contract: ops/contract.py)
+
+def _absent(like: torch.Tensor) -> torch.Tensor:
+    """Stands in for the gradient of an optional input that was not given (custom ops cannot return None)."""
+    return torch.empty(0, dtype=torch.float32, device=like.device)
+
+
+def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` copied into a new contiguous tensor of ``dtype`` (the strides the fake implementation promises)."""
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def _lanes(dstate: int) -> int:
+    return SCAN_LANES if dstate <= SCAN_LANES else dstate
+
+
+def _scan_terms(u, delta, A, B, C, delta_bias, position_ids, delta_softplus):
+    """The forward's intermediate values (compute dtype; state layout (batch, dim, L, dstate))."""
+    ct = _compute_dtype(u.dtype)
+    dim = u.shape[1]
+    u_ = u.to(ct)
+    dt_raw = delta.to(ct)
+    if delta_bias is not None:
+        dt_raw = dt_raw + delta_bias.to(ct)[:, None]
+    dt = F.softplus(dt_raw) if delta_softplus else dt_raw
+    A_ = A.to(ct)
+    Bx = _expand_groups(B.to(ct), dim).transpose(-1, -2)  # (batch, dim|1, L, n)
+    Cx = _expand_groups(C.to(ct), dim).transpose(-1, -2)
+    dA = torch.exp(dt.unsqueeze(-1) * A_[:, None, :])  # (batch, dim, L, n)
+    dtu = dt * u_
+    reset = (position_ids == 0)[:, None, :, None]  # (batch, 1, L, 1)
+    h = linear_scan(dA, dtu.unsqueeze(-1) * Bx, dim=2, reset=reset)
+    return ct, u_, dt_raw, dt, A_, Bx, Cx, dA, dtu, reset, h
+
+
+def _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus):
+    """The reference implementation of ``selective_scan_fwd`` (pure PyTorch, any float dtype)."""
+    batch, dim, L = u.shape
+    dstate = A.shape[1]
+    ct, u_, _, _, _, _, Cx, _, _, _, h = _scan_terms(u, delta, A, B, C, delta_bias, position_ids, delta_softplus)
+    y = (h * Cx).sum(-1)
+    if D is not None:
+        y = y + D.to(ct)[:, None] * u_
+    if z is not None:
+        y = y * F.silu(z.to(ct))
+    nchunks = scan_chunks(L)
+    saved = torch.zeros(batch, dim, nchunks, _lanes(dstate), dtype=torch.float32, device=u.device)
+    if nchunks:
+        ends = (torch.arange(1, nchunks + 1, device=u.device) * SCAN_CHUNK).clamp(max=L) - 1
+        saved[..., :dstate] = h[:, :, ends].to(torch.float32)
+    return _fresh(y, u.dtype), saved
+
+
+def _reduce_groups(X: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(batch, dim, L, n) summed over the channels that share a B/C group -> ``like``'s shape."""
+    batch, dim, L, n = X.shape
+    if like.dim() == 3:
+        return X.sum(1).transpose(-1, -2)
+    g = like.shape[1]
+    return X.reshape(batch, g, dim // g, L, n).sum(2).transpose(-1, -2)
+
+
+def _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout):
+    """The reference implementation of ``selective_scan_bwd``: the forward recomputed, then the adjoint state
+    scanned backwards in time, dropped (not multiplied by zero) where the forward dropped the state."""
+    ct, u_, dt_raw, dt, A_, Bx, Cx, dA, dtu, reset, h = _scan_terms(
+        u, delta, A, B, C, delta_bias, position_ids, delta_softplus)
+    y = (h * Cx).sum(-1)
+    if D is not None:
+        y = y + D.to(ct)[:, None] * u_
+    g = dout.to(ct)
+    dz = None
+    if z is not None:
+        z_ = z.to(ct)
+        sig = torch.sigmoid(z_)
+        dz = g * y * sig * (1 + z_ * (1 - sig))
+        g = g * z_ * sig
+    # adjoint of the state: gh[t] = g[t] C[t] + dA[t+1] gh[t+1], dropped where a sequence starts at t+1
+    a_next = torch.cat([dA[:, :, 1:], torch.zeros_like(dA[:, :, :1])], dim=2)
+    r_next = torch.cat([reset[:, :, 1:], torch.ones_like(reset[:, :, :1])], dim=2)
+    gh = linear_scan(a_next.flip(2), (g.unsqueeze(-1) * Cx).flip(2), dim=2, reset=r_next.flip(2)).flip(2)
+    h_prev = torch.cat([torch.zeros_like(h[:, :, :1]), h[:, :, :-1]], dim=2)
+    g_dA = torch.where(reset, 0.0, gh * h_prev)  # the decay is not used where the state was dropped
+    g_dtu = (gh * Bx).sum(-1)
+    ddt = (g_dA * dA * A_[:, None, :]).sum(-1) + g_dtu * u_
+    du = g_dtu * dt
+    dD = None
+    if D is not None:
+        du = du + D.to(ct)[:, None] * g
+        dD = (g * u_).sum((0, 2))
+    dA_param = (g_dA * dA * dt.unsqueeze(-1)).sum((0, 2))
+    dB = _reduce_groups(gh * dtu.unsqueeze(-1), B)
+    dC = _reduce_groups(g.unsqueeze(-1) * h, C)
+    ddelta = ddt * torch.sigmoid(dt_raw) if delta_softplus else ddt
+    return (
+        _fresh(du, u.dtype), _fresh(ddelta, delta.dtype), _fresh(dA_param, A.dtype), _fresh(dB, B.dtype),
+        _fresh(dC, C.dtype),
+        _fresh(dD, D.dtype) if D is not None else _absent(u),
+        _fresh(dz, z.dtype) if z is not None else _absent(u),
+        _fresh(ddelta.sum((0, 2)), delta_bias.dtype) if delta_bias is not None else _absent(u),
+    )
+
+
+# --- the CUDA implementation: prepares the kernel's inputs, allocates its outputs, launches ---------------------
+
+def _f32(t):
+    return None if t is None else t.float().contiguous()
+
+
+def _bc(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """B/C to contiguous (batch, n_groups, dstate, seqlen) in u's dtype or float32."""
+    if t.dim() == 3:
+        t = t.unsqueeze(1)
+    if t.dtype != torch.float32 and t.dtype != u.dtype:
+        t = t.to(u.dtype)
+    return t.contiguous()
+
+
+def _group_slices(dim: int, n_groups: int):
+    """A kernel block owns 16 channels that must share a group; otherwise the kernel runs group by group."""
+    per = dim // n_groups
+    if n_groups == 1 or per % 16 == 0:
         return None
-    return t if t.stride(-1) == 1 and t.is_contiguous() else t.contiguous()
+    return [(g * per, (g + 1) * per) for g in range(n_groups)]
 
 
-class PackedSelectiveScanFn(torch.autograd.Function):
-    """Autograd Function over the raw-kernel contract (``selective_scan_fwd`` / ``_bwd``).
+def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus):
+    """(out, saved) from the compiled kernel; B/C (batch, n_groups, dstate, seqlen), the rest prepared."""
+    slices = _group_slices(u.shape[1], B.shape[1])
+    if slices is not None:
+        parts = [_scan_fwd_kernel(ext, u[:, a:b], delta[:, a:b], A[a:b], B[:, g:g + 1].contiguous(),
+                                  C[:, g:g + 1].contiguous(),
+                                  None if D is None else D[a:b], None if z is None else z[:, a:b],
+                                  None if delta_bias is None else delta_bias[a:b], pos, softplus)
+                 for g, (a, b) in enumerate(slices)]
+        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+    u, delta = u.contiguous(), delta.contiguous()
+    z = None if z is None else z.contiguous()
+    batch, dim, seqlen = u.shape
+    out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    out_z = torch.empty(u.shape, dtype=u.dtype, device=u.device) if z is not None else None
+    saved = torch.empty(batch, dim, scan_chunks(seqlen), SCAN_LANES, device=u.device, dtype=torch.float32)
+    if u.numel() > 0:
+        ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, out_z, saved)
+    return (out_z if z is not None else out), saved
 
-    ``kernels`` is a module implementing that contract (``ops._cuda``, or ``ops._ref_kernels``).
-    """
 
-    @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, position_ids, kernels):
-        u, delta, B, C, z = (_last_dim_contiguous(t) for t in (u, delta, B, C, z))
-        A = A.contiguous()
-        D = D.contiguous() if D is not None else None
-        delta_bias = delta_bias.contiguous() if delta_bias is not None else None
-        out, saved, out_z = kernels.selective_scan_fwd(
-            u, delta, A, B, C, D, z, delta_bias, position_ids, bool(delta_softplus)
-        )
-        saved_tensors = ()
-        ctx.saved_kind = "none"
-        if isinstance(saved, torch.Tensor):
-            saved_tensors, ctx.saved_kind = (saved,), "tensor"
-        elif isinstance(saved, (tuple, list)) and all(isinstance(s, torch.Tensor) for s in saved):
-            saved_tensors, ctx.saved_kind = tuple(saved), "tuple"
-        else:
-            ctx.saved_obj = saved
-        ctx.n_saved = len(saved_tensors)
-        ctx.delta_softplus = bool(delta_softplus)
-        ctx.kernels = kernels
-        ctx.has_z = z is not None
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, position_ids, out, *saved_tensors)
-        return out_z if z is not None else out
+def _scan_fwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus):
+    if _backends.implementation("selective_scan", "cuda", u.dtype, dstate=A.shape[1]) == "reference":
+        return _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus)
+    ext = _backends.load_kernels()
+    Bk, Ck = _bc(B, u), _bc(C, u)
+    if Ck.dtype != Bk.dtype:
+        Ck = Ck.to(Bk.dtype)
+    pos = position_ids.to(torch.int32).contiguous()
+    return _scan_fwd_kernel(ext, u, delta.to(u.dtype), _f32(A), Bk, Ck, _f32(D),
+                            None if z is None else z.to(u.dtype), _f32(delta_bias), pos, delta_softplus)
 
-    @staticmethod
-    def backward(ctx, dout):
-        u, delta, A, B, C, D, z, delta_bias, position_ids, out, *saved_tensors = ctx.saved_tensors
-        if ctx.saved_kind == "tensor":
-            saved = saved_tensors[0]
-        elif ctx.saved_kind == "tuple":
-            saved = tuple(saved_tensors)
-        else:
-            saved = ctx.saved_obj
-        dout = dout.contiguous()
-        du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = ctx.kernels.selective_scan_bwd(
-            u, delta, A, B, C, D, z, delta_bias, dout, saved, out, position_ids, ctx.delta_softplus
-        )
-        return (
-            du,
-            ddelta,
-            dA,
-            dB.reshape(B.shape) if dB is not None else None,
-            dC.reshape(C.shape) if dC is not None else None,
-            dD if D is not None else None,
-            dz if z is not None else None,
-            ddelta_bias if delta_bias is not None else None,
-            None,
-            None,
-            None,
-        )
 
+def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout):
+    """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias) from the kernel: dB/dC (batch, n_groups, dstate, seqlen)
+    float32, dA/dD/ddelta_bias float32, None for absent inputs."""
+    slices = _group_slices(u.shape[1], B.shape[1])
+    if slices is not None:
+        parts = []
+        for g, (a, b) in enumerate(slices):
+            sl = slice(a, b)
+            parts.append(_scan_bwd_kernel(
+                ext, u[:, sl], delta[:, sl], A[sl], B[:, g:g + 1].float().contiguous(),
+                C[:, g:g + 1].float().contiguous(),
+                None if D is None else D[sl], None if z is None else z[:, sl],
+                None if delta_bias is None else delta_bias[sl], pos, softplus, saved[:, sl], dout[:, sl]))
+        cat = lambda i, d: None if parts[0][i] is None else torch.cat([p[i] for p in parts], d)  # noqa: E731
+        return (cat(0, 1), cat(1, 1), cat(2, 0), cat(3, 1), cat(4, 1), cat(5, 0), cat(6, 1), cat(7, 0))
+    u, delta, dout = u.contiguous(), delta.contiguous(), dout.contiguous()
+    z = None if z is None else z.contiguous()
+    du = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    ddelta = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    dz = torch.empty(u.shape, dtype=u.dtype, device=u.device) if z is not None else None
+    batch, dim = u.shape[:2]
+    # dA / dD / ddelta_bias come per batch row and are summed here (no atomics: the same bits every run)
+    dA = torch.zeros((batch,) + tuple(A.shape), device=u.device, dtype=torch.float32)
+    dB = torch.zeros(B.shape, device=u.device, dtype=torch.float32)
+    dC = torch.zeros(C.shape, device=u.device, dtype=torch.float32)
+    dD = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if D is not None else None
+    ddb = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if delta_bias is not None else None
+    # deterministic mode: dB / dC added by the channel blocks in a fixed order (a ticket per row and chunk);
+    # otherwise with atomics (their last bits vary from run to run)
+    det_sem = (torch.zeros(batch, saved.shape[2], device=u.device, dtype=torch.int32)
+               if torch.are_deterministic_algorithms_enabled() else None)
+    if u.numel() > 0:
+        # out_fwd=None: the kernel recomputes the forward output it needs for dz
+        ext.scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), saved.contiguous(), dout, None,
+                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_sem)
+    return (du, ddelta, dA.sum(0), dB, dC, None if dD is None else dD.sum(0), dz,
+            None if ddb is None else ddb.sum(0))
+
+
+def _scan_bwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout):
+    if _backends.implementation("selective_scan", "cuda", u.dtype, dstate=A.shape[1]) == "reference":
+        return _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout)
+    ext = _backends.load_kernels()
+    Bk, Ck = _bc(B, u), _bc(C, u)
+    if Ck.dtype != Bk.dtype:
+        Ck = Ck.to(Bk.dtype)
+    pos = position_ids.to(torch.int32).contiguous()
+    du, ddelta, dA, dB, dC, dD, dz, ddb = _scan_bwd_kernel(
+        ext, u, delta.to(u.dtype), _f32(A), Bk, Ck, _f32(D), None if z is None else z.to(u.dtype),
+        _f32(delta_bias), pos, delta_softplus, saved, dout.to(u.dtype))
+    return (
+        du, ddelta.to(delta.dtype), dA.to(A.dtype), dB.reshape(B.shape).to(B.dtype), dC.reshape(C.shape).to(C.dtype),
+        dD.to(D.dtype) if D is not None else _absent(u),
+        dz.to(z.dtype) if z is not None else _absent(u),
+        ddb.to(delta_bias.dtype) if delta_bias is not None else _absent(u),
+    )
+
+
+# --- registration ------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("packloader::selective_scan_fwd", mutates_args=(), device_types=None)
+def selective_scan_fwd(
+    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+    position_ids: torch.Tensor, delta_softplus: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed selective scan forward -> (out, saved); see :mod:`ops.contract`. This body is the reference
+    implementation, used on every device but CUDA."""
+    return _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus)
+
+
+selective_scan_fwd.register_kernel("cuda")(_scan_fwd_cuda)
+
+
+@selective_scan_fwd.register_fake
+def _scan_fwd_fake(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus):
+    batch, dim, seqlen = u.shape
+    out = u.new_empty(u.shape)
+    saved = u.new_empty((batch, dim, scan_chunks(seqlen), _lanes(A.shape[1])), dtype=torch.float32)
+    return out, saved
+
+
+@torch.library.custom_op("packloader::selective_scan_bwd", mutates_args=(), device_types=None)
+def selective_scan_bwd(
+    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+    position_ids: torch.Tensor, delta_softplus: bool, saved: torch.Tensor, dout: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """Packed selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias); see :mod:`ops.contract`.
+    This body is the reference implementation, used on every device but CUDA."""
+    return _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout)
+
+
+selective_scan_bwd.register_kernel("cuda")(_scan_bwd_cuda)
+
+
+@selective_scan_bwd.register_fake
+def _scan_bwd_fake(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout):
+    like = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)  # noqa: E731
+    absent = lambda t: like(t) if t is not None else _absent(u)  # noqa: E731
+    return like(u), like(delta), like(A), like(B), like(C), absent(D), absent(z), absent(delta_bias)
+
+
+def _scan_setup_context(ctx, inputs, output):
+    u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus = inputs
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, position_ids, output[1])
+    ctx.delta_softplus = delta_softplus
+    ctx.mark_non_differentiable(output[1])
+
+
+def _scan_backward(ctx, dout, _dsaved):
+    u, delta, A, B, C, D, z, delta_bias, position_ids, saved = ctx.saved_tensors
+    du, ddelta, dA, dB, dC, dD, dz, ddb = selective_scan_bwd(
+        u, delta, A, B, C, D, z, delta_bias, position_ids, ctx.delta_softplus, saved, dout)
+    return (du, ddelta, dA, dB, dC, dD if D is not None else None, dz if z is not None else None,
+            ddb if delta_bias is not None else None, None, None)
+
+
+selective_scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The functional entry
 
 def _fp32(t):
-    """Parameters the kernels take in float32 (float64 is left alone for the reference kernels)."""
+    """Parameters the kernels take in float32 (float64 is left alone for the reference)."""
     if t is None or t.dtype in (torch.float32, torch.float64):
         return t
     return t.float()
 
 
-_NO_BOUNDARY_CACHE: dict = {}
-
-
-def _no_boundaries(batch: int, seqlen: int, device) -> torch.Tensor:
-    """position_ids of rows that are each one sequence: 0, 1, ..., seqlen-1 (cached)."""
-    key = (seqlen, str(device))
-    ar = _NO_BOUNDARY_CACHE.get(key)
-    if ar is None:
-        if len(_NO_BOUNDARY_CACHE) > 16:
-            _NO_BOUNDARY_CACHE.clear()
-        ar = torch.arange(seqlen, dtype=torch.int32, device=device)
-        _NO_BOUNDARY_CACHE[key] = ar
-    return ar.unsqueeze(0).expand(batch, seqlen).contiguous()
+def _last_dim_contiguous(t):
+    if t is None or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
 
 
 def packed_selective_scan(
@@ -257,12 +476,14 @@ def packed_selective_scan(
 ) -> torch.Tensor:
     """Selective scan over packed rows, resetting the state at every sequence start.
 
-    Same shapes and semantics as mamba-ssm's ``selective_scan_fn``, plus the boundaries.
+    Same shapes and semantics as mamba-ssm's ``selective_scan_fn``, plus the boundaries. Runs the
+    ``packloader::selective_scan_fwd`` op (the compiled kernel on CUDA tensors, the reference elsewhere: see
+    :mod:`ops.backends`); differentiable; traceable by ``torch.compile`` without graph breaks.
 
     Args:
         u: (batch, dim, seqlen) input.
         delta: (batch, dim, seqlen) time steps (before ``delta_bias`` / softplus).
-        A: (dim, dstate) real state matrix (float32 on the kernel path; usually ``-exp(A_log)``).
+        A: (dim, dstate) real state matrix (usually ``-exp(A_log)``); the kernel takes ``dstate <= 16``.
         B: (batch, dstate, seqlen), or grouped (batch, n_groups, dstate, seqlen) with
             ``dim % n_groups == 0`` (channel ``d`` uses group ``d // (dim // n_groups)``).
         C: same shapes as ``B``.
@@ -274,12 +495,17 @@ def packed_selective_scan(
             loader emits). The state is zeroed where ``position_ids == 0``.
         seq_idx: (batch, seqlen) segment numbers, the alternative to ``position_ids``. With neither,
             each row is one sequence (plain ``selective_scan_fn``).
-        backend: ``"cuda" | "reference" | "ref_kernel" | "auto"``; default from
-            :func:`ops.set_backend` / ``PACKLOADER_OPS_BACKEND`` / auto.
-        validate: check the boundaries (one host sync per new boundary tensor).
+        backend: None (by device) or ``"reference"``: this call's forward runs the reference (the backward
+            follows :func:`ops.use_backend` when it runs; prefer ``with ops.use_backend("reference"):`` around
+            forward and backward). Not under ``torch.compile``.
+        validate: check the boundaries (one host sync; skipped under ``torch.compile``).
 
     Returns:
-        (batch, dim, seqlen) in ``u``'s dtype: ``y (+ D*u) (* silu(z))``.
+        (batch, dim, seqlen) in ``u``'s dtype, contiguous: ``y (+ D*u) (* silu(z))``.
+
+    Raises:
+        ValueError: shapes that do not fit together. ops.backends.KernelUnsupportedError: a CUDA case the
+            kernel cannot take (float64, dstate > 16), with how to run the reference instead.
     """
     if u.dim() != 3:
         raise ValueError(f"u must be (batch, dim, seqlen), got {tuple(u.shape)}")
@@ -300,19 +526,15 @@ def packed_selective_scan(
             )
     if z is not None and z.shape != u.shape:
         raise ValueError(f"z {tuple(z.shape)} must have u's shape {tuple(u.shape)}")
+    for name, v in (("D", D), ("delta_bias", delta_bias)):
+        if v is not None and v.shape != (dim,):
+            raise ValueError(f"{name} must be (dim={dim},), got {tuple(v.shape)}")
     pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=u.device, validate=validate)
-    name = _backends.resolve_backend("selective_scan", u, backend)
-    if name == "reference":
-        return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, position_ids=pos,
-                                  validate=False)
-    kernels = _backends.kernels_for("selective_scan", name)
-    if dstate > getattr(kernels, "_MAX_DSTATE", 1 << 30):
-        if (backend or _backends.get_backend("selective_scan")) != "auto":
-            raise ValueError(f"backend {name!r}: dstate {dstate} > {kernels._MAX_DSTATE} is not supported")
-        return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, position_ids=pos,
-                                  validate=False)
     if pos is None:
-        pos = _no_boundaries(batch, seqlen, u.device)
-    return PackedSelectiveScanFn.apply(
-        u, delta, _fp32(A), B, C, _fp32(D), z, _fp32(delta_bias), delta_softplus, pos, kernels,
-    )
+        pos = row_positions(batch, seqlen, u.device)
+    args = (_last_dim_contiguous(u), _last_dim_contiguous(delta), _fp32(A), _last_dim_contiguous(B),
+            _last_dim_contiguous(C), _fp32(D), _last_dim_contiguous(z), _fp32(delta_bias), pos, bool(delta_softplus))
+    if backend is None or backend == "auto":
+        return selective_scan_fwd(*args)[0]
+    with _backends.use_backend_for_call(backend):
+        return selective_scan_fwd(*args)[0]

@@ -25,14 +25,14 @@ Parameters (d_inner = expand * d_model, dt_rank = ceil(d_model / 16) when "auto"
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundaries import resolve_position_ids
-from ..mamba_inner import fused_backends, packed_mamba_inner_fn, packed_mamba_inner_ref
+from ..boundaries import resolve_boundaries
+from ..conv1d_interface import causal_conv1d_ref
+from ..mamba_inner import packed_mamba_inner_fn, packed_mamba_inner_ref
+from ..selective_scan_interface import selective_scan_ref
 
 __all__ = ["PackedMamba"]
 
@@ -56,7 +56,9 @@ class PackedMamba(nn.Module):
         dt_init: "random" (uniform +-dt_rank**-0.5 * dt_scale) or "constant" for dt_proj.weight.
         dt_scale, dt_init_floor: scale of that init; lower clamp of the initial dt.
         conv_bias: conv1d has a bias; bias: in_proj / out_proj have biases.
-        use_fast_path: use the fused ``packed_mamba_inner_fn`` when kernels are available.
+        use_fast_path: run the fused ``packed_mamba_inner_fn`` (one autograd Function around the kernel ops);
+            False composes the functional ops with torch autograd (``packed_mamba_inner_ref``). Both run the
+            compiled kernels on CUDA tensors and the reference elsewhere.
         layer_idx: index for inference caches.
         device, dtype: factory kwargs (A_log and D are always float32).
     """
@@ -91,8 +93,7 @@ class PackedMamba(nn.Module):
         self.use_fast_path = use_fast_path
         self.layer_idx = layer_idx
         self.activation = "silu"
-        self.validate_boundaries = True
-        self.backend: Optional[str] = None  # per-module override of ops.set_backend
+        self.validate_boundaries = True  # the boundaries given to forward are validated (see forward)
 
         self.in_proj = nn.Linear(self.d_model, 2 * self.d_inner, bias=bias, **factory_kwargs)
         self.conv1d = nn.Conv1d(
@@ -140,7 +141,6 @@ class PackedMamba(nn.Module):
         if self.activation not in ("silu", "swish"):
             raise ValueError(f"PackedMamba supports the silu activation only, got {self.activation!r}")
         self.validate_boundaries = True
-        self.backend = None
         self.A_log = mamba.A_log
         self.D = mamba.D
         self.in_proj = mamba.in_proj
@@ -183,21 +183,20 @@ class PackedMamba(nn.Module):
                     "boundaries (position_ids / seq_idx / cu_seqlens); generate one sequence per row"
                 )
             return self._forward_inference(hidden_states, inference_params)
-        if cu_seqlens is not None and position_ids is None and seq_idx is None:
-            from ..boundaries import cu_seqlens_to_position_ids
-
-            position_ids = cu_seqlens_to_position_ids(cu_seqlens.to(hidden_states.device), (batch, seqlen))
-        pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=hidden_states.device,
-                                   validate=self.validate_boundaries)
+        # resolved once here and handed down as int32 position_ids; the ops below do not check again. Validation
+        # (one host sync) runs when validate_boundaries is set, never under torch.compile; a model converted by
+        # ops.enable_packing validates at its entry and switches it off in its mixers.
+        pos, _ = resolve_boundaries(position_ids, seq_idx, cu_seqlens, (batch, seqlen), device=hidden_states.device,
+                                    validate=self.validate_boundaries)
         A = -torch.exp(_ssm_float(self.A_log))
         args = (
             hidden_states, self.in_proj.weight, self.in_proj.bias, self.conv1d.weight, self.conv1d.bias,
             self.x_proj.weight, self.dt_proj.weight, self.out_proj.weight, self.out_proj.bias,
             A, _ssm_float(self.D), _ssm_float(self.dt_proj.bias), True,
         )
-        if self.use_fast_path and fused_backends(hidden_states, self.backend) is not None:
-            return packed_mamba_inner_fn(*args, position_ids=pos, backend=self.backend, validate=False)
-        return packed_mamba_inner_ref(*args, position_ids=pos, backend=self.backend, validate=False)
+        if self.use_fast_path:
+            return packed_mamba_inner_fn(*args, position_ids=pos, validate=False)
+        return packed_mamba_inner_ref(*args, position_ids=pos, validate=False)
 
     # ---------------------------------------------------------------------------------------
     # Generation (one sequence per row, no packing): upstream's cache layout.
@@ -222,9 +221,6 @@ class PackedMamba(nn.Module):
         return conv_state, ssm_state
 
     def _forward_inference(self, hidden_states, inference_params):
-        from ..conv1d_interface import causal_conv1d_ref
-        from ..selective_scan_interface import selective_scan_ref
-
         batch, seqlen, _ = hidden_states.shape
         conv_state, ssm_state = self._get_states_from_cache(inference_params, batch)
         if inference_params.seqlen_offset > 0:

@@ -97,7 +97,7 @@ class Mamba(nn.Module):
         super().__init__()
         p = PackedMamba(d_model, layer_idx=layer_idx, **kw)
         for a in ("d_model", "d_state", "d_conv", "expand", "d_inner", "dt_rank", "use_fast_path", "layer_idx",
-                  "activation", "validate_boundaries", "backend"):
+                  "activation", "validate_boundaries"):
             setattr(self, a, getattr(p, a))
         self.in_proj, self.conv1d, self.act = p.in_proj, p.conv1d, p.act
         self.x_proj, self.dt_proj = p.x_proj, p.dt_proj

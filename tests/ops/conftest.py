@@ -1,5 +1,5 @@
 """Fixtures of the ops tests: a fresh seed per test (printed, so a failure can be replayed with
-``PACKLOADER_TEST_SEED=<seed>``) and the backend choice restored after every test."""
+``PACKLOADER_TEST_SEED=<seed>``) and the backend override restored after every test."""
 from __future__ import annotations
 
 import os
@@ -19,15 +19,13 @@ def seed():
 
 
 @pytest.fixture(autouse=True)
-def _restore_backends(monkeypatch):
-    """No test leaks a set_backend() choice or PACKLOADER_OPS_BACKEND into the next one."""
+def _restore_backends():
+    """No test leaks a set_backend() choice into the next one."""
     from ops import backends
 
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    saved = dict(backends._override)
+    saved = backends.get_backend()
     yield
-    backends._override.clear()
-    backends._override.update(saved)
+    backends.set_backend(saved)
 
 
 @pytest.fixture(autouse=True, scope="package")

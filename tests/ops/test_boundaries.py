@@ -1,5 +1,5 @@
 """ops.boundaries: the three forms of packed-sequence boundaries (position_ids, seq_idx, cu_seqlens),
-their conversions, validation errors and the per-batch resolution cache."""
+their conversions, validation errors and their resolution (once per step, no cache, no check under compile)."""
 from __future__ import annotations
 
 import random
@@ -234,10 +234,10 @@ def test_resolve_errors():
     assert resolve_position_ids(bad, validate=False).tolist() == [[0, 1, 3]]
 
 
-def test_resolve_cache_sees_in_place_changes():
+def test_resolve_sees_in_place_changes():
     pos = torch.tensor([[0, 1, 2, 3]])
     assert resolve_position_ids(pos).tolist() == [[0, 1, 2, 3]]
-    pos[0, 2:] = torch.tensor([0, 1])  # a new sequence starts: the cached result must not be reused
+    pos[0, 2:] = torch.tensor([0, 1])  # a new sequence starts: resolved again, nothing is cached
     assert resolve_position_ids(pos).tolist() == [[0, 1, 0, 1]]
     pos[0, 3] = 5  # and now invalid: validation runs again
     with pytest.raises(BoundaryError):
@@ -261,3 +261,42 @@ def test_resolve_boundaries_all_three_forms():
     assert resolve_boundaries(shape=(2, 6)) == (None, None)
     with pytest.raises(BoundaryError, match="needs the"):
         resolve_boundaries(cu_seqlens=cu)
+
+
+def test_resolve_hands_back_an_already_resolved_tensor_itself():
+    pos = torch.tensor([[0, 1, 2, 0, 1]], dtype=torch.int32)
+    assert resolve_position_ids(pos) is pos  # a layer below the model's entry costs nothing
+    assert resolve_boundaries(pos, shape=(1, 5))[0] is pos
+    seq = position_ids_to_seq_idx(pos)
+    assert resolve_boundaries(pos, seq, shape=(1, 5))[1] is seq
+
+
+def test_validation_is_skipped_under_compile(monkeypatch):
+    """Under torch.compile validation (a host sync) is skipped: malformed ids pass through unchecked, and the
+    cu_seqlens conversion runs without a sync (given the shape)."""
+    bad = torch.tensor([[0, 1, 3]])
+    with pytest.raises(BoundaryError):
+        resolve_position_ids(bad)
+    with pytest.raises(BoundaryError, match="straddles"):
+        cu_seqlens_to_position_ids(torch.tensor([0, 2, 6]), (2, 3))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert resolve_position_ids(bad).tolist() == [[0, 1, 3]]
+    assert resolve_boundaries(torch.tensor([[0, 2]]), torch.tensor([[0, 0]]), shape=(1, 2))[0].tolist() == [[0, 2]]
+    cu_seqlens_to_position_ids(torch.tensor([0, 2, 6]), (2, 3))  # not checked
+    # a valid layout converts the same either way
+    rows = [[3, 1, 2], [6]]
+    pos, _, cu = forms_from_lengths(rows)
+    assert torch.equal(cu_seqlens_to_position_ids(cu, (2, 6)).long(), pos)
+
+
+@pytest.mark.parametrize("seqlen", [1, 7, 40])
+def test_cu_seqlens_conversion_on_random_layouts_with_empty_sequences(seed, seqlen):
+    rng = random.Random(seed)
+    rows = random_rows(rng, 3, seqlen)
+    pos, _, cu = forms_from_lengths(rows)
+    cu_list = cu.tolist()
+    for _ in range(3):  # zero-length sequences (repeated offsets) anywhere, also at both ends
+        i = rng.randrange(len(cu_list))
+        cu_list.insert(i, cu_list[i])
+    got = cu_seqlens_to_position_ids(torch.tensor(cu_list), (3, seqlen))
+    assert torch.equal(got.long(), pos) and got.dtype == torch.int32

@@ -1,9 +1,9 @@
-"""Packed causal depthwise conv1d on CPU in float64: the reference op and the autograd Function
-(backend ``ref_kernel``: PackedCausalConv1dFn with the reference standing in for the compiled kernels)
-against a per-timestep oracle written here and against running every sequence alone, for random
+"""Packed causal depthwise conv1d on CPU in float64: the op (``ops.packed_causal_conv1d``: the custom ops
+``packloader::causal_conv1d_fwd/bwd`` with their reference implementations, an analytic backward) and the
+PyTorch oracle ``causal_conv1d_ref`` (torch autograd through it) against a per-timestep oracle written here and against running every sequence alone, for random
 length mixes (length-1 sequences, sequences shorter than the conv width, a row that is one sequence,
 a padding tail), both boundary forms, channel-first and channel-last inputs, with and without bias and
-silu, conv widths 2-4."""
+silu, conv widths 2-4; and ``torch.library.opcheck`` of both ops."""
 from __future__ import annotations
 
 import random
@@ -62,6 +62,14 @@ def grads(out, ins, dout):
     return [None if t is None else next(g) for t in ins]
 
 
+def conv(x, weight, bias=None, activation=None, *, path, **kw):
+    """path "op": the custom op (what every caller runs); "reference": torch autograd through the oracle."""
+    if path == "reference":
+        return causal_conv1d_ref(x, weight, bias, activation, **kw)
+    assert path == "op"
+    return ops.packed_causal_conv1d(x, weight, bias, activation, **kw)
+
+
 VARIANTS = {
     # name: (width, has_bias, activation, weight as nn.Conv1d's (dim, 1, width))
     "w4_bias_silu_3d": (4, True, "silu", True),
@@ -71,7 +79,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["reference", "ref_kernel"])
+@pytest.mark.parametrize("backend", ["reference", "op"])
 @pytest.mark.parametrize("form", ["position_ids", "seq_idx"])
 @pytest.mark.parametrize("channel_last", [False, True], ids=["channel_first", "channel_last"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -86,7 +94,7 @@ def test_packed_equals_oracle_and_each_sequence_alone(seed, backend, form, chann
     x = leaf(make_x(batch, dim, seqlen, channel_last))
     w = leaf(torch.randn(dim, 1, width, dtype=F64) if w3d else torch.randn(dim, width, dtype=F64))
     bias = leaf(torch.randn(dim, dtype=F64)) if has_bias else None
-    out = ops.packed_causal_conv1d(x, w, bias, activation, backend=backend, **bounds)
+    out = conv(x, w, bias, activation, path=backend, **bounds)
     assert out.shape == x.shape and out.dtype == F64
     assert out.stride() == x.stride(), "output in the input's layout"
     dout = torch.randn(out.shape, dtype=F64)
@@ -107,7 +115,7 @@ def test_packed_equals_oracle_and_each_sequence_alone(seed, backend, form, chann
         xs = x.detach()[b:b + 1, :, s:s + n]
         xs = leaf(xs.transpose(1, 2).contiguous().transpose(1, 2) if channel_last else xs.contiguous())
         ws, bs = leaf(w), leaf(bias)
-        o = ops.packed_causal_conv1d(xs, ws, bs, activation, backend=backend)
+        o = conv(xs, ws, bs, activation, path=backend)
         torch.testing.assert_close(out[b:b + 1, :, s:s + n], o, **TOL)
         gx, gw, gb = grads(o, [xs, ws, bs], dout[b:b + 1, :, s:s + n])
         torch.testing.assert_close(g[0][b:b + 1, :, s:s + n], gx, **TOL)
@@ -124,16 +132,16 @@ def test_packed_equals_oracle_and_each_sequence_alone(seed, backend, form, chann
 def test_no_boundaries_equals_torch_conv1d(seed, width, seqlen):
     """Without boundaries: nn.Conv1d(groups=dim, padding=width-1) truncated to seqlen, as in Mamba."""
     dim = 3
-    conv = torch.nn.Conv1d(dim, dim, width, groups=dim, padding=width - 1, dtype=F64)
+    layer = torch.nn.Conv1d(dim, dim, width, groups=dim, padding=width - 1, dtype=F64)
     x = torch.randn(2, dim, seqlen, dtype=F64)
-    want = F.silu(conv(x)[..., :seqlen])
-    for backend in ("reference", "ref_kernel"):
-        got = ops.packed_causal_conv1d(x, conv.weight, conv.bias, "silu", backend=backend)
+    want = F.silu(layer(x)[..., :seqlen])
+    for backend in ("reference", "op"):
+        got = conv(x, layer.weight, layer.bias, "silu", path=backend)
         torch.testing.assert_close(got, want, **TOL)
         # position_ids counting 0..L-1 (one sequence per row) is the same thing
         pos = torch.arange(seqlen).expand(2, seqlen)
-        torch.testing.assert_close(ops.packed_causal_conv1d(x, conv.weight, conv.bias, "silu", position_ids=pos,
-                                                            backend=backend), want, **TOL)
+        torch.testing.assert_close(conv(x, layer.weight, layer.bias, "silu", position_ids=pos, path=backend), want,
+                                   **TOL)
 
 
 @pytest.mark.parametrize("channel_last", [False, True], ids=["channel_first", "channel_last"])
@@ -142,10 +150,10 @@ def test_gradcheck_through_the_autograd_function(seed, channel_last):
     x = leaf(make_x(2, 3, 8, channel_last))
     w, b = leaf(torch.randn(3, 4, dtype=F64)), leaf(torch.randn(3, dtype=F64))
     assert torch.autograd.gradcheck(
-        lambda x_, w_, b_: ops.packed_causal_conv1d(x_, w_, b_, "silu", position_ids=pos, backend="ref_kernel"),
+        lambda x_, w_, b_: conv(x_, w_, b_, "silu", position_ids=pos, path="op"),
         (x, w, b), eps=1e-6, atol=1e-7)
     assert torch.autograd.gradcheck(
-        lambda x_, w_: ops.packed_causal_conv1d(x_, w_, None, None, position_ids=pos, backend="ref_kernel"),
+        lambda x_, w_: conv(x_, w_, None, None, position_ids=pos, path="op"),
         (x, w), eps=1e-6, atol=1e-7)
 
 
@@ -153,19 +161,19 @@ def test_no_tap_crosses_a_boundary_forward_or_backward(seed):
     x = torch.randn(1, 4, 12, dtype=F64)
     w, b = torch.randn(4, 4, dtype=F64), torch.randn(4, dtype=F64)
     pos = positions([[5, 7]])
-    for backend in ("reference", "ref_kernel"):
+    for backend in ("reference", "op"):
         xl = leaf(x)
-        out = ops.packed_causal_conv1d(xl, w, b, "silu", position_ids=pos, backend=backend)
+        out = conv(xl, w, b, "silu", position_ids=pos, path=backend)
         x2 = x.clone()
         x2[..., :5] += 10.0  # change the first sequence
-        out2 = ops.packed_causal_conv1d(x2, w, b, "silu", position_ids=pos, backend=backend)
+        out2 = conv(x2, w, b, "silu", position_ids=pos, path=backend)
         assert torch.equal(out[..., 5:], out2[..., 5:])
         assert (out[..., :5] - out2[..., :5]).abs().max() > 0
         out[..., 5:].sum().backward()
         assert xl.grad[..., :5].abs().max() == 0 and xl.grad[..., 5:].abs().max() > 0
 
 
-@pytest.mark.parametrize("backend", ["reference", "ref_kernel"])
+@pytest.mark.parametrize("backend", ["reference", "op"])
 def test_inf_does_not_cross_a_boundary(seed, backend):
     # an inf in the last step of the first sequence: the next sequence's outputs and input gradients stay finite
     # and equal to it run alone (a dropped tap is dropped, not multiplied by zero, which would give NaN)
@@ -173,11 +181,11 @@ def test_inf_does_not_cross_a_boundary(seed, backend):
     x[..., 4] = float("inf")
     w, b = torch.randn(4, 4, dtype=F64), torch.randn(4, dtype=F64)
     xl = leaf(x)
-    out = ops.packed_causal_conv1d(xl, w, b, "silu", position_ids=positions([[5, 7]]), backend=backend)
+    out = conv(xl, w, b, "silu", position_ids=positions([[5, 7]]), path=backend)
     dout = torch.randn_like(out)
     out.backward(dout)
     x1 = leaf(x[..., 5:])
-    alone = ops.packed_causal_conv1d(x1, w, b, "silu", backend=backend)
+    alone = conv(x1, w, b, "silu", path=backend)
     alone.backward(dout[..., 5:])
     assert torch.isfinite(out[..., 5:]).all() and torch.isfinite(xl.grad[..., 5:]).all()
     torch.testing.assert_close(out[..., 5:], alone, **TOL)
@@ -189,11 +197,11 @@ def test_channel_last_and_channel_first_agree(seed):
     x_cl = x.transpose(1, 2).contiguous().transpose(1, 2)
     w, b = torch.randn(8, 3, dtype=F64), torch.randn(8, dtype=F64)
     pos = positions([[3, 1, 7], [11]])
-    for backend in ("reference", "ref_kernel"):
+    for backend in ("reference", "op"):
         r = []
         for inp in (x, x_cl):
             xl = leaf(inp)
-            out = ops.packed_causal_conv1d(xl, w, b, "silu", position_ids=pos, backend=backend)
+            out = conv(xl, w, b, "silu", position_ids=pos, path=backend)
             out.square().sum().backward()
             r.append((out, xl.grad))
         torch.testing.assert_close(r[0][0], r[1][0], **TOL)
@@ -202,13 +210,13 @@ def test_channel_last_and_channel_first_agree(seed):
 
 
 def test_strided_input_that_is_neither_layout(seed):
-    """A slice of a wider tensor (Mamba's x half of xz): the Function copies to a kernel layout."""
+    """A slice of a wider tensor (Mamba's x half of xz): the functional entry copies to a layout the op takes."""
     xz = torch.randn(2, 6, 9, dtype=F64)
     x = xz[:, :3]
     w = torch.randn(3, 4, dtype=F64)
     pos = positions([[4, 5], [2, 7]])
-    a = ops.packed_causal_conv1d(x, w, None, "silu", position_ids=pos, backend="ref_kernel")
-    b = ops.packed_causal_conv1d(x.contiguous(), w, None, "silu", position_ids=pos, backend="reference")
+    a = conv(x, w, None, "silu", position_ids=pos, path="op")
+    b = conv(x.contiguous(), w, None, "silu", position_ids=pos, path="reference")
     torch.testing.assert_close(a, b, **TOL)
 
 
@@ -218,8 +226,8 @@ def test_low_precision_on_cpu(seed, dtype):
     x = torch.randn(2, 4, 12).to(dtype)
     w, b = torch.randn(4, 4).to(dtype), torch.randn(4).to(dtype)
     want = conv_oracle(x.double(), w.double(), b.double(), "silu", rows)
-    for backend in ("reference", "ref_kernel"):
-        out = ops.packed_causal_conv1d(x, w, b, "silu", position_ids=positions(rows), backend=backend)
+    for backend in ("reference", "op"):
+        out = conv(x, w, b, "silu", position_ids=positions(rows), path=backend)
         assert out.dtype == dtype
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         assert ((out.double() - want).norm() / want.norm()).item() <= tol
@@ -248,11 +256,44 @@ def test_errors():
         ops.packed_causal_conv1d(x, w, seq_idx=torch.zeros(10, dtype=torch.long))
 
 
-@pytest.mark.parametrize("backend", ["reference", "ref_kernel"])
+@pytest.mark.parametrize("backend", ["reference", "op"])
 def test_validate_false_skips_the_boundary_check(backend):
     """validate=False: the caller vouches for the ids; neither the op nor its reference re-checks."""
     x, w = torch.randn(1, 2, 4), torch.randn(2, 3)
     bad = torch.tensor([[0, 1, 0, 3]])
     with pytest.raises(ops.BoundaryError):
-        ops.packed_causal_conv1d(x, w, position_ids=bad, backend=backend)
-    ops.packed_causal_conv1d(x, w, position_ids=bad, backend=backend, validate=False)
+        conv(x, w, position_ids=bad, path=backend)
+    conv(x, w, position_ids=bad, path=backend, validate=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# the custom ops: opcheck, and the layouts they take
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("channel_last", [False, True], ids=["channel_first", "channel_last"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("silu", [True, False])
+def test_opcheck(seed, width, channel_last, bias, silu):
+    rows = [[1, 2, 6], [9]]  # a length-1 sequence and one shorter than the width
+    x = make_x(2, 5, 9, channel_last).requires_grad_(True)
+    w = torch.randn(5, width, dtype=F64, requires_grad=True)
+    b = torch.randn(5, dtype=F64, requires_grad=True) if bias else None
+    pos = positions(rows).to(torch.int32)
+    torch.library.opcheck(torch.ops.packloader.causal_conv1d_fwd, (x, w, b, pos, silu))
+    dout = torch.randn(2, 5, 9, dtype=F64)
+    torch.library.opcheck(torch.ops.packloader.causal_conv1d_bwd,
+                          (x.detach(), w.detach(), None if b is None else b.detach(), pos, silu, dout))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_low_precision_and_length_1(seed, dtype):
+    x = torch.randn(3, 4, 1).to(dtype).requires_grad_(True)
+    w = torch.randn(4, 4, requires_grad=True)  # float32 weights with bf16 activations, as under autocast
+    pos = torch.zeros(3, 1, dtype=torch.int32)
+    torch.library.opcheck(torch.ops.packloader.causal_conv1d_fwd, (x, w, None, pos, True))
+
+
+def test_the_op_refuses_layouts_outside_its_contract():
+    x = torch.randn(2, 6, 9)[:, :3]  # neither channel-first contiguous nor dense channel-last
+    with pytest.raises(ValueError, match="channel-first contiguous or dense channel-last"):
+        torch.ops.packloader.causal_conv1d_fwd(x, torch.randn(3, 4), None, torch.zeros(2, 9, dtype=torch.int32), True)

@@ -216,3 +216,44 @@ def test_checkpoint_of_the_unconverted_model_loads_into_a_converted_one(seed):
     back = make_model(("Mamba1", "Mamba2"), n_layer=3, seed=seed + 2)
     back.load_state_dict(dst.state_dict(), strict=True)
     torch.testing.assert_close(back(ids).logits, src(ids).logits, rtol=0, atol=0)
+
+
+def test_boundaries_are_resolved_and_validated_once_per_forward(seed, monkeypatch):
+    """The converted model validates the boundaries once (at most one check) at its entry and hands the resolved int32
+    position_ids / seq_idx down: no mixer converts or checks them again, whatever form was given."""
+    import ops.boundaries as boundaries
+
+    model = make_model(("Mamba1", "Mamba2", "Mamba1"), n_layer=3, seed=seed)
+    enable_packing(model)
+    rows = [[3, 5, 2], [10]]
+    calls = {"validate": 0, "seq_to_pos": 0}
+    real_validate, real_seq_to_pos = boundaries.validate_position_ids, boundaries.seq_idx_to_position_ids
+
+    def counting_validate(p):
+        calls["validate"] += 1
+        return real_validate(p)
+
+    def counting_seq_to_pos(s, *a, **k):
+        calls["seq_to_pos"] += 1
+        return real_seq_to_pos(s, *a, **k)
+
+    monkeypatch.setattr(boundaries, "validate_position_ids", counting_validate)
+    monkeypatch.setattr(boundaries, "seq_idx_to_position_ids", counting_seq_to_pos)
+    seen = []
+    for layer in model.backbone.layers:
+        if isinstance(layer.mixer, PackedMamba):
+            layer.mixer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["position_ids"]), with_kwargs=True)
+    for form in ("position_ids", "seq_idx", "cu_seqlens"):
+        calls.update(validate=0, seq_to_pos=0)
+        seen.clear()
+        model(torch.randint(0, VOCAB, (2, 10)), **boundary_kwargs(form, rows))
+        # one check where one is needed: seq_idx makes valid position_ids by construction, cu_seqlens are checked
+        # as such
+        assert calls["validate"] == (1 if form == "position_ids" else 0), (form, calls)
+        # once at the entry for seq_idx; plus once inside the Mamba-2 stand-in (its conv takes seq_idx)
+        assert calls["seq_to_pos"] == (1 if form == "seq_idx" else 0) + 1, (form, calls)
+        assert len(seen) == 2 and seen[0] is seen[1] and seen[0].dtype == torch.int32
+    calls.update(validate=0)
+    enable_packing(model, validate=False)
+    model(torch.randint(0, VOCAB, (2, 10)), position_ids=positions(rows))
+    assert calls["validate"] == 0

@@ -1,4 +1,4 @@
-"""GPU tests of the compiled kernels in ops/_cuda.py against a float64 reference and against running every
+"""GPU tests of the compiled kernels (the CUDA implementations of the torch.ops.packloader ops) against a float64 reference and against running every
 sequence of a packed row alone.  Marked `gpu`: skipped cleanly on a machine without CUDA.
 
 Relative error is ||got - round(ref)|| / ||ref|| over the whole tensor, ref the float64 result and round() to the
@@ -28,15 +28,46 @@ def _seed():
     yield
 
 
+class KernelOps:
+    """The kernel ops (torch.ops.packloader.*, CUDA implementation) in the call form these tests use:
+    scan fwd -> (out, saved, out_z) with out ungated; bwd -> grads with None for absent inputs."""
+
+    @staticmethod
+    def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, softplus):
+        out, saved = torch.ops.packloader.selective_scan_fwd(u, delta, A, B, C, D, None, delta_bias, pos, softplus)
+        out_z = None
+        if z is not None:
+            out_z, saved_z = torch.ops.packloader.selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, softplus)
+            assert torch.equal(saved_z, saved)
+        return out, saved, out_z
+
+    @staticmethod
+    def selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, out, pos, softplus):
+        grads = torch.ops.packloader.selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout)
+        given = (u, delta, A, B, C, D, z, delta_bias)
+        return tuple(g if t is not None else None for g, t in zip(grads, given))
+
+    @staticmethod
+    def causal_conv1d_fwd(x, weight, bias, pos, activation):
+        return torch.ops.packloader.causal_conv1d_fwd(x, weight, bias, pos, activation is not None)
+
+    @staticmethod
+    def causal_conv1d_bwd(x, weight, bias, dout, pos, activation):
+        dx, dw, db = torch.ops.packloader.causal_conv1d_bwd(x, weight, bias, pos, activation is not None, dout)
+        return dx, dw, (db if bias is not None else None)
+
+
 @pytest.fixture(scope="module")
 def cuda_ops():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    import ops
     from ops import _cuda
     if not _cuda.is_available():
         pytest.skip("CUDA kernels not buildable here (no nvcc)")
     _cuda.load()
-    return _cuda
+    assert "cuda" in ops.available_backends()
+    return KernelOps
 
 
 # ---------------------------------------------------------------------------------------------------------------

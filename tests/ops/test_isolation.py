@@ -48,8 +48,8 @@ def test_packed_mamba_is_exactly_isolated(seed):
     rows = mixed_rows(rng, 4, 13)
     print("rows", rows)
     layer = PackedMamba(6, d_state=4).double()
-    for backend in ("reference", "ref_kernel"):
-        layer.backend = backend
+    for fast in (True, False):
+        layer.use_fast_path = fast
         rep = check_isolation(lambda b: layer(b["hidden_states"], position_ids=b["position_ids"]),
                               float_batch(rows, seed=seed), max_targets=8)
         assert rep.ok, str(rep)

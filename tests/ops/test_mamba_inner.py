@@ -1,6 +1,7 @@
-"""The fused packed Mamba-1 mixer (packed_mamba_inner_fn / PackedMambaInnerFn) on CPU in float64:
-packing-unpacking invariance (outputs and the gradients of every weight), fused (ref_kernel backend)
-== composed reference path, gradcheck of the fused Function, an independent float64 forward."""
+"""The fused packed Mamba-1 mixer (packed_mamba_inner_fn / PackedMambaInnerFn, the kernel ops inside: their
+reference implementations on the CPU) in float64: packing-unpacking invariance (outputs and the gradients of
+every weight), fused == composed from the functional ops == composed from the PyTorch oracles with torch autograd,
+gradcheck of the fused Function, an independent float64 forward."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import ops
+from ops.conv1d_interface import causal_conv1d_ref
 from ops.mamba_inner import packed_mamba_inner_fn, packed_mamba_inner_ref
+from ops.selective_scan_interface import selective_scan_ref
 
 from ._helpers import assert_packing_invariant, mixed_rows, out_and_grads, positions
 
@@ -40,11 +43,29 @@ def make_weights(d_model=6, d_inner=8, d_state=3, dt_rank=2, d_conv=4, bias=True
     return {k: (None if v is None else v.requires_grad_(True)) for k, v in w.items()}
 
 
-def fn_for(w, backend, **kw):
+def oracle_mixer(h, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight,
+                 out_proj_weight, out_proj_bias, A, D, delta_bias, *, position_ids=None, seq_idx=None):
+    """The mixer composed from the PyTorch oracles, differentiated by torch autograd (no custom op)."""
+    d_inner, dt_rank, d_state = in_proj_weight.shape[0] // 2, delta_proj_weight.shape[1], A.shape[1]
+    xz = F.linear(h, in_proj_weight, in_proj_bias).transpose(1, 2)
+    x, z = xz[:, :d_inner], xz[:, d_inner:]
+    xc = causal_conv1d_ref(x, conv1d_weight, conv1d_bias, "silu", position_ids=position_ids, seq_idx=seq_idx)
+    dt, Bm, Cm = torch.split(F.linear(xc.transpose(1, 2), x_proj_weight), [dt_rank, d_state, d_state], dim=-1)
+    y = selective_scan_ref(xc, F.linear(dt, delta_proj_weight).transpose(1, 2), A, Bm.transpose(1, 2),
+                           Cm.transpose(1, 2), D, z, delta_bias, True, position_ids=position_ids, seq_idx=seq_idx)
+    return F.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)
+
+
+def fn_for(w, path, **kw):
+    """path "fused": packed_mamba_inner_fn; "composed": packed_mamba_inner_ref (the functional ops);
+    "oracle": oracle_mixer."""
     args = [w[n] for n in NAMES]
 
     def fn(h, **bounds):
-        return packed_mamba_inner_fn(h, *args, delta_softplus=True, backend=backend, **kw, **bounds)
+        if path == "oracle":
+            return oracle_mixer(h, *args, **bounds)
+        f = {"fused": packed_mamba_inner_fn, "composed": packed_mamba_inner_ref}[path]
+        return f(h, *args, delta_softplus=True, **kw, **bounds)
 
     params = [w[n] for n in NAMES if w[n] is not None]
     names = [n for n in NAMES if w[n] is not None]
@@ -87,7 +108,7 @@ def mixer_oracle(h, w, rows):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("backend", ["ref_kernel", "reference"], ids=["fused", "composed"])
+@pytest.mark.parametrize("backend", ["fused", "composed"])
 @pytest.mark.parametrize("form", ["position_ids", "seq_idx"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_packing_invariance(seed, backend, form, bias):
@@ -108,14 +129,15 @@ def test_fused_equals_composed_reference(seed, checkpoint_lvl):
     pos = positions(rows)
     w = make_weights(bias=rng.random() < 0.5, conv_bias=rng.random() < 0.5)
     h = torch.randn(3, 14, 6, dtype=F64)
-    fused, params, names = fn_for(w, "ref_kernel", checkpoint_lvl=checkpoint_lvl)
-    composed, _, _ = fn_for(w, "reference")
+    fused, params, names = fn_for(w, "fused", checkpoint_lvl=checkpoint_lvl)
     o1, gh1, gp1, dout = out_and_grads(fused, h, params, position_ids=pos)
-    o2, gh2, gp2, _ = out_and_grads(composed, h, params, dout, position_ids=pos)
-    torch.testing.assert_close(o1, o2, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(gh1, gh2, rtol=1e-10, atol=1e-12)
-    for n, a, b in zip(names, gp1, gp2):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"grad of {n}: {m}")
+    for other in ("composed", "oracle"):
+        o2, gh2, gp2, _ = out_and_grads(fn_for(w, other)[0], h, params, dout, position_ids=pos)
+        torch.testing.assert_close(o1, o2, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(gh1, gh2, rtol=1e-10, atol=1e-12)
+        for n, a, b in zip(names, gp1, gp2):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{other}: grad of {n}: {m}")
+    o2 = fn_for(w, "composed")[0](h, position_ids=pos)
     # the explicit reference entry point is the composed path
     torch.testing.assert_close(
         packed_mamba_inner_ref(h, *[w[n] for n in NAMES], True, position_ids=pos), o2, rtol=0, atol=0)
@@ -127,14 +149,14 @@ def test_gradcheck_of_the_fused_function(seed):
     pos = torch.tensor([[0, 1, 0, 1, 2, 3], [0, 0, 1, 2, 3, 4]])
     args = [w[n] for n in NAMES]
     assert torch.autograd.gradcheck(
-        lambda h_, *a: packed_mamba_inner_fn(h_, *a, delta_softplus=True, position_ids=pos, backend="ref_kernel"),
+        lambda h_, *a: packed_mamba_inner_fn(h_, *a, delta_softplus=True, position_ids=pos),
         (h, *args), eps=1e-6, atol=1e-7)
 
 
 def test_no_boundaries_is_one_sequence_per_row(seed):
     w = make_weights()
     h = torch.randn(2, 9, 6, dtype=F64)
-    for backend in ("ref_kernel", "reference"):
+    for backend in ("fused", "composed"):
         fn, _, _ = fn_for(w, backend)
         plain = fn(h)
         torch.testing.assert_close(plain, fn(h, position_ids=torch.arange(9).expand(2, 9)), rtol=0, atol=0)
@@ -148,8 +170,8 @@ def test_float32_fused_and_composed_agree(seed):
     w = make_weights(dtype=torch.float32)
     h = torch.randn(2, 10, 6)
     pos = positions([[3, 7], [1, 1, 8]])
-    fused, params, _ = fn_for(w, "ref_kernel")
-    composed, _, _ = fn_for(w, "reference")
+    fused, params, _ = fn_for(w, "fused")
+    composed, _, _ = fn_for(w, "composed")
     o1, gh1, _, dout = out_and_grads(fused, h, params, position_ids=pos)
     o2, gh2, _, _ = out_and_grads(composed, h, params, dout, position_ids=pos)
     assert o1.dtype == torch.float32
@@ -159,24 +181,9 @@ def test_float32_fused_and_composed_agree(seed):
 
 def test_bad_boundaries_are_rejected():
     w = make_weights()
-    fn, _, _ = fn_for(w, "ref_kernel")
+    fn, _, _ = fn_for(w, "fused")
     h = torch.randn(2, 5, 6, dtype=F64)
     with pytest.raises(ops.BoundaryError, match=r"position_ids\[0, 2\] = 4 after 1"):
         fn(h, position_ids=torch.tensor([[0, 1, 4, 0, 1], [0, 1, 2, 3, 4]]))
     with pytest.raises(ops.BoundaryError, match=r"boundaries have shape \(2, 4\)"):
         fn(h, position_ids=torch.zeros(2, 4, dtype=torch.long))
-
-
-def test_explicit_backend_is_honoured_when_the_fused_path_cannot_run(monkeypatch):
-    """dstate beyond the scan kernel's limit: an explicit kernel backend fails loudly (as the op does)
-    instead of silently running something else; auto / reference still compute."""
-    from ops import _ref_kernels
-
-    monkeypatch.setattr(_ref_kernels, "_MAX_DSTATE", 2, raising=False)
-    w = make_weights(d_state=3)
-    h = torch.randn(1, 7, 6, dtype=F64)
-    pos = positions([[3, 4]])
-    with pytest.raises(ValueError, match="dstate 3 > 2 is not supported"):
-        fn_for(w, "ref_kernel")[0](h, position_ids=pos)
-    want = fn_for(w, "reference")[0](h, position_ids=pos)
-    torch.testing.assert_close(fn_for(w, None)[0](h, position_ids=pos), want, rtol=0, atol=0)

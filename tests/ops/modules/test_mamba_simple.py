@@ -5,7 +5,8 @@
   upstream-layout module loads unchanged, and without boundaries PackedMamba computes what upstream's
   forward computes (checked against a float64 re-implementation of upstream's slow path);
 - packing-unpacking invariance in float64: outputs and every parameter gradient equal the sum over the
-  sequences run alone, fused (ref_kernel) and non-fused paths, all three boundary forms;
+  sequences run alone, fused and non-fused paths (the kernel ops on their CPU reference), all three boundary
+  forms;
 - generation (inference_params / step) equals the full forward.
 """
 from __future__ import annotations
@@ -148,8 +149,8 @@ def test_upstream_checkpoint_loads_and_computes_the_same(seed):
     h = torch.randn(2, 9, 8, dtype=F64)
     up_params = list(up.parameters())
     want, wgh, wgp, dout = out_and_grads(lambda x: up(x), h, up_params)
-    for backend, fast in (("ref_kernel", True), (None, True), (None, False)):
-        layer.backend, layer.use_fast_path = backend, fast
+    for fast in (True, False):
+        layer.use_fast_path = fast
         got, gh, gp, _ = out_and_grads(lambda x: layer(x), h, list(layer.parameters()), dout)
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
         torch.testing.assert_close(gh, wgh, rtol=1e-9, atol=1e-11)
@@ -177,7 +178,7 @@ def test_packing_invariance(seed, path, form):
     with torch.no_grad():  # away from the init values so every parameter matters
         for p in layer.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    layer.backend = "ref_kernel" if path == "fused" else "reference"
+    layer.use_fast_path = path == "fused"
     rows = mixed_rows(rng, 4, rng.choice([10, 17]))
     print("rows", rows)
     h = torch.randn(4, sum(rows[0]), 8, dtype=F64)
@@ -190,7 +191,6 @@ def test_fused_and_nonfused_paths_agree(seed):
     h = torch.randn(3, 12, 8, dtype=F64)
     pos = positions(mixed_rows(random.Random(seed), 3, 12))
     params = list(layer.parameters())
-    layer.backend = "ref_kernel"
     layer.use_fast_path = True
     o1, gh1, gp1, dout = out_and_grads(lambda x: layer(x, position_ids=pos), h, params)
     layer.use_fast_path = False
@@ -204,8 +204,8 @@ def test_fused_and_nonfused_paths_agree(seed):
 def test_forward_without_boundaries_is_one_sequence_per_row(seed):
     layer = PackedMamba(8, d_state=4).double()
     h = torch.randn(2, 7, 8, dtype=F64)
-    for backend in ("ref_kernel", "reference"):
-        layer.backend = backend
+    for fast in (True, False):
+        layer.use_fast_path = fast
         plain = layer(h)
         torch.testing.assert_close(plain, layer(h, position_ids=torch.arange(7).expand(2, 7)), rtol=0, atol=0)
         torch.testing.assert_close(plain, layer(h, seq_idx=torch.zeros(2, 7, dtype=torch.int32)), rtol=0, atol=0)
@@ -277,7 +277,7 @@ def test_low_precision_module_on_cpu(seed, dtype):
     pos = positions([[4, 6], [1, 9]])
     want = ref(h, position_ids=pos)
     for fast in (True, False):
-        layer.use_fast_path, layer.backend = fast, "ref_kernel"
+        layer.use_fast_path = fast
         got = layer(h.to(dtype), position_ids=pos)
         assert got.dtype == dtype
         assert ((got.double() - want).norm() / want.norm()).item() <= (1e-5 if dtype == torch.float32 else 2e-2)
