@@ -215,7 +215,9 @@ def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
         ext.conv_bwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
                      position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dw_part)
     dw = dw_part.sum(0)
-    return dx, dw[:, :width].to(weight.dtype), (dw[:, width].to(bias.dtype) if bias is not None else _absent(x))
+    # two separate tensors (views of one sum would alias each other: custom ops may not return aliases)
+    dweight = dw[:, :width].to(weight.dtype, copy=True)
+    return dx, dweight, (dw[:, width].to(bias.dtype, copy=True) if bias is not None else _absent(x))
 
 
 @torch.library.custom_op("packloader::causal_conv1d_fwd", mutates_args=(), device_types=None)

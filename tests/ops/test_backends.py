@@ -295,6 +295,10 @@ def test_conv_cuda_glue_against_a_stand_in_extension(seed, fake_ext, channel_las
     if bias:
         torch.testing.assert_close(db, rb, rtol=1e-5, atol=1e-5)
     assert [c[0] for c in fake_ext.calls] == ["conv_fwd", "conv_bwd"]
+    # with float32 parameters (no cast) the outputs are still separate tensors: a custom op may not return aliases
+    outs = conv_mod._conv_bwd_cuda(x, w.float(), bb, pos, True, dout)
+    ptrs = [t.untyped_storage().data_ptr() for t in outs if t.numel()]
+    assert len(set(ptrs)) == len(ptrs), "conv backward outputs share storage"
 
 
 def test_cuda_glue_refuses_before_touching_the_kernel(fake_ext):

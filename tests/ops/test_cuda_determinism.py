@@ -81,7 +81,8 @@ def test_scan_deterministic_mode_bits_repeat(deterministic, dtype):
     torch.use_deterministic_algorithms(False)
     free = _scan_grads(inputs, pos, dout)
     for name, a, b in zip(NAMES, first, free):
-        torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-4 * b.float().abs().max().item(),
+        tol = 2.0 ** -7 if a.dtype == torch.bfloat16 else 1e-4   # one rounding of the result's dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.float().abs().max().item(),
                                    msg=lambda m: f"{name}: {m}")
 
 
