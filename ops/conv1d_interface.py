@@ -210,11 +210,14 @@ def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
     # per-block partials of [dweight | dbias], summed here in a fixed order (no atomics: the same bits every run)
     batch, _, seqlen = x.shape
     slots = batch * max(1, -(-seqlen // CONV_SLOT_STEPS))
-    dw_part = torch.zeros(slots, dim, width + 1, device=x.device, dtype=torch.float32)
+    dw_part = torch.empty(slots, dim, width + 1, device=x.device, dtype=torch.float32)
+    used = 0
     if x.numel() > 0:
-        ext.conv_bwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
-                     position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dw_part)
-    dw = dw_part.sum(0)
+        used = ext.conv_bwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
+                            position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dw_part)
+    if not 0 <= used <= slots:
+        raise RuntimeError(f"packloader ops: the conv backward wrote {used} dweight slots, the buffer holds {slots}")
+    dw = dw_part[:used].sum(0) if used else torch.zeros(dim, width + 1, device=x.device, dtype=torch.float32)
     # two separate tensors (views of one sum would alias each other: custom ops may not return aliases)
     dweight = dw[:, :width].to(weight.dtype, copy=True)
     return dx, dweight, (dw[:, width].to(bias.dtype, copy=True) if bias is not None else _absent(x))

@@ -120,7 +120,7 @@ void conv_fwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor dout, Tensor dx, Tensor dw_part) {
+int64_t conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor dout, Tensor dx, Tensor dw_part) {
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(dx.strides() == x.strides(), "dx must have x's layout");
   po::ConvParams p = conv_params(x, weight, bias, pos, silu);
@@ -132,8 +132,9 @@ void conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor 
   p.dout = dout.data_ptr();
   p.dx = dx.data_ptr();
   p.dw_part = dw_part.data_ptr<float>();
-  po::conv_bwd_launch(p, at::cuda::getCurrentCUDAStream());
+  const int slots = po::conv_bwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return slots;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -32,26 +32,29 @@ namespace packloader_ops {
 
 namespace {
 
-// one family per layout: channel-last; channel-first rows the vector kernels take; the rest
-void launch(const ConvParams &p, cudaStream_t st, bool bwd) {
+// one family per layout: channel-last; channel-first rows the vector kernels take; the rest. Returns the dweight
+// slots the backward wrote.
+int launch(const ConvParams &p, cudaStream_t st, bool bwd) {
+  int slots = 0;
   dtype_switch(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     width_switch(p.width, [&](auto w) {
       constexpr int kW = decltype(w)::value;
       if (p.channel_last) {
-        conv::launch_cl<T, kW>(p, st, bwd);
+        slots = conv::launch_cl<T, kW>(p, st, bwd);
       } else if (const int rpt = conv::cf_vec_runs(p, sizeof(T), bwd)) {
-        conv::launch_cf_vec<T, kW>(p, st, bwd, rpt);
+        slots = conv::launch_cf_vec<T, kW>(p, st, bwd, rpt);
       } else {
-        conv::launch_cf_regs<T, kW>(p, st, bwd);
+        slots = conv::launch_cf_regs<T, kW>(p, st, bwd);
       }
     });
   });
+  return slots;
 }
 
 }  // namespace
 
 void conv_fwd_launch(const ConvParams &p, cudaStream_t st) { launch(p, st, false); }
-void conv_bwd_launch(const ConvParams &p, cudaStream_t st) { launch(p, st, true); }
+int conv_bwd_launch(const ConvParams &p, cudaStream_t st) { return launch(p, st, true); }
 
 }  // namespace packloader_ops

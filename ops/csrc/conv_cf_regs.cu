@@ -169,16 +169,18 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf(const ConvParams p) {
 }  // namespace
 
 template <typename T, int kW>
-void launch_cf_regs(const ConvParams &p, cudaStream_t st, bool bwd) {
+int launch_cf_regs(const ConvParams &p, cudaStream_t st, bool bwd) {
   if (bwd) {
     conv_bwd_cf<T, kW><<<dim3(p.dim, 1, p.batch), kThreadsCF, 0, st>>>(p);
+    return p.batch;
   } else {
     const dim3 grid((p.dim + kChCF - 1) / kChCF, (p.seqlen + kSpanCF - 1) / kSpanCF, p.batch);
     conv_fwd_cf<T, kW><<<grid, kThreadsCF, 0, st>>>(p);
+    return 0;
   }
 }
 
-#define INSTANTIATE(T, W) template void launch_cf_regs<T, W>(const ConvParams &, cudaStream_t, bool);
+#define INSTANTIATE(T, W) template int launch_cf_regs<T, W>(const ConvParams &, cudaStream_t, bool);
 PACKLOADER_CONV_FOR_EACH_TYPE_WIDTH(INSTANTIATE)
 #undef INSTANTIATE
 

@@ -291,7 +291,7 @@ int cf_vec_runs(const ConvParams &p, int elt, bool bwd) {
 }
 
 template <typename T, int kW>
-void launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int rpt) {
+int launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int rpt) {
   const int nruns = (p.seqlen + kRun - 1) / kRun, total = p.batch * nruns;
   conv_runmask_kernel<<<(total + 255) / 256, 256, 0, st>>>(p.pos, p.runmask, p.seqlen, nruns,
                                                            conv_mask_stride(p.seqlen), total);
@@ -305,9 +305,10 @@ void launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int rpt) {
     else if (rpt == 2) conv_fwd_cf_vec<T, kW, 2><<<grid, kThreadsCF, 0, st>>>(p);
     else conv_fwd_cf_vec<T, kW, 4><<<grid, kThreadsCF, 0, st>>>(p);
   }
+  return bwd ? (int)(grid.y * grid.z) : 0;
 }
 
-#define INSTANTIATE(T, W) template void launch_cf_vec<T, W>(const ConvParams &, cudaStream_t, bool, int);
+#define INSTANTIATE(T, W) template int launch_cf_vec<T, W>(const ConvParams &, cudaStream_t, bool, int);
 PACKLOADER_CONV_FOR_EACH_TYPE_WIDTH(INSTANTIATE)
 #undef INSTANTIATE
 

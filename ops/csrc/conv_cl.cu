@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
 }  // namespace
 
 template <typename T, int kW>
-void launch_cl(const ConvParams &p, cudaStream_t st, bool bwd) {
+int launch_cl(const ConvParams &p, cudaStream_t st, bool bwd) {
   const int kV = bwd ? ClVec<T>::kBwd : ClVec<T>::kFwd;
   const dim3 grid((p.dim + kBXCL * kV - 1) / (kBXCL * kV), (p.seqlen + kBYCL * kRunCL - 1) / (kBYCL * kRunCL), p.batch);
   const dim3 block(kBXCL, kBYCL);
@@ -270,9 +270,10 @@ void launch_cl(const ConvParams &p, cudaStream_t st, bool bwd) {
                   : al(p.out));
   if (bwd) conv_bwd_cl<T, kW><<<grid, block, 0, st>>>(q);
   else conv_fwd_cl<T, kW><<<grid, block, 0, st>>>(q);
+  return bwd ? (int)(grid.y * grid.z) : 0;
 }
 
-#define INSTANTIATE(T, W) template void launch_cl<T, W>(const ConvParams &, cudaStream_t, bool);
+#define INSTANTIATE(T, W) template int launch_cl<T, W>(const ConvParams &, cudaStream_t, bool);
 PACKLOADER_CONV_FOR_EACH_TYPE_WIDTH(INSTANTIATE)
 #undef INSTANTIATE
 

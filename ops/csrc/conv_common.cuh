@@ -129,9 +129,10 @@ struct GVec {
 };
 
 // Each family launches its own kernels for one dtype T and width kW (x / out / dx in the layout the family takes).
-template <typename T, int kW> void launch_cf_regs(const ConvParams &p, cudaStream_t st, bool bwd);
-template <typename T, int kW> void launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int runs_per_thread);
-template <typename T, int kW> void launch_cl(const ConvParams &p, cudaStream_t st, bool bwd);
+// Each returns the dweight slots its backward writes (batch * grid.y): the first slots of ConvParams::dw_part.
+template <typename T, int kW> int launch_cf_regs(const ConvParams &p, cudaStream_t st, bool bwd);
+template <typename T, int kW> int launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int runs_per_thread);
+template <typename T, int kW> int launch_cl(const ConvParams &p, cudaStream_t st, bool bwd);
 int cf_vec_runs(const ConvParams &p, int elt_bytes, bool bwd);
 
 }  // namespace conv

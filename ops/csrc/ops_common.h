@@ -55,8 +55,9 @@ struct ConvParams {
   void *out;
   const void *dout;
   void *dx;
-  float *dw_part;               // fp32 (slots, dim, width + 1) block partials of [dweight | dbias], zeroed and
-                                // summed over slots by the caller (slots = batch * ceil(seqlen / SLOT_STEPS))
+  float *dw_part;               // fp32 (slots, dim, width + 1) block partials of [dweight | dbias]: the backward
+                                // fills the first slots (it returns how many; at most batch * ceil(seqlen /
+                                // SLOT_STEPS)) and the caller sums them
 };
 
 // Row stride (in 16-bit words) of the channel-first kernels' boundary masks: one word per run of 8 timesteps,
@@ -67,6 +68,6 @@ __host__ __device__
 inline int conv_mask_stride(int seqlen) { return ((seqlen + 7) / 8 + 7) / 8 * 8; }
 
 void conv_fwd_launch(const ConvParams &p, cudaStream_t stream);
-void conv_bwd_launch(const ConvParams &p, cudaStream_t stream);
+int conv_bwd_launch(const ConvParams &p, cudaStream_t stream);   // returns the dw_part slots written
 
 }  // namespace packloader_ops
