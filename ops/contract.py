@@ -61,6 +61,11 @@ MAX_DSTATE = 16        # largest d_state the CUDA scan takes
 CONV_MIN_WIDTH = 2     # conv widths the CUDA conv takes
 CONV_MAX_WIDTH = 4
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # activation dtypes the CUDA kernels take
+SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a B/C group (else: group by group)
+
+# The ops' outputs follow their inputs' strides (the conv) and the CUDA implementations read raw pointers: a compiler
+# (inductor) must hand them their inputs with exactly the strides seen when tracing.
+OP_TAGS = (getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fixed_stride_order,)
 
 
 def scan_chunks(seqlen: int) -> int:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from . import backends as _backends
 from .boundaries import resolve_position_ids, row_positions
+from .contract import OP_TAGS
 
 __all__ = ["packed_causal_conv1d", "causal_conv1d_ref", "causal_conv1d_fwd", "causal_conv1d_bwd"]
 
@@ -214,7 +215,7 @@ def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
     return dx, dweight.to(weight.dtype), (dbias.to(bias.dtype) if bias is not None else _absent(x))
 
 
-@torch.library.custom_op("packloader::causal_conv1d_fwd", mutates_args=(), device_types=None)
+@torch.library.custom_op("packloader::causal_conv1d_fwd", mutates_args=(), device_types=None, tags=OP_TAGS)
 def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       position_ids: torch.Tensor, silu: bool) -> torch.Tensor:
     """Packed causal conv1d forward -> out (x's strides); see :mod:`ops.contract`. This body is the reference
@@ -231,7 +232,7 @@ def _conv_fwd_fake(x, weight, bias, position_ids, silu):
     return _like(x)
 
 
-@torch.library.custom_op("packloader::causal_conv1d_bwd", mutates_args=(), device_types=None)
+@torch.library.custom_op("packloader::causal_conv1d_bwd", mutates_args=(), device_types=None, tags=OP_TAGS)
 def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       position_ids: torch.Tensor, silu: bool, dout: torch.Tensor
                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

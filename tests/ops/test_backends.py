@@ -62,6 +62,27 @@ def test_cuda_cases_the_kernel_cannot_take_raise_and_say_how_to_get_the_referenc
         assert implementation(op, "cuda", dtype, **case) == "reference"
 
 
+@pytest.mark.parametrize("dtype", [F32, F64, BF16])
+def test_cpu_tensors_run_the_reference_implementation(seed, monkeypatch, dtype):
+    """Through the real ops and torch's dispatcher: CPU tensors of every dtype run the reference implementations
+    (forward and backward) and never reach the CUDA implementations or the kernels."""
+    def unreachable(*a, **k):
+        raise AssertionError("the CUDA path ran for CPU tensors")
+
+    monkeypatch.setattr(backends, "load_kernels", unreachable)
+    monkeypatch.setattr(backends, "implementation", unreachable)  # only the CUDA implementations ask
+    u, delta, A, B, C, D, z, db, pos, softplus = scan_case(dtype, dim=8, L=10)
+    u.requires_grad_(True)
+    out = ops.packed_selective_scan(u, delta, A, B, C, D, z, db, softplus, position_ids=pos)
+    out.float().sum().backward()
+    want = scan_mod._scan_fwd_reference(u.detach(), delta, A, B, C, D, z, db, pos, softplus)[0]
+    torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
+    x = torch.randn(2, 8, 10).to(dtype).requires_grad_(True)
+    y = ops.packed_causal_conv1d(x, torch.randn(8, 4), activation="silu", position_ids=pos)
+    y.float().sum().backward()
+    assert out.dtype == y.dtype == dtype and u.grad.dtype == x.grad.dtype == dtype
+
+
 def test_the_override_sends_cuda_tensors_to_the_reference():
     with use_backend("reference"):
         for dtype in (F32, BF16):
