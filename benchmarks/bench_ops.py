@@ -120,13 +120,6 @@ def main(argv=None):
     add("selective_scan", "ours (packed, position_ids)", "bwd", ours_b)
     ours_fb = bench(ours_fwdbwd, args.warmup, args.iters)
     add("selective_scan", "ours (packed, position_ids)", "fwd+bwd", ours_fb)
-    # the same kernels staging each chunk with plain loads instead of cp.async (what the overlap buys)
-    os.environ["PACKLOADER_SCAN_SYNC_STAGING"] = "1"
-    try:
-        add("selective_scan", "ours, sync staging", "fwd", bench(ours_fwd, args.warmup, args.iters))
-        add("selective_scan", "ours, sync staging", "fwd+bwd", bench(ours_fwdbwd, args.warmup, args.iters))
-    finally:
-        del os.environ["PACKLOADER_SCAN_SYNC_STAGING"]
     del state["f"], out, saved
 
     # through the ops-python helper's autograd Function, when present
@@ -189,16 +182,6 @@ def main(argv=None):
         fbt = bench_reps(fb, args.conv_reps, args.warmup, args.conv_iters)
         add("causal_conv1d", f"ours {name} (position_ids)", "fwd+bwd", fbt)
         conv[("ours", name)] = (f, fbt)
-        if name == "channel-first":   # the register kernels the staged ones replaced (PACKLOADER_CONV_CF=regs)
-            os.environ["PACKLOADER_CONV_CF"] = "regs"
-            try:
-                add("causal_conv1d", "ours channel-first, register kernels", "fwd",
-                    bench_reps(lambda: kops.causal_conv1d_fwd(x, w, cb, pos, True), args.conv_reps, args.warmup,
-                               args.conv_iters))
-                add("causal_conv1d", "ours channel-first, register kernels", "fwd+bwd",
-                    bench_reps(fb, args.conv_reps, args.warmup, args.conv_iters))
-            finally:
-                del os.environ["PACKLOADER_CONV_CF"]
     try:
         from causal_conv1d import causal_conv1d_fn
 

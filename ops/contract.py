@@ -60,6 +60,7 @@ SCAN_LANES = 16        # state lanes per channel in the CUDA scan (dstate is pad
 MAX_DSTATE = 16        # largest d_state the CUDA scan takes
 CONV_MIN_WIDTH = 2     # conv widths the CUDA conv takes
 CONV_MAX_WIDTH = 4
+CONV_SLOT_STEPS = 128  # the conv backward writes one dweight/dbias partial per block; at most one per this many steps
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # activation dtypes the CUDA kernels take
 SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a B/C group (else: group by group)
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
+from .contract import CONV_SLOT_STEPS
 from .boundaries import resolve_position_ids, row_positions
 from .contract import OP_TAGS
 
@@ -207,12 +208,15 @@ def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
     dim, width = weight.shape
     dout = _like_layout(dout.to(x.dtype), x)
     dx = _like(x)
-    dweight = torch.zeros(dim, width, device=x.device, dtype=torch.float32)
-    dbias = torch.zeros(dim, device=x.device, dtype=torch.float32) if bias is not None else None
+    # per-block partials of [dweight | dbias], summed here in a fixed order (no atomics: the same bits every run)
+    batch, _, seqlen = x.shape
+    slots = batch * max(1, -(-seqlen // CONV_SLOT_STEPS))
+    dw_part = torch.zeros(slots, dim, width + 1, device=x.device, dtype=torch.float32)
     if x.numel() > 0:
         ext.conv_bwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
-                     position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dweight, dbias)
-    return dx, dweight.to(weight.dtype), (dbias.to(bias.dtype) if bias is not None else _absent(x))
+                     position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dw_part)
+    dw = dw_part.sum(0)
+    return dx, dw[:, :width].to(weight.dtype), (dw[:, width].to(bias.dtype) if bias is not None else _absent(x))
 
 
 @torch.library.custom_op("packloader::causal_conv1d_fwd", mutates_args=(), device_types=None, tags=OP_TAGS)

@@ -341,16 +341,23 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     du = torch.empty(u.shape, dtype=u.dtype, device=u.device)
     ddelta = torch.empty(u.shape, dtype=u.dtype, device=u.device)
     dz = torch.empty(u.shape, dtype=u.dtype, device=u.device) if z is not None else None
-    dA = torch.zeros_like(A)
+    batch, dim = u.shape[:2]
+    # dA / dD / ddelta_bias come per batch row and are summed here (no atomics: the same bits every run)
+    dA = torch.zeros((batch,) + tuple(A.shape), device=u.device, dtype=torch.float32)
     dB = torch.zeros(B.shape, device=u.device, dtype=torch.float32)
     dC = torch.zeros(C.shape, device=u.device, dtype=torch.float32)
-    dD = torch.zeros_like(D) if D is not None else None
-    ddb = torch.zeros_like(delta_bias) if delta_bias is not None else None
+    dD = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if D is not None else None
+    ddb = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if delta_bias is not None else None
+    # deterministic mode: dB / dC added by the channel blocks in a fixed order (a ticket per row and chunk);
+    # otherwise with atomics (their last bits vary from run to run)
+    det_sem = (torch.zeros(batch, saved.shape[2], device=u.device, dtype=torch.int32)
+               if torch.are_deterministic_algorithms_enabled() else None)
     if u.numel() > 0:
         # out_fwd=None: the kernel recomputes the forward output it needs for dz
         ext.scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), saved.contiguous(), dout, None,
-                     du, ddelta, dz, dA, dB, dC, dD, ddb)
-    return du, ddelta, dA, dB, dC, dD, dz, ddb
+                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_sem)
+    return (du, ddelta, dA.sum(0), dB, dC, None if dD is None else dD.sum(0), dz,
+            None if ddb is None else ddb.sum(0))
 
 
 def _scan_bwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout):

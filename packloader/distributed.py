@@ -22,6 +22,15 @@ How an epoch is split
    ``(k - start) % num_workers`` where ``start`` is the first batch of the current iterator (non-zero
    after a resume). ``torch.utils.data.DataLoader`` collects batches from its workers round-robin,
    so the rank sees batches in the canonical order ``start, start+1, ...`` whatever ``num_workers`` is.
+5. Elastic resume: the position in an epoch is one number, ``rows_consumed`` (``R``): the plan rows
+   ``[0, R)`` have been handed out, over all ranks (MosaicML streaming's ``sample_in_epoch``). Ranks
+   move in lock-step, so after ``k`` batches ``R = k * world_size * batch_size`` (or ``N`` once the
+   epoch's batches are all out: with ``drop_last`` the dropped tail counts as done). Any layout
+   ``(world_size', batch_size')`` continues from ``R``: its global steps of ``S' = world_size' *
+   batch_size'`` rows start at ``offset = R % S'`` (:func:`resume_point`), so the step boundary falls on
+   ``R``, batch ``R // S'`` of the schedule is the first one after the resume, and rows ``[R, N)`` are
+   each in exactly one batch of one rank. With the saving layout, ``offset == 0`` and the schedule is
+   the uninterrupted one, batch for batch.
 """
 from __future__ import annotations
 
@@ -30,7 +39,8 @@ import os
 import numpy as np
 from numba import njit
 
-__all__ = ["resolve_rank_world", "assign_rows", "num_batches", "worker_batch_indices", "current_worker"]
+__all__ = ["resolve_rank_world", "assign_rows", "num_batches", "resume_point", "rows_consumed",
+           "worker_batch_indices", "current_worker"]
 
 
 def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -101,7 +111,8 @@ def _assign_kernel(row_tokens, world_size, batch_size, n_steps, out):
             out[w, s, : fill[w]] = np.sort(out[w, s, : fill[w]])
 
 
-def assign_rows(row_tokens: np.ndarray, world_size: int, batch_size: int, drop_last: bool) -> np.ndarray:
+def assign_rows(row_tokens: np.ndarray, world_size: int, batch_size: int, drop_last: bool,
+                offset: int = 0) -> np.ndarray:
     """Assign an epoch's packed rows to ranks and batches.
 
     Args:
@@ -109,19 +120,55 @@ def assign_rows(row_tokens: np.ndarray, world_size: int, batch_size: int, drop_l
         world_size: number of ranks.
         batch_size: rows per batch.
         drop_last: drop the incomplete last global step instead of padding it.
+        offset: the first plan row of the first global step (0 for a fresh epoch; ``R % (world_size *
+            batch_size)`` after an elastic resume at ``R``, see :func:`resume_point`). Rows before it are
+            in no batch.
 
     Returns:
         int64 ``[world_size, n_batches, batch_size]``: plan row ids, ``-1`` for a padding row. Every row
-        ``< n_batches * world_size * batch_size`` appears exactly once.
+        of ``[offset, offset + n_batches * world_size * batch_size)`` (capped at ``N``) appears exactly
+        once. Step ``s`` depends only on rows ``offset + s * S ... offset + (s+1) * S - 1``.
     """
     row_tokens = np.ascontiguousarray(row_tokens, dtype=np.int64)
     if world_size < 1 or batch_size < 1:
         raise ValueError(f"world_size and batch_size must be >= 1, got {world_size}, {batch_size}")
-    n_steps = num_batches(len(row_tokens), world_size, batch_size, drop_last)
+    offset = int(offset)
+    if not 0 <= offset <= len(row_tokens):
+        raise ValueError(f"offset must be in [0, {len(row_tokens)}], got {offset}")
+    n_steps = num_batches(len(row_tokens) - offset, world_size, batch_size, drop_last)
     out = np.empty((world_size, n_steps, batch_size), dtype=np.int64)
     if n_steps:
-        _assign_kernel(row_tokens[: n_steps * world_size * batch_size], world_size, batch_size, n_steps, out)
+        _assign_kernel(row_tokens[offset: offset + n_steps * world_size * batch_size], world_size, batch_size,
+                       n_steps, out)
+        if offset:
+            out[out >= 0] += offset
     return out
+
+
+def resume_point(rows_consumed: int, n_rows: int, world_size: int, batch_size: int,
+                 drop_last: bool) -> tuple[int, int]:
+    """Where a layout of ``S = world_size * batch_size`` rows per global step continues an epoch of
+    ``n_rows`` plan rows of which ``[0, rows_consumed)`` are consumed: ``(offset, start)``, the
+    :func:`assign_rows` offset and the first batch of that schedule to hand out, with
+    ``offset + start * S == rows_consumed``, ``offset < S``. At the end of the epoch
+    (``rows_consumed == n_rows``) it is the end of the fresh schedule, ``(0, num_batches(...))``."""
+    if not 0 <= rows_consumed <= n_rows:
+        raise ValueError(f"rows_consumed must be in [0, {n_rows}], got {rows_consumed}")
+    if rows_consumed == n_rows:
+        return 0, num_batches(n_rows, world_size, batch_size, drop_last)
+    step = world_size * batch_size
+    return rows_consumed % step, rows_consumed // step
+
+
+def rows_consumed(offset: int, batches: int, n_batches: int, n_rows: int, world_size: int,
+                  batch_size: int) -> int:
+    """Plan rows consumed (all ranks together) after ``batches`` batches of a schedule of ``n_batches``
+    batches that starts at ``offset``: ``offset + batches * world_size * batch_size``, and ``n_rows``
+    once every batch is out (the padding of the last step, or the tail that ``drop_last`` drops, counts
+    as done)."""
+    if batches >= n_batches:
+        return int(n_rows)
+    return int(offset) + int(batches) * world_size * batch_size
 
 
 def worker_batch_indices(n_batches: int, start: int, worker_id: int, num_workers: int) -> range:

@@ -16,7 +16,8 @@ Example::
             if step % 1000 == 0:
                 torch.save({"model": ..., "loader": loader.state_dict()}, "ckpt.pt")
 
-    # later: a fresh loader with the same settings continues exactly where the checkpoint was taken
+    # later: a fresh loader continues exactly where the checkpoint was taken, also on another number
+    # of GPUs or with another batch_size (see "Exact and elastic resume")
     loader.load_state_dict(torch.load("ckpt.pt")["loader"])
 
 A complete, runnable loop (DDP under torchrun, global loss normalisation, checkpoint and exact resume):
@@ -43,16 +44,42 @@ What one epoch is
    page-locked memory with ``pin_memory=True``. Moving one small buffer instead of five tensors is what
    makes workers pay: torch moves each tensor through its own shared-memory segment and file descriptor.
 
-Exact resume
-------------
-The epoch's plan is a pure function of (sequence lengths, settings, seed, epoch), so the state is only
-``{epoch, batches_consumed}`` plus the settings and a source fingerprint to check against (JSON, a few
-hundred bytes, no token data). Batches are counted when the training loop receives them (``__next__``
-in the main process): batches prefetched by workers but not yet handed out are not consumed. A fresh
-loader given the state recomputes the plan and starts at batch ``batches_consumed``; sequences that
-an online packer would have held in its buffer, or a partially read shard, are exactly where the plan
-puts them. All ranks consume the same number of batches, so any rank's state can be loaded on every rank
-(saving rank 0's is enough). Resume also works with a different ``num_workers``.
+Exact and elastic resume
+------------------------
+The epoch's plan is a pure function of (sequence lengths, settings, seed, epoch), and no rank, world
+size or worker count goes into it (every rank computes the whole plan, the online packer included), so
+the state is only the position in it: ``{epoch, rows_consumed}`` plus the settings, the epoch's row
+count and a digest of its plan to check against (JSON, a few hundred bytes, no token data).
+``rows_consumed`` is MosaicML streaming's ``sample_in_epoch``: the plan rows ``[0, R)`` handed out, over
+all ranks together. Batches are counted when the training loop receives them (``__next__`` in the main
+process): batches prefetched by workers but not yet handed out are not consumed. All ranks consume the
+same number of batches, so **every rank's state is the same**: save rank 0's (``if rank == 0:
+torch.save(...)``) and load it on every rank of the next run.
+
+A fresh loader given the state continues the epoch at plan row ``R``; sequences that an online packer
+would have held in its buffer, or a partially read shard, are exactly where the plan puts them:
+
+* **the same** ``world_size`` and ``batch_size``: the batches are exactly those of the uninterrupted run
+  (``len(loader)`` and ``batches_consumed`` too), with any ``num_workers``;
+* **another** ``world_size``, ``batch_size``, ``drop_last`` or ``num_workers`` (a job restarted on more or
+  fewer GPUs): the rows ``[R, N)`` are cut into global steps of the new ``world_size * batch_size``, so
+  every remaining sequence comes exactly once, none consumed before comes again, and every rank still
+  yields the same number of batches (the last step padded, or dropped with ``drop_last=True``). The
+  epoch's schedule then begins at row ``R % (world_size * batch_size)``: ``len(loader)`` counts its
+  batches (the same as a fresh epoch's, or one less), and the resumed iterator starts at batch
+  ``R // (world_size * batch_size)``;
+* **not** another ``source`` (other shards, another order of them, another pre-packed directory),
+  ``capacity``, ``seed``, ``shuffle``, ``algorithm``, ``buffer_size``, ``overflow`` or
+  ``max_items_per_bin``: these make the plan, so the saved position means nothing under other ones.
+  :meth:`load_state_dict` names the setting, both values and what may change; it also refuses a plan
+  that differs although the settings match (a packer changed between versions). Finish the epoch with
+  the old settings, or start a new epoch (``set_epoch``) without loading the state.
+
+Both sources are elastic: a pre-packed directory's plan is its rows in a ``(seed, epoch)`` order, a
+streaming source's the packer's rows over the ``(seed, epoch)`` stream order. Once every batch of an
+epoch is out the state says ``rows_consumed == epoch_rows`` (a tail that ``drop_last`` dropped counts as
+done), and any layout resumes it with an empty rest. States of the first format (``version`` 1,
+``batches_consumed`` of the saving layout) still load, elastically too.
 
 Epochs follow ``DistributedSampler``: call :meth:`set_epoch` before each epoch to reshuffle; iterating
 again without it repeats the epoch. After :meth:`load_state_dict` the *next* iterator yields the rest of
@@ -72,6 +99,7 @@ loader warns once per epoch.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -82,18 +110,27 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from packloader.batch import collate_raw
-from packloader.distributed import assign_rows, current_worker, resolve_rank_world, worker_batch_indices
+from packloader.distributed import (assign_rows, current_worker, resolve_rank_world, resume_point, rows_consumed,
+                                    worker_batch_indices)
+from packloader.distributed import num_batches as plan_batches
 from packloader.stream import PrepackedRows, StreamingRows, is_prepacked_dir
 
 __all__ = ["PackedDataLoader", "STATE_FORMAT"]
 
 STATE_FORMAT = "packloader.PackedDataLoader"
-STATE_VERSION = 1
+STATE_VERSION = 2
+# settings that decide the epoch's plan of rows: a state resumes only with the same ones. The others
+# (world_size, batch_size, drop_last; num_workers and the output options are not saved) only split the
+# plan into batches and may change between save and load.
+_PLAN_SETTINGS = ("source", "capacity", "seed", "shuffle", "algorithm", "buffer_size", "overflow",
+                  "max_items_per_bin")
+_LAYOUT_SETTINGS = ("world_size", "batch_size", "drop_last")
 
 
 class _PackedIterable(IterableDataset):
     """The per-process half of the loader: builds this rank's batches of the epoch named in the shared
-    ``control`` tensor ``[epoch, start]``, the share of the calling worker only."""
+    ``control`` tensor ``[epoch, offset, start]`` (the schedule begins at plan row ``offset``, the
+    iterator at its batch ``start``), the share of the calling worker only."""
 
     def __init__(self, rows, *, rank, world_size, batch_size, drop_last, seed, shuffle, hf_compat, return_ids):
         super().__init__()
@@ -101,19 +138,30 @@ class _PackedIterable(IterableDataset):
         self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
         self.drop_last, self.seed, self.shuffle = drop_last, seed, shuffle
         self.hf_compat, self.return_ids = hf_compat, return_ids
-        self.control = torch.zeros(2, dtype=torch.int64)
-        self._sched: tuple[int, np.ndarray] | None = None
+        self.control = torch.zeros(3, dtype=torch.int64)
+        self._sched: tuple[tuple[int, int], np.ndarray] | None = None
+        self._info: tuple[int, tuple[int, str]] | None = None
 
     def share_control(self):
         self.control.share_memory_()
 
-    def schedule(self, epoch: int) -> np.ndarray:
-        """int64 [n_batches, batch_size]: plan rows of this rank's batches (-1 = padding row)."""
-        if self._sched is None or self._sched[0] != epoch:
+    def schedule(self, epoch: int, offset: int = 0) -> np.ndarray:
+        """int64 [n_batches, batch_size]: plan rows of this rank's batches (-1 = padding row), global steps
+        starting at plan row ``offset`` (see :func:`packloader.distributed.assign_rows`)."""
+        key = (int(epoch), int(offset))
+        if self._sched is None or self._sched[0] != key:
             tokens = self.rows.epoch_rows(self.seed, epoch, self.shuffle)
-            sched = assign_rows(tokens, self.world_size, self.batch_size, self.drop_last)[self.rank]
-            self._sched = (epoch, np.ascontiguousarray(sched))
+            sched = assign_rows(tokens, self.world_size, self.batch_size, self.drop_last, offset)[self.rank]
+            self._sched = (key, np.ascontiguousarray(sched))
         return self._sched[1]
+
+    def epoch_info(self, epoch: int) -> tuple[int, str]:
+        """``(rows, digest)`` of the epoch's plan: its row count and a hash of its rows' token counts, in
+        plan order. The same on every rank and for every world size, batch size and worker count."""
+        if self._info is None or self._info[0] != epoch:
+            tokens = np.ascontiguousarray(self.rows.epoch_rows(self.seed, epoch, self.shuffle), dtype="<i8")
+            self._info = (epoch, (len(tokens), hashlib.sha256(tokens.tobytes()).hexdigest()[:16]))
+        return self._info[1]
 
     def make_raw(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
         """The batch before collation, as it travels from a worker: ``{"raw": int32 tensor}`` (one buffer,
@@ -139,8 +187,8 @@ class _PackedIterable(IterableDataset):
         return self.collate(self.make_raw(epoch, rows))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        epoch, start = (int(x) for x in self.control.tolist())
-        sched = self.schedule(epoch)
+        epoch, offset, start = (int(x) for x in self.control.tolist())
+        sched = self.schedule(epoch, offset)
         wid, nw = current_worker()
         for k in worker_batch_indices(len(sched), start, wid, nw):
             yield self.make_raw(epoch, sched[k])
@@ -157,6 +205,14 @@ class PackedDataLoader:
         labels        [  - a1 a2 a3 a4 |  - b1 b2 |  - c1 c2 | - ]    (- = -100)
         position_ids  [  0  1  2  3  4 |  0  1  2 |  0  1  2 | 0 ]
         seq_idx       [  0  0  0  0  0 |  1  1  1 |  2  2  2 | 3 ]
+
+    Resume: :meth:`state_dict` is the position in the epoch's plan of rows (``rows_consumed``, counted over
+    all ranks), the same on every rank: save rank 0's. :meth:`load_state_dict` continues it exactly with the
+    same ``world_size`` and ``batch_size``, and elastically with another ``world_size``, ``batch_size``,
+    ``drop_last`` or ``num_workers``: every remaining sequence once, none repeated, the same number of
+    batches on every rank. ``source``, ``capacity``, ``seed``, ``shuffle``, ``algorithm``, ``buffer_size``,
+    ``overflow`` and ``max_items_per_bin`` must be the saved ones (they make the plan); another value is
+    refused with an error naming it. Details: "Exact and elastic resume" in :mod:`packloader.loader`.
 
     Args:
         source: token shards (a path, directory, glob / brace pattern, or a list of them: see
@@ -270,7 +326,9 @@ class PackedDataLoader:
                           "not pinned", stacklevel=2)
         self._dl = DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers, **dl_kw)
         self._epoch = 0
-        self._consumed = 0          # batches of self._epoch handed out (by the latest iterator)
+        self._offset = 0            # first plan row of the global steps of self._epoch (non-zero after an
+                                    # elastic resume, see packloader.distributed.resume_point)
+        self._consumed = 0          # batches of self._epoch's schedule handed out (by the latest iterator)
         self._resume: int | None = None
         # number of the latest iterator: only that one counts consumed batches. The loader holds no
         # reference to its iterators: a loader <-> iterator cycle would leave a worker iterator to the
@@ -290,33 +348,41 @@ class PackedDataLoader:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         if epoch != self._epoch:
-            self._epoch, self._consumed, self._resume = epoch, 0, None
+            self._epoch, self._offset, self._consumed, self._resume = epoch, 0, 0, None
 
     def num_batches(self, epoch: int | None = None) -> int:
-        """Batches per rank in ``epoch`` (default: the current one); the same on every rank."""
-        return len(self.dataset.schedule(self._epoch if epoch is None else int(epoch)))
+        """Batches per rank in ``epoch`` (default: the current one); the same on every rank. After an
+        elastic resume (another ``world_size * batch_size``) the current epoch's schedule starts at the
+        resume point's offset and can have one batch less than a fresh epoch."""
+        if epoch is None or int(epoch) == self._epoch:
+            return len(self.dataset.schedule(self._epoch, self._offset))
+        return len(self.dataset.schedule(int(epoch)))
 
     def __len__(self) -> int:
         return self.num_batches()
 
     def __iter__(self) -> "_LoaderIterator":
         epoch = self._epoch
+        if self._resume is None:  # a fresh pass over the epoch (iterating again repeats all of it)
+            self._offset = 0
         n = self.num_batches(epoch)  # plan computed here, inherited by forked workers
         self._warn_if_no_data(epoch, n)
         start = min(self._resume, n) if self._resume is not None else 0
         self._resume = None
         self.dataset.control[0] = epoch
-        self.dataset.control[1] = start
+        self.dataset.control[1] = self._offset
+        self.dataset.control[2] = start
         self._consumed = start
         self._iter_gen += 1
         return _LoaderIterator(self, iter(self._dl), epoch, start, n, self._iter_gen)
 
     def _warn_if_no_data(self, epoch: int, n: int) -> None:
         """Warn (once per epoch) when this rank gets no real row: the data packs into fewer rows than
-        one global step. Not an error: the rank still yields its padding batches, in step with the rest."""
-        if epoch in self._warned:
+        one global step. Not an error: the rank still yields its padding batches, in step with the rest.
+        Only for a whole epoch's schedule (not for the rest of an epoch after an elastic resume)."""
+        if epoch in self._warned or self._offset:
             return
-        sched = self.dataset.schedule(epoch)
+        sched = self.dataset.schedule(epoch, self._offset)
         if n and (sched >= 0).any():
             return
         self._warned.add(epoch)
@@ -350,46 +416,99 @@ class PackedDataLoader:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """The loader's position: JSON-serializable, no token data (see the module docstring)."""
-        consumed = self._resume if self._resume is not None else self._consumed
+        """The loader's position: JSON-serializable, no token data, the same on every rank (see
+        "Exact and elastic resume" in the module docstring).
+
+        Keys: ``epoch``; ``rows_consumed``, the plan rows of the epoch handed out over all ranks (what a
+        resume continues from, whatever its world size and batch size); ``epoch_rows`` and
+        ``epoch_digest``, the epoch's plan (row count, hash of the rows' token counts) to check on load;
+        ``batches_consumed``, this loader's batch index in its schedule of the epoch (informational);
+        ``settings``, the loader's settings (``world_size``, ``batch_size``, ``drop_last``
+        informational, the others must match on load).
+        """
+        epoch = self._epoch
+        n_rows, digest = self.dataset.epoch_info(epoch)
+        batches = self._resume if self._resume is not None else self._consumed
+        n = self.num_batches(epoch)
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
-            "epoch": self._epoch,
-            "batches_consumed": int(consumed),
-            "rank": self.rank,
+            "epoch": epoch,
+            "rows_consumed": rows_consumed(self._offset, batches, n, n_rows, self.world_size, self.batch_size),
+            "epoch_rows": n_rows,
+            "epoch_digest": digest,
+            "batches_consumed": int(batches),
             "settings": self._settings(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (from :meth:`state_dict` of a loader with the same settings).
+        """Continue from ``state`` (from :meth:`state_dict` of any rank of a loader over the same data).
+
+        The settings that make the epoch's plan (``source``, ``capacity``, ``seed``, ``shuffle``,
+        ``algorithm``, ``buffer_size``, ``overflow``, ``max_items_per_bin``) must be the saved ones;
+        ``world_size``, ``batch_size``, ``drop_last`` and ``num_workers`` may differ: the next iterator
+        then yields this rank's share of the rest of the saved epoch (plan rows ``rows_consumed`` to the
+        end), every remaining row on exactly one rank, the same number of batches on every rank. With
+        the saved ``world_size`` and ``batch_size`` the batches are exactly the uninterrupted run's.
+        States of version 1 (``batches_consumed`` only) load too.
 
         Raises:
-            ValueError: not a loader state, or saved with other settings (names the key and both values).
+            ValueError: not a loader state; saved with other plan settings (names the key, both values,
+                and what may change); the epoch's plan differs from the saved one although the
+                settings match (another packer version); a position outside the epoch.
         """
         if isinstance(state, (str, bytes)):
             state = json.loads(state)
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a PackedDataLoader state_dict (format={state.get('format') if isinstance(state, dict) else type(state).__name__!r})")
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported PackedDataLoader state version {state.get('version')!r} "
-                             f"(this loader reads {STATE_VERSION})")
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"unsupported PackedDataLoader state version {version!r} "
+                             f"(this loader reads 1 and {STATE_VERSION})")
         saved = state.get("settings") or {}
         mine = self._settings()
-        for key in mine:
+        allowed = (f"the plan settings ({', '.join(_PLAN_SETTINGS)}) must be as when saved; "
+                   f"{', '.join(_LAYOUT_SETTINGS)} and num_workers may change")
+        for key in _PLAN_SETTINGS:
             if key not in saved:
                 raise ValueError(f"state_dict mismatch: {key!r} missing from the saved state")
             if saved[key] != mine[key]:
                 raise ValueError(f"state_dict mismatch: {key!r} was {saved[key]!r} when saved, this loader "
-                                 f"has {mine[key]!r}")
-        epoch, consumed = state.get("epoch"), state.get("batches_consumed")
-        if not isinstance(epoch, int) or epoch < 0 or not isinstance(consumed, int) or consumed < 0:
-            raise ValueError(f"bad state_dict position: epoch={epoch!r}, batches_consumed={consumed!r}")
-        n = self.num_batches(epoch)
-        if consumed > n:
-            raise ValueError(f"state_dict position batches_consumed={consumed} is past the end of epoch {epoch} "
-                             f"({n} batches)")
-        self._epoch, self._consumed, self._resume = epoch, consumed, consumed
+                                 f"has {mine[key]!r}; the epoch's plan of rows depends on it, so the saved "
+                                 f"position means nothing here ({allowed})")
+        epoch = state.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"bad state_dict position: epoch={epoch!r}")
+        n_rows, digest = self.dataset.epoch_info(epoch)
+        if version == 1:  # position in batches of the saving layout
+            consumed = state.get("batches_consumed")
+            if not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
+                raise ValueError(f"bad state_dict position: epoch={epoch!r}, batches_consumed={consumed!r}")
+            layout = [saved.get(k) for k in _LAYOUT_SETTINGS]
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in layout[:2]):
+                raise ValueError(f"bad state_dict settings: world_size={layout[0]!r}, batch_size={layout[1]!r}")
+            world, batch, drop_last = layout[0], layout[1], bool(layout[2])
+            n = plan_batches(n_rows, world, batch, drop_last)
+            if consumed > n:
+                raise ValueError(f"state_dict position batches_consumed={consumed} is past the end of epoch "
+                                 f"{epoch} ({n} batches of world_size={world}, batch_size={batch})")
+            done = rows_consumed(0, consumed, n, n_rows, world, batch)
+        else:
+            done = state.get("rows_consumed")
+            if not isinstance(done, int) or isinstance(done, bool) or done < 0:
+                raise ValueError(f"bad state_dict position: epoch={epoch!r}, rows_consumed={done!r}")
+            if (state.get("epoch_rows"), state.get("epoch_digest")) != (n_rows, digest):
+                raise ValueError(
+                    f"state_dict mismatch: epoch {epoch}'s plan was {state.get('epoch_rows')!r} rows (digest "
+                    f"{state.get('epoch_digest')!r}) when saved, this loader's plan is {n_rows} rows (digest "
+                    f"{digest!r}) with the same settings: the packer or the shuffling changed (another "
+                    "packloader version?), so the saved position cannot be continued; finish the epoch "
+                    "with the version that saved it, or start the next epoch (set_epoch)")
+            if done > n_rows:
+                raise ValueError(f"state_dict position rows_consumed={done} is past the end of epoch {epoch} "
+                                 f"({n_rows} rows)")
+        offset, start = resume_point(done, n_rows, self.world_size, self.batch_size, self.drop_last)
+        self._epoch, self._offset, self._consumed, self._resume = epoch, offset, start, start
         self._iter_gen += 1  # an iterator still open from before no longer counts
 
 

@@ -23,7 +23,9 @@ Two small stages with one interface (``fingerprint``, ``capacity``, ``epoch_rows
   second per 10 million sequences; memory about 40 bytes per sequence), and then builds only its own
   rows. The alternative, each rank packing only its own shards, would save that time but cannot give
   every rank the same number of rows without communication, and makes the data order depend on the
-  world size. With an offline algorithm (``"bfd"``, ``"ffd"``, ...) the epoch's rows are shuffled as a
+  world size. No rank, world size or worker count goes into the plan, which is what lets a loader state
+  resume on another number of ranks (see "Exact and elastic resume" in :mod:`packloader.loader`).
+  With an offline algorithm (``"bfd"``, ``"ffd"``, ...) the epoch's rows are shuffled as a
   whole, so rows draw on all shards: fine for memory-mapped Arrow, slow for Parquet / tar.
 
 * :class:`PrepackedRows` reads a directory written by ``packloader pack`` through

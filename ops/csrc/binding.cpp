@@ -62,7 +62,7 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
 
 void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
               bool softplus, Tensor saved, Tensor dout, OptT out_fwd, Tensor du, Tensor ddelta, OptT dz, Tensor dA,
-              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias) {
+              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_sem) {
   c10::cuda::CUDAGuard guard(u.device());
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
   p.saved = saved.data_ptr<float>();
@@ -76,6 +76,7 @@ void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
   p.dC = dC.data_ptr<float>();
   p.dD = ptr_or_null<float>(dD);
   p.ddelta_bias = ptr_or_null<float>(ddelta_bias);
+  p.det_sem = ptr_or_null<int>(det_sem);
   po::scan_bwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -119,8 +120,7 @@ void conv_fwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor dout, Tensor dx, Tensor dweight,
-              OptT dbias) {
+void conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor dout, Tensor dx, Tensor dw_part) {
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(dx.strides() == x.strides(), "dx must have x's layout");
   po::ConvParams p = conv_params(x, weight, bias, pos, silu);
@@ -131,8 +131,7 @@ void conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor 
   p.g_ls = dout.stride(2);
   p.dout = dout.data_ptr();
   p.dx = dx.data_ptr();
-  p.dweight = dweight.data_ptr<float>();
-  p.dbias = ptr_or_null<float>(dbias);
+  p.dw_part = dw_part.data_ptr<float>();
   po::conv_bwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

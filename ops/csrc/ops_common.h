@@ -24,11 +24,17 @@ struct ScanParams {
   // backward
   const void *dout, *out_fwd;        // out_fwd: unused (the backward recomputes the forward output for dz)
   void *du, *ddelta, *dz;
-  float *dA, *dB, *dC, *dD, *ddelta_bias;   // fp32 accumulators, zero-initialised by the caller
+  float *dB, *dC;                    // fp32 accumulators (batch, n_groups, dstate, seqlen), zeroed by the caller
+  float *dA, *dD, *ddelta_bias;      // fp32 per batch row: (batch, dim, dstate), (batch, dim); the caller sums rows
+  int *det_sem;                      // deterministic mode: (batch, nchunks) int32 zeros, else null (atomics for dB/dC)
 };
 
-constexpr int kScanChunk = 64;   // timesteps staged in shared memory at a time; forward saves a state per chunk
-constexpr int kScanLanes = 16;   // state lanes per channel (dstate padded up to 16)
+// The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.
+#if !defined(PACKLOADER_SCAN_CHUNK) || !defined(PACKLOADER_SCAN_LANES) || !defined(PACKLOADER_CONV_SLOT_STEPS)
+#error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS from ops/contract.py"
+#endif
+constexpr int kScanChunk = PACKLOADER_SCAN_CHUNK;   // timesteps staged in shared memory at a time; one saved state a chunk
+constexpr int kScanLanes = PACKLOADER_SCAN_LANES;   // state lanes per channel (dstate padded up to this)
 
 void scan_fwd_launch(const ScanParams &p, cudaStream_t stream);
 void scan_bwd_launch(const ScanParams &p, cudaStream_t stream);
@@ -45,12 +51,12 @@ struct ConvParams {
   const float *weight, *bias;   // bias may be null
   const int *pos;
   uint16_t *runmask;            // scratch of (batch, conv_mask_stride(seqlen)) for the channel-first kernels
-  bool cf_always_masked;        // benchmarks: no warp takes the boundary-free path
   bool cl_vec;                  // channel-last rows aligned to the kernels' vectors (set by the launcher)
   void *out;
   const void *dout;
   void *dx;
-  float *dweight, *dbias;       // fp32 accumulators, zero-initialised by the caller
+  float *dw_part;               // fp32 (slots, dim, width + 1) block partials of [dweight | dbias], zeroed and
+                                // summed over slots by the caller (slots = batch * ceil(seqlen / SLOT_STEPS))
 };
 
 // Row stride (in 16-bit words) of the channel-first kernels' boundary masks: one word per run of 8 timesteps,

@@ -6,15 +6,16 @@
 // B and C shared by the block's 16 channels).  Per timestep a thread does one exp2 and a few FMAs; the sum
 // over the 16 states (y = sum_n C h) is done every 16 timesteps with a butterfly reduce-scatter across the
 // 16 lanes, so lane n ends up owning timestep 16*s + n and writes it.
-// Reset: a_t = exp(delta_t A) * (pos_t != 0): the carried state is zeroed before the update, and in backward
-// the adjoint handed from t to t-1 is multiplied by the same a_t (0 at a reset), so nothing finite crosses. (An
-// inf or NaN state would: 0 * inf is NaN. The conv kernels skip dropped taps instead; doing the same here, a
-// select per step, is not done yet.)
+// Reset: where pos_t == 0 the update is h_t = delta_t B_t u_t, a select that drops the carried state instead of
+// multiplying it by zero, and in backward the adjoint handed from t to t-1 and the terms through h_{t-1} are
+// dropped the same way: not even an inf or NaN (0 * inf is NaN) crosses a boundary, forward or backward, nor the
+// chunk carry (the saved chunk-end states feed the same select).
 // Backward recomputes states per 64-step chunk from the forward's saved chunk-end states, keeping the state at
 // each 16-step sub-chunk start in registers, then re-running each sub-chunk (16 states + 16 decays in
 // registers) and walking it in reverse.  dB/dC are summed over the block's channels in shared memory and added
-// to fp32 buffers with one atomic per (block, n, t); dA, dD, ddelta_bias are reduced per thread/lane group.
-#include <cstdlib>
+// to fp32 buffers with one atomic per (block, n, t) (deterministic mode: ordered adds, see det_sem); dA, dD, ddelta_bias are reduced per thread/lane group and
+// stored per batch row (the caller sums the rows: no atomics, the same bits every run).
+#include "dispatch.cuh"
 
 #include "ops_common.h"
 #include "dtype_utils.cuh"
@@ -198,8 +199,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
         const int tt = s * kSub + j;
-        const float a = exp2f(sm.dt[tt][dl] * A2) * sm.m[tt];
-        h = fmaf(a, h, sm.dtu[tt][dl] * sm.Bm[tt][n]);
+        const float bx = sm.dtu[tt][dl] * sm.Bm[tt][n];
+        h = sm.m[tt] != 0.f ? fmaf(exp2f(sm.dt[tt][dl] * A2), h, bx) : bx;   // a reset drops h (a select)
         yv[j] = h * sm.Cm[tt][n];
       }
       reduce_scatter16(yv, n);
@@ -228,6 +229,7 @@ struct BwdSmem {
   float Cm[kChunk][kPad];
   float m[kChunk];
   float red[2][2][kThreads / 32][kLanes][kSub + 1];   // [buffer][dB|dC][warp][n][j]
+  float chunk_dbc[2][kLanes][kChunk];                 // deterministic mode: the chunk's dB / dC block sums
 };
 
 template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
@@ -332,8 +334,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
           const int tt = s * kSub + j;
-          const float a = exp2f(sm.dt[tt][dl] * A2) * sm.m[tt];
-          h = fmaf(a, h, sm.dtu[tt][dl] * sm.Bm[tt][n]);
+          const float bx = sm.dtu[tt][dl] * sm.Bm[tt][n];
+          h = sm.m[tt] != 0.f ? fmaf(exp2f(sm.dt[tt][dl] * A2), h, bx) : bx;
           if (kHasZ) yv[j] = h * sm.Cm[tt][n];
         }
         if (kHasZ) {
@@ -356,8 +358,9 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
           const int tt = s * kSub + j;
-          av[j] = exp2f(sm.dt[tt][dl] * A2) * sm.m[tt];
-          h = fmaf(av[j], h, sm.dtu[tt][dl] * sm.Bm[tt][n]);
+          av[j] = exp2f(sm.dt[tt][dl] * A2);
+          const float bx = sm.dtu[tt][dl] * sm.Bm[tt][n];
+          h = sm.m[tt] != 0.f ? fmaf(av[j], h, bx) : bx;
           hv[j] = h;
         }
       }
@@ -373,10 +376,13 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
         dCv[j] = dyv * hv[j];
         dBv[j] = g * sm.dtu[tt][dl];
         duv[j] = g * dtv * Bn;
-        const float ga = g * hprev * av[j];
+        // at a reset nothing flows to or from the sequence before: the terms through h[t-1] are dropped, not
+        // multiplied by zero (an inf or NaN on either side stays on its side)
+        const bool keep = sm.m[tt] != 0.f;
+        const float ga = keep ? g * hprev * av[j] : 0.f;
         ddv[j] = fmaf(ga, Anat, g * Bn * sm.u[tt][dl]);
         dA_acc = fmaf(ga, dtv, dA_acc);
-        gc = g * av[j];
+        gc = keep ? g * av[j] : 0.f;
       }
       // sums over the 16 states: lane n gets timestep s*16+n
       reduce_scatter16(duv, n);
@@ -411,79 +417,100 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
         float sb = 0.f, sc = 0.f;
 #pragma unroll
         for (int w = 0; w < kThreads / 32; ++w) { sb += red[0][w][rn][rj]; sc += red[1][w][rn][rj]; }
-        if (rn < p.dstate && t < L) {
+        if (p.det_sem) {
+          sm.chunk_dbc[0][rn][s * kSub + rj] = sb;
+          sm.chunk_dbc[1][rn][s * kSub + rj] = sc;
+        } else if (rn < p.dstate && t < L) {
           atomicAdd(dBp + (int64_t)rn * L + t, sb);
           atomicAdd(dCp + (int64_t)rn * L + t, sc);
         }
       }
     }
+    if (p.det_sem) {
+      // Deterministic mode: the blocks of a batch row add their sums for this chunk in the order of blockIdx.x, each
+      // after the one before it (a ticket per (row, chunk)). Blocks start in index order, so the one waited for is
+      // already running or done. Plain adds through L2 (__ldcg / __stcg), published by a fence before the ticket.
+      int *ticket = p.det_sem + (int64_t)b * p.nchunks + c;
+      __syncthreads();
+      if (tid == 0) {
+        while (atomicAdd(ticket, 0) != (int)blockIdx.x) {
+        }
+        __threadfence();
+      }
+      __syncthreads();
+      for (int i = tid; i < kLanes * kChunk; i += kThreads) {
+        const int rn = i / kChunk, tt = i % kChunk, t = t0 + tt;
+        if (rn < p.dstate && t < L) {
+          float *pb = dBp + (int64_t)rn * L + t, *pc = dCp + (int64_t)rn * L + t;
+          __stcg(pb, __ldcg(pb) + sm.chunk_dbc[0][rn][tt]);
+          __stcg(pc, __ldcg(pc) + sm.chunk_dbc[1][rn][tt]);
+        }
+      }
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) atomicAdd(ticket, 1);
+    }
   }
-  if (d_ok && n < p.dstate) atomicAdd(p.dA + (int64_t)d * p.dstate + n, dA_acc);
+  // per batch row: the caller sums the rows (no atomics: the same bits every run)
+  if (d_ok && n < p.dstate) p.dA[((int64_t)b * p.dim + d) * p.dstate + n] = dA_acc;
 #pragma unroll
   for (int o = 8; o >= 1; o >>= 1) {
     dD_acc += __shfl_xor_sync(0xffffffffu, dD_acc, o);
     dbias_acc += __shfl_xor_sync(0xffffffffu, dbias_acc, o);
   }
   if (d_ok && n == 0) {
-    if (p.dD) atomicAdd(p.dD + d, dD_acc);
-    if (p.ddelta_bias) atomicAdd(p.ddelta_bias + d, dbias_acc);
+    if (p.dD) p.dD[(int64_t)b * p.dim + d] = dD_acc;
+    if (p.ddelta_bias) p.ddelta_bias[(int64_t)b * p.dim + d] = dbias_acc;
   }
 }
 
 // cp.async moves 4-byte units: rows of 16-bit tensors must start 4-byte aligned (seqlen even); the rare odd
 // seqlen stages with plain loads instead.
-// PACKLOADER_SCAN_SYNC_STAGING=1 forces plain loads (for benchmarks comparing the two).
 template <typename in_t, typename w_t>
 bool use_async(const ScanParams &p) {
-  const char *env = std::getenv("PACKLOADER_SCAN_SYNC_STAGING");
-  if (env != nullptr && env[0] == '1') return false;
   return (sizeof(in_t) == 4 || p.seqlen % 2 == 0) && (sizeof(w_t) == 4 || p.seqlen % 2 == 0);
 }
 
-template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
-void fwd_launch_one(const ScanParams &p, cudaStream_t st) {
-  dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
-  scan_fwd_kernel<in_t, w_t, kHasZ, kAsync><<<grid, kThreads, 0, st>>>(p);
+template <typename in_t, typename w_t>
+void fwd_launch(const ScanParams &p, cudaStream_t st) {
+  const dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
+  bool_switch(p.z != nullptr, [&](auto has_z) {
+    bool_switch(use_async<in_t, w_t>(p), [&](auto async) {
+      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value><<<grid, kThreads, 0, st>>>(p);
+    });
+  });
 }
 
 template <typename in_t, typename w_t>
-void fwd_dispatch_z(const ScanParams &p, cudaStream_t st) {
-  const bool a = use_async<in_t, w_t>(p);
-  if (p.z) { if (a) fwd_launch_one<in_t, w_t, true, true>(p, st); else fwd_launch_one<in_t, w_t, true, false>(p, st); }
-  else { if (a) fwd_launch_one<in_t, w_t, false, true>(p, st); else fwd_launch_one<in_t, w_t, false, false>(p, st); }
-}
-
-template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
-void bwd_launch_one(const ScanParams &p, cudaStream_t st) {
-  dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
+void bwd_launch(const ScanParams &p, cudaStream_t st) {
+  const dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
   const int smem = sizeof(BwdSmem<in_t, w_t>);
-  cudaFuncSetAttribute(scan_bwd_kernel<in_t, w_t, kHasZ, kAsync>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  scan_bwd_kernel<in_t, w_t, kHasZ, kAsync><<<grid, kThreads, smem, st>>>(p);
+  bool_switch(p.z != nullptr, [&](auto has_z) {
+    bool_switch(use_async<in_t, w_t>(p), [&](auto async) {
+      auto kernel = scan_bwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      kernel<<<grid, kThreads, smem, st>>>(p);
+    });
+  });
 }
 
-template <typename in_t, typename w_t>
-void bwd_dispatch_z(const ScanParams &p, cudaStream_t st) {
-  const bool a = use_async<in_t, w_t>(p);
-  if (p.z) { if (a) bwd_launch_one<in_t, w_t, true, true>(p, st); else bwd_launch_one<in_t, w_t, true, false>(p, st); }
-  else { if (a) bwd_launch_one<in_t, w_t, false, true>(p, st); else bwd_launch_one<in_t, w_t, false, false>(p, st); }
-}
-
+// u / delta / z in one dtype; B / C in that dtype or float32
 }  // namespace
 
 void scan_fwd_launch(const ScanParams &p, cudaStream_t st) {
-  switch (p.in_dtype) {
-    case kF32: fwd_dispatch_z<float, float>(p, st); break;
-    case kF16: if (p.w_f32) fwd_dispatch_z<__half, float>(p, st); else fwd_dispatch_z<__half, __half>(p, st); break;
-    default: if (p.w_f32) fwd_dispatch_z<__nv_bfloat16, float>(p, st); else fwd_dispatch_z<__nv_bfloat16, __nv_bfloat16>(p, st); break;
-  }
+  dtype_switch(p.in_dtype, [&](auto tag) {
+    using in_t = decltype(tag);
+    if (p.w_f32) fwd_launch<in_t, float>(p, st);
+    else fwd_launch<in_t, in_t>(p, st);
+  });
 }
 
 void scan_bwd_launch(const ScanParams &p, cudaStream_t st) {
-  switch (p.in_dtype) {
-    case kF32: bwd_dispatch_z<float, float>(p, st); break;
-    case kF16: if (p.w_f32) bwd_dispatch_z<__half, float>(p, st); else bwd_dispatch_z<__half, __half>(p, st); break;
-    default: if (p.w_f32) bwd_dispatch_z<__nv_bfloat16, float>(p, st); else bwd_dispatch_z<__nv_bfloat16, __nv_bfloat16>(p, st); break;
-  }
+  dtype_switch(p.in_dtype, [&](auto tag) {
+    using in_t = decltype(tag);
+    if (p.w_f32) bwd_launch<in_t, float>(p, st);
+    else bwd_launch<in_t, in_t>(p, st);
+  });
 }
 
 }  // namespace packloader_ops

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ops
+from ops.contract import CONV_SLOT_STEPS
 from ops import backends
 from ops import conv1d_interface as conv_mod
 from ops import selective_scan_interface as scan_mod
@@ -190,15 +191,29 @@ class FakeExt:
             out_z.copy_(scan_mod._scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus)[0])
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_fwd, du, ddelta, dz,
-                 dA, dB, dC, dD, ddb):
+                 dA, dB, dC, dD, ddb, det_sem):
         self._check_scan(u, delta, A, B, C, D, z, delta_bias, pos)
         self.calls.append(("scan_bwd", u.shape[1], B.shape[1]))
+        batch, dim = u.shape[:2]
         assert dout.dtype == u.dtype and dout.is_contiguous() and saved.is_contiguous()
         assert dB.dtype == dC.dtype == F32 and dB.shape == B.shape and dA.dtype == F32
-        assert all(float(t.abs().sum()) == 0 for t in (dA, dB, dC, dD, ddb) if t is not None), "zeroed (atomics)"
+        # dA / dD / ddelta_bias: one row of partials per batch row, summed by the caller
+        assert dA.shape == (batch,) + tuple(A.shape)
+        assert all(t.shape == (batch, dim) and t.dtype == F32 for t in (dD, ddb) if t is not None)
+        assert all(float(t.abs().sum()) == 0 for t in (dA, dB, dC, dD, ddb) if t is not None), "zeroed"
+        # deterministic mode hands the kernel its zeroed tickets, one per (row, chunk)
+        if torch.are_deterministic_algorithms_enabled():
+            assert det_sem is not None and det_sem.dtype == torch.int32 and det_sem.shape == (batch, saved.shape[2])
+            assert int(det_sem.abs().sum()) == 0
+        else:
+            assert det_sem is None
         grads = scan_mod._scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout)
         for buf, g in zip((du, ddelta, dA, dB, dC, dD, dz, ddb), grads):
-            if buf is not None:
+            if buf is None:
+                continue
+            if buf is dA or buf is dD or buf is ddb:   # the whole sum in row 0, as if the other rows gave 0
+                buf[0].copy_(g)
+            else:
                 buf.copy_(g)
 
     def conv_fwd(self, x, weight, bias, pos, silu, out):
@@ -207,16 +222,21 @@ class FakeExt:
         assert out.stride() == x.stride() and out.dtype == x.dtype
         out.copy_(conv_mod._conv_fwd_reference(x, weight, bias, pos, silu))
 
-    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dweight, dbias):
+    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dw_part):
         self._check_conv(x, weight, bias, pos)
         self.calls.append(("conv_bwd", x.stride(), dout.stride()))
+        batch, dim, seqlen = x.shape
+        width = weight.shape[1]
         assert dout.stride() == x.stride() and dout.dtype == x.dtype, "dout in x's layout and dtype"
-        assert dx.stride() == x.stride() and dweight.dtype == F32 and float(dweight.abs().sum()) == 0
+        # [dweight | dbias] partials: one slot per block, at most one block per CONV_SLOT_STEPS steps of a row
+        slots = batch * -(-seqlen // CONV_SLOT_STEPS)
+        assert dw_part.shape == (slots, dim, width + 1) and dw_part.dtype == F32
+        assert dx.stride() == x.stride() and float(dw_part.abs().sum()) == 0
         gx, gw, gb = conv_mod._conv_bwd_reference(x, weight, bias, pos, silu, dout)
         dx.copy_(gx)
-        dweight.copy_(gw)
-        if dbias is not None:
-            dbias.copy_(gb)
+        dw_part[-1, :, :width] = gw   # the last slot: the caller sums them all
+        if gb.numel():
+            dw_part[-1, :, width] = gb
 
     @staticmethod
     def _check_conv(x, weight, bias, pos):

@@ -304,11 +304,27 @@ def test_scan_reset_blocks_gradient(cuda_ops):
 # ---------------------------------------------------------------------------------------------------------------
 # causal conv1d
 
-def check_conv(cuda_ops, batch, dim, L, width, dtype, kinds, *, channel_last, has_bias=True, activation="silu"):
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t with the same strides whose storage starts one element past an aligned address: the layout the
+    vector kernels refuse (channel-first: the register kernels run; channel-last: the one-step loads)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    if t.is_contiguous():
+        out = buf[1:].view(t.shape)
+    else:   # channel-last (batch, dim, seqlen) view of (batch, seqlen, dim) memory
+        out = buf[1:].view(t.shape[0], t.shape[2], t.shape[1]).transpose(1, 2)
+    out.copy_(t)
+    assert out.stride() == t.stride() and out.data_ptr() % 16 != 0
+    return out
+
+
+def check_conv(cuda_ops, batch, dim, L, width, dtype, kinds, *, channel_last, has_bias=True, activation="silu",
+               misalign=False):
     if channel_last:
         x = torch.randn(batch, L, dim, device="cuda").to(dtype).transpose(1, 2)
     else:
         x = torch.randn(batch, dim, L, device="cuda").to(dtype)
+    if misalign:
+        x = misaligned(x)
     weight = torch.randn(dim, width, device="cuda") * 0.5
     bias = torch.randn(dim, device="cuda") if has_bias else None
     rows = [lengths_mix(L, kinds[i % len(kinds)]) for i in range(batch)]
@@ -316,6 +332,8 @@ def check_conv(cuda_ops, batch, dim, L, width, dtype, kinds, *, channel_last, ha
     out = cuda_ops.causal_conv1d_fwd(x, weight, bias, pos.int(), activation)
     assert out.shape == x.shape and out.stride() == x.stride() and out.dtype == dtype
     dout = torch.randn_like(out)
+    if misalign:
+        dout = misaligned(dout)
     dx, dw, dbias = cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos.int(), activation)
     assert dx.shape == x.shape and dx.dtype == dtype and dw.dtype == torch.float32
     assert (dbias is None) == (bias is None)
@@ -353,27 +371,29 @@ def test_conv_vs_float64(cuda_ops, dtype, channel_last, width, seqlen):
     check_conv(cuda_ops, 3, 40, seqlen, width, dtype, ("mixed", "tiny", "padded"), channel_last=channel_last)
 
 
-@pytest.mark.parametrize("variant", ["regs", "vec1", "vec2", "vec4", "vecm"])
-@pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 5000), (torch.float32, 4100), (torch.float16, 1032)])
-def test_conv_channel_first_kernels(cuda_ops, monkeypatch, variant, dtype, seqlen):
-    # the register kernels and the vector ones (1024 / 2048 / 4096 steps a block; "vecm": no boundary-free path),
-    # chosen by PACKLOADER_CONV_CF; seqlens give several tiles, a partial last tile and (fp32 4100) a partial last
-    # run. The per-sequence runs inside check_conv use odd lengths, i.e. the register kernels: the two agree.
-    monkeypatch.setenv("PACKLOADER_CONV_CF", variant)
+@pytest.mark.parametrize("kernels", ["regs", "vec"])
+@pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 5000), (torch.float32, 4100), (torch.float16, 1032),
+                                          (torch.bfloat16, 1000)])
+def test_conv_channel_first_kernels(cuda_ops, kernels, dtype, seqlen):
+    # the register kernels (storage off the 16-byte grid) and the vector ones (aligned rows; 1024 / 2048 / 4096 steps a
+    # block, picked by seqlen); seqlens give several tiles, a partial last tile and (fp32 4100) a partial last run.
+    # The per-sequence runs inside check_conv use odd lengths, i.e. the register kernels: the two agree.
     for width in (2, 3, 4):
-        check_conv(cuda_ops, 4, 24, seqlen, width, dtype, ("mixed", "tiny", "padded", "one"), channel_last=False)
+        check_conv(cuda_ops, 4, 24, seqlen, width, dtype, ("mixed", "tiny", "padded", "one"), channel_last=False,
+                   misalign=kernels == "regs")
 
 
 ULP_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
 
-@pytest.mark.parametrize("variant", ["vec1", "vec2", "vec4", "vecm"])
-@pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 5000), (torch.float32, 4100)])
-def test_conv_channel_first_kernels_elementwise(cuda_ops, monkeypatch, variant, dtype, seqlen):
-    # Element by element against the register kernels, on many (row, channel, tile) blocks (a norm-based
-    # tolerance would let a few wrong blocks through: it did once, for a race in a persistent variant).
-    # The forward does the same arithmetic in the same order: equal bits. The backward sums dx in another order:
-    # within one rounding of the dtype; dweight / dbias are fp32 sums in another order.
+@pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 5000), (torch.float32, 4100), (torch.bfloat16, 2000),
+                                          (torch.float32, 1000)])
+def test_conv_channel_first_kernels_elementwise(cuda_ops, dtype, seqlen):
+    # The vector kernels element by element against the register kernels (the same data off the 16-byte grid), on
+    # many (row, channel, tile) blocks (a norm-based tolerance would let a few wrong blocks through: it did once, for
+    # a race in a persistent variant). The forward does the same arithmetic in the same order: equal bits. The
+    # backward sums dx in another order: within one rounding of the dtype; dweight / dbias are fp32 sums in another
+    # order.
     batch, dim, width = 2, 1024, 4
     x = torch.randn(batch, dim, seqlen, device="cuda").to(dtype)
     weight = torch.randn(dim, width, device="cuda") * 0.5
@@ -381,10 +401,9 @@ def test_conv_channel_first_kernels_elementwise(cuda_ops, monkeypatch, variant, 
     dout = torch.randn_like(x)
     rows = [lengths_mix(seqlen, k) for k in ("mixed", "tiny")]
     pos = position_ids_for(rows, "cuda").int()
-    monkeypatch.setenv("PACKLOADER_CONV_CF", "regs")
-    out_r = cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, "silu")
-    dx_r, dw_r, db_r = cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, "silu")
-    monkeypatch.setenv("PACKLOADER_CONV_CF", variant)
+    xm, doutm = misaligned(x), misaligned(dout)
+    out_r = cuda_ops.causal_conv1d_fwd(xm, weight, bias, pos, "silu")
+    dx_r, dw_r, db_r = cuda_ops.causal_conv1d_bwd(xm, weight, bias, doutm, pos, "silu")
     for _ in range(2):   # twice: a race shows up as a difference between runs too
         out = cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, "silu")
         dx, dw, db = cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, "silu")
@@ -408,9 +427,8 @@ def tile_edge_row(seqlen: int) -> list[int]:
 @pytest.mark.parametrize("dtype,seqlen", [(torch.float32, 4), (torch.float32, 12), (torch.float32, 1028),
                                           (torch.float32, 2052), (torch.bfloat16, 8), (torch.bfloat16, 16),
                                           (torch.bfloat16, 1032), (torch.float16, 3080)])
-@pytest.mark.parametrize("variant", ["vec1", "default"])
 @pytest.mark.parametrize("width", [2, 3, 4])
-def test_conv_vector_kernels_edge_cases(cuda_ops, monkeypatch, dtype, seqlen, variant, width):
+def test_conv_vector_kernels_edge_cases(cuda_ops, dtype, seqlen, width):
     # fixed shapes the vector kernels must get right: a single partial run (fp32 L=4), runs past a tile edge by 4
     # or 8 steps, boundaries at every tile edge, no silu and no bias; against float64 and element by element
     # against the register kernels
@@ -419,14 +437,10 @@ def test_conv_vector_kernels_edge_cases(cuda_ops, monkeypatch, dtype, seqlen, va
     dout = torch.randn_like(x)
     rows = [tile_edge_row(seqlen), lengths_mix(seqlen, "tiny"), lengths_mix(seqlen, "one")]
     pos = position_ids_for(rows, "cuda").int()
+    xm, doutm = misaligned(x), misaligned(dout)
     for bias, act in ((torch.randn(16, device="cuda"), "silu"), (None, None)):
-        monkeypatch.setenv("PACKLOADER_CONV_CF", "regs")
-        ref = (cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, act),
-               *cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, act))
-        if variant == "default":
-            monkeypatch.delenv("PACKLOADER_CONV_CF")
-        else:
-            monkeypatch.setenv("PACKLOADER_CONV_CF", variant)
+        ref = (cuda_ops.causal_conv1d_fwd(xm, weight, bias, pos, act),
+               *cuda_ops.causal_conv1d_bwd(xm, weight, bias, doutm, pos, act))
         got = (cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, act),
                *cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, act))
         assert torch.equal(got[0], ref[0]), "forward differs from the register kernels"
@@ -474,9 +488,9 @@ def test_conv_inf_does_not_cross_a_boundary(cuda_ops, layout, seqlen):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_conv_channel_last_grouped_loads_equal_plain(cuda_ops, monkeypatch, dtype):
-    # aligned channel-last rows load 8 timesteps at a time (PACKLOADER_CONV_CL=plain: one at a time); the
-    # arithmetic is the same code, so every output and gradient has the same bits
+def test_conv_channel_last_grouped_loads_equal_plain(cuda_ops, dtype):
+    # aligned channel-last rows load 8 timesteps at a time, rows off the vector grid one at a time; the arithmetic
+    # is the same code, so every output and gradient has the same bits
     batch, dim, L, width = 2, 512, 1003, 4   # (1003: the last group of 8 steps is partial)
     x = torch.randn(batch, L, dim, device="cuda").to(dtype).transpose(1, 2)
     weight = torch.randn(dim, width, device="cuda") * 0.5
@@ -485,12 +499,9 @@ def test_conv_channel_last_grouped_loads_equal_plain(cuda_ops, monkeypatch, dtyp
     pos = position_ids_for([lengths_mix(L, k) for k in ("mixed", "tiny")], "cuda").int()
     res = {}
     for mode in ("plain", "grouped"):
-        if mode == "plain":
-            monkeypatch.setenv("PACKLOADER_CONV_CL", "plain")
-        else:
-            monkeypatch.delenv("PACKLOADER_CONV_CL", raising=False)
-        res[mode] = (cuda_ops.causal_conv1d_fwd(x, weight, bias, pos, "silu"),
-                     *cuda_ops.causal_conv1d_bwd(x, weight, bias, dout, pos, "silu"))
+        xi, gi = (misaligned(x), misaligned(dout)) if mode == "plain" else (x, dout)
+        res[mode] = (cuda_ops.causal_conv1d_fwd(xi, weight, bias, pos, "silu"),
+                     *cuda_ops.causal_conv1d_bwd(xi, weight, bias, gi, pos, "silu"))
     for name, a, b in zip(("out", "dx", "dweight", "dbias"), res["grouped"], res["plain"]):
         if name in ("out", "dx"):
             assert torch.equal(a, b), name

@@ -160,12 +160,13 @@ def _rank_main(rank: int, world: int, init_file: str, paths, seed: int, workers:
     os._exit(0 if "error" not in result else 1)
 
 
-def run_world(tmp_path, world: int, paths, seed: int, workers: int) -> list[dict]:
+def run_world(tmp_path, world: int, paths, seed: int, workers: int, target=None, extra=()) -> list[dict]:
     ctx = mp.get_context("fork")
     init_file = str(tmp_path / f"store-{world}")
     out_dir = tmp_path / f"out-{world}"
     out_dir.mkdir()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, init_file, paths, seed, workers, str(out_dir)))
+    procs = [ctx.Process(target=target or _rank_main,
+                         args=(r, world, init_file, paths, seed, workers, str(out_dir), *extra))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -211,3 +212,88 @@ def test_ddp_gloo_equal_batches_full_coverage_training(tmp_path, world, workers)
     # every rank computed the same global loss at every step
     assert all(r["losses"] == results[0]["losses"] for r in results)
     assert_exact_cover([tuple(p) for p in results[0]["pieces"]], seqs)
+
+
+def _elastic_rank_main(rank: int, world: int, init_file: str, paths, seed: int, workers: int, out_dir: str,
+                       cut: int | None, state_file: str):
+    """Elastic resume under torch.distributed. With ``cut``: train ``cut`` steps, then every rank saves
+    its state (all equal, checked by all_gather) and rank 0 writes it. Without: load that state into a
+    fresh loader (rank and world size from torch.distributed, another world size than the saving run)
+    and train the rest of the epoch."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    result = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        loader = PackedDataLoader(paths, capacity=CAPACITY, batch_size=BATCH, seed=seed, num_workers=workers,
+                                  return_ids=True)
+        if cut is None:
+            with open(state_file) as f:
+                loader.load_state_dict(json.load(f))
+        torch.manual_seed(0)
+        model = DDP(TinyLM(VOCAB))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        pieces, steps = [], 0
+        for batch in loader:  # each step all-reduces gradients: unequal batch counts would hang
+            pieces += [tuple(x) for x in batch["sample_ids"][:, 1:].tolist()]
+            logits = model(batch["input_ids"], batch["position_ids"])
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            steps += 1
+            if steps == cut:  # (a batch taken from the iterator counts as consumed: stop after it)
+                break
+        states = [None] * world
+        dist.all_gather_object(states, json.loads(json.dumps(loader.state_dict())))
+        counts = [None] * world
+        dist.all_gather_object(counts, steps)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(pieces, gathered, dst=0)
+        if cut is not None and rank == 0:
+            with open(state_file, "w") as f:
+                json.dump(states[0], f)
+        result.update(states_equal=all(x == states[0] for x in states), counts=counts, state=states[0],
+                      pieces=[p for part in gathered for p in part] if rank == 0 else None)
+        dist.barrier()
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if "error" not in result else 1)
+
+
+@pytest.mark.parametrize("world_before, world_after", [(2, 3)])
+def test_ddp_gloo_elastic_resume_on_more_ranks(tmp_path, world_before, world_after):
+    """Train a few steps on 2 processes, save, resume on 3 (the loader takes the new world size from
+    torch.distributed): the 3 ranks take the same number of steps and, with the 2-rank part, cover every
+    sequence of the epoch exactly once."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"seed={seed}")
+    paths, seqs, n_rows = make_corpus(tmp_path, seed)
+    cut = max(1, n_rows // (world_before * BATCH) // 2)
+    state_file = str(tmp_path / "loader_state.json")
+    before = run_world(tmp_path, world_before, paths, seed, 1, target=_elastic_rank_main,
+                       extra=(cut, state_file))
+    assert all(r["states_equal"] for r in before)
+    assert before[0]["counts"] == [cut] * world_before
+    state = before[0]["state"]
+    assert state["rows_consumed"] == cut * world_before * BATCH
+    after = run_world(tmp_path, world_after, paths, seed, 0, target=_elastic_rank_main, extra=(None, state_file))
+    n_after = -(-(n_rows - state["rows_consumed"]) // (world_after * BATCH))
+    assert after[0]["counts"] == [n_after] * world_after
+    assert all(r["states_equal"] for r in after) and after[0]["state"]["rows_consumed"] == n_rows
+    consumed = [tuple(p) for p in before[0]["pieces"]]
+    rest = [tuple(p) for p in after[0]["pieces"]]
+    assert consumed and rest and not set(consumed) & set(rest)
+    assert_exact_cover(consumed + rest, seqs)

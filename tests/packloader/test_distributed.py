@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from packloader import PackedDataLoader
-from packloader.distributed import (assign_rows, current_worker, num_batches, resolve_rank_world,
-                                    worker_batch_indices)
+from packloader.distributed import (assign_rows, current_worker, num_batches, resolve_rank_world, resume_point,
+                                    rows_consumed, worker_batch_indices)
 from tests.packloader.conftest import random_sequences, write_arrow
 from tests.packloader.loader_fixtures import assert_exact_cover, batch_fingerprint, check_stream_batch
 
@@ -162,3 +162,31 @@ def test_drop_last_with_less_than_one_step_warns(tmp_path):
     dl = PackedDataLoader(p, capacity=128, batch_size=2, rank=0, world_size=4, drop_last=True)
     with pytest.warns(UserWarning, match="epoch 0 has no batches.*drop_last=True"):
         assert list(dl) == []
+
+
+@pytest.mark.parametrize("world, batch", [(1, 1), (2, 3), (4, 2)])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_assign_rows_from_a_resume_point(world, batch, drop_last):
+    """Elastic resume: steps start at offset = R % S; the schedule from batch R // S on covers rows [R, N)
+    exactly once (up to the dropped tail), and is the fresh schedule shifted when R is a step boundary."""
+    rng = np.random.default_rng(world * 10 + batch)
+    step = world * batch
+    for n in [0, 1, step, 3 * step + 1, int(rng.integers(1, 80))]:
+        tokens = rng.integers(1, 1000, n)
+        fresh = assign_rows(tokens, world, batch, drop_last)
+        for done in range(n + 1):
+            offset, start = resume_point(done, n, world, batch, drop_last)
+            a = assign_rows(tokens, world, batch, drop_last, offset)
+            assert offset < step or done == n == 0
+            rest = a[:, start:]
+            used = sorted(rest[rest >= 0].tolist())
+            want = n - done if not drop_last else (n - done) // step * step
+            if done == n:
+                want = 0
+            assert used == list(range(done, done + want)), (n, done)
+            # saved again before any batch: the same point, or the end when no batch is left (drop_last)
+            assert rows_consumed(offset, start, a.shape[1], n, world, batch) == (done if start < a.shape[1] else n)
+            if done % step == 0 or done == n:
+                assert offset == 0 and np.array_equal(a, fresh)
+    with pytest.raises(ValueError, match="rows_consumed must be in"):
+        resume_point(5, 4, world, batch, drop_last)

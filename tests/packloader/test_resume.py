@@ -149,20 +149,22 @@ def test_state_of_one_rank_resumes_every_rank(shards):
 
 
 @pytest.mark.parametrize("change, key", [
-    ({"batch_size": 3}, "batch_size"),
-    ({"world_size": 2, "rank": 0}, "world_size"),
     ({"seed": 2}, "seed"),
     ({"capacity": 300}, "capacity"),
     ({"algorithm": "bfd"}, "algorithm"),
     ({"buffer_size": 10}, "buffer_size"),
     ({"shuffle": False}, "shuffle"),
-    ({"drop_last": True}, "drop_last"),
+    ({"overflow": "truncate"}, "overflow"),
+    ({"max_items_per_bin": 3}, "max_items_per_bin"),
 ])
 def test_mismatched_settings_are_named(shards, change, key):
+    """A setting that changes the epoch's plan cannot change on resume; the error names it and says
+    what may change (world size, batch size, drop_last, workers: see test_elastic.py)."""
     kw = dict(capacity=256, batch_size=2, seed=1)
     sd = PackedDataLoader(shards, **kw).state_dict()
     other = PackedDataLoader(shards, **{**kw, **change})
-    with pytest.raises(ValueError, match=f"mismatch: '{key}' was .* when saved, this loader has"):
+    with pytest.raises(ValueError, match=f"mismatch: '{key}' was .* when saved, this loader has .*"
+                                         "world_size, batch_size, drop_last and num_workers may change"):
         other.load_state_dict(sd)
 
 
@@ -176,9 +178,15 @@ def test_mismatched_source_and_garbage_state(shards, prepacked):
     with pytest.raises(ValueError, match="not a PackedDataLoader state_dict"):
         loader.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match="past the end"):
-        loader.load_state_dict({**sd, "batches_consumed": 10**6})
+        loader.load_state_dict({**sd, "rows_consumed": 10**6})
+    with pytest.raises(ValueError, match="past the end"):
+        loader.load_state_dict({**sd, "version": 1, "batches_consumed": 10**6})
     with pytest.raises(ValueError, match="bad state_dict position"):
         loader.load_state_dict({**sd, "epoch": -1})
+    with pytest.raises(ValueError, match="bad state_dict position"):
+        loader.load_state_dict({**sd, "rows_consumed": -1})
+    with pytest.raises(ValueError, match="unsupported PackedDataLoader state version 3"):
+        loader.load_state_dict({**sd, "version": 3})
 
 
 def test_every_cut_with_sequences_in_the_packer_buffer_and_a_partial_shard(tmp_path):

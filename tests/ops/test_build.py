@@ -1,0 +1,50 @@
+"""ops._build: one list of sources and flags for the just-in-time and ahead-of-time builds; the constants shared
+with the CUDA sources come from ops.contract only."""
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from ops import _build, contract
+
+CSRC = pathlib.Path(_build.__file__).parent / "csrc"
+
+
+def test_every_csrc_file_is_built_or_included():
+    files = {p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp", ".h", ".cuh")}
+    assert files == set(_build.SOURCES) | set(_build.headers())
+    assert all((CSRC / s).exists() for s in _build.SOURCES)
+
+
+def test_defines_carry_the_contract():
+    flags = " ".join(_build.defines())
+    assert f"-DPACKLOADER_SCAN_CHUNK={contract.SCAN_CHUNK}" in flags
+    assert f"-DPACKLOADER_SCAN_LANES={contract.SCAN_LANES}" in flags
+    assert f"-DPACKLOADER_CONV_SLOT_STEPS={contract.CONV_SLOT_STEPS}" in flags
+    for flags in (_build.cxx_flags(), _build.nvcc_flags()):
+        assert set(_build.defines()) <= set(flags)
+
+
+def test_no_constant_copied_into_the_cuda_sources():
+    # the shared constants are never written as literals in the headers, and no kernel reads the environment
+    common = (CSRC / "ops_common.h").read_text()
+    assert re.search(r"kScanChunk\s*=\s*PACKLOADER_SCAN_CHUNK", common)
+    assert re.search(r"kScanLanes\s*=\s*PACKLOADER_SCAN_LANES", common)
+    for p in CSRC.iterdir():
+        assert "getenv" not in p.read_text(), f"{p.name} reads the environment"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_sources_preprocess_with_the_defines_and_refuse_without(tmp_path):
+    # nvcc -E runs the preprocessor only (seconds): the includes resolve and the #error guard fires without -D
+    for src in _build.SOURCES:
+        if not src.endswith(".cu"):
+            continue
+        ok = subprocess.run(["nvcc", "-E", "-std=c++17", *_build.defines(), str(CSRC / src), "-o", str(tmp_path / "o")],
+                            capture_output=True, text=True)
+        assert ok.returncode == 0, ok.stderr[-2000:]
+    bad = subprocess.run(["nvcc", "-E", str(CSRC / "selective_scan.cu"), "-o", str(tmp_path / "o")],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "PACKLOADER_SCAN_CHUNK" in bad.stderr
