@@ -50,6 +50,10 @@ dout) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)``
 
 Dispatch (:mod:`ops.backends`): the tensors' device picks the implementation; ``with ops.use_backend("reference"):``
 makes CUDA tensors run the reference too; a case the kernel cannot take raises (never a silent fallback).
+
+Where later changes go: a switch that changes how a kernel runs (a deterministic mode, say) is read by the CUDA
+implementation when it runs, like the override; a new boundary rule (causal-conv1d's ``seq_idx == -1`` padding, say)
+is resolved with the others in :mod:`ops.boundaries` and reaches the ops as one more argument of their schema.
 """
 from __future__ import annotations
 

@@ -406,3 +406,49 @@ def test_blocked_module_really_fails_to_import():
     proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['mamba_ssm'] = None; import mamba_ssm"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "import of mamba_ssm halted" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# on the GPU (marked gpu): the rule with real CUDA tensors, and the `saved` hand-over between implementations
+
+@pytest.mark.gpu
+def test_gpu_dispatch_and_saved_hand_over(seed, monkeypatch):
+    if "cuda" not in ops.available_backends():
+        pytest.skip("the CUDA kernels cannot be built here")
+    dev = "cuda"
+    loads = []
+    real_load = backends.load_kernels
+    monkeypatch.setattr(backends, "load_kernels", lambda: loads.append(1) or real_load())
+    u, delta, A, B, C, D, z, db, pos, softplus = (t.to(dev) if isinstance(t, torch.Tensor) else t
+                                                  for t in scan_case(F32, dim=32, L=200))
+    leaves = [t.detach().clone().requires_grad_(True) for t in (u, delta, A, B, C, D, z, db)]
+    dout = torch.randn(u.shape, device=dev)
+
+    def run(reference_fwd, reference_bwd):
+        ins = [t.detach().clone().requires_grad_(True) for t in leaves]
+        with use_backend("reference" if reference_fwd else "auto"):
+            out = ops.packed_selective_scan(*ins, delta_softplus=softplus, position_ids=pos)
+        with use_backend("reference" if reference_bwd else "auto"):
+            out.backward(dout)
+        return [out.detach()] + [t.grad for t in ins]
+
+    loads.clear()
+    kernel = run(False, False)
+    assert loads, "CUDA float32 tensors ran the kernel"
+    loads.clear()
+    reference = run(True, True)
+    assert not loads, "the override kept the kernel out"
+    mixed = [run(True, False), run(False, True)]  # the forward's `saved` taken over by the other implementation
+    for got in [kernel] + mixed:
+        for i, (a, b) in enumerate(zip(got, reference)):
+            assert ((a - b).norm() / b.norm()).item() <= 1e-4, i
+    with pytest.raises(KernelUnsupportedError, match=r"got torch\.float64.*use_backend"):
+        ops.packed_selective_scan(u.double(), delta.double(), A.double(), B.double(), C.double(), position_ids=pos)
+    wide = (-torch.rand(32, MAX_DSTATE + 4, device=dev), torch.randn(2, MAX_DSTATE + 4, 200, device=dev))
+    with pytest.raises(KernelUnsupportedError, match=rf"dstate <= {MAX_DSTATE}"):
+        ops.packed_selective_scan(u, delta, wide[0], wide[1], wide[1], position_ids=pos)
+    with use_backend("reference"):
+        ops.packed_selective_scan(u.double(), delta.double(), A.double(), B.double(), C.double(), position_ids=pos)
+    x = torch.randn(2, 32, 200, device=dev)
+    with pytest.raises(KernelUnsupportedError, match="got width=5"):
+        ops.packed_causal_conv1d(x, torch.randn(32, 5, device=dev), position_ids=pos)
