@@ -50,6 +50,10 @@ dout) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)``
 
 Dispatch (:mod:`ops.backends`): the tensors' device picks the implementation; ``with ops.use_backend("reference"):``
 makes CUDA tensors run the reference too; a case the kernel cannot take raises (never a silent fallback).
+
+Where later changes go: a switch that changes how a kernel runs (a deterministic mode, say) is read by the CUDA
+implementation when it runs, like the override; a new boundary rule (causal-conv1d's ``seq_idx == -1`` padding, say)
+is resolved with the others in :mod:`ops.boundaries` and reaches the ops as one more argument of their schema.
 """
 from __future__ import annotations
 
@@ -62,6 +66,11 @@ CONV_MIN_WIDTH = 2     # conv widths the CUDA conv takes
 CONV_MAX_WIDTH = 4
 CONV_SLOT_STEPS = 128  # the conv backward writes one dweight/dbias partial per block; at most one per this many steps
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # activation dtypes the CUDA kernels take
+SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a B/C group (else: group by group)
+
+# The ops' outputs follow their inputs' strides (the conv) and the CUDA implementations read raw pointers: a compiler
+# (inductor) must hand them their inputs with exactly the strides seen when tracing.
+OP_TAGS = (getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fixed_stride_order,)
 
 
 def scan_chunks(seqlen: int) -> int:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from . import backends as _backends
 from .contract import CONV_SLOT_STEPS
 from .boundaries import resolve_position_ids, row_positions
+from .contract import OP_TAGS
 
 __all__ = ["packed_causal_conv1d", "causal_conv1d_ref", "causal_conv1d_fwd", "causal_conv1d_bwd"]
 
@@ -223,7 +224,7 @@ def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
     return dx, dweight, (dw[:, width].to(bias.dtype, copy=True) if bias is not None else _absent(x))
 
 
-@torch.library.custom_op("packloader::causal_conv1d_fwd", mutates_args=(), device_types=None)
+@torch.library.custom_op("packloader::causal_conv1d_fwd", mutates_args=(), device_types=None, tags=OP_TAGS)
 def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       position_ids: torch.Tensor, silu: bool) -> torch.Tensor:
     """Packed causal conv1d forward -> out (x's strides); see :mod:`ops.contract`. This body is the reference
@@ -240,7 +241,7 @@ def _conv_fwd_fake(x, weight, bias, position_ids, silu):
     return _like(x)
 
 
-@torch.library.custom_op("packloader::causal_conv1d_bwd", mutates_args=(), device_types=None)
+@torch.library.custom_op("packloader::causal_conv1d_bwd", mutates_args=(), device_types=None, tags=OP_TAGS)
 def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       position_ids: torch.Tensor, silu: bool, dout: torch.Tensor
                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

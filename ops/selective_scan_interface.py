@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from . import backends as _backends
 from .boundaries import resolve_position_ids, row_positions
-from .contract import SCAN_CHUNK, SCAN_LANES, scan_chunks
+from .contract import OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_chunks
 
 __all__ = ["packed_selective_scan", "selective_scan_ref", "linear_scan", "selective_scan_fwd", "selective_scan_bwd"]
 
@@ -280,9 +280,10 @@ def _bc(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _group_slices(dim: int, n_groups: int):
-    """A kernel block owns 16 channels that must share a group; otherwise the kernel runs group by group."""
+    """A kernel block owns SCAN_BLOCK_CHANNELS channels that must share a group; otherwise the kernel runs group
+    by group."""
     per = dim // n_groups
-    if n_groups == 1 or per % 16 == 0:
+    if n_groups == 1 or per % SCAN_BLOCK_CHANNELS == 0:
         return None
     return [(g * per, (g + 1) * per) for g in range(n_groups)]
 
@@ -380,7 +381,7 @@ def _scan_bwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_soft
 
 # --- registration ------------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("packloader::selective_scan_fwd", mutates_args=(), device_types=None)
+@torch.library.custom_op("packloader::selective_scan_fwd", mutates_args=(), device_types=None, tags=OP_TAGS)
 def selective_scan_fwd(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
@@ -402,7 +403,7 @@ def _scan_fwd_fake(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_soft
     return out, saved
 
 
-@torch.library.custom_op("packloader::selective_scan_bwd", mutates_args=(), device_types=None)
+@torch.library.custom_op("packloader::selective_scan_bwd", mutates_args=(), device_types=None, tags=OP_TAGS)
 def selective_scan_bwd(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],

@@ -63,6 +63,27 @@ def test_cuda_cases_the_kernel_cannot_take_raise_and_say_how_to_get_the_referenc
         assert implementation(op, "cuda", dtype, **case) == "reference"
 
 
+@pytest.mark.parametrize("dtype", [F32, F64, BF16])
+def test_cpu_tensors_run_the_reference_implementation(seed, monkeypatch, dtype):
+    """Through the real ops and torch's dispatcher: CPU tensors of every dtype run the reference implementations
+    (forward and backward) and never reach the CUDA implementations or the kernels."""
+    def unreachable(*a, **k):
+        raise AssertionError("the CUDA path ran for CPU tensors")
+
+    monkeypatch.setattr(backends, "load_kernels", unreachable)
+    monkeypatch.setattr(backends, "implementation", unreachable)  # only the CUDA implementations ask
+    u, delta, A, B, C, D, z, db, pos, softplus = scan_case(dtype, dim=8, L=10)
+    u.requires_grad_(True)
+    out = ops.packed_selective_scan(u, delta, A, B, C, D, z, db, softplus, position_ids=pos)
+    out.float().sum().backward()
+    want = scan_mod._scan_fwd_reference(u.detach(), delta, A, B, C, D, z, db, pos, softplus)[0]
+    torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
+    x = torch.randn(2, 8, 10).to(dtype).requires_grad_(True)
+    y = ops.packed_causal_conv1d(x, torch.randn(8, 4), activation="silu", position_ids=pos)
+    y.float().sum().backward()
+    assert out.dtype == y.dtype == dtype and u.grad.dtype == x.grad.dtype == dtype
+
+
 def test_the_override_sends_cuda_tensors_to_the_reference():
     with use_backend("reference"):
         for dtype in (F32, BF16):
@@ -393,3 +414,49 @@ def test_blocked_module_really_fails_to_import():
     proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['mamba_ssm'] = None; import mamba_ssm"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "import of mamba_ssm halted" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# on the GPU (marked gpu): the rule with real CUDA tensors, and the `saved` hand-over between implementations
+
+@pytest.mark.gpu
+def test_gpu_dispatch_and_saved_hand_over(seed, monkeypatch):
+    if "cuda" not in ops.available_backends():
+        pytest.skip("the CUDA kernels cannot be built here")
+    dev = "cuda"
+    loads = []
+    real_load = backends.load_kernels
+    monkeypatch.setattr(backends, "load_kernels", lambda: loads.append(1) or real_load())
+    u, delta, A, B, C, D, z, db, pos, softplus = (t.to(dev) if isinstance(t, torch.Tensor) else t
+                                                  for t in scan_case(F32, dim=32, L=200))
+    leaves = [t.detach().clone().requires_grad_(True) for t in (u, delta, A, B, C, D, z, db)]
+    dout = torch.randn(u.shape, device=dev)
+
+    def run(reference_fwd, reference_bwd):
+        ins = [t.detach().clone().requires_grad_(True) for t in leaves]
+        with use_backend("reference" if reference_fwd else "auto"):
+            out = ops.packed_selective_scan(*ins, delta_softplus=softplus, position_ids=pos)
+        with use_backend("reference" if reference_bwd else "auto"):
+            out.backward(dout)
+        return [out.detach()] + [t.grad for t in ins]
+
+    loads.clear()
+    kernel = run(False, False)
+    assert loads, "CUDA float32 tensors ran the kernel"
+    loads.clear()
+    reference = run(True, True)
+    assert not loads, "the override kept the kernel out"
+    mixed = [run(True, False), run(False, True)]  # the forward's `saved` taken over by the other implementation
+    for got in [kernel] + mixed:
+        for i, (a, b) in enumerate(zip(got, reference)):
+            assert ((a - b).norm() / b.norm()).item() <= 1e-4, i
+    with pytest.raises(KernelUnsupportedError, match=r"got torch\.float64.*use_backend"):
+        ops.packed_selective_scan(u.double(), delta.double(), A.double(), B.double(), C.double(), position_ids=pos)
+    wide = (-torch.rand(32, MAX_DSTATE + 4, device=dev), torch.randn(2, MAX_DSTATE + 4, 200, device=dev))
+    with pytest.raises(KernelUnsupportedError, match=rf"dstate <= {MAX_DSTATE}"):
+        ops.packed_selective_scan(u, delta, wide[0], wide[1], wide[1], position_ids=pos)
+    with use_backend("reference"):
+        ops.packed_selective_scan(u.double(), delta.double(), A.double(), B.double(), C.double(), position_ids=pos)
+    x = torch.randn(2, 32, 200, device=dev)
+    with pytest.raises(KernelUnsupportedError, match="got width=5"):
+        ops.packed_causal_conv1d(x, torch.randn(32, 5, device=dev), position_ids=pos)

@@ -244,3 +244,22 @@ def test_gpu_converted_mamba_lm_fullgraph(cuda, fused_norms):
             return fwd_bwd(lambda x: f(x, pos), ids, params, dout)
 
     assert_close_rel(step(fn), step(compiled), GPU_TOL, "converted MambaLMHeadModel, compiled vs eager")
+
+
+def test_bench_compile_quick_smoke(tmp_path):
+    """``benchmarks/bench_compile.py --quick`` runs on the CPU, finds 0 graph breaks and writes its JSON."""
+    import importlib.util
+    import json
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_compile.py"
+    spec = importlib.util.spec_from_file_location("bench_compile", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "compile.json"
+    mod.main(["--quick", "--device", "cpu", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["graph_breaks"] == 0
+    assert [r["variant"] for r in res["rows"]] == ["eager", "compile"]
+    assert all(r["ms"] > 0 for r in res["rows"])
+    assert res["rows"][1]["rel_err_out"] <= 1e-6 and res["rows"][1]["rel_err_dh"] <= 1e-6
