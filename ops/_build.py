@@ -40,7 +40,8 @@ _lock = threading.Lock()
 def defines() -> list:
     """``-D`` flags carrying :mod:`ops.contract` into the CUDA sources."""
     return [f"-DPACKLOADER_SCAN_CHUNK={contract.SCAN_CHUNK}", f"-DPACKLOADER_SCAN_LANES={contract.SCAN_LANES}",
-            f"-DPACKLOADER_CONV_SLOT_STEPS={contract.CONV_SLOT_STEPS}"]
+            f"-DPACKLOADER_CONV_SLOT_STEPS={contract.CONV_SLOT_STEPS}",
+            f"-DPACKLOADER_SCAN_BLOCK_CHANNELS={contract.SCAN_BLOCK_CHANNELS}"]
 
 
 def cxx_flags() -> list:

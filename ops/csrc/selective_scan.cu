@@ -26,7 +26,7 @@ namespace packloader_ops {
 namespace {
 
 constexpr int kLanes = kScanLanes;      // 16
-constexpr int kDB = 16;                 // channels per block
+constexpr int kDB = PACKLOADER_SCAN_BLOCK_CHANNELS;   // channels per block (16)
 constexpr int kThreads = kLanes * kDB;  // 256
 constexpr int kSub = 16;                // timesteps per reduce-scatter group (== kLanes)
 constexpr int kChunk = kScanChunk;      // 64
