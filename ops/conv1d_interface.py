@@ -105,7 +105,8 @@ def causal_conv1d_ref(
 
 def _is_dense_channel_last(x: torch.Tensor) -> bool:
     batch, dim, seqlen = x.shape
-    return dim > 1 and x.stride(1) == 1 and x.stride(2) == dim and x.stride(0) == dim * seqlen
+    # (a batch of one may have any batch stride: a slice of a longer row is dense too)
+    return dim > 1 and x.stride(1) == 1 and x.stride(2) == dim and (batch == 1 or x.stride(0) == dim * seqlen)
 
 
 def kernel_layout(x: torch.Tensor) -> torch.Tensor:
