@@ -195,6 +195,25 @@ def _mask(x: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tens
     return (x * attention_mask[:, :, None]).to(x.dtype)
 
 
+def _falcon_norms(mixer) -> Optional[str]:
+    """How a FalconMamba mixer normalises dt, B and C: ``"modules"``, ``"eps"`` or None (plain Mamba)."""
+    if all(hasattr(mixer, n) for n in ("b_layernorm", "c_layernorm", "dt_layernorm")):
+        return "modules"
+    if "FalconMambaMixer" in _hf_names(mixer):
+        if hasattr(mixer, "rms_eps"):
+            return "eps"
+        raise NotImplementedError(
+            f"enable_packing: this transformers version's {type(mixer).__name__} normalises dt, B and C in a way "
+            "packloader does not know (no *_layernorm modules, no rms_eps)"
+        )
+    return None
+
+
+def _weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _mamba1_packed(mixer, hidden_states, pos, attention_mask):
     """Mamba-1 (and FalconMamba) mixer forward on packed rows; (batch, seqlen, d_model) out."""
     import ops
@@ -203,7 +222,7 @@ def _mamba1_packed(mixer, hidden_states, pos, attention_mask):
     hidden_states = _mask(hidden_states, attention_mask)
     A = -torch.exp(mixer.A_log.float())
     conv_bias = mixer.conv1d.bias if getattr(mixer, "use_conv_bias", True) else None
-    has_norms = all(hasattr(mixer, n) for n in ("b_layernorm", "c_layernorm", "dt_layernorm"))
+    has_norms = _falcon_norms(mixer)
     if not has_norms and attention_mask is None:
         return ops.packed_mamba_inner_fn(
             hidden_states, mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, conv_bias,
@@ -222,8 +241,10 @@ def _mamba1_packed(mixer, hidden_states, pos, attention_mask):
         x = x * attention_mask[:, None, :].to(x.dtype)
     dt, B, C = torch.split(mixer.x_proj(x.transpose(1, 2)),
                            [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1)
-    if has_norms:
+    if has_norms == "modules":  # transformers >= 5.1
         dt, B, C = mixer.dt_layernorm(dt), mixer.b_layernorm(B), mixer.c_layernorm(C)
+    elif has_norms == "eps":  # transformers 5.0: a weightless RMS norm with mixer.rms_eps
+        dt, B, C = (_weightless_rms(t, mixer.rms_eps) for t in (dt, B, C))
     delta = torch.matmul(mixer.dt_proj.weight, dt.transpose(1, 2))  # (b, d_inner, l)
     y = ops.packed_selective_scan(
         x, delta, A, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(), D=mixer.D.float(), z=z,
@@ -277,10 +298,27 @@ def _mamba2_packed(mixer, hidden_states, pos, attention_mask):
     return mixer.out_proj(y.to(dtype))
 
 
-def _mamba2_kernels_serve(hidden_states: torch.Tensor) -> bool:
-    """transformers' Mamba-2 forward honours ``seq_idx`` only through mamba-ssm's / causal-conv1d's kernels."""
+def _hf_mamba2_passes_seq_idx(mixer) -> bool:
+    """Whether this transformers version's Mamba-2 forward hands ``**kwargs`` (``seq_idx``) to its
+    kernels: the kernel-wrapper functions (``mamba2_split_conv1d_scan_combined``, transformers >= 5.x
+    where they exist) do; 5.0's ``cuda_kernels_forward`` passes ``seq_idx=None``."""
+    for c in type(mixer).__mro__:
+        if c.__name__ in _MAMBA2_MIXERS and _from_transformers(c):
+            mod = sys.modules.get(c.__module__)
+            try:
+                takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                   for p in inspect.signature(c.forward).parameters.values())
+            except (TypeError, ValueError):
+                takes_kwargs = False
+            return takes_kwargs and hasattr(mod, "mamba2_split_conv1d_scan_combined")
+    return False
+
+
+def _mamba2_kernels_serve(mixer, hidden_states: torch.Tensor) -> bool:
+    """transformers' Mamba-2 forward honours ``seq_idx`` only through mamba-ssm's / causal-conv1d's
+    kernels (its PyTorch path ignores it), and only in versions that pass it on."""
     return (hidden_states.is_cuda and importlib.util.find_spec("mamba_ssm") is not None
-            and importlib.util.find_spec("causal_conv1d") is not None)
+            and importlib.util.find_spec("causal_conv1d") is not None and _hf_mamba2_passes_seq_idx(mixer))
 
 
 def _split_mixer_args(args, kwargs):
@@ -313,7 +351,7 @@ def _mamba2_forward(self, base_forward, args, kwargs):
     cache, mask = _split_mixer_args(rest, kwargs)
     if cache is not None:
         raise ValueError("enable_packing: a packed batch reached a mixer together with cache_params")
-    if _mamba2_kernels_serve(hidden_states):
+    if _mamba2_kernels_serve(self, hidden_states):
         for k in BOUNDARY_KWARGS:
             kwargs.pop(k, None)
         return base_forward(self, *args, seq_idx=bounds[1].contiguous(), **kwargs)
@@ -391,6 +429,12 @@ def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool =
     Raises:
         NotImplementedError: an unsupported transformers model, naming its SSM and attention layers.
     """
+    version = getattr(sys.modules.get("transformers"), "__version__", "0")
+    if int(version.split(".")[0]) < 5:
+        raise NotImplementedError(
+            f"enable_packing: transformers {version} is too old; packing Hugging Face Mamba models needs "
+            "transformers >= 5.0 (tested with 5.0.0 and 5.23.0)"
+        )
     backbone = _backbone_of(model)
     layers = list(backbone.layers) if backbone is not None else []
     kinds = [_mixer_kind(b.mixer) for b in layers]
@@ -413,6 +457,8 @@ def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool =
         )
     for i, b in enumerate(layers):
         mixer = b.mixer
+        if kinds[i] == "mamba1":
+            _falcon_norms(mixer)  # raises for an unknown FalconMamba variant
         act = getattr(mixer, "activation", "silu")
         if act not in ("silu", "swish"):
             raise NotImplementedError(
