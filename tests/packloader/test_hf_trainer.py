@@ -163,3 +163,21 @@ def test_sft_trainer(tmp_path, shards):
     trainer.train()
     assert sorted(rec.losses) == [1, 2, 3, 4] and all(np.isfinite(v) for v in rec.losses.values())
     assert (tmp_path / "sft" / "checkpoint-2" / LOADER_STATE_NAME).exists()
+
+
+def test_finetune_example_smallest_setting(tmp_path):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "finetune_hf.py")
+    spec = importlib.util.spec_from_file_location("finetune_hf", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    results = example.main(["--steps", "2", "--limit", "24", "--capacity", "128", "--batch-size", "2",
+                            "--d-model", "16", "--layers", "1", "--out", str(tmp_path), "--json",
+                            str(tmp_path / "r.json")])
+    assert set(results) == {"packed", "unpacked"}
+    for r in results.values():
+        assert r["loss_tokens"] > 0 and np.isfinite(r["last_loss"])
+    # 128-token rows hold several GSM8K records: fewer batches per epoch than one record per row
+    assert results["packed"]["batches_per_epoch"] * 2 * 128 >= results["packed"]["loss_tokens"]
+    assert json.loads((tmp_path / "r.json").read_text())["results"]["packed"]["padding_per_epoch"] < 0.5
