@@ -223,10 +223,10 @@ def run_unpacked(args, paths, out):
                    **extra)
     t0 = time.perf_counter()
     trainer.train()
-    batches = [pad_collate([dataset[i] for i in range(k, min(k + args.batch_size, len(dataset)))])
-               for k in range(0, len(dataset), args.batch_size)] if args.trainer == "trainer" else []
-    padding = (1 - sum(int(b["attention_mask"].sum()) for b in batches) / sum(b["input_ids"].numel() for b in batches)
-               if batches else float("nan"))
+    seqs = SequenceDataset(paths)  # padding of one epoch in order (Trainer shuffles; about the same)
+    batches = [pad_collate([seqs[i] for i in range(k, min(k + args.batch_size, len(seqs)))])
+               for k in range(0, len(seqs), args.batch_size)]
+    padding = 1 - sum(int(b["attention_mask"].sum()) for b in batches) / sum(b["input_ids"].numel() for b in batches)
     return time.perf_counter() - t0, counter, log.cb.losses, len(trainer.get_train_dataloader()), padding
 
 

@@ -303,3 +303,20 @@ def test_gpu_packed_equals_per_sequence(family, dtype):
                                  {"input_ids": ids, "position_ids": pos}, embedding=model.get_input_embeddings(),
                                  atol=1e-3 if family == "mamba2" else 0.0)
     assert report.ok, report
+
+
+def test_bench_hf_quick_smoke(tmp_path):
+    """benchmarks/bench_hf.py --quick runs on the CPU and writes its JSON (the numbers are a GPU matter)."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_hf.py")
+    spec = importlib.util.spec_from_file_location("bench_hf", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--quick", "--out", str(tmp_path / "hf.json")])
+    assert [r["variant"] for r in out["results"]] == ["hf rows, no boundaries", "hf padded", "packed"]
+    saved = json.loads((tmp_path / "hf.json").read_text())
+    assert saved["real_tokens"] == sum(map(sum, saved["rows"])) > 0
+    assert all(r["real_tokens_per_s"] > 0 for r in saved["results"])
