@@ -127,8 +127,9 @@ def _batch_shape(args, kwargs) -> Tuple[int, int, torch.device]:
     return int(x.shape[0]), int(x.shape[1]), x.device
 
 
-def _resolve(kwargs: dict, batch: int, seqlen: int, device, validate: bool):
-    """Pop every boundary kwarg; return int32 (position_ids, seq_idx) or None when none was given."""
+def _resolve(kwargs: dict, batch: int, seqlen: int, device, validate: bool, need_seq_idx: bool = True):
+    """Pop every boundary kwarg; return int32 ``(position_ids, seq_idx)`` (``seq_idx`` None unless
+    ``need_seq_idx``: only Mamba-2 mixers read it), or None when none was given."""
     given = {k: kwargs.pop(k) for k in BOUNDARY_KWARGS if k in kwargs}
     pos, seq = given.get("position_ids"), given.get("seq_idx")
     cu = given.get("cu_seq_lens_q", given.get("cu_seqlens"))
@@ -139,7 +140,7 @@ def _resolve(kwargs: dict, batch: int, seqlen: int, device, validate: bool):
     if pos is None and seq is None:
         pos = cu_seqlens_to_position_ids(cu.to(device), shape=(batch, seqlen))
     pos = resolve_position_ids(pos, seq, batch, seqlen, device=device, validate=validate)
-    return pos, position_ids_to_seq_idx(pos)
+    return pos, (position_ids_to_seq_idx(pos) if need_seq_idx else None)
 
 
 def _model_forward(self, base_forward, args, kwargs):
@@ -149,7 +150,8 @@ def _model_forward(self, base_forward, args, kwargs):
             kwargs.pop(k, None)
         return base_forward(self, *args, **kwargs)
     batch, seqlen, device = _batch_shape(args, kwargs)
-    bounds = _resolve(kwargs, batch, seqlen, device, getattr(self, "_packloader_validate", True))
+    bounds = _resolve(kwargs, batch, seqlen, device, getattr(self, "_packloader_validate", True),
+                      getattr(self, "_packloader_need_seq_idx", True))
     if kwargs.get("cache_params") is not None or kwargs.get("use_cache"):
         raise ValueError(
             "enable_packing: packed boundaries (position_ids / seq_idx / cu_seq_lens_q) cannot be combined with "
@@ -479,5 +481,7 @@ def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool =
         b.__dict__["_packloader_slot"] = slot
         _swap(b.mixer, kind)
         (mamba1 if kind == "mamba1" else mamba2).append(f"{prefix}layers.{i}.mixer")
+    for top in tops:
+        top.__dict__["_packloader_need_seq_idx"] = bool(mamba2)
     model.__dict__["_packloader_conversion"] = {"mamba1": mamba1, "mamba2": mamba2, "left_unsafe": []}
     return model
