@@ -152,6 +152,8 @@ def _model_forward(self, base_forward, args, kwargs):
     batch, seqlen, device = _batch_shape(args, kwargs)
     bounds = _resolve(kwargs, batch, seqlen, device, getattr(self, "_packloader_validate", True),
                       getattr(self, "_packloader_need_seq_idx", True))
+    if bounds is None:  # only max_length_* given: nothing to isolate
+        return base_forward(self, *args, **kwargs)
     if kwargs.get("cache_params") is not None or kwargs.get("use_cache"):
         raise ValueError(
             "enable_packing: packed boundaries (position_ids / seq_idx / cu_seq_lens_q) cannot be combined with "

@@ -225,6 +225,18 @@ def test_backbone_alone_and_loss_with_labels(seed):
     torch.testing.assert_close(loss, expected)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_mask_of_ones_changes_nothing(family, seed):
+    """A collator's all-ones attention_mask sends Mamba-1 through the composed (masking) path."""
+    model = ops.enable_packing(make_model(family, seed=seed))
+    rows = [[3, 1, 12], [9, 7]]
+    ids, pos = packed_batch(rows, 16, seed)
+    with torch.no_grad():
+        plain = model(ids, position_ids=pos).logits
+        masked = model(ids, position_ids=pos, attention_mask=torch.ones_like(ids)).logits
+    torch.testing.assert_close(masked, plain, rtol=1e-6, atol=1e-6)
+
+
 def test_errors_are_clear():
     model = make_model("mamba")
     ops.enable_packing(model)

@@ -21,7 +21,7 @@ import ops  # noqa: E402
 from packloader import PackedDataLoader  # noqa: E402
 from packloader.hf import LOADER_STATE_NAME, PackedTrainer, packed_trainer_class  # noqa: E402
 
-from .conftest import random_sequences, sft_labels, write_arrow  # noqa: E402
+from tests.packloader.conftest import random_sequences, sft_labels, write_arrow  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 VOCAB = 64
