@@ -11,6 +11,8 @@ Both runs start from the same randomly initialised model (a small ``MambaConfig`
 downloaded here) and the same GSM8K records (``../shared/data/gsm8k_train.jsonl`` when present, else the
 sample embedded in packloader), tokenized with the GPT-NeoX tokenizer, question masked from the loss:
 
+The records are tokenized with the GPT-NeoX-20B tokenizer (``../shared/data`` or the embedded copy).
+
 * **packed**: ``ops.enable_packing(model)``, then :class:`packloader.hf.PackedTrainer` on a
   ``PackedDataLoader``: rows of ``--capacity`` tokens holding several sequences each, ``position_ids``
   restarting at every sequence, the loader's state in every checkpoint (``trainer.train(
@@ -35,8 +37,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 
-SHARED_GSM8K = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                            "gsm8k_train.jsonl")
+SHARED_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
+SHARED_GSM8K = os.path.join(SHARED_DATA, "gsm8k_train.jsonl")
+SHARED_TOKENIZER = os.path.join(SHARED_DATA, "gpt-neox-20b-tokenizer.json")
 VOCAB = 50280  # GPT-NeoX-20B's tokenizer, rounded as the Mamba checkpoints do
 PAD_ID = 1     # "<|padding|>" in GPT-NeoX-20B's tokenizer
 
@@ -60,13 +63,21 @@ def make_model(kind: str, d_model: int, layers: int, d_state: int, seed: int):
     return transformers.Mamba2ForCausalLM(cfg)
 
 
+def tokenizer_path(args) -> str:
+    from packloader.demo import TOKENIZER, data_path
+
+    if args.tokenizer:
+        return args.tokenizer
+    return SHARED_TOKENIZER if os.path.exists(SHARED_TOKENIZER) else data_path(TOKENIZER)
+
+
 def tokenize(args, workdir: str) -> list:
     from packloader import prepare_jsonl
-    from packloader.demo import CORPUS, TOKENIZER, data_path
+    from packloader.demo import CORPUS, data_path
 
     source = args.data or (SHARED_GSM8K if os.path.exists(SHARED_GSM8K) else data_path(CORPUS))
     out = os.path.join(workdir, "tokens")
-    res = prepare_jsonl(source, out, tokenizer=args.tokenizer or data_path(TOKENIZER), mask_prompt=True,
+    res = prepare_jsonl(source, out, tokenizer=tokenizer_path(args), mask_prompt=True,
                         limit=args.limit, quiet=True, overwrite=True)
     print(f"data: {res.sequences} records of {source} -> {res.tokens} tokens ({res.loss_tokens} with a loss)")
     return list(res.paths)
@@ -155,9 +166,7 @@ def tokenizer_object(args):
 
     import transformers
 
-    from packloader.demo import TOKENIZER, data_path
-
-    path = args.tokenizer or data_path(TOKENIZER)
+    path = tokenizer_path(args)
     if path.endswith(".gz"):
         tmp = os.path.join(tempfile.mkdtemp(prefix="tok-"), "tokenizer.json")
         with gzip.open(path, "rb") as f, open(tmp, "wb") as g:
@@ -235,7 +244,8 @@ def main(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", default=None, help="GSM8K-style JSONL (question, answer); default: "
                    "../shared/data/gsm8k_train.jsonl if present, else packloader's embedded sample")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json(.gz); default: the embedded GPT-NeoX-20B one")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json(.gz); default: GPT-NeoX-20B's from "
+                   "../shared/data if present, else the one embedded in packloader")
     p.add_argument("--limit", type=int, default=1000, help="records to tokenize")
     p.add_argument("--model", choices=["mamba", "falcon_mamba", "mamba2"], default="mamba",
                    help="MambaForCausalLM, FalconMambaForCausalLM or Mamba2ForCausalLM (random init)")
