@@ -214,6 +214,15 @@ class PackedTrainerMixin:
         return _TrainerBatches(self.train_loader, resumed)
 
 
+def _require(module: str, extra: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"packloader.hf needs {module}: pip install 'packloader[{extra}]' ({e})") from e
+
+
 _CLASSES: Dict[type, type] = {}
 
 
@@ -231,11 +240,7 @@ def packed_trainer_class(base: type) -> type:
 def __getattr__(name: str):
     # imported lazily: ``import packloader.hf`` needs neither transformers nor trl
     if name == "PackedTrainer":
-        import transformers
-
-        return packed_trainer_class(transformers.Trainer)
+        return packed_trainer_class(_require("transformers", "hf").Trainer)
     if name == "PackedSFTTrainer":
-        import trl
-
-        return packed_trainer_class(trl.SFTTrainer)
+        return packed_trainer_class(_require("trl", "trl").SFTTrainer)
     raise AttributeError(f"module 'packloader.hf' has no attribute {name!r}")
