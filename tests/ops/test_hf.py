@@ -313,7 +313,9 @@ def test_gpu_packed_equals_per_sequence(family, dtype):
         assert ((g - rg).abs().max() / scale).item() < (5e-2 if dtype == torch.bfloat16 else 5e-3), k
     report = ops.check_isolation(lambda b: model(b["input_ids"], position_ids=b["position_ids"]).logits,
                                  {"input_ids": ids, "position_ids": pos}, embedding=model.get_input_embeddings(),
-                                 atol=1e-3 if family == "mamba2" else 0.0)
+                                 # backward kernels that add with atomics vary in their last bits; mamba-ssm's
+                                 # Mamba-2 chunk scan rounds across boundaries (~3e-5 relative); a leak is O(1)
+                                 atol=1e-3 if family == "mamba2" else 1e-5)
     assert report.ok, report
 
 

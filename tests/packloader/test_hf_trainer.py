@@ -181,3 +181,65 @@ def test_finetune_example_smallest_setting(tmp_path):
     # 128-token rows hold several GSM8K records: fewer batches per epoch than one record per row
     assert results["packed"]["batches_per_epoch"] * 2 * 128 >= results["packed"]["loss_tokens"]
     assert json.loads((tmp_path / "r.json").read_text())["results"]["packed"]["padding_per_epoch"] < 0.5
+
+
+DDP_SCRIPT = r'''
+import json, os, sys
+sys.path.insert(0, os.environ["PACKLOADER_ROOT"])
+import torch, transformers
+import ops
+from packloader import PackedDataLoader
+from packloader.hf import PackedTrainer
+
+transformers.logging.set_verbosity_error()
+shards, out = sys.argv[1], sys.argv[2]
+args = transformers.TrainingArguments(output_dir=out, max_steps=int(sys.argv[3]), learning_rate=5e-3, report_to=[],
+                                      use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no",
+                                      logging_steps=1)
+torch.manual_seed(0)
+cfg = transformers.MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2)
+model = ops.enable_packing(transformers.MambaForCausalLM(cfg))
+seen = []
+
+class Spy(PackedTrainer):
+    def compute_loss(self, model, inputs, *a, **kw):
+        seen.append(inputs["input_ids"].tolist())
+        return super().compute_loss(model, inputs, *a, **kw)
+
+loader = PackedDataLoader(shards, capacity=64, batch_size=2, shuffle=True, seed=5, hf_compat=True)
+trainer = Spy(model=model, args=args, train_loader=loader)
+trainer.train()
+rank = int(os.environ["RANK"])
+checksum = float(sum(p.double().sum() for p in trainer.model.parameters()))
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump({"seen": seen, "checksum": checksum, "world": trainer.args.world_size}, f)
+'''
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="torchrun with gloo")
+def test_ddp_two_ranks_each_get_their_loader_share(tmp_path, shards):
+    """Under torchrun (2 CPU ranks, gloo): each rank trains on exactly the batches its PackedDataLoader
+    share yields (accelerate does not re-shard them), the same number on both ranks, and DDP keeps the
+    replicas equal."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "ddp_train.py"
+    script.write_text(DDP_SCRIPT)
+    steps = PackedDataLoader(shards, capacity=64, batch_size=2, shuffle=True, seed=5, rank=0, world_size=2).__len__()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PACKLOADER_ROOT": root}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), shards, str(tmp_path / "out"), str(steps)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    for r, got in enumerate(ranks):
+        expected = [b["input_ids"].tolist() for b in PackedDataLoader(shards, capacity=64, batch_size=2, shuffle=True,
+                                                                      seed=5, rank=r, world_size=2)]
+        assert got["seen"] == expected, f"rank {r}"
+    assert len(ranks[0]["seen"]) == len(ranks[1]["seen"]) == steps
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-9)
