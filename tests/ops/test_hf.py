@@ -167,6 +167,13 @@ def test_check_isolation_passes_converted_and_catches_unconverted(family):
                                embedding=model.get_input_embeddings())
     assert safe.ok, safe
     assert safe.max_output_change == 0.0 and safe.max_grad_change == 0.0
+    # converting again changes nothing; a deep copy of a converted model is converted and isolates too
+    assert ops.enable_packing(model) is model
+    twin = copy.deepcopy(model)
+    assert twin.backbone.layers[0]._packloader_slot is twin._packloader_slot is not model._packloader_slot
+    again = ops.check_isolation(lambda b: twin(b["input_ids"], position_ids=b["position_ids"]).logits, batch,
+                                embedding=twin.get_input_embeddings())
+    assert again.ok, again
 
 
 @pytest.mark.parametrize("family", FAMILIES)
