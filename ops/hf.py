@@ -199,6 +199,10 @@ def _mask(x: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tens
     return (x * attention_mask[:, :, None]).to(x.dtype)
 
 
+def _to(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(dtype)
+
+
 def _falcon_norms(mixer) -> Optional[str]:
     """How a FalconMamba mixer normalises dt, B and C: ``"modules"``, ``"eps"`` or None (plain Mamba)."""
     if all(hasattr(mixer, n) for n in ("b_layernorm", "c_layernorm", "dt_layernorm")):
@@ -239,8 +243,8 @@ def _mamba1_packed(mixer, hidden_states, pos, attention_mask):
     xz = mixer.in_proj(hidden_states)
     x = xz[..., :d_inner].transpose(1, 2).contiguous()
     z = xz[..., d_inner:].transpose(1, 2).contiguous()
-    x = ops.packed_causal_conv1d(x, mixer.conv1d.weight, conv_bias, activation="silu", position_ids=pos,
-                                 validate=False)
+    x = ops.packed_causal_conv1d(x, mixer.conv1d.weight.to(x.dtype), _to(conv_bias, x.dtype), activation="silu",
+                                 position_ids=pos, validate=False)
     if attention_mask is not None and attention_mask.dim() == 2:
         x = x * attention_mask[:, None, :].to(x.dtype)
     dt, B, C = torch.split(mixer.x_proj(x.transpose(1, 2)),
@@ -279,7 +283,8 @@ def _mamba2_packed(mixer, hidden_states, pos, attention_mask):
             f"{inner + conv_dim + heads} (gate, conv channels, heads); this Mamba-2 variant is not supported"
         )
     gate, xBC, dt = proj.split([inner, conv_dim, heads], dim=-1)
-    xBC = ops.packed_causal_conv1d(xBC.transpose(1, 2).contiguous(), mixer.conv1d.weight, mixer.conv1d.bias,
+    xBC = xBC.transpose(1, 2).contiguous()
+    xBC = ops.packed_causal_conv1d(xBC, mixer.conv1d.weight.to(xBC.dtype), _to(mixer.conv1d.bias, xBC.dtype),
                                    activation=mixer.activation, position_ids=pos, validate=False)
     if attention_mask is not None and attention_mask.dim() == 2:
         xBC = xBC * attention_mask[:, None, :].to(xBC.dtype)
@@ -344,7 +349,22 @@ def _mamba1_forward(self, base_forward, args, kwargs):
     cache, mask = _split_mixer_args(rest, kwargs)
     if cache is not None:
         raise ValueError("enable_packing: a packed batch reached a mixer together with cache_params")
-    return _mamba1_packed(self, hidden_states, bounds[0], mask)
+    return _outside_cpu_autocast(_mamba1_packed, self, hidden_states, bounds[0], mask)
+
+
+def _outside_cpu_autocast(fn, mixer, hidden_states, pos, mask):
+    """Run a packed mixer path; under CPU (non-CUDA) autocast, with autocast off in the parameters' dtype.
+
+    CPU autocast (Trainer's ``bf16=True`` on a CPU, TRL's default) would hand the packed ops a mix of
+    bfloat16 activations and float32 weights; the ops take one dtype (their CUDA path handles CUDA
+    autocast itself). The mixer then computes in its parameters' dtype and returns that dtype.
+    """
+    dev = hidden_states.device.type
+    if dev == "cuda" or not torch.is_autocast_enabled(dev):
+        return fn(mixer, hidden_states, pos, mask)
+    dtype = mixer.in_proj.weight.dtype
+    with torch.autocast(dev, enabled=False):
+        return fn(mixer, hidden_states.to(dtype), pos, mask)
 
 
 def _mamba2_forward(self, base_forward, args, kwargs):
@@ -359,7 +379,7 @@ def _mamba2_forward(self, base_forward, args, kwargs):
         for k in BOUNDARY_KWARGS:
             kwargs.pop(k, None)
         return base_forward(self, *args, seq_idx=bounds[1].contiguous(), **kwargs)
-    return _mamba2_packed(self, hidden_states, bounds[0], mask)
+    return _outside_cpu_autocast(_mamba2_packed, self, hidden_states, bounds[0], mask)
 
 
 # --------------------------------------------------------------------------------------------------

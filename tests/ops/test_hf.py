@@ -244,6 +244,22 @@ def test_attention_mask_of_ones_changes_nothing(family, seed):
     torch.testing.assert_close(masked, plain, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_autocast_bf16(family):
+    """Trainer's bf16=True on a CPU (TRL's default) runs under CPU autocast: the converted model trains
+    there, still isolating the packed sequences."""
+    model = ops.enable_packing(make_model(family).float())
+    rows = random_rows(random.Random(2), 2, 16)
+    ids, pos = packed_batch(rows, 16, 2)
+
+    def fn(b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(b["input_ids"], position_ids=b["position_ids"]).logits.float()
+
+    report = ops.check_isolation(fn, {"input_ids": ids, "position_ids": pos}, embedding=model.get_input_embeddings())
+    assert report.ok, report
+
+
 def test_errors_are_clear():
     model = make_model("mamba")
     ops.enable_packing(model)
