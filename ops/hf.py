@@ -471,13 +471,14 @@ def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool =
             detail.append("SSM layers of another class: " + ", ".join(ssm[:8]) + (" ..." if len(ssm) > 8 else ""))
         if attn:
             detail.append("attention layers: " + ", ".join(attn[:8]) + (" ..." if len(attn) > 8 else "")
-                          + " (left to transformers' own packed attention, which depends on the configured "
-                            "attn_implementation)")
+                          + " (whether they isolate packed sequences depends on their attn_implementation)")
         raise NotImplementedError(
             f"enable_packing: {type(model).__name__} is not supported: it converts transformers' Mamba, FalconMamba "
             f"and Mamba-2 models (*ForCausalLM / *Model, every layer a MambaMixer / FalconMambaMixer / Mamba2Mixer)"
             + (". Found " + "; ".join(detail) if detail else "")
-            + ". Nothing was changed; run ops.check_isolation to measure what such a model leaks."
+            + ". Nothing was changed. For such a model, transformers' own padding-free path "
+              "(DataCollatorWithFlattening(return_seq_idx=True), attn_implementation='flash_attention_2', mamba-ssm "
+              "kernels on a GPU) is the alternative; measure what it leaks with ops.check_isolation."
         )
     for i, b in enumerate(layers):
         mixer = b.mixer
