@@ -15,7 +15,7 @@ model                                        mixers run on packed rows by
                                              installed); elsewhere ``ops.packed_causal_conv1d`` +
                                              ``ops.packed_selective_scan`` (the SSD recurrence as a
                                              scan with one A per head), because transformers' PyTorch
-                                             path ignores ``seq_idx``
+                                             path cannot use ``seq_idx`` (5.23 refuses it, 5.0 drops it)
 ==========================================  ===========================================================
 
 After conversion::
