@@ -24,7 +24,7 @@ VOCAB = 48
 FAMILIES = ["mamba", "falcon_mamba", "mamba2"]
 
 
-def make_model(family: str, seed: int = 0, n_layers: int = 2):
+def make_model(family: str, seed: int = 0, n_layers: int = 2, gpu_sizes: bool = False):
     torch.manual_seed(seed)
     if family == "mamba":
         cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=n_layers,
@@ -35,8 +35,14 @@ def make_model(family: str, seed: int = 0, n_layers: int = 2):
                                              num_hidden_layers=n_layers, expand=2, conv_kernel=4, time_step_rank=4)
         model = transformers.FalconMambaForCausalLM(cfg)
     else:
-        cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=16, state_size=8, num_hidden_layers=n_layers,
-                                        expand=2, conv_kernel=4, head_dim=8, num_heads=4, n_groups=2, chunk_size=8)
+        if gpu_sizes:  # sizes mamba-ssm's Triton SSD kernels take (dot products of at least 16)
+            cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=64, state_size=16, num_hidden_layers=n_layers,
+                                            expand=2, conv_kernel=4, head_dim=16, num_heads=8, n_groups=2,
+                                            chunk_size=64)
+        else:
+            cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=16, state_size=8,
+                                            num_hidden_layers=n_layers, expand=2, conv_kernel=4, head_dim=8,
+                                            num_heads=4, n_groups=2, chunk_size=8)
         model = transformers.Mamba2ForCausalLM(cfg)
     model = model.double()
     with torch.no_grad():  # move every parameter off its init so each one matters
@@ -297,7 +303,7 @@ def test_import_ops_does_not_import_transformers():
 
 
 def _cuda_model(family, dtype):
-    model = make_model(family).to(device="cuda", dtype=dtype)
+    model = make_model(family, gpu_sizes=True).to(device="cuda", dtype=dtype)
     return model
 
 
