@@ -207,6 +207,9 @@ def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = Tr
             backbone, or any module containing Mamba-1 / Mamba-2 mixers. For the first two, the
             forward gains ``position_ids=`` / ``seq_idx=`` / ``cu_seqlens=``; for other modules
             only the mixers are converted (pass ``position_ids`` or ``seq_idx`` to them yourself).
+            A Hugging Face transformers Mamba / FalconMamba / Mamba-2 model is converted by
+            :func:`ops.hf.enable_packing_hf` (its forward then takes ``position_ids=`` / ``seq_idx=``
+            / ``cu_seq_lens_q=``); hybrid transformers models are refused, naming their layers.
         strict: raise on mixers that are not packing-safe (attention, Mamba-3, unknown classes
             sitting in a ``.mixer`` slot). With ``strict=False`` they keep their computation and
             are handed only the boundary kwargs their forward accepts (so the model runs, and
@@ -232,6 +235,12 @@ def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = Tr
     """
     if isinstance(model, PackedMamba):
         return model
+    from .hf import is_transformers_model  # never imports transformers itself
+
+    if is_transformers_model(model):  # Hugging Face Mamba / FalconMamba / Mamba-2: ops/hf.py
+        from .hf import enable_packing_hf
+
+        return enable_packing_hf(model, strict=strict, validate=validate)
     if is_mamba1_mixer(model):
         raise TypeError(
             "enable_packing converts a model in place and cannot replace the Mamba mixer it was given "

@@ -1,0 +1,510 @@
+"""``enable_packing`` for Hugging Face transformers' Mamba, FalconMamba and Mamba-2 models.
+
+:func:`ops.enable_packing` hands a transformers model here (detected by its class's module, never by
+importing transformers). Supported, transformers >= 5.0 (tested: 5.0.0 and 5.23.0):
+
+==========================================  ===========================================================
+model                                        mixers run on packed rows by
+==========================================  ===========================================================
+``MambaForCausalLM`` / ``MambaModel``        ``ops.packed_mamba_inner_fn`` (our packed conv + scan,
+                                             fused on the GPU, the reference on the CPU)
+``FalconMambaForCausalLM`` / ``...Model``    ``ops.packed_causal_conv1d`` + ``ops.packed_selective_scan``
+                                             (with FalconMamba's RMS norms on B, C and dt between them)
+``Mamba2ForCausalLM`` / ``Mamba2Model``      transformers' own forward given ``seq_idx`` where mamba-ssm's
+                                             kernels serve it (CUDA, mamba-ssm and causal-conv1d
+                                             installed); elsewhere ``ops.packed_causal_conv1d`` +
+                                             ``ops.packed_selective_scan`` (the SSD recurrence as a
+                                             scan with one A per head), because transformers' PyTorch
+                                             path cannot use ``seq_idx`` (5.23 refuses it, 5.0 drops it)
+==========================================  ===========================================================
+
+After conversion::
+
+    model(input_ids, position_ids=batch["position_ids"], labels=batch["labels"])   # or seq_idx=...,
+                                                                                    # or cu_seq_lens_q=...
+
+Why the model level: transformers' ``MambaForCausalLM.forward`` passes none of these keyword
+arguments to its backbone (they end in the loss function), and ``MambaModel`` passes none to its
+blocks, so a mixer never sees them. The converted model (or backbone) takes them out of ``**kwargs``,
+resolves them once per batch into ``(position_ids, seq_idx)``, and each converted block hands them
+to its mixer. The block receives them as a keyword argument of its own call, so gradient
+checkpointing (which replays a block's forward with the keyword arguments it was first given)
+recomputes with the same boundaries::
+
+    MambaForCausalLM.forward(input_ids, position_ids=...)       pops + resolves the boundaries once
+      MambaModel.forward(...)                                    (unchanged)
+        MambaBlock.__call__  -> forward(..., packloader_boundaries=(pos, seq))   [checkpointed here]
+          mixer._packloader_boundaries = (pos, seq) while the block runs
+          MambaMixer.forward(hidden_states, ...)                 packed path
+
+Without boundaries the converted model runs transformers' own code, unchanged; generation
+(``cache_params``) too. Conversion swaps classes only: parameters, ``state_dict`` keys and
+checkpoints are untouched. Hybrid models (Jamba, Bamba, Zamba2, FalconH1, NemotronH,
+GraniteMoeHybrid...) are refused with the layers named: their SSM mixers are other classes and
+their attention layers would need transformers' own packed attention.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .boundaries import cu_seqlens_to_position_ids, position_ids_to_seq_idx, resolve_position_ids
+
+__all__ = ["is_transformers_model", "enable_packing_hf", "BOUNDARY_KWARGS"]
+
+# keyword arguments that carry (or describe) packed boundaries in transformers' padding-free path and
+# in packloader's batches; the converted model consumes all of them
+BOUNDARY_KWARGS = ("position_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens",
+                   "max_length_q", "max_length_k", "max_seqlen")
+
+_MAMBA1_MIXERS = ("MambaMixer", "FalconMambaMixer")
+_MAMBA2_MIXERS = ("Mamba2Mixer",)
+_MAMBA1_ATTRS = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj")
+_MAMBA2_ATTRS = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "num_heads", "head_dim",
+                 "n_groups", "ssm_state_size", "intermediate_size", "conv_dim")
+
+
+def _from_transformers(cls: type) -> bool:
+    return (cls.__module__ or "").split(".")[0] == "transformers"
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """True when ``model``'s class (or a base class) comes from transformers (no import of it)."""
+    if "transformers" not in sys.modules:
+        return False
+    return any(_from_transformers(c) for c in type(model).__mro__)
+
+
+def _hf_names(m: nn.Module) -> set:
+    return {c.__name__ for c in type(m).__mro__ if _from_transformers(c)}
+
+
+def _mixer_kind(m: nn.Module) -> Optional[str]:
+    names = _hf_names(m)
+    if names & set(_MAMBA1_MIXERS) and all(hasattr(m, a) for a in _MAMBA1_ATTRS):
+        return "mamba1"
+    if names & set(_MAMBA2_MIXERS) and all(hasattr(m, a) for a in _MAMBA2_ATTRS):
+        return "mamba2"
+    return None
+
+
+def _looks_like_ssm(m: nn.Module) -> bool:
+    return isinstance(m, nn.Module) and hasattr(m, "A_log") and any(_from_transformers(c) for c in type(m).__mro__)
+
+
+def _looks_like_attention(m: nn.Module) -> bool:
+    return any(_from_transformers(c) and c.__name__.endswith("Attention") for c in type(m).__mro__)
+
+
+# --------------------------------------------------------------------------------------------------
+# boundaries: resolved once per batch at the model level
+
+
+class _BoundarySlot:
+    """Shared by a converted model and its blocks: the boundaries of the batch being run."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def __deepcopy__(self, memo):  # a copied model gets its own, empty slot
+        return _BoundarySlot()
+
+
+def _batch_shape(args, kwargs) -> Tuple[int, int, torch.device]:
+    x = kwargs.get("input_ids", args[0] if args else None)
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+    if x is None:
+        raise ValueError("enable_packing: packed boundaries need input_ids or inputs_embeds")
+    return int(x.shape[0]), int(x.shape[1]), x.device
+
+
+def _resolve(kwargs: dict, batch: int, seqlen: int, device, validate: bool, need_seq_idx: bool = True):
+    """Pop every boundary kwarg; return int32 ``(position_ids, seq_idx)`` (``seq_idx`` None unless
+    ``need_seq_idx``: only Mamba-2 mixers read it), or None when none was given."""
+    given = {k: kwargs.pop(k) for k in BOUNDARY_KWARGS if k in kwargs}
+    pos, seq = given.get("position_ids"), given.get("seq_idx")
+    cu = given.get("cu_seq_lens_q", given.get("cu_seqlens"))
+    if cu is None:
+        cu = given.get("cu_seq_lens_k")
+    if pos is None and seq is None and cu is None:
+        return None
+    if pos is None and seq is None:
+        pos = cu_seqlens_to_position_ids(cu.to(device), shape=(batch, seqlen))
+    pos = resolve_position_ids(pos, seq, batch, seqlen, device=device, validate=validate)
+    return pos, (position_ids_to_seq_idx(pos) if need_seq_idx else None)
+
+
+def _model_forward(self, base_forward, args, kwargs):
+    """Forward of a converted ``*ForCausalLM`` / ``*Model``."""
+    if all(kwargs.get(k) is None for k in BOUNDARY_KWARGS):
+        for k in BOUNDARY_KWARGS:  # given as None (generation passes position_ids=None): not boundaries
+            kwargs.pop(k, None)
+        return base_forward(self, *args, **kwargs)
+    batch, seqlen, device = _batch_shape(args, kwargs)
+    bounds = _resolve(kwargs, batch, seqlen, device, getattr(self, "_packloader_validate", True),
+                      getattr(self, "_packloader_need_seq_idx", True))
+    if bounds is None:  # only max_length_* given: nothing to isolate
+        return base_forward(self, *args, **kwargs)
+    if kwargs.get("cache_params") is not None or kwargs.get("use_cache"):
+        raise ValueError(
+            "enable_packing: packed boundaries (position_ids / seq_idx / cu_seq_lens_q) cannot be combined with "
+            "cache_params / use_cache=True: a recurrent cache holds one sequence per row. Generate one sequence "
+            "per row, without boundaries."
+        )
+    kwargs["use_cache"] = False  # an eval forward would otherwise build a cache and take the cache path
+    slot: _BoundarySlot = self._packloader_slot
+    outer = slot.value
+    slot.value = bounds
+    try:
+        return base_forward(self, *args, **kwargs)
+    finally:
+        slot.value = outer
+
+
+def _block_call(self, base_call, args, kwargs):
+    bounds = self._packloader_slot.value
+    if bounds is not None:
+        kwargs["packloader_boundaries"] = bounds
+    return base_call(self, *args, **kwargs)
+
+
+def _block_forward(self, base_forward, args, kwargs):
+    bounds = kwargs.pop("packloader_boundaries", None)
+    mixer = self.mixer
+    outer = mixer.__dict__.get("_packloader_boundaries")
+    mixer.__dict__["_packloader_boundaries"] = bounds
+    try:
+        return base_forward(self, *args, **kwargs)
+    finally:
+        mixer.__dict__["_packloader_boundaries"] = outer
+
+
+# --------------------------------------------------------------------------------------------------
+# mixers
+
+
+def _mask(x: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """transformers' zeroing of padding positions ((batch, seqlen) mask), where a mask is given."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return x
+    return (x * attention_mask[:, :, None]).to(x.dtype)
+
+
+def _to(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(dtype)
+
+
+def _falcon_norms(mixer) -> Optional[str]:
+    """How a FalconMamba mixer normalises dt, B and C: ``"modules"``, ``"eps"`` or None (plain Mamba)."""
+    if all(hasattr(mixer, n) for n in ("b_layernorm", "c_layernorm", "dt_layernorm")):
+        return "modules"
+    if "FalconMambaMixer" in _hf_names(mixer):
+        if hasattr(mixer, "rms_eps"):
+            return "eps"
+        raise NotImplementedError(
+            f"enable_packing: this transformers version's {type(mixer).__name__} normalises dt, B and C in a way "
+            "packloader does not know (no *_layernorm modules, no rms_eps)"
+        )
+    return None
+
+
+def _weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _mamba1_packed(mixer, hidden_states, pos, attention_mask):
+    """Mamba-1 (and FalconMamba) mixer forward on packed rows; (batch, seqlen, d_model) out."""
+    import ops
+
+    dtype = hidden_states.dtype
+    hidden_states = _mask(hidden_states, attention_mask)
+    A = -torch.exp(mixer.A_log.float())
+    conv_bias = mixer.conv1d.bias if getattr(mixer, "use_conv_bias", True) else None
+    has_norms = _falcon_norms(mixer)
+    if not has_norms and attention_mask is None:
+        return ops.packed_mamba_inner_fn(
+            hidden_states, mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, conv_bias,
+            mixer.x_proj.weight, mixer.dt_proj.weight, mixer.out_proj.weight, mixer.out_proj.bias,
+            A, mixer.D.float(), mixer.dt_proj.bias.float(), True, position_ids=pos, validate=False,
+        ).to(dtype)
+    # composed path: FalconMamba's norms on dt, B, C sit between x_proj and the scan (and a padding
+    # mask is applied after the conv, as transformers does)
+    d_inner = mixer.intermediate_size
+    xz = mixer.in_proj(hidden_states)
+    x = xz[..., :d_inner].transpose(1, 2).contiguous()
+    z = xz[..., d_inner:].transpose(1, 2).contiguous()
+    x = ops.packed_causal_conv1d(x, mixer.conv1d.weight.to(x.dtype), _to(conv_bias, x.dtype), activation="silu",
+                                 position_ids=pos, validate=False)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        x = x * attention_mask[:, None, :].to(x.dtype)
+    dt, B, C = torch.split(mixer.x_proj(x.transpose(1, 2)),
+                           [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1)
+    if has_norms == "modules":  # transformers >= 5.1
+        dt, B, C = mixer.dt_layernorm(dt), mixer.b_layernorm(B), mixer.c_layernorm(C)
+    elif has_norms == "eps":  # transformers 5.0: a weightless RMS norm with mixer.rms_eps
+        dt, B, C = (_weightless_rms(t, mixer.rms_eps) for t in (dt, B, C))
+    delta = torch.matmul(mixer.dt_proj.weight, dt.transpose(1, 2))  # (b, d_inner, l)
+    y = ops.packed_selective_scan(
+        x, delta, A, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(), D=mixer.D.float(), z=z,
+        delta_bias=mixer.dt_proj.bias.float(), delta_softplus=True, position_ids=pos, validate=False,
+    )
+    return mixer.out_proj(y.transpose(1, 2).to(dtype))
+
+
+def _mamba2_packed(mixer, hidden_states, pos, attention_mask):
+    """Mamba-2 mixer forward on packed rows through the packed conv and scan (any device).
+
+    The SSD recurrence of head ``h`` is a selective scan whose channels ``h*head_dim .. +head_dim``
+    share one time step ``dt[h]`` and one decay ``A[h]`` (broadcast over the state), with B and C
+    grouped as transformers groups them (head ``h`` reads group ``h // (num_heads / n_groups)``).
+    """
+    import ops
+
+    batch, seqlen, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    hidden_states = _mask(hidden_states, attention_mask)
+    proj = mixer.in_proj(hidden_states)
+    inner, conv_dim, heads, hd = mixer.intermediate_size, mixer.conv_dim, mixer.num_heads, mixer.head_dim
+    groups, dstate = mixer.n_groups, mixer.ssm_state_size
+    extra = proj.shape[-1] - (inner + conv_dim + heads)
+    if extra != 0:
+        raise NotImplementedError(
+            f"enable_packing: {type(mixer).__name__}.in_proj gives {proj.shape[-1]} features, expected "
+            f"{inner + conv_dim + heads} (gate, conv channels, heads); this Mamba-2 variant is not supported"
+        )
+    gate, xBC, dt = proj.split([inner, conv_dim, heads], dim=-1)
+    xBC = xBC.transpose(1, 2).contiguous()
+    xBC = ops.packed_causal_conv1d(xBC, mixer.conv1d.weight.to(xBC.dtype), _to(mixer.conv1d.bias, xBC.dtype),
+                                   activation=mixer.activation, position_ids=pos, validate=False)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        xBC = xBC * attention_mask[:, None, :].to(xBC.dtype)
+    x, B, C = torch.split(xBC, [inner, groups * dstate, groups * dstate], dim=1)
+    lo, hi = mixer.time_step_limit
+    delta = F.softplus(dt.to(torch.promote_types(dt.dtype, torch.float32)) + mixer.dt_bias.float())
+    if lo > 0.0 or hi != float("inf"):
+        delta = delta.clamp(min=lo, max=hi)
+    delta = delta.transpose(1, 2).repeat_interleave(hd, dim=1)  # (b, heads*hd, l)
+    A = (-torch.exp(mixer.A_log.float())).repeat_interleave(hd)[:, None].expand(heads * hd, dstate)
+    D = mixer.D.float().repeat_interleave(hd)
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32  # transformers scans in fp32 at least
+    y = ops.packed_selective_scan(
+        x.to(cdt).contiguous(), delta.to(cdt).contiguous(), A.to(cdt).contiguous(),
+        B.to(cdt).reshape(batch, groups, dstate, seqlen).contiguous(),
+        C.to(cdt).reshape(batch, groups, dstate, seqlen).contiguous(),
+        D=D.to(cdt), position_ids=pos, validate=False,
+    )
+    y = mixer.norm(y.transpose(1, 2), gate)
+    return mixer.out_proj(y.to(dtype))
+
+
+def _hf_mamba2_passes_seq_idx(mixer) -> bool:
+    """Whether this transformers version's Mamba-2 forward hands ``**kwargs`` (``seq_idx``) to its
+    kernels: the kernel-wrapper functions (``mamba2_split_conv1d_scan_combined``, transformers >= 5.x
+    where they exist) do; 5.0's ``cuda_kernels_forward`` passes ``seq_idx=None``."""
+    for c in type(mixer).__mro__:
+        if c.__name__ in _MAMBA2_MIXERS and _from_transformers(c):
+            mod = sys.modules.get(c.__module__)
+            try:
+                takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                   for p in inspect.signature(c.forward).parameters.values())
+            except (TypeError, ValueError):
+                takes_kwargs = False
+            return takes_kwargs and hasattr(mod, "mamba2_split_conv1d_scan_combined")
+    return False
+
+
+def _mamba2_kernels_serve(mixer, hidden_states: torch.Tensor) -> bool:
+    """transformers' Mamba-2 forward honours ``seq_idx`` only through mamba-ssm's / causal-conv1d's
+    kernels (its PyTorch path ignores it), and only in versions that pass it on."""
+    return (hidden_states.is_cuda and importlib.util.find_spec("mamba_ssm") is not None
+            and importlib.util.find_spec("causal_conv1d") is not None and _hf_mamba2_passes_seq_idx(mixer))
+
+
+def _split_mixer_args(args, kwargs):
+    """(cache_params, attention_mask) from a transformers mixer call, whatever the version's order."""
+    cache = kwargs.get("cache_params", args[0] if args else None)
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        for a in args[1:]:
+            if isinstance(a, torch.Tensor) and a.dim() == 2:
+                mask = a
+    return cache, mask
+
+
+def _mamba1_forward(self, base_forward, args, kwargs):
+    bounds = self.__dict__.get("_packloader_boundaries")
+    hidden_states, rest = args[0], args[1:]
+    if bounds is None:
+        return base_forward(self, *args, **kwargs)
+    cache, mask = _split_mixer_args(rest, kwargs)
+    if cache is not None:
+        raise ValueError("enable_packing: a packed batch reached a mixer together with cache_params")
+    return _outside_cpu_autocast(_mamba1_packed, self, hidden_states, bounds[0], mask)
+
+
+def _outside_cpu_autocast(fn, mixer, hidden_states, pos, mask):
+    """Run a packed mixer path; under CPU (non-CUDA) autocast, with autocast off in the parameters' dtype.
+
+    CPU autocast (Trainer's ``bf16=True`` on a CPU, TRL's default) would hand the packed ops a mix of
+    bfloat16 activations and float32 weights; the ops take one dtype (their CUDA path handles CUDA
+    autocast itself). The mixer then computes in its parameters' dtype and returns that dtype.
+    """
+    dev = hidden_states.device.type
+    if dev == "cuda" or not torch.is_autocast_enabled(dev):
+        return fn(mixer, hidden_states, pos, mask)
+    dtype = mixer.in_proj.weight.dtype
+    with torch.autocast(dev, enabled=False):
+        return fn(mixer, hidden_states.to(dtype), pos, mask)
+
+
+def _mamba2_forward(self, base_forward, args, kwargs):
+    bounds = self.__dict__.get("_packloader_boundaries")
+    hidden_states, rest = args[0], args[1:]
+    if bounds is None:
+        return base_forward(self, *args, **kwargs)
+    cache, mask = _split_mixer_args(rest, kwargs)
+    if cache is not None:
+        raise ValueError("enable_packing: a packed batch reached a mixer together with cache_params")
+    if _mamba2_kernels_serve(self, hidden_states):
+        for k in BOUNDARY_KWARGS:
+            kwargs.pop(k, None)
+        return base_forward(self, *args, seq_idx=bounds[1].contiguous(), **kwargs)
+    return _outside_cpu_autocast(_mamba2_packed, self, hidden_states, bounds[0], mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# class swapping
+
+
+_CLASS_CACHE: Dict[tuple, type] = {}
+
+
+def _wrap(impl, base):
+    def method(self, *args, **kwargs):
+        return impl(self, base, args, kwargs)
+
+    try:  # keep the signature transformers introspects (loss kwargs, generation inputs)
+        method.__signature__ = inspect.signature(base)
+    except (TypeError, ValueError):
+        pass
+    method.__name__ = getattr(base, "__name__", "forward")
+    method.__qualname__ = method.__name__
+    method.__doc__ = getattr(base, "__doc__", None)
+    return method
+
+
+def _swap(m: nn.Module, role: str) -> None:
+    cls = type(m)
+    if getattr(cls, "_packloader_packed", False):
+        return
+    key = (cls, role)
+    new = _CLASS_CACHE.get(key)
+    if new is None:
+        attrs = {"_packloader_packed": True, "__module__": __name__}
+        if role == "model":
+            attrs["forward"] = _wrap(_model_forward, cls.forward)
+        elif role == "block":
+            attrs["forward"] = _wrap(_block_forward, cls.forward)
+            attrs["__call__"] = _wrap(_block_call, cls.__call__)
+        elif role == "mamba1":
+            attrs["forward"] = _wrap(_mamba1_forward, cls.forward)
+        elif role == "mamba2":
+            attrs["forward"] = _wrap(_mamba2_forward, cls.forward)
+        new = type(f"Packed{cls.__name__}", (cls,), attrs)
+        _CLASS_CACHE[key] = new
+    m.__class__ = new
+
+
+def _backbone_of(model: nn.Module) -> Optional[nn.Module]:
+    """The ``*Model`` holding ``layers`` (each with a ``mixer``): the model itself or its ``backbone``."""
+    for cand in (model, getattr(model, "backbone", None)):
+        layers = getattr(cand, "layers", None) if cand is not None else None
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0 and all(hasattr(b, "mixer") for b in layers):
+            return cand
+    return None
+
+
+def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool = True) -> nn.Module:
+    """Convert a transformers Mamba / FalconMamba / Mamba-2 model in place (see the module docstring).
+
+    Args:
+        model: ``MambaForCausalLM``, ``MambaModel``, ``FalconMambaForCausalLM``, ``FalconMambaModel``,
+            ``Mamba2ForCausalLM`` or ``Mamba2Model`` (or subclasses).
+        strict: a transformers model with layers this cannot protect (hybrid SSM / attention
+            models) is refused either way; ``strict`` is accepted for the same signature as
+            :func:`ops.enable_packing`.
+        validate: check the boundaries once per batch (one host sync).
+
+    Returns:
+        ``model``, converted: ``model(input_ids, position_ids=...)`` (or ``seq_idx=`` /
+        ``cu_seq_lens_q=``) isolates the packed sequences; the record of what was converted is
+        ``model._packloader_conversion``.
+
+    Raises:
+        NotImplementedError: an unsupported transformers model, naming its SSM and attention layers.
+    """
+    version = getattr(sys.modules.get("transformers"), "__version__", "0")
+    if int(version.split(".")[0]) < 5:
+        raise NotImplementedError(
+            f"enable_packing: transformers {version} is too old; packing Hugging Face Mamba models needs "
+            "transformers >= 5.0 (tested with 5.0.0 and 5.23.0)"
+        )
+    backbone = _backbone_of(model)
+    layers = list(backbone.layers) if backbone is not None else []
+    kinds = [_mixer_kind(b.mixer) for b in layers]
+    if backbone is None or any(k is None for k in kinds):
+        ssm = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+               if _looks_like_ssm(m) and _mixer_kind(m) is None]
+        attn = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if _looks_like_attention(m)]
+        detail = []
+        if ssm:
+            detail.append("SSM layers of another class: " + ", ".join(ssm[:8]) + (" ..." if len(ssm) > 8 else ""))
+        if attn:
+            detail.append("attention layers: " + ", ".join(attn[:8]) + (" ..." if len(attn) > 8 else "")
+                          + " (whether they isolate packed sequences depends on their attn_implementation)")
+        raise NotImplementedError(
+            f"enable_packing: {type(model).__name__} is not supported: it converts transformers' Mamba, FalconMamba "
+            f"and Mamba-2 models (*ForCausalLM / *Model, every layer a MambaMixer / FalconMambaMixer / Mamba2Mixer)"
+            + (". Found " + "; ".join(detail) if detail else "")
+            + ". Nothing was changed. For such a model, transformers' own padding-free path "
+              "(DataCollatorWithFlattening(return_seq_idx=True), attn_implementation='flash_attention_2', mamba-ssm "
+              "kernels on a GPU) is the alternative; measure what it leaks with ops.check_isolation."
+        )
+    for i, b in enumerate(layers):
+        mixer = b.mixer
+        if kinds[i] == "mamba1":
+            _falcon_norms(mixer)  # raises for an unknown FalconMamba variant
+        act = getattr(mixer, "activation", "silu")
+        if act not in ("silu", "swish"):
+            raise NotImplementedError(
+                f"enable_packing: layer {i} ({type(mixer).__name__}) uses activation {act!r}; the packed conv "
+                "supports silu only. Nothing was changed."
+            )
+    slot = _BoundarySlot()
+    tops = [model] if backbone is model else [model, backbone]
+    for top in tops:
+        _swap(top, "model")
+        top.__dict__["_packloader_slot"] = slot
+        top.__dict__["_packloader_validate"] = validate
+    mamba1: List[str] = []
+    mamba2: List[str] = []
+    prefix = "" if backbone is model else next(n for n, m in model.named_children() if m is backbone) + "."
+    for i, (b, kind) in enumerate(zip(layers, kinds)):
+        _swap(b, "block")
+        b.__dict__["_packloader_slot"] = slot
+        _swap(b.mixer, kind)
+        (mamba1 if kind == "mamba1" else mamba2).append(f"{prefix}layers.{i}.mixer")
+    for top in tops:
+        top.__dict__["_packloader_need_seq_idx"] = bool(mamba2)
+    model.__dict__["_packloader_conversion"] = {"mamba1": mamba1, "mamba2": mamba2, "left_unsafe": []}
+    return model
