@@ -64,8 +64,9 @@ class PackedMambaInnerFn(torch.autograd.Function):
         delta_softplus,
         checkpoint_lvl,
     ):
-        if torch.is_autocast_enabled("cuda") and hidden_states.is_cuda:
-            dt_ = torch.get_autocast_dtype("cuda")
+        dev = hidden_states.device.type
+        if torch.is_autocast_enabled(dev):   # CUDA autocast (training) and CPU autocast alike: one compute dtype
+            dt_ = torch.get_autocast_dtype(dev)
             cast = lambda t: None if t is None else t.to(dt_)  # noqa: E731
             hidden_states, in_proj_weight, in_proj_bias = cast(hidden_states), cast(in_proj_weight), cast(in_proj_bias)
             x_proj_weight, delta_proj_weight = cast(x_proj_weight), cast(delta_proj_weight)

@@ -281,3 +281,23 @@ def test_low_precision_module_on_cpu(seed, dtype):
         got = layer(h.to(dtype), position_ids=pos)
         assert got.dtype == dtype
         assert ((got.double() - want).norm() / want.norm()).item() <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_packed_mamba_under_cpu_autocast_matches_float32():
+    # CPU autocast (Trainer's bf16=True on a CPU, TRL's default) casts the fused mixer's matmuls to bf16 like CUDA
+    # autocast does: the result is within bf16 rounding of float32, and every parameter gets a float32 gradient
+    import ops
+
+    torch.manual_seed(torch.seed() % 2**31)
+    m = ops.PackedMamba(d_model=32)
+    h = torch.randn(2, 24, 32)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1, 2, 3, 4]] * 2)
+    ref = m(h, position_ids=pos)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(h, position_ids=pos)
+    assert y.dtype == torch.bfloat16
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, err
+    y.float().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype and torch.isfinite(p.grad).all(), name
