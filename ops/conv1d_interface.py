@@ -97,7 +97,7 @@ def causal_conv1d_ref(
         out = out + w[:, width - 1 - k, None] * shifted
     if activation == "silu":
         out = F.silu(out)
-    return _same_layout(out.to(x.dtype), x)
+    return _zero_padding(_same_layout(out.to(x.dtype), x), seq_idx)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -306,8 +306,14 @@ def packed_causal_conv1d(
         activation: None, ``"silu"`` or ``"swish"`` (= silu), applied after the bias.
         position_ids: (batch, seqlen) integer ids restarting at 0 at every sequence start. Tap ``k``
             at time ``t`` is used only where ``position_ids[t] >= k``.
-        seq_idx: (batch, seqlen) segment numbers, the alternative to ``position_ids``. With neither,
-            each row is one sequence (plain causal conv).
+        seq_idx: (batch, seqlen) segment numbers, the alternative to ``position_ids``: a new sequence starts
+            wherever the number changes. As in causal-conv1d, a negative ``seq_idx`` marks padding, whose output
+            is 0 (and its gradient too)::
+
+                seq_idx  [ 0  0  0  1  1 -1 -1 ]
+                out      [ o0 o1 o2 o3 o4  0  0 ]
+
+            With neither, each row is one sequence (plain causal conv).
         backend: None (by device) or ``"reference"`` for this call's forward (see
             :func:`ops.packed_selective_scan`; prefer ``with ops.use_backend("reference"):``).
         validate: check the boundaries (one host sync; skipped under ``torch.compile``).
@@ -331,6 +337,16 @@ def packed_causal_conv1d(
         pos = row_positions(batch, seqlen, x.device)
     args = (kernel_layout(x), weight, bias, pos, activation == "silu")
     if backend is None or backend == "auto":
-        return causal_conv1d_fwd(*args)
-    with _backends.use_backend_for_call(backend):
-        return causal_conv1d_fwd(*args)
+        out = causal_conv1d_fwd(*args)
+    else:
+        with _backends.use_backend_for_call(backend):
+            out = causal_conv1d_fwd(*args)
+    return _zero_padding(out, seq_idx)
+
+
+def _zero_padding(out: torch.Tensor, seq_idx: Optional[torch.Tensor]) -> torch.Tensor:
+    """causal-conv1d's rule: tokens whose ``seq_idx`` is negative are padding; their output is 0 (and so is the
+    gradient that reaches x through them). No host sync; out's layout is kept."""
+    if seq_idx is None:
+        return out
+    return torch.where((seq_idx < 0).to(out.device).unsqueeze(1), 0.0, out)   # (where keeps out's layout)

@@ -297,3 +297,29 @@ def test_the_op_refuses_layouts_outside_its_contract():
     x = torch.randn(2, 6, 9)[:, :3]  # neither channel-first contiguous nor dense channel-last
     with pytest.raises(ValueError, match="channel-first contiguous or dense channel-last"):
         torch.ops.packloader.causal_conv1d_fwd(x, torch.randn(3, 4), None, torch.zeros(2, 9, dtype=torch.int32), True)
+
+
+@pytest.mark.parametrize("channel_last", [False, True])
+def test_negative_seq_idx_is_padding_with_zero_output_and_gradient(channel_last):
+    # causal-conv1d's rule (its test_causal_conv1d_varlen_padding): seq_idx == -1 marks padding, output 0 there,
+    # the real sequences exactly as each alone, and no gradient through the padding
+    import ops
+
+    torch.manual_seed(torch.seed() % 2**31)
+    dim, width = 6, 4
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1, -1], [-1, -1, 2, 2, 2, 2, 3, 3, -1]])
+    L = seq_idx.shape[1]
+    x = (torch.randn(2, L, dim).transpose(1, 2) if channel_last else torch.randn(2, dim, L)).double()
+    x.requires_grad_()
+    w = torch.randn(dim, width, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(dim, dtype=torch.float64, requires_grad=True)
+    for fn in (ops.packed_causal_conv1d, ops.causal_conv1d_ref):
+        out = fn(x, w, b, "silu", seq_idx=seq_idx)
+        assert (out[seq_idx[:, None, :].expand_as(out) < 0] == 0).all()
+        assert out.stride() == x.stride() or not channel_last
+        for row, s, e in ((0, 0, 3), (0, 3, 7), (1, 2, 6), (1, 6, 8)):
+            alone = ops.causal_conv1d_ref(x[row:row + 1, :, s:e], w, b, "silu")
+            torch.testing.assert_close(out[row:row + 1, :, s:e], alone, rtol=1e-12, atol=1e-12)
+        (gx,) = torch.autograd.grad(out.sum(), x)
+        pad = seq_idx < 0
+        assert (gx.permute(0, 2, 1)[pad] == 0).all(), "gradient reached x through padding"
