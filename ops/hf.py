@@ -217,6 +217,13 @@ def _falcon_norms(mixer) -> Optional[str]:
     return None
 
 
+def _falcon_fused_training(mixer, hidden_states: torch.Tensor) -> bool:
+    """Whether transformers would run this FalconMamba mixer through mamba-ssm's fused ``mamba_inner_fn``:
+    training, on CUDA, with mamba-ssm and causal-conv1d installed (the packed path runs without a cache)."""
+    return (mixer.training and hidden_states.is_cuda and importlib.util.find_spec("mamba_ssm") is not None
+            and importlib.util.find_spec("causal_conv1d") is not None)
+
+
 def _weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -249,11 +256,24 @@ def _mamba1_packed(mixer, hidden_states, pos, attention_mask):
         x = x * attention_mask[:, None, :].to(x.dtype)
     dt, B, C = torch.split(mixer.x_proj(x.transpose(1, 2)),
                            [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1)
+    # transformers' FalconMamba normalises dt in two places: its PyTorch path before dt_proj (over the rank), its
+    # fused training path (mamba-ssm's mamba_inner_fn, used on CUDA when mamba-ssm is installed) after dt_proj
+    # (over d_inner). The converted mixer computes what the unconverted one computes on the same device.
+    dt_after = bool(has_norms) and _falcon_fused_training(mixer, hidden_states)
     if has_norms == "modules":  # transformers >= 5.1
-        dt, B, C = mixer.dt_layernorm(dt), mixer.b_layernorm(B), mixer.c_layernorm(C)
+        B, C = mixer.b_layernorm(B), mixer.c_layernorm(C)
+        if not dt_after:
+            dt = mixer.dt_layernorm(dt)
     elif has_norms == "eps":  # transformers 5.0: a weightless RMS norm with mixer.rms_eps
-        dt, B, C = (_weightless_rms(t, mixer.rms_eps) for t in (dt, B, C))
+        B, C = (_weightless_rms(t, mixer.rms_eps) for t in (B, C))
+        if not dt_after:
+            dt = _weightless_rms(dt, mixer.rms_eps)
     delta = torch.matmul(mixer.dt_proj.weight, dt.transpose(1, 2))  # (b, d_inner, l)
+    if dt_after:
+        eps = mixer.rms_eps if hasattr(mixer, "rms_eps") else mixer.dt_layernorm.eps
+        delta = _weightless_rms(delta.transpose(1, 2), eps).transpose(1, 2)
+        if has_norms == "modules":
+            delta = delta * mixer.dt_layernorm.weight.to(delta.dtype)[:, None]
     y = ops.packed_selective_scan(
         x, delta, A, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(), D=mixer.D.float(), z=z,
         delta_bias=mixer.dt_proj.bias.float(), delta_softplus=True, position_ids=pos, validate=False,

@@ -5,6 +5,7 @@
 # return_last_state values), through tests/ops/upstream_adapter.py. Counts go to OUTDIR/upstream_suites.json.
 #
 #   bash benchmarks/gpu/upstream_suites.sh OUTDIR
+#   BASELINE=1 bash benchmarks/gpu/upstream_suites.sh OUTDIR    # upstream's own kernels on the same (widened) tests
 #
 # Needs causal-conv1d and mamba-ssm importable (benchmarks/gpu/run.sh installs them), causal-conv1d's source archive
 # in .gpu/ and mamba-ssm's test file at .gpu/upstream_tests/test_selective_scan.py (from its public repository,
@@ -29,21 +30,23 @@ head = head.replace('@pytest.mark.parametrize("return_last_state", [True])',
 assert head.count("torch.float16, torch.bfloat16]") >= 1 and "2047" in head and "[False, True])\n# @pytest.mark.parametrize('has_delta_bias'" in head
 open(p, "w").write(head + sep + rest)
 PY
-common="-p tests.ops.upstream_adapter -p no:cacheprovider -q -rs --rootdir=$work -c /dev/null"
+common="-p no:cacheprovider -q -rs --rootdir=$work -c /dev/null"
+tag=""
+if [ "${BASELINE:-0}" = 1 ]; then tag="_baseline"; else common="-p tests.ops.upstream_adapter $common"; fi
 timeout ${SUITE_TIMEOUT:-300} python3 -m pytest $common "$conv_tests" \
-  -k "not update and not get_states and not varlen_states and not varlen_initial_states" > "$out/conv_suite.log" 2>&1
-echo "causal-conv1d suite rc=$?: $(tail -1 "$out/conv_suite.log")"
+  -k "not update and not get_states and not varlen_states and not varlen_initial_states" > "$out/conv_suite$tag.log" 2>&1
+echo "causal-conv1d suite rc=$?: $(tail -1 "$out/conv_suite$tag.log")"
 timeout ${SUITE_TIMEOUT:-300} python3 -m pytest $common "$work/test_selective_scan.py" -k "test_selective_scan" \
-  > "$out/scan_suite.log" 2>&1
-echo "selective-scan suite rc=$?: $(tail -1 "$out/scan_suite.log")"
-python3 - "$out" <<'PY'
+  > "$out/scan_suite$tag.log" 2>&1
+echo "selective-scan suite rc=$?: $(tail -1 "$out/scan_suite$tag.log")"
+python3 - "$out" "$tag" <<'PY'
 import json, re, sys
-out = sys.argv[1]
+out, tag = sys.argv[1], sys.argv[2]
 res = {}
-for name in ("conv_suite", "scan_suite"):
+for name in ("conv_suite" + tag, "scan_suite" + tag):
     last = open(f"{out}/{name}.log").read().strip().splitlines()[-1]
     res[name] = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|xfailed|error|errors|deselected)", last)}
     res[name]["summary"] = last
-json.dump(res, open(f"{out}/upstream_suites.json", "w"), indent=1)
+json.dump(res, open(f"{out}/upstream_suites{tag}.json", "w"), indent=1)
 print(json.dumps(res, indent=1))
 PY
