@@ -453,9 +453,11 @@ def _check_list_type(path, schema: pa.Schema, column: str, *, required: bool, wh
     idx = schema.get_field_index(column)
     if idx < 0:
         if required:
-            raise DataError(
-                f"{what} column {column!r} not found; columns are {schema.names}", path=path
-            )
+            try:
+                names = schema.names
+            except UnicodeDecodeError:
+                names = "not readable (a column name is not valid UTF-8: damaged file?)"
+            raise DataError(f"{what} column {column!r} not found; columns are {names}", path=path)
         return None
     typ = schema.field(idx).type
     if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
@@ -587,12 +589,12 @@ class ArrowShard(Shard):
                 self._check_end_of_stream()
             for i, b in enumerate(self._batches):
                 b.validate(full=True)  # offsets in range and increasing: a damaged file is refused
-        except (pa.ArrowException, OSError) as e:
-            self._source.close()
-            raise DataError(f"corrupt or unreadable Arrow IPC file: {e}", path=self.path) from None
         except DataError:
             self._source.close()
             raise
+        except (pa.ArrowException, OSError, ValueError) as e:  # (a damaged name: UnicodeDecodeError)
+            self._source.close()
+            raise DataError(f"corrupt or unreadable Arrow IPC file: {type(e).__name__}: {e}", path=self.path) from None
         self.schema = schema
         self._tok_idx = _check_list_type(self.path, schema, token_column, required=True, what="token")
         self._lab_idx = (
@@ -694,10 +696,11 @@ class ParquetShard(Shard):
         self.labels_column = labels_column
         self.batch_rows = int(batch_rows)
         try:
-            self._pf = pq.ParquetFile(self.path, memory_map=True)
+            # page checksums (CRC32), where the writer stored them, are verified on every read
+            self._pf = pq.ParquetFile(self.path, memory_map=True, page_checksum_verification=True)
             schema = self._pf.schema_arrow
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"corrupt or unreadable Parquet file: {e}", path=self.path) from None
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise DataError(f"corrupt or unreadable Parquet file: {type(e).__name__}: {e}", path=self.path) from None
         self.schema = schema
         _check_list_type(self.path, schema, token_column, required=True, what="token")
         lab = None if labels_column is None else _check_list_type(
@@ -722,8 +725,10 @@ class ParquetShard(Shard):
                         _list_arrays(self.path, arr, self.token_column, row, allow_negative=True)
                     parts.append(np.diff(arr.offsets.to_numpy()).astype(np.int64, copy=False))
                     row += rb.num_rows
-            except (pa.ArrowException, OSError) as e:
-                raise DataError(f"corrupt Parquet data: {e}", path=self.path, row=row) from None
+            except DataError:
+                raise
+            except (pa.ArrowException, OSError, ValueError) as e:
+                raise DataError(f"corrupt Parquet data: {type(e).__name__}: {e}", path=self.path, row=row) from None
             self._lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         return self._lengths
 
@@ -755,8 +760,10 @@ class ParquetShard(Shard):
                     labels = _labels_arrays(self.path, rb.column(1), self.labels_column, row, offsets)
                 yield self._check_vocab(SequenceBatch(row, offsets, tokens, labels))
                 row += rb.num_rows
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"corrupt Parquet data: {e}", path=self.path, row=row) from None
+        except DataError:
+            raise
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise DataError(f"corrupt Parquet data: {type(e).__name__}: {e}", path=self.path, row=row) from None
 
     def close(self) -> None:
         try:
@@ -949,6 +956,8 @@ class TarShard(Shard):
             raise DataError("0-byte file: not a tar archive (an empty archive is two 512-byte zero blocks)",
                             path=path)
         pos, sizes, flags, err, err_at = _walk_tar(buf)
+        if not err and buf[err_at:].any():  # only zeros may follow the end-of-archive block
+            err = 6
         m = len(pos)
         if m and not err:  # the common case in one vectorised pass (packloader._tarindex), else member by member
             from packloader._tarindex import index_common_case
@@ -960,6 +969,10 @@ class TarShard(Shard):
         names = buf[pos[:, None] + np.arange(100)].view("S100").ravel().tolist() if m else []
         if err:
             prev = names[-1].decode("utf-8", "replace") if names else None
+            if err == 6:
+                raise DataError(
+                    f"corrupt tar: non-zero bytes after the end-of-archive (zero) block at byte {err_at}: a "
+                    f"damaged member header? (last member before it: {prev!r})", path=path, member=prev)
             if err == 5:
                 raise DataError(
                     "truncated tar: no end-of-archive block (a tar ends with two 512-byte zero blocks); the file "
@@ -1126,10 +1139,10 @@ class TarShard(Shard):
                             member=member, row=row)
         n = int(np.prod(dims)) if dims else 1
         off = hstart + hlen
-        if off + n * dtype.itemsize > data + msize:
+        if off + n * dtype.itemsize != data + msize:  # a damaged shape must not drop or invent tokens
             raise DataError(
-                f"member is truncated: shape {tuple(dims)} needs {n * dtype.itemsize} bytes, "
-                f"{data + msize - off} present",
+                f"member {'is truncated' if off + n * dtype.itemsize > data + msize else 'has extra bytes'}: "
+                f"shape {tuple(dims)} needs {n * dtype.itemsize} bytes, {data + msize - off} present",
                 path=path, member=member, row=row,
             )
         return off, n, dtype.str
