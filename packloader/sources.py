@@ -1121,10 +1121,10 @@ class TarShard(Shard):
         s = _NPY_SHAPE.search(header)
         if d is None or s is None or hstart + hlen > data + msize:
             raise DataError("member has a corrupt .npy header", path=path, member=member, row=row)
-        descr = d.group(1).decode()
+        descr = d.group(1).decode("latin-1")
         try:
             dtype = np.dtype(descr)
-        except TypeError:
+        except (TypeError, ValueError):
             raise DataError(f"member has an unknown dtype {descr!r}", path=path, member=member, row=row) from None
         if dtype.kind not in "iu":
             raise DataError(

@@ -13,7 +13,8 @@ and for a *corruption* of the payload of a format that carries no checksum of it
 tar), a third outcome is possible and counted, not hidden:
 
 * **changed**: the same number of sequences is read but some values differ (a flipped token id; the
-  format cannot tell). Truncations must never end here, and nothing may be read *silently shorter or
+  format cannot tell), or **changed-lengths**: the same number of sequences with other boundaries (a
+  flipped list offset that stays in range). Truncations must never end here, and nothing may be read *silently shorter or
   longer* (a lost or invented sequence) from a truncated file.
 
 Parquet is written with page checksums (as ``packloader prepare`` writes it) and verified on read.
@@ -91,14 +92,17 @@ def classify(fmt: str, data: bytes, name: str) -> str:
         np.array_equal(a, b) for a, b in zip(labs, labels)) and np.array_equal(lengths, [len(s) for s in seqs])
     if exact:
         return "exact"
-    return "changed" if same_count else "lost"
+    if not same_count:
+        return "lost"
+    same_lengths = np.array_equal(lengths, [len(s) for s in seqs])
+    return "changed" if same_lengths else "changed-lengths"
 
 
 def _check(fmt, outcome, kind):
     OUTCOMES[(fmt, kind, outcome)] += 1
     assert outcome != "lost", f"{fmt}: a {kind} read silently with sequences lost or invented"
     if kind == "truncate":
-        assert outcome in ("exact", "error"), f"{fmt}: a truncated file read silently changed"
+        assert outcome in ("exact", "error"), f"{fmt}: a truncated file read silently changed ({outcome})"
     if fmt == "parquet":
         assert outcome in ("exact", "error"), "parquet (page checksums): a corruption read silently changed"
 
