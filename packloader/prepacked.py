@@ -25,7 +25,7 @@ column              type                            meaning
 
 A directory without ``index.json``, or whose ``index.json`` disagrees with the files (a missing file,
 another row count, size or schema), is refused with a :class:`~packloader.errors.DataError`. Each file
-entry of ``index.json`` records ``rows``, ``bytes`` and ``checksum`` (``"blake2b-128:<hex>"`` of the
+entry of ``index.json`` records ``rows``, ``bytes`` and ``checksum`` (``"crc32:<hex>"`` of the
 file, computed when it was written): sizes and row counts are checked on every open, the checksums
 with ``PrepackedDataset(dir, verify=True)`` / ``packloader report DIR --verify``.
 
