@@ -462,7 +462,12 @@ class _LoaderIterator:
                 watch.stop.set()
             shutdown = getattr(self._it, "_shutdown_workers", None)
             if shutdown is not None:
-                shutdown()
+                for _ in range(10):  # torch's SIGCHLD handler may raise while the workers are stopped
+                    try:
+                        shutdown()
+                        break
+                    except RuntimeError:
+                        continue
                 dl = self._loader._dl
                 if getattr(dl, "_iterator", None) is self._it:  # persistent workers: start afresh next time
                     dl._iterator = None

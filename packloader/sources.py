@@ -709,6 +709,9 @@ class ParquetShard(Shard):
         self._columns = [token_column] + ([labels_column] if self.has_labels else [])
         md = self._pf.metadata
         self._groups = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)]).astype(np.int64)
+        if int(self._groups[-1]) != md.num_rows:  # a damaged footer must not hide rows
+            raise DataError(f"corrupt Parquet footer: its row groups hold {int(self._groups[-1])} rows, the file "
+                            f"says {md.num_rows}", path=self.path)
         self._lengths = None
 
     def __len__(self) -> int:
@@ -725,6 +728,9 @@ class ParquetShard(Shard):
                         _list_arrays(self.path, arr, self.token_column, row, allow_negative=True)
                     parts.append(np.diff(arr.offsets.to_numpy()).astype(np.int64, copy=False))
                     row += rb.num_rows
+                if row != len(self):
+                    raise DataError(f"corrupt Parquet file: {row} rows decoded, its footer says {len(self)}",
+                                    path=self.path)
             except DataError:
                 raise
             except (pa.ArrowException, OSError, ValueError) as e:

@@ -2,7 +2,7 @@
 and ``benchmarks/fault_injection.py``).
 
 One trial: start ``python -m packloader.cli pack`` (its own session), SIGKILL it after a random delay in
-``[0, T]`` (``T``: the wall time of an uninterrupted run), then check
+``[0, 0.9 T]`` (``T``: the wall time of an uninterrupted run), then check
 
 1. no process of its session is left (workers, resource tracker) after at most ``ORPHAN_WAIT_S``;
 2. ``mode="repack"`` (the directory held a finished pack with other settings): the directory still
@@ -137,7 +137,7 @@ def trial(sources, work, *, workers: int, mode: str, refs: dict, wall: dict, rng
     if mode == "repack":
         shutil.copytree(refs[cap_old]["__dir__"], out)
     _CURRENT["capacity"] = cap_new
-    delay = rng.uniform(0, wall[workers])
+    delay = rng.uniform(0, 0.9 * wall[workers])  # (most delays inside a run, whose time varies with load)
     proc = subprocess.Popen(pack_cmd(sources, out, workers, cap_new), cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(delay)
