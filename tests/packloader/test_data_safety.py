@@ -134,8 +134,9 @@ def _member_ends(path) -> list[tuple[str, int]]:
 
 
 def test_tar_cut_at_a_member_boundary_is_refused(tmp_path, seed):
-    seqs = random_sequences(10, seed=seed, max_len=200)
+    seqs = random_sequences(10, seed=seed, max_len=90)  # every member 1024 bytes: 5120 = 5 members
     full = write_tar(tmp_path / "full10.tar", seqs, extra=False)
+    assert [e for _, e in _member_ends(full)] == [1024 * (k + 1) for k in range(10)]
     data = open(full, "rb").read()
     assert len(open_shard(full)) == 10
     for name, end in _member_ends(full)[:-1]:
