@@ -490,7 +490,8 @@ def pack_dataset(
         sources: shard paths or patterns (globs, braces ``shard-{000..127}.tar``, directories); see
             :func:`packloader.sources.resolve_sources`.
         out_dir: the output directory (created if needed).
-        capacity: tokens per packed row. Default 4096.
+        capacity: tokens per packed row, at most :data:`packloader.prepacked.MAX_CAPACITY` (2**24).
+            Default 4096.
         algorithm: ``"bfd"`` (default), ``"ffd"``, ``"first_fit"``, ``"next_fit"`` or ``"online"``
             (see :func:`packer_algos.pack`).
         overflow: sequences longer than ``capacity``: ``"error"`` (default; a DataError naming the file
