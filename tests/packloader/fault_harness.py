@@ -161,7 +161,9 @@ def trial(sources, work, *, workers: int, mode: str, refs: dict, wall: dict, rng
             ok, result["problems"] = False, [f"directory does not open after the kill: {e}"]
         if not ok and not result["problems"]:
             result["problems"].append("directory after the kill is neither the old nor the new output")
-    run_pack(sources, out, workers, cap_new)
+    rerun_s = run_pack(sources, out, workers, cap_new)
+    if mode == "fresh" and result["stage"] != "after its index":  # (a full run: keep T near the current load)
+        wall[workers] = 0.5 * (wall[workers] + rerun_s)
     result["problems"] += diff(snapshot(out), {k: v for k, v in refs[cap_new].items() if k != "__dir__"})
     if orphans:
         result["problems"].append(f"{len(orphans)} process(es) of the killed run still alive after {ORPHAN_WAIT_S} s")
