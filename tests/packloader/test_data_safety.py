@@ -403,11 +403,13 @@ def test_pack_arguments(tmp_path, kw, msg):
     (["--workers", "0"], "workers"), (["--workers", "-3"], "workers"), (["--seed", "-1"], "seed"),
     (["--capacity", str(2**70)], "capacity"), (["--capacity", str(2**31 - 1)], "capacity"),
 ])
-def test_pack_cli_arguments(tmp_path, args, msg):
+def test_pack_cli_arguments(tmp_path, capsys, args, msg):
     from packloader.cli import main
 
     p = write_arrow(tmp_path / "a.arrow", random_sequences(5, seed=0, max_len=20))
     assert main(["pack", p, "--out", str(tmp_path / "out"), "-q", *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"{msg} must be" in err and "Traceback" not in err
 
 
 def test_one_rule_for_empty_and_zero_length_shards(tmp_path):
