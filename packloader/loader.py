@@ -452,32 +452,15 @@ class _LoaderIterator:
                 watch.stop.set()
             raise
         except Exception as e:
-            # a worker failed: stop the workers now (the epoch cannot go on). Otherwise the traceback
-            # keeps torch's iterator alive until the cyclic garbage collector runs, and torch's worker
-            # shutdown run from there waits 5 s per worker.
-            transport = isinstance(e, (EOFError, ConnectionError)) or (
-                type(e) is RuntimeError and ("DataLoader worker" in str(e) or "timed out" in str(e)))
-            fault = watch.fault_safely(wait=transport) if watch is not None else None
-            if watch is not None:
-                watch.stop.set()
-            shutdown = getattr(self._it, "_shutdown_workers", None)
-            if shutdown is not None:
-                for _ in range(10):  # torch's SIGCHLD handler may raise while the workers are stopped
-                    try:
-                        shutdown()
-                        break
-                    except RuntimeError:
+            for _ in range(20):
+                try:
+                    self._fail(e, watch)  # always raises
+                except RuntimeError as again:
+                    # torch's SIGCHLD handler raises asynchronously wherever the main thread is when a
+                    # worker dies; here it only repeats what _fail is reporting: do it again
+                    if type(again) is RuntimeError and again is not e and "DataLoader worker" in str(again):
                         continue
-                dl = self._loader._dl
-                if getattr(dl, "_iterator", None) is self._it:  # persistent workers: start afresh next time
-                    dl._iterator = None
-            if fault is not None:
-                worker, pid, sig, what = fault
-                raise WorkerError(
-                    f"PackedDataLoader worker {worker} (pid {pid}) {what}; this iteration cannot go on "
-                    f"({type(e).__name__} in the main process). {self._pos} batch(es) of epoch {self._epoch} "
-                    "were handed out: build a fresh loader with the same settings and load_state_dict("
-                    "state_dict()) to continue exactly.", worker=worker, pid=pid, signal=sig) from None
+                    raise
             raise
         finally:
             if watch is not None:
@@ -488,6 +471,33 @@ class _LoaderIterator:
         if loader._iter_gen == self._gen and loader._epoch == self._epoch:
             loader._consumed = self._pos
         return batch
+
+    def _fail(self, e: Exception, watch) -> None:
+        """After ``next()`` of torch's iterator raised ``e``: stop the workers now (the epoch cannot go on;
+        otherwise the traceback keeps torch's iterator alive until the cyclic garbage collector runs, and
+        torch's worker shutdown run from there waits 5 s per worker), then raise one WorkerError naming
+        a dead or stopped worker, or ``e`` itself."""
+        transport = isinstance(e, (EOFError, ConnectionError)) or (
+            type(e) is RuntimeError and ("DataLoader worker" in str(e) or "timed out" in str(e)))
+        if not hasattr(self, "_fault"):  # (once: a retry must not see the workers the shutdown ended)
+            self._fault = watch.fault_safely(wait=transport) if watch is not None else None
+        fault = self._fault
+        if watch is not None:
+            watch.stop.set()
+        shutdown = getattr(self._it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+            dl = self._loader._dl
+            if getattr(dl, "_iterator", None) is self._it:  # persistent workers: start afresh next time
+                dl._iterator = None
+        if fault is not None:
+            worker, pid, sig, what = fault
+            raise WorkerError(
+                f"PackedDataLoader worker {worker} (pid {pid}) {what}; this iteration cannot go on "
+                f"({type(e).__name__} in the main process). {self._pos} batch(es) of epoch {self._epoch} "
+                "were handed out: build a fresh loader with the same settings and load_state_dict("
+                "state_dict()) to continue exactly.", worker=worker, pid=pid, signal=sig) from None
+        raise e
 
 
 def _proc_state(pid: int) -> str | None:
@@ -546,21 +556,21 @@ class _WorkerWatch:
         self._kill_stopped()
         deadline = time.monotonic() + (2.0 if wait else 0.0)
         while True:
-            for i, w in enumerate(self.workers):
-                if i in self.stopped:
-                    return (i, self.stopped[i], "SIGSTOP",
-                            f"was stopped (SIGSTOP) and sent nothing for {self.timeout:g} s (timeout); it was killed")
-                code = w.exitcode  # any exit before the iterator ends is unexpected
-                if code is not None:
-                    if code < 0:
-                        try:
-                            name = signal.Signals(-code).name
-                        except ValueError:
-                            name = f"signal {-code}"
-                        return i, w.pid, name, f"was killed by {name}"
-                    if code == 0:  # observed: a torch worker sent SIGTERM exits with status 0
-                        return i, w.pid, None, "exited unexpectedly with status 0 (as a worker does on SIGTERM)"
-                    return i, w.pid, None, f"exited unexpectedly with status {code}"
+            for i in sorted(self.stopped):
+                return (i, self.stopped[i], "SIGSTOP",
+                        f"was stopped (SIGSTOP) and sent nothing for {self.timeout:g} s (timeout); it was killed")
+            codes = [(i, w.pid, w.exitcode) for i, w in enumerate(self.workers)]
+            # any exit before the iterator ends is unexpected; a signal first, then an error status
+            for i, pid, code in sorted((c for c in codes if c[2] is not None), key=lambda c: (c[2] >= 0, c[2] == 0)):
+                if code < 0:
+                    try:
+                        name = signal.Signals(-code).name
+                    except ValueError:
+                        name = f"signal {-code}"
+                    return i, pid, name, f"was killed by {name}"
+                if code == 0:  # observed: a torch worker sent SIGTERM exits with status 0
+                    return i, pid, None, "exited unexpectedly with status 0 (as a worker does on SIGTERM)"
+                return i, pid, None, f"exited unexpectedly with status {code}"
             if time.monotonic() > deadline:  # not a worker fault (e.g. an error raised in the worker)
                 return None
             time.sleep(0.05)
