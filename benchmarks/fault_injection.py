@@ -14,7 +14,7 @@ Three campaigns, each counted:
 
 Run from the repository root::
 
-    python benchmarks/fault_injection.py                       # the campaign of docs/reliability.md
+    python benchmarks/fault_injection.py --pack-trials 25 --fuzz-cases 1000 --loader-trials 5   # docs/reliability.md
     python benchmarks/fault_injection.py --pack-trials 2 --fuzz-cases 200 --loader-trials 1   # quick
 
 Prints the table and writes ``benchmarks/results/fault_injection.json``.
@@ -159,7 +159,7 @@ def table(pack, fuzz, loader) -> tuple[list[tuple], dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pack-trials", type=int, default=10, help="kills per (workers, mode) case")
+    ap.add_argument("--pack-trials", type=int, default=25, help="kills per (workers, mode) case")
     ap.add_argument("--fuzz-cases", type=int, default=1000, help="truncations and corruptions per format, each")
     ap.add_argument("--loader-trials", type=int, default=5, help="trials per signal")
     ap.add_argument("--seed", type=int, default=0)
