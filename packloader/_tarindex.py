@@ -17,7 +17,8 @@ the same index (checked by ``tests/packloader/test_prepack.py``).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from packloader._numba import njit_cached
 
 __all__ = ["index_common_case", "gather_runs"]
 
@@ -34,7 +35,7 @@ _NPY_BYTES = np.frombuffer(b"npy", np.uint8)
 _SKIP, _TOK, _LAB, _BARE, _OTHER = 0, 1, 2, 3, 4
 
 
-@njit(cache=True, nogil=True)
+@njit_cached(nogil=True)
 def _ext_is(buf, a, n, ext):
     """Whether buf[a:a+n], lower-cased, equals ``ext`` (lower-case bytes)."""
     if n != ext.size:
@@ -48,7 +49,7 @@ def _ext_is(buf, a, n, ext):
     return True
 
 
-@njit(cache=True, nogil=True)
+@njit_cached(nogil=True)
 def _npy_fast(buf, d, size, magic, head1, head2, tail):
     """(data offset, item count, dtype code) of a standard 1-D integer .npy member at ``buf[d:d+size]``,
     or (-1, 0, 0) when its header is not the standard one."""
@@ -103,7 +104,7 @@ def _npy_fast(buf, d, size, magic, head1, head2, tail):
     return off, n, 4 * (k == 117) + lg
 
 
-@njit(cache=True, nogil=True)
+@njit_cached(nogil=True)
 def _scan(buf, pos, sizes, flags, tok_ext, lab_ext, has_lab_ext, magic, head1, head2, tail, npy):
     """Roles, keys and arrays of all members; status 1 when a member is outside the common case."""
     m = pos.size
@@ -248,7 +249,7 @@ def index_common_case(buf, pos, sizes, flags, tok_ext: bytes, lab_ext: bytes | N
     }
 
 
-@njit(cache=True, nogil=True)
+@njit_cached(nogil=True)
 def gather_runs(src, starts, counts, total):
     """Concatenate ``src[starts[i]:starts[i] + counts[i]]`` for all i into a new int32 array of ``total``."""
     out = np.empty(total, np.int32)

@@ -56,7 +56,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit
+
+from packloader._numba import njit_cached
 
 IGNORE_INDEX = -100
 
@@ -75,7 +76,7 @@ BATCH_KEYS: dict[str, tuple[str, str | None]] = {
 }
 
 
-@njit(cache=True, nogil=True)
+@njit_cached(nogil=True)
 def _collate_kernel(input_ids, labels, has_labels, offsets, seq_lens,
                     out_ids, out_labels, out_pos, out_seq, out_cu):
     """One pass over the batch. Returns (n_segments, max_seqlen, num_loss_tokens, bad_row) where

@@ -5,7 +5,7 @@
     packloader prepare gsm8k.jsonl --tokenizer tokenizer.json --fields question,answer --out tok/ \\
         --format arrow --shard-size 2000 --mask-prompt
     packloader pack "tok/shard-*.arrow" --capacity 4096 --algorithm bfd --out packed/
-    packloader report packed/ [--json] [--plot lengths.png]
+    packloader report packed/ [--json] [--plot lengths.png] [--verify]
     packloader demo [--out demo_out]
 
 Bad input stops with ``error: FILE, row R: ...`` and exit status 1; usage errors exit with 2.
@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="labels -100 over all fields but the last (SFT); writes a labels column")
     p.add_argument("--limit", type=int, default=None, help="tokenize only the first N records")
     p.add_argument("--overwrite", action="store_true", help="tokenize again even if up to date")
+    p.add_argument("--allow-nonempty", action="store_true",
+                   help="write into a non-empty directory prepare did not create (its files are left alone)")
     _add_common(p)
 
     p = sub.add_parser("pack", help="pre-pack token shards into fixed-capacity Arrow rows",
@@ -71,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="tie-breaking seed of bfd / ffd")
     p.add_argument("--rows-per-file", type=int, default=None, help="split output files at this many rows")
     p.add_argument("--allow-empty", action="store_true", help="skip empty shards instead of failing")
-    p.add_argument("--workers", type=int, default=1, help="processes packing shards in parallel")
+    p.add_argument("--workers", type=int, default=1, help="processes packing shards in parallel (>= 1)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="fail (naming file and row) on a token id >= this vocabulary size")
+    p.add_argument("--allow-nonempty", action="store_true",
+                   help="write into a non-empty directory pack did not create (its files are left alone)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="PNG", default=None, help="write the length / row-fill plot")
     _add_common(p)
@@ -80,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="a directory written by 'packloader pack'")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="PNG", default=None, help="write the length / row-fill plot")
+    p.add_argument("--verify", action="store_true",
+                   help="also hash every packed file and compare with the checksums in index.json")
 
     p = sub.add_parser("demo", help="tokenize, pack (next_fit and bfd) and report the embedded GSM8K sample")
     p.add_argument("--out", default="demo_out", help="output directory (default: %(default)s)")
@@ -96,7 +104,7 @@ def _cmd_prepare(a) -> int:
     fields = [f.strip() for f in a.fields.split(",") if f.strip()]
     res = prepare_jsonl(a.input, a.out, tokenizer=a.tokenizer, fields=fields, separator=a.separator,
                         eos=not a.no_eos, mask_prompt=a.mask_prompt, format=a.format, shard_size=a.shard_size,
-                        limit=a.limit, quiet=a.quiet, overwrite=a.overwrite)
+                        limit=a.limit, quiet=a.quiet, overwrite=a.overwrite, allow_nonempty=a.allow_nonempty)
     for p in res.paths:
         print(p)
     return 0
@@ -110,7 +118,7 @@ def _cmd_pack(a) -> int:
         token_column=a.token_column, labels_column=None if a.no_labels else a.labels_column,
         global_packing=a.global_packing, max_items_per_bin=a.max_items_per_bin, buffer_size=a.buffer_size,
         seed=a.seed, rows_per_file=a.rows_per_file, allow_empty=a.allow_empty, workers=a.workers,
-        quiet=a.quiet,
+        quiet=a.quiet, allow_nonempty=a.allow_nonempty, vocab_size=a.vocab_size,
     )
     print(report.to_json() if a.json else report)
     if a.plot:
@@ -125,11 +133,13 @@ def _cmd_report(a) -> int:
 
     from packloader.errors import DataError
 
-    with PrepackedDataset(a.dir) as ds:  # validates the directory, not only index.json
+    with PrepackedDataset(a.dir, verify=a.verify) as ds:  # validates the directory, not only index.json
         if not isinstance(ds.index.get("report"), dict):
             raise DataError("index.json holds no packing report", path=a.dir)
         report = ds.report
     print(report.to_json() if a.json else report)
+    if a.verify and not a.json:
+        print(f"verified: {len(ds.file_names)} file(s) match the checksums in index.json")
     if a.plot:
         report.plot(a.plot)
         if not a.json:

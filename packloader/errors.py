@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["DataError"]
+__all__ = ["DataError", "WorkerError"]
 
 
 class DataError(ValueError):
@@ -32,11 +32,13 @@ class DataError(ValueError):
     def __init__(self, message: str, *, path=None, row: int | None = None, member: str | None = None):
         self.reason = message
         self.path = os.fspath(path) if path is not None else None
+        # a file name that is not valid UTF-8 (surrogate escapes) is shown with backslash escapes
+        shown = None if self.path is None else _printable(self.path)
         self.row = None if row is None else int(row)
         self.member = member
         where = []
-        if self.path is not None:
-            where.append(self.path)
+        if shown is not None:
+            where.append(shown)
         if self.member is not None:
             where.append(f"member {self.member!r}")
         if self.row is not None:
@@ -50,3 +52,30 @@ class DataError(ValueError):
 
 def _rebuild(reason, path, row, member):
     return DataError(reason, path=path, row=row, member=member)
+
+
+def _printable(path: str) -> str:
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+class WorkerError(RuntimeError):
+    """A :class:`~packloader.PackedDataLoader` worker process died or stopped answering.
+
+    The message names the worker (its number and pid) and what happened to it (the signal that killed
+    or stopped it, or its exit status). The loader's :meth:`~packloader.PackedDataLoader.state_dict`
+    still counts exactly the batches handed out, so a fresh loader given that state continues exactly.
+
+    Attributes:
+        worker: the worker number (0-based), or None.
+        pid: its process id, or None.
+        signal: the signal name (``"SIGKILL"``, ``"SIGSTOP"``, ...), or None.
+    """
+
+    def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None,
+                 signal: str | None = None):
+        super().__init__(message)
+        self.worker, self.pid, self.signal = worker, pid, signal

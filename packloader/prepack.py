@@ -10,12 +10,20 @@ Stages, each small:
 1. ``resolve_sources`` -> shard paths; a cheap content digest per shard (size, mtime, sampled blake2b).
 2. One *job* per shard (default, restartable, parallel with ``workers``), or one job over all shards
    (``global_packing=True``: rows may mix sequences of different shards).
-3. A job: lengths -> overflow check -> plan -> read tokens -> scatter -> ``part-*.arrow`` files written
-   as ``NAME.tmp-<pid>`` then renamed, then a small state file ``.packloader/job-<hash>.json``.
-4. ``index.json`` is written last (atomically). A re-run with the same inputs and settings finds the
-   index (or the finished jobs' state files) and skips the work; a changed input or setting writes new
-   files (their names carry the job hash) and only then swaps the index and removes the old files, so
-   a failing run never damages a finished directory.
+3. A job: a record ``.packloader/job-<hash>.json`` ("writing") -> lengths -> overflow check -> plan ->
+   read tokens -> scatter -> ``part-*-<hash>.arrow`` files written in ``.packloader/tmp/`` and renamed
+   into place -> each file's checksum -> the record rewritten as "done" with its files.
+4. ``index.json`` is written last (atomically): the commit point. A re-run with the same inputs and
+   settings finds the index (or the finished jobs' records) and skips the work; a changed input or
+   setting writes new files (their names carry the job hash) and only then swaps the index and removes
+   the old files, so a failing run never damages a finished directory.
+
+What ``pack`` may remove (see :mod:`packloader._outdir`): only files it provably wrote, i.e. files listed
+in its own earlier ``index.json`` or named after one of its recorded jobs
+(``part-<digits>-<job hash>.arrow``), and its temp files. It writes only into an empty directory or one it
+owns, unless ``allow_nonempty=True``; even then other files are never overwritten or removed. Every
+cleanup, including the one a killed run missed, runs again on the next run, also when the directory is
+already up to date.
 
 Example::
 
@@ -35,11 +43,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-from numba import njit
 
 from packloader._log import Progress, log
+from packloader._numba import njit_cached
+from packloader._outdir import (STATE_DIR, atomic_path, atomic_write_text, claim_output_dir, file_checksum,
+                                remove_file, remove_stale_temps)
 from packloader.errors import DataError
-from packloader.prepacked import FORMAT, IGNORE_INDEX, INDEX_NAME, VERSION, packed_schema
+from packloader.prepacked import FORMAT, IGNORE_INDEX, INDEX_NAME, VERSION, check_capacity, packed_schema
 from packloader.report import PackingReport
 from packloader.sources import SequenceBatch, open_shard, resolve_sources
 
@@ -47,8 +57,8 @@ __all__ = ["pack_dataset", "scatter_rows", "write_packed_file", "source_digest",
 
 ALGORITHMS = ("ffd", "bfd", "first_fit", "next_fit", "online")
 OVERFLOW = ("error", "split", "truncate", "drop")
-STATE_DIR = ".packloader"
-_PART_RE = re.compile(r"^part-.*\.arrow$")
+#: a job's record in STATE_DIR
+_JOB_RE = re.compile(r"^job-([0-9a-f]{24})\.json$")
 #: bytes of input_ids per Arrow record batch written (labels take as much again)
 RECORD_BATCH_BYTES = 64 << 20
 
@@ -57,7 +67,7 @@ RECORD_BATCH_BYTES = 64 << 20
 # the scatter kernel
 
 
-@njit(cache=True, nogil=True)
+@njit_cached(nogil=True)
 def _scatter_kernel(tokens, labels, has_labels, item_start, bin_offsets, item_ids, starts, lengths,
                     b0, b1, capacity, out_ids, out_lab):
     for r in range(b0, b1):
@@ -120,7 +130,8 @@ def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, sou
                       source_row: np.ndarray, metadata: dict | None = None) -> int:
     """Write rows ``[b0, b1)`` of ``plan`` as one uncompressed Arrow IPC file, atomically.
 
-    The file is written as ``PATH.tmp-<pid>`` and renamed to ``path`` once complete.
+    The file is written as ``DIR/.packloader/tmp/NAME.tmp-<pid>``, flushed to disk and renamed to ``path``
+    once complete (:func:`packloader._outdir.atomic_path`).
 
     Args:
         path: destination.
@@ -140,8 +151,7 @@ def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, sou
         schema = schema.with_metadata({str(k): str(v) for k, v in metadata.items()})
     step = max(1, RECORD_BATCH_BYTES // (4 * cap))
     path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
+    with atomic_path(path, fsync=False) as tmp:  # (its size and checksum in index.json reveal a torn file)
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for r0 in range(b0, b1, step):
                 r1 = min(b1, r0 + step)
@@ -159,11 +169,7 @@ def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, sou
                 ]
                 writer.write_batch(pa.record_batch(cols, schema=schema))
         size = os.path.getsize(tmp)
-        os.replace(tmp, path)
-        return size
-    except BaseException:
-        _remove(tmp)
-        raise
+    return size
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,34 +198,7 @@ def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_atomic_write_text = atomic_write_text
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,9 +219,12 @@ class _Job:
 
 
 def _check_shard(shard, settings, allow_empty: bool) -> np.ndarray:
+    """The shard's lengths, after the checks: one rule for empty shards (no sequence, or only zero-length
+    ones: no token at all) and the overflow policy."""
     lengths = shard.lengths()
-    if len(lengths) == 0 and not allow_empty:
-        raise DataError("empty shard (no sequences); pass allow_empty=True (--allow-empty) to skip it",
+    if not allow_empty and (len(lengths) == 0 or not lengths.any()):
+        what = "no sequences" if len(lengths) == 0 else f"{len(lengths)} sequence(s), all of length 0"
+        raise DataError(f"empty shard ({what}: no tokens); pass allow_empty=True (--allow-empty) to skip it",
                         path=shard.path)
     cap = settings["capacity"]
     if settings["overflow"] == "error" and len(lengths):
@@ -265,8 +247,11 @@ def _run_job(job: _Job) -> dict:
     s = job.settings
     cap = s["capacity"]
     t0 = time.perf_counter()
-    shards = [open_shard(p, s["token_column"], s["labels_column"]) for p in job.paths]
+    _write_record(job, {"job_hash": job.job_hash, "job": job.index, "paths": job.paths, "status": "writing"})
+    shards = []
     try:
+        for p in job.paths:
+            shards.append(open_shard(p, s["token_column"], s["labels_column"], vocab_size=s.get("vocab_size")))
         lengths_list = [_check_shard(sh, s, job.allow_empty) for sh in shards]
         lengths = np.concatenate(lengths_list) if lengths_list else np.zeros(0, np.int64)
         row_base = np.zeros(len(shards) + 1, np.int64)
@@ -300,13 +285,14 @@ def _run_job(job: _Job) -> dict:
                 name = f"{stem}-{job.job_hash[:10]}.arrow"
             else:
                 name = f"{stem}-{k:03d}-{job.job_hash[:10]}.arrow"
+            full = os.path.join(job.out_dir, name)
             size = write_packed_file(
-                os.path.join(job.out_dir, name), batch, plan, r0, r1, source_file=source_file,
+                full, batch, plan, r0, r1, source_file=source_file,
                 source_row=source_row, metadata={"packloader.job_hash": job.job_hash},
             )
             p0, p1 = int(plan.bin_offsets[r0]), int(plan.bin_offsets[r1])
             files.append({"name": name, "rows": r1 - r0, "tokens": int(plan.lengths[p0:p1].sum()),
-                          "bytes": size, "job": job.index})
+                          "bytes": size, "checksum": file_checksum(full), "job": job.index})
         t4 = time.perf_counter()
         lost = int(lengths[plan.dropped_ids].sum()) + int((lengths[plan.truncated_ids] - cap).sum())
         report = PackingReport.from_lengths(
@@ -320,14 +306,23 @@ def _run_job(job: _Job) -> dict:
     finally:
         for sh in shards:
             sh.close()
-    state = {"job_hash": job.job_hash, "job": job.index, "paths": job.paths, "files": files,
+    state = {"job_hash": job.job_hash, "job": job.index, "paths": job.paths, "status": "done", "files": files,
              "report": report.to_dict()}
-    _atomic_write_text(_state_path(job.out_dir, job.job_hash), json.dumps(state))
+    _write_record(job, state)
     return state
+
+
+def _write_record(job: _Job, record: dict) -> None:
+    atomic_write_text(_state_path(job.out_dir, job.job_hash), json.dumps(record))
 
 
 def _state_path(out_dir: str, job_hash: str) -> str:
     return os.path.join(out_dir, STATE_DIR, f"job-{job_hash[:24]}.json")
+
+
+def _job_file_re(job_hash: str) -> re.Pattern:
+    """Names of the files a job writes: ``part-<digits>[-<digits>]-<hash10>.arrow``."""
+    return re.compile(rf"^part-\d+(?:-\d+)?-{re.escape(job_hash[:10])}\.arrow$")
 
 
 def _finished_state(job: _Job) -> dict | None:
@@ -338,7 +333,7 @@ def _finished_state(job: _Job) -> dict | None:
             state = json.load(f)
     except (OSError, ValueError):
         return None
-    if state.get("job_hash") != job.job_hash:
+    if state.get("job_hash") != job.job_hash or state.get("status", "done") != "done":
         return None
     for entry in state.get("files", []):
         p = os.path.join(job.out_dir, entry["name"])
@@ -347,13 +342,21 @@ def _finished_state(job: _Job) -> dict | None:
     return state
 
 
-def _read_existing_index(out_dir: str) -> dict | None:
+def _read_index_raw(out_dir: str) -> dict | None:
+    """``index.json`` of ``out_dir`` when it is a packloader index (files not checked), else None."""
     try:
         with open(os.path.join(out_dir, INDEX_NAME), encoding="utf-8") as f:
             index = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
+    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("files"), list):
+        return None
+    return index
+
+
+def _read_existing_index(out_dir: str) -> dict | None:
+    index = _read_index_raw(out_dir)
+    if index is None or index.get("version") != VERSION:
         return None
     for entry in index.get("files", []):
         p = os.path.join(out_dir, entry.get("name", ""))
@@ -362,26 +365,102 @@ def _read_existing_index(out_dir: str) -> dict | None:
     return index
 
 
-def _cleanup(out_dir: str, keep_files: set, keep_states: set) -> None:
-    """Remove part files and state files not in the new index, and temp files of dead processes."""
-    for name in os.listdir(out_dir):
-        full = os.path.join(out_dir, name)
-        m = re.search(r"\.tmp-(\d+)$", name)
-        if m:
-            if not _pid_alive(int(m.group(1))):
-                _remove(full)
-        elif _PART_RE.match(name) and name not in keep_files:
-            _remove(full)
+def _recorded_jobs(out_dir: str) -> dict:
+    """{record file name: job hash} of the job records in ``out_dir/.packloader``."""
     sdir = os.path.join(out_dir, STATE_DIR)
+    out = {}
     if os.path.isdir(sdir):
         for name in os.listdir(sdir):
-            m = re.search(r"\.tmp-(\d+)$", name)
-            if (m and not _pid_alive(int(m.group(1)))) or (not m and name not in keep_states):
-                _remove(os.path.join(sdir, name))
+            if _JOB_RE.match(name):
+                try:
+                    with open(os.path.join(sdir, name), encoding="utf-8") as f:
+                        h = json.load(f).get("job_hash")
+                except (OSError, ValueError, AttributeError):
+                    h = None
+                out[name] = h if isinstance(h, str) and h.startswith(_JOB_RE.match(name).group(1)) else None
+    return out
+
+
+def _written_by_us(out_dir: str, old_index: dict | None) -> set:
+    """Names of the files in ``out_dir`` that pack provably wrote: listed in its earlier index, or named
+    after one of its recorded jobs."""
+    names = set()
+    if old_index is not None:
+        names.update(e.get("name") for e in old_index.get("files", []) if isinstance(e, dict))
+    pats = [_job_file_re(h) for h in _recorded_jobs(out_dir).values() if h]
+    if pats:
+        for name in os.listdir(out_dir):
+            if any(p.match(name) for p in pats):
+                names.add(name)
+    return {n for n in names if isinstance(n, str) and os.path.basename(n) == n}
+
+
+def _cleanup(out_dir: str, keep_files: set, keep_states: set, old_index: dict | None) -> None:
+    """Remove what an earlier run wrote and the new index does not list: its part files (from the old
+    index or named after a recorded job), then the job records, and temp files of dead processes.
+    Files pack did not write are never touched. Safe to run again after a kill at any point."""
+    for name in sorted(_written_by_us(out_dir, old_index) - keep_files):
+        remove_file(os.path.join(out_dir, name))
+    sdir = os.path.join(out_dir, STATE_DIR)
+    for name in _recorded_jobs(out_dir):
+        if name not in keep_states:
+            remove_file(os.path.join(sdir, name))
+    remove_stale_temps(out_dir)
 
 
 # --------------------------------------------------------------------------------------------------
 # the public function
+
+
+def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
+
+
+def _check_sources_not_outputs(paths, out_dir: str, old_index: dict | None) -> None:
+    """Refuse to read a file this directory's own packing wrote (it would be removed or replaced)."""
+    real_out = os.path.realpath(out_dir)
+    ours = None
+    for p in paths:
+        d = os.path.realpath(os.path.dirname(os.path.abspath(p)))
+        if d == os.path.join(real_out, STATE_DIR) or d.startswith(os.path.join(real_out, STATE_DIR) + os.sep):
+            raise DataError("source lies in the output directory's state folder", path=p)
+        if d == real_out:
+            if ours is None:
+                ours = _written_by_us(out_dir, old_index)
+            if os.path.basename(p) in ours:
+                raise DataError("source is an output of this very pack directory (--out); pack into another "
+                                "directory", path=p)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Worker initializer: exit when the parent process dies (also by SIGKILL), so a killed ``pack``
+    leaves no worker behind. Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``; everywhere: a thread that
+    polls the parent's pid once a second."""
+    import signal
+    import sys
+    import threading
+
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="packloader-parent-watch", daemon=True).start()
 
 
 def pack_dataset(
@@ -402,6 +481,8 @@ def pack_dataset(
     workers: int = 1,
     quiet: bool = False,
     progress: bool | None = None,
+    allow_nonempty: bool = False,
+    vocab_size: int | None = None,
 ) -> PackingReport:
     """Pack token shards into fixed-capacity rows, written as Arrow IPC files plus ``index.json``.
 
@@ -409,7 +490,8 @@ def pack_dataset(
         sources: shard paths or patterns (globs, braces ``shard-{000..127}.tar``, directories); see
             :func:`packloader.sources.resolve_sources`.
         out_dir: the output directory (created if needed).
-        capacity: tokens per packed row. Default 4096.
+        capacity: tokens per packed row, at most :data:`packloader.prepacked.MAX_CAPACITY` (2**24).
+            Default 4096.
         algorithm: ``"bfd"`` (default), ``"ffd"``, ``"first_fit"``, ``"next_fit"`` or ``"online"``
             (see :func:`packer_algos.pack`).
         overflow: sequences longer than ``capacity``: ``"error"`` (default; a DataError naming the file
@@ -424,10 +506,15 @@ def pack_dataset(
         seed: tie-breaking seed for ``"bfd"`` / ``"ffd"``.
         rows_per_file: split a job's rows into files of at most this many rows (default: one file per
             shard; with ``global_packing``, as many files as shards).
-        allow_empty: skip shards without sequences instead of raising.
-        workers: processes packing shards in parallel (per-shard packing only). Default 1.
+        allow_empty: skip shards without tokens (no sequences, or only zero-length ones) instead of
+            raising.
+        workers: processes packing shards in parallel (per-shard packing only; an int >= 1). Default 1.
+            Worker processes die with the calling process (a killed ``pack`` leaves none behind).
         quiet: print nothing.
         progress: True for a tqdm bar, False for log lines, None (default) for a bar on a terminal.
+        allow_nonempty: write into a non-empty directory that ``pack`` did not create (its files are
+            never overwritten or removed). Default False: such a directory is refused.
+        vocab_size: optional; a token id ``>= vocab_size`` is a DataError naming the file and row.
 
     Returns:
         The :class:`~packloader.report.PackingReport` of the whole directory (also stored in
@@ -435,9 +522,11 @@ def pack_dataset(
 
     Raises:
         DataError: bad input (missing column, wrong type, empty shard, corrupt file, negative ids, a
-            sequence longer than ``capacity`` with ``overflow="error"``), naming the file and row. A
-            finished directory in ``out_dir`` is left intact.
-        ValueError: bad settings.
+            sequence longer than ``capacity`` with ``overflow="error"``), naming the file and row; an
+            output directory that is not empty and was not written by ``pack`` (see
+            ``allow_nonempty``); a source that is an output of ``out_dir`` itself. A finished directory
+            in ``out_dir`` is left intact.
+        ValueError: bad settings (naming the argument).
 
     Example::
 
@@ -450,10 +539,13 @@ def pack_dataset(
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     if overflow not in OVERFLOW:
         raise ValueError(f"unknown overflow policy {overflow!r}; choose one of {OVERFLOW}")
-    if not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-    if rows_per_file is not None and rows_per_file < 1:
-        raise ValueError(f"rows_per_file must be >= 1, got {rows_per_file!r}")
+    capacity = check_capacity(capacity)
+    _check_int("rows_per_file", rows_per_file, 1, optional=True)
+    _check_int("workers", workers, 1)
+    _check_int("seed", seed, 0, optional=True)
+    _check_int("max_items_per_bin", max_items_per_bin, 1, optional=True)
+    _check_int("buffer_size", buffer_size, 1, optional=True)
+    _check_int("vocab_size", vocab_size, 1, optional=True)
     paths = resolve_sources(sources)
     out_dir = os.fspath(out_dir)
     settings = {
@@ -462,12 +554,21 @@ def pack_dataset(
         "max_items_per_bin": max_items_per_bin, "buffer_size": buffer_size, "seed": seed,
         "rows_per_file": rows_per_file, "allow_empty": bool(allow_empty), "format_version": VERSION,
     }
+    if vocab_size is not None:  # (absent otherwise: directories packed before keep their content hash)
+        settings["vocab_size"] = int(vocab_size)
     digests = [source_digest(p) for p in paths]
     content_hash = _hash({"settings": settings, "sources": [[os.path.abspath(p), d] for p, d in zip(paths, digests)]})
 
-    os.makedirs(os.path.join(out_dir, STATE_DIR), exist_ok=True)
+    claim_output_dir(out_dir, "pack", allow_nonempty=allow_nonempty, reserved=(INDEX_NAME,))
+    old_index = _read_index_raw(out_dir)
+    _check_sources_not_outputs(paths, out_dir, old_index)
     existing = _read_existing_index(out_dir)
     if existing is not None and existing.get("content_hash") == content_hash and "report" in existing:
+        # an earlier run may have been killed after its index swap, before its cleanup: finish that
+        kept = {e["name"] for e in existing["files"]}
+        kept_states = {os.path.basename(_state_path(out_dir, h)) for h in existing.get("job_hashes", [])}
+        if "job_hashes" in existing:
+            _cleanup(out_dir, kept, kept_states, None)
         log(f"{out_dir}: up to date (same inputs and settings); nothing to do", quiet=quiet)
         report = PackingReport.from_dict(existing["report"])
         report.reused_files = len(existing["files"])
@@ -505,8 +606,8 @@ def pack_dataset(
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor
 
-            with ProcessPoolExecutor(max_workers=min(workers, len(todo)),
-                                     mp_context=mp.get_context("spawn")) as ex:
+            with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=mp.get_context("spawn"),
+                                     initializer=_die_with_parent, initargs=(os.getpid(),)) as ex:
                 for job, st in zip(todo, ex.map(_run_job, todo)):
                     states[job.index] = st
                     done(st)
@@ -540,6 +641,7 @@ def pack_dataset(
         "sources": list(paths),
         "source_digests": digests,
         "content_hash": content_hash,
+        "job_hashes": [j.job_hash for j in jobs],
         "total_rows": int(sum(f["rows"] for f in files)),
         "total_tokens": int(sum(f["tokens"] for f in files)),
         "total_sequences": report.sequences,
@@ -548,9 +650,9 @@ def pack_dataset(
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "report": report.to_dict(),
     }
-    _atomic_write_text(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=1))
+    atomic_write_text(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=1))  # the commit point
     _cleanup(out_dir, {f["name"] for f in files},
-             {os.path.basename(_state_path(out_dir, j.job_hash)) for j in jobs})
+             {os.path.basename(_state_path(out_dir, j.job_hash)) for j in jobs}, old_index)
     log(f"{out_dir}: {report.rows:,} rows in {len(files)} file(s), efficiency {100 * report.efficiency:.2f} %, "
         f"{report.total_seconds:.2f} s", quiet=quiet)
     return report

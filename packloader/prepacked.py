@@ -24,7 +24,12 @@ column              type                            meaning
 ==================  ==============================  =====================================================
 
 A directory without ``index.json``, or whose ``index.json`` disagrees with the files (a missing file,
-another row count, size or schema), is refused with a :class:`~packloader.errors.DataError`.
+another row count, size or schema), is refused with a :class:`~packloader.errors.DataError`. Each file
+entry of ``index.json`` records ``rows``, ``bytes`` and ``checksum`` (``"crc32:<hex>"`` of the
+file, computed when it was written): sizes and row counts are checked on every open, the checksums
+with ``PrepackedDataset(dir, verify=True)`` / ``packloader report DIR --verify``.
+
+Capacity: at most :data:`MAX_CAPACITY` tokens per row (:func:`check_capacity`).
 """
 from __future__ import annotations
 
@@ -44,12 +49,43 @@ __all__ = [
     "INDEX_NAME",
     "packed_schema",
     "read_index",
+    "check_capacity",
+    "MAX_CAPACITY",
+    "unfinished_pack_dir",
 ]
 
 FORMAT = "packloader-packed"
 VERSION = 1
 INDEX_NAME = "index.json"
 IGNORE_INDEX = -100
+#: the largest capacity (tokens per packed row) accepted anywhere in packloader: 2**24 (16,777,216)
+#: tokens, 64 MiB of int32 ids per row. Rows are allocated whole, and Arrow's fixed-size lists and
+#: the packed files' int32 sequence lengths need the capacity well inside int32.
+MAX_CAPACITY = 1 << 24
+
+
+def check_capacity(value, name: str = "capacity") -> int:
+    """``value`` as an int in ``[1, MAX_CAPACITY]``.
+
+    Raises:
+        ValueError: not an int (a bool is not one), or outside that range; names ``name``.
+    """
+    import numpy as _np
+
+    if isinstance(value, bool) or not isinstance(value, (int, _np.integer)):
+        raise ValueError(f"{name} must be an int in [1, {MAX_CAPACITY}], got {value!r}")
+    if not 1 <= int(value) <= MAX_CAPACITY:
+        raise ValueError(f"{name} must be an int in [1, {MAX_CAPACITY}] (MAX_CAPACITY), got {int(value)}")
+    return int(value)
+
+
+def unfinished_pack_dir(directory) -> bool:
+    """Whether ``directory`` was written by ``packloader pack`` but holds no ``index.json`` yet (packing
+    still running, killed or failed)."""
+    from packloader._outdir import owner_of
+
+    d = os.fspath(directory)
+    return os.path.isdir(d) and not os.path.isfile(os.path.join(d, INDEX_NAME)) and owner_of(d) == "pack"
 
 
 def packed_schema(capacity: int) -> pa.Schema:
@@ -106,7 +142,8 @@ class _PackedFile:
 
     __slots__ = ("path", "source", "batches", "rows")
 
-    def __init__(self, path: str, capacity: int, expect_rows: int | None, expect_bytes: int | None):
+    def __init__(self, path: str, capacity: int, expect_rows: int | None, expect_bytes: int | None,
+                 checksum: str | None = None):
         self.path = path
         if not os.path.isfile(path):
             raise DataError("file listed in index.json is missing", path=path)
@@ -115,6 +152,13 @@ class _PackedFile:
                 f"file has {os.path.getsize(path)} bytes, index.json says {expect_bytes} (replaced or "
                 "damaged after packing?)", path=path,
             )
+        if checksum is not None:
+            from packloader._outdir import file_checksum
+
+            got = file_checksum(path)
+            if got != checksum:
+                raise DataError(f"checksum mismatch: file has {got}, index.json says {checksum} (the file was "
+                                "damaged or changed after packing; pack again)", path=path)
         try:
             self.source = pa.memory_map(path, "r")
             reader = pa.ipc.open_file(self.source)
@@ -162,6 +206,9 @@ class PrepackedDataset:
 
     Args:
         directory: the output directory of ``packloader pack``.
+        verify: also hash every file and compare with the checksum recorded in ``index.json`` at write
+            time (reads all the data once; default False: sizes and row counts only). A directory
+            written before checksums were recorded fails verification.
 
     Attributes:
         directory: the directory (str).
@@ -185,8 +232,9 @@ class PrepackedDataset:
         DataError: no ``index.json``, a bad index, or a file that disagrees with it.
     """
 
-    def __init__(self, directory):
+    def __init__(self, directory, *, verify: bool = False):
         self.directory = os.fspath(directory)
+        self._verify = bool(verify)
         self._open()
 
     def _open(self):
@@ -205,8 +253,15 @@ class PrepackedDataset:
                 if os.path.basename(name) != name:
                     raise DataError(f"file entry {name!r} is not a plain file name",
                                     path=os.path.join(self.directory, INDEX_NAME))
+                checksum = None
+                if self._verify:
+                    checksum = entry.get("checksum")
+                    if not isinstance(checksum, str):
+                        raise DataError(f"index.json records no checksum for {name!r} (packed by an older "
+                                        "version?): cannot verify; pack again",
+                                        path=os.path.join(self.directory, INDEX_NAME))
                 pf = _PackedFile(os.path.join(self.directory, name), self.capacity,
-                                 entry.get("rows"), entry.get("bytes"))
+                                 entry.get("rows"), entry.get("bytes"), checksum)
                 opened.append(pf)
                 self.file_names.append(name)
         except BaseException:
@@ -226,6 +281,7 @@ class PrepackedDataset:
 
     def __setstate__(self, state):
         self.directory = state["directory"]
+        self._verify = False
         self._open()
 
     def __len__(self) -> int:

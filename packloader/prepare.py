@@ -10,6 +10,14 @@ last field (its *prompt*, separators included) and the last field are tokenized 
 concatenated, so ``mask_prompt=True`` can give the prompt tokens label ``-100`` (supervised fine-tuning:
 loss on the answer and EOS only) without changing ``input_ids``.
 
+Output: one set of shards per directory, listed in ``prepare.json`` (the manifest). A run writes its
+shards in ``.packloader/tmp/``, commits the new manifest atomically, renames the shards into place and
+only then removes the shards of the previous set, which the previous manifest lists; a run killed at any
+point is completed (or cleaned up) by the next one. ``prepare`` writes only into an empty directory or one
+it owns (``allow_nonempty=True`` / ``--allow-nonempty`` to write beside other files), and never
+overwrites or removes a file it did not write. A directory given to ``pack`` or the loader as a source
+stands for exactly the shards of its manifest.
+
 Tokenization uses the Hugging Face ``tokenizers`` library on a local ``tokenizer.json``
 (``Tokenizer.from_file``; nothing is downloaded) with ``encode_batch``, which runs on all cores.
 
@@ -25,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -34,12 +41,15 @@ import numpy as np
 import pyarrow as pa
 
 from packloader._log import Progress, log
+from packloader._outdir import (atomic_path, atomic_write_text, claim_output_dir, remove_file, remove_stale_temps,
+                                temp_path)
 from packloader.errors import DataError
 
 __all__ = ["prepare_jsonl", "PrepareResult", "load_tokenizer", "find_eos_id", "tokenize_records", "write_webdataset_shard",
            "FORMATS"]
 
 FORMATS = ("arrow", "webdataset", "parquet")
+MANIFEST_NAME = "prepare.json"
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
 
 
@@ -103,15 +113,34 @@ def _open_text(path: str, mode: str = "r"):
     return open(path, mode, encoding="utf-8") if mode == "r" else open(path, mode)
 
 
+#: what reading a damaged, truncated or binary text file raises (gzip: EOFError, BadGzipFile, zlib.error)
+def _read_errors():
+    import zlib
+
+    return (EOFError, OSError, UnicodeDecodeError, zlib.error)
+
+
 def _count_lines(path: str) -> int:
     n = 0
-    with _open_text(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            n += chunk.count(b"\n")
+    try:
+        with _open_text(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                n += chunk.count(b"\n")
+    except _read_errors() as e:
+        raise DataError(f"cannot read input ({type(e).__name__}: {e or 'file ends early'}; truncated or "
+                        "damaged?)", path=path) from None
     return n
 
 
 def _records(path: str, fields: Sequence[str], limit: int | None) -> Iterator[tuple[int, list[str]]]:
+    try:
+        yield from _records_unchecked(path, fields, limit)
+    except _read_errors() as e:
+        raise DataError(f"cannot read input ({type(e).__name__}: {e or 'file ends early'}; truncated, damaged "
+                        "or not UTF-8 text?)", path=path) from None
+
+
+def _records_unchecked(path: str, fields: Sequence[str], limit: int | None) -> Iterator[tuple[int, list[str]]]:
     with _open_text(path, "r") as f:
         row = -1
         for line_no, line in enumerate(f):
@@ -173,26 +202,19 @@ def tokenize_records(tok, texts: Sequence[Sequence[str]], *, separator: str = "\
     return offsets, tokens, labels
 
 
-def _write_arrow(path: str, offsets, tokens, labels, ids) -> None:
+def _write_arrow(path: str, offsets, tokens, labels, ids, *, parquet: bool = False) -> None:
     cols = {"input_ids": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens))}
     if labels is not None:
         cols["labels"] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(labels))
     cols["record"] = pa.array(ids, pa.int64())
     table = pa.table(cols)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        if path.endswith(".parquet"):
-            import pyarrow.parquet as pq
+    if parquet:
+        import pyarrow.parquet as pq
 
-            pq.write_table(table, tmp)
-        else:
-            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-                w.write_table(table)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        pq.write_table(table, path, write_page_checksum=True)
+    else:
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
 
 
 def _npy_header(n: int, descr: str = "<i4") -> bytes:
@@ -226,7 +248,7 @@ def write_webdataset_shard(path, offsets, tokens, labels=None, keys=None) -> str
     """Write sequences as a WebDataset tar: members ``KEY.input_ids.npy`` (and ``KEY.labels.npy``).
 
     Builds the ustar headers and .npy headers directly (no per-member ``tarfile`` overhead); written to
-    ``PATH.tmp-<pid>`` and renamed when complete.
+    a temp file (``DIR/.packloader/tmp/NAME.tmp-<pid>``) and renamed when complete.
 
     Args:
         path: the ``.tar`` file.
@@ -239,47 +261,58 @@ def write_webdataset_shard(path, offsets, tokens, labels=None, keys=None) -> str
         ``path``.
     """
     path = os.fspath(path)
+    with atomic_path(path) as tmp:
+        _write_tar_to(tmp, offsets, tokens, labels, keys)
+    return path
+
+
+def _write_tar_to(tmp: str, offsets, tokens, labels=None, keys=None) -> None:
     tokens = np.ascontiguousarray(tokens, dtype="<i4")
     labels = None if labels is None else np.ascontiguousarray(labels, dtype="<i4")
     n = len(offsets) - 1
     keys = [f"{i:09d}" for i in range(n)] if keys is None else [str(k) for k in keys]
     zeros = bytes(512)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb", buffering=1 << 22) as f:
-            off = np.asarray(offsets).tolist()
-            for i in range(n):
-                a, b = off[i], off[i + 1]
-                members = [("input_ids", tokens)] + ([("labels", labels)] if labels is not None else [])
-                for stem, src in members:
-                    head = _npy_header(b - a)
-                    body = src[a:b].tobytes()
-                    size = len(head) + len(body)
-                    f.write(_tar_header(f"{keys[i]}.{stem}.npy", size))
-                    f.write(head)
-                    f.write(body)
-                    f.write(zeros[: (-size) % 512])
-            f.write(zeros)
-            f.write(zeros)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+    with open(tmp, "wb", buffering=1 << 22) as f:
+        off = np.asarray(offsets).tolist()
+        for i in range(n):
+            a, b = off[i], off[i + 1]
+            members = [("input_ids", tokens)] + ([("labels", labels)] if labels is not None else [])
+            for stem, src in members:
+                head = _npy_header(b - a)
+                body = src[a:b].tobytes()
+                size = len(head) + len(body)
+                f.write(_tar_header(f"{keys[i]}.{stem}.npy", size))
+                f.write(head)
+                f.write(body)
+                f.write(zeros[: (-size) % 512])
+        f.write(zeros)
+        f.write(zeros)
 
 
 def _write_tar(path: str, offsets, tokens, labels, ids) -> None:
-    write_webdataset_shard(path, offsets, tokens, labels, keys=[f"{i:09d}" for i in ids.tolist()])
+    _write_tar_to(path, offsets, tokens, labels, keys=[f"{i:09d}" for i in ids.tolist()])
 
 
-def _finished(manifest_path: str, key: str, out_dir: str) -> PrepareResult | None:
+def _read_manifest(manifest_path: str) -> dict | None:
     try:
         with open(manifest_path, encoding="utf-8") as f:
             m = json.load(f)
     except (OSError, ValueError):
         return None
-    if m.get("settings_key") != key:
+    return m if isinstance(m, dict) and isinstance(m.get("shards", []), list) else None
+
+
+def _manifest_names(m: dict | None, out_dir: str) -> set:
+    """Shard names the manifest says prepare wrote (the current set and an unfinished replacement's)."""
+    if m is None:
+        return set()
+    names = list(m.get("shards", [])) + list(m.get("replacing", []) or [])
+    return {n for n in names if isinstance(n, str) and n and os.path.basename(n) == n}
+
+
+def _finished(manifest_path: str, key: str, out_dir: str) -> PrepareResult | None:
+    m = _read_manifest(manifest_path)
+    if m is None or m.get("settings_key") != key or m.get("replacing"):
         return None
     paths = [os.path.join(out_dir, n) for n in m.get("shards", [])]
     sizes = m.get("shard_bytes", [])
@@ -287,6 +320,18 @@ def _finished(manifest_path: str, key: str, out_dir: str) -> PrepareResult | Non
         return None
     return PrepareResult(paths=paths, sequences=m["sequences"], tokens=m["tokens"], loss_tokens=m["loss_tokens"],
                          seconds=0.0, manifest=manifest_path)
+
+
+def _finish_replacement(out_dir: str, manifest_path: str, m: dict | None) -> None:
+    """Remove the shards a committed manifest marks as replaced (prepare wrote them), then drop the mark."""
+    if not m or not m.get("replacing"):
+        return
+    keep = set(m.get("shards", []))
+    for name in _manifest_names({"replacing": m["replacing"]}, out_dir) - keep:
+        remove_file(os.path.join(out_dir, name))
+    m = dict(m)
+    del m["replacing"]
+    atomic_write_text(manifest_path, json.dumps(m, indent=1))
 
 
 def prepare_jsonl(
@@ -306,6 +351,7 @@ def prepare_jsonl(
     quiet: bool = False,
     progress: bool | None = None,
     overwrite: bool = False,
+    allow_nonempty: bool = False,
 ) -> PrepareResult:
     """Tokenize a JSONL file into token shards (Arrow IPC, WebDataset tar or Parquet).
 
@@ -328,19 +374,26 @@ def prepare_jsonl(
         quiet: print nothing. progress: True / False / None (a bar on a terminal) as in ``pack``.
         overwrite: tokenize again even when ``out_dir/prepare.json`` shows the same input, tokenizer and
             settings with all shards present (by default such a re-run returns at once).
+        allow_nonempty: write into a non-empty directory that ``prepare`` did not create (its files are
+            never overwritten or removed). Default False: such a directory is refused.
 
     Returns:
         A :class:`PrepareResult`.
 
     Raises:
-        DataError: unreadable input, invalid JSON or a missing field (naming the file and record),
-            tokenizer not found, no EOS token when ``eos=True``.
+        DataError: unreadable, truncated or binary input, invalid JSON or a missing field (naming the file
+            and record), tokenizer not found, no EOS token when ``eos=True``; an output directory that is
+            not empty and not written by ``prepare`` (see ``allow_nonempty``), or a shard name taken by
+            a file ``prepare`` did not write.
     """
     t0 = time.perf_counter()
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose one of {FORMATS}")
-    if shard_size < 1 or batch_size < 1:
-        raise ValueError("shard_size and batch_size must be >= 1")
+    for name, value in (("shard_size", shard_size), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0):
+        raise ValueError(f"limit must be an int >= 0 or None, got {limit!r}")
     fields = list(fields)
     if not fields:
         raise ValueError("fields must name at least one field")
@@ -359,8 +412,7 @@ def prepare_jsonl(
             raise DataError(f"tokenizer has no token {eos!r}")
     else:
         eos_id = None
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = claim_output_dir(out_dir, "prepare", allow_nonempty=allow_nonempty, reserved=(MANIFEST_NAME,))
     from packloader.prepack import _hash, source_digest
 
     tok_digest = (source_digest(tokenizer) if isinstance(tokenizer, (str, os.PathLike))
@@ -368,22 +420,25 @@ def prepare_jsonl(
     settings_key = _hash({"input": source_digest(input), "tokenizer": tok_digest, "fields": fields,
                           "separator": separator, "eos_id": eos_id, "mask_prompt": mask_prompt, "format": format,
                           "shard_size": shard_size, "limit": limit, "prefix": prefix})
-    manifest_path = os.path.join(out_dir, "prepare.json")
+    manifest_path = os.path.join(out_dir, MANIFEST_NAME)
+    old = _read_manifest(manifest_path)
+    _finish_replacement(out_dir, manifest_path, old)
+    remove_stale_temps(out_dir)
     if not overwrite:
         done = _finished(manifest_path, settings_key, out_dir)
         if done is not None:
             log(f"{out_dir}: up to date ({done.sequences:,} records in {len(done.paths)} shard(s)); "
                 "nothing to do", quiet=quiet)
             return done
-    if os.path.exists(manifest_path):
-        os.remove(manifest_path)  # the shards are about to change
     ext = {"arrow": "arrow", "webdataset": "tar", "parquet": "parquet"}[format]
-    writer = _write_tar if format == "webdataset" else _write_arrow
+    writer = {"webdataset": _write_tar, "arrow": _write_arrow,
+              "parquet": lambda *a: _write_arrow(*a, parquet=True)}[format]
     res = PrepareResult()
     total = _count_lines(input)
     bar = Progress(total if limit is None else min(total, limit), f"tokenizing {os.path.basename(input)}",
                    "records", quiet=quiet, bar=progress)
 
+    staged: list = []        # (temp path, final path) of the new set, renamed at the commit
     pending_texts, pending_ids = [], []
     shard_parts: list = []   # (offsets, tokens, labels, ids) accumulated for the current shard
     shard_rows = 0
@@ -402,7 +457,9 @@ def prepare_jsonl(
         labels = None if not mask_prompt else np.concatenate([p[2] for p in shard_parts])
         ids = np.concatenate([p[3] for p in shard_parts])
         path = os.path.join(out_dir, f"{prefix}-{len(res.paths):05d}.{ext}")
-        writer(path, offsets, tokens, labels, ids)
+        tmp = temp_path(path)
+        staged.append((tmp, path))
+        writer(tmp, offsets, tokens, labels, ids)
         res.paths.append(path)
         res.tokens += len(tokens)
         res.loss_tokens += int((labels != -100).sum()) if labels is not None else len(tokens)
@@ -432,21 +489,36 @@ def prepare_jsonl(
         pending_ids.clear()
 
     try:
-        for rid, vals in _records(input, fields, limit):
-            pending_texts.append(vals)
-            pending_ids.append(rid)
-            if len(pending_texts) >= batch_size:
-                run_batch()
-        run_batch()
-        flush_shard()
-    finally:
-        bar.close()
-    if res.sequences == 0:
-        raise DataError("no records in the input", path=input)
+        try:
+            for rid, vals in _records(input, fields, limit):
+                pending_texts.append(vals)
+                pending_ids.append(rid)
+                if len(pending_texts) >= batch_size:
+                    run_batch()
+            run_batch()
+            flush_shard()
+        finally:
+            bar.close()
+        if res.sequences == 0:
+            raise DataError("no records in the input", path=input)
+        ours = _manifest_names(old, out_dir)
+        for _, path in staged:  # never replace a file prepare did not write
+            name = os.path.basename(path)
+            if os.path.lexists(path) and name not in ours:
+                raise DataError(f"shard name {name!r} is taken by a file 'packloader prepare' did not write; "
+                                "choose another --out directory or prefix", path=path)
+        for tmp, _ in staged:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+    except BaseException:
+        for tmp, _ in staged:
+            remove_file(tmp)
+        raise
     res.seconds = time.perf_counter() - t0
     manifest = {
+        "manifest": "packloader-prepare",
         "settings_key": settings_key,
-        "shard_bytes": [os.path.getsize(p) for p in res.paths],
+        "shard_bytes": [os.path.getsize(tmp) for tmp, _ in staged],
         "input": os.path.abspath(input),
         "tokenizer": tokenizer if isinstance(tokenizer, str) else getattr(tokenizer, "__class__").__name__,
         "fields": fields, "separator": separator, "eos_id": eos_id, "mask_prompt": mask_prompt,
@@ -454,15 +526,13 @@ def prepare_jsonl(
         "sequences": res.sequences, "tokens": res.tokens, "loss_tokens": res.loss_tokens,
     }
     res.manifest = manifest_path
-    tmp = f"{res.manifest}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, res.manifest)
-    keep = {os.path.basename(p) for p in res.paths}
-    stale = re.compile(rf"^{re.escape(prefix)}-\d{{5}}\.{ext}$")
-    for name in os.listdir(out_dir):  # shards of an earlier, larger run would be picked up by a glob
-        if stale.match(name) and name not in keep:
-            os.remove(os.path.join(out_dir, name))
+    # the commit: the new manifest (naming the old set as "replacing"), then the renames, then the old
+    # set's removal, then the manifest without "replacing". A kill anywhere is finished by the next run.
+    manifest["replacing"] = sorted(_manifest_names(old, out_dir) - set(manifest["shards"]))
+    atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
+    for tmp, path in staged:
+        os.replace(tmp, path)
+    _finish_replacement(out_dir, manifest_path, manifest)
     log(f"{input}: {res.sequences:,} records -> {res.tokens:,} tokens in {len(res.paths)} {format} shard(s) "
         f"under {out_dir} ({res.seconds:.2f} s)", quiet=quiet)
     return res

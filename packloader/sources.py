@@ -8,7 +8,8 @@ a memory-mapped tar, without a Python loop per token.
 ========================================  ==========================================================
 suffix                                    reader
 ========================================  ==========================================================
-``.arrow`` / ``.ipc`` / ``.feather``      Arrow IPC file (or stream), memory-mapped, zero-copy
+``.arrow`` / ``.ipc`` / ``.feather``      Arrow IPC file (or stream), memory-mapped, zero-copy;
+``.arrows``                               a stream must end with its end-of-stream marker
 ``.parquet`` / ``.pq``                    Parquet, read in record batches of ``batch_rows`` rows
 ``.tar``                                  WebDataset tar; members ``KEY.input_ids.npy`` (or
                                           ``KEY.npy``) and optional ``KEY.labels.npy``
@@ -57,7 +58,7 @@ __all__ = [
     "TAR_SUFFIXES",
 ]
 
-ARROW_SUFFIXES = (".arrow", ".ipc", ".feather")
+ARROW_SUFFIXES = (".arrow", ".arrows", ".ipc", ".feather")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 TAR_SUFFIXES = (".tar",)
 SUPPORTED_SUFFIXES = ARROW_SUFFIXES + PARQUET_SUFFIXES + TAR_SUFFIXES
@@ -168,10 +169,13 @@ def shard_format(path) -> str:
 def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
     """Expand shard patterns into a list of existing shard files.
 
-    Each pattern is brace-expanded (:func:`expand_braces`), then glob-expanded (``*``, ``?``, ``[...]``,
-    ``**``); the matches of each glob are sorted. A directory stands for every supported shard
-    (``.arrow``, ``.ipc``, ``.feather``, ``.parquet``, ``.pq``, ``.tar``) directly inside it, sorted.
-    Duplicates are dropped, keeping the first occurrence.
+    A pattern naming an existing file or directory literally is taken as is (so ``br[ack]et.arrow`` or
+    ``a{1,2}.arrow`` can be addressed; :func:`glob.escape` works too). Otherwise it is brace-expanded
+    (:func:`expand_braces`), then glob-expanded (``*``, ``?``, ``[...]``, ``**``); the matches of each glob
+    are sorted. A directory stands for every supported shard (``.arrow``, ``.arrows``, ``.ipc``,
+    ``.feather``, ``.parquet``, ``.pq``, ``.tar``) directly inside it, sorted; a directory written by
+    ``packloader prepare`` stands for exactly the shards its ``prepare.json`` lists (so shards of another
+    output set can never be counted twice). Duplicates are dropped, keeping the first occurrence.
 
     Args:
         patterns: one pattern or an iterable of patterns (str or path-like).
@@ -180,7 +184,9 @@ def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -
         Paths (str), in pattern order.
 
     Raises:
-        DataError: a pattern matches no file, or names a file with an unsupported suffix.
+        DataError: a pattern matches no file, or names a file with an unsupported suffix; a directory
+            written by ``packloader pack`` (a pre-packed directory, finished or not, is not a set of
+            token shards); a ``prepare`` directory whose manifest lists a missing shard.
 
     Example::
 
@@ -193,15 +199,13 @@ def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -
     for pattern in patterns:
         pattern = os.fspath(pattern)
         matched: list[str] = []
-        for expanded in expand_braces(pattern):
-            if glob.has_magic(expanded):
+        literal = os.path.exists(pattern)
+        for expanded in ([pattern] if literal else expand_braces(pattern)):
+            if os.path.isdir(expanded):
+                hits = _directory_shards(expanded)
+            elif not literal and glob.has_magic(expanded):
                 hits = sorted(glob.glob(expanded, recursive=True))
                 hits = [h for h in hits if os.path.isfile(h) and h.lower().endswith(SUPPORTED_SUFFIXES)]
-            elif os.path.isdir(expanded):
-                hits = sorted(
-                    os.path.join(expanded, n) for n in os.listdir(expanded)
-                    if n.lower().endswith(SUPPORTED_SUFFIXES) and os.path.isfile(os.path.join(expanded, n))
-                )
             elif os.path.isfile(expanded):
                 shard_format(expanded)  # raises on an unsupported suffix
                 hits = [expanded]
@@ -215,6 +219,43 @@ def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -
                 seen.add(p)
                 out.append(p)
     return out
+
+
+def _directory_shards(d: str) -> list[str]:
+    """The shards a directory stands for (see :func:`resolve_sources`)."""
+    import json
+
+    from packloader._outdir import owner_of
+
+    owner = owner_of(d)
+    if owner == "pack" or os.path.isfile(os.path.join(d, "index.json")):
+        if os.path.isfile(os.path.join(d, "index.json")):
+            raise DataError("a pre-packed directory (written by 'packloader pack'), not token shards: read it "
+                            "with PackedDataLoader / PrepackedDataset, or give the original shards", path=d)
+        raise DataError("not a finished pre-packed directory (written by 'packloader pack', but no index.json: "
+                        "packing incomplete, failed, or still running)", path=d)
+    manifest = os.path.join(d, "prepare.json")
+    if owner == "prepare" and os.path.isfile(manifest):
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                m = json.load(f)
+            names = m["shards"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"unreadable prepare manifest: {e}", path=manifest) from None
+        if m.get("replacing"):
+            raise DataError("'packloader prepare' did not finish replacing this directory's shards; run it "
+                            "again", path=d)
+        out = []
+        for n in names:
+            p = os.path.join(d, n)
+            if not os.path.isfile(p):
+                raise DataError(f"shard {n!r} listed in prepare.json is missing", path=d)
+            out.append(p)
+        return out
+    return sorted(
+        os.path.join(d, n) for n in os.listdir(d)
+        if n.lower().endswith(SUPPORTED_SUFFIXES) and os.path.isfile(os.path.join(d, n))
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -306,6 +347,20 @@ class Shard:
     labels_column: str | None
     has_labels: bool = False
     format: str = ""
+    vocab_size: int | None = None
+
+    def _check_vocab(self, batch: "SequenceBatch") -> "SequenceBatch":
+        """Raise a DataError naming the file and row when a token id is ``>= vocab_size``."""
+        v = self.vocab_size
+        if v is not None and batch.num_tokens and int(batch.tokens.max()) >= v:
+            pos = int(np.argmax(batch.tokens >= v))
+            row = int(np.searchsorted(batch.offsets, pos, side="right") - 1)
+            raise DataError(
+                f"{self.token_column!r} has id {int(batch.tokens[pos])} at position {pos - int(batch.offsets[row])}"
+                f" of the sequence, outside the vocabulary (vocab_size={v})", path=self.path,
+                row=batch.row_start + row,
+            )
+        return batch
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -352,6 +407,7 @@ def open_shard(
     labels_column: str | None = "labels",
     *,
     batch_rows: int = DEFAULT_BATCH_ROWS,
+    vocab_size: int | None = None,
 ) -> Shard:
     """Open one shard, choosing the reader by its suffix.
 
@@ -363,6 +419,8 @@ def open_shard(
             the shard lacks it, the labels are the inputs (``SequenceBatch.labels is None``). ``None``
             ignores labels altogether.
         batch_rows: sequences per batch for Parquet and tar shards.
+        vocab_size: optional; reading a token id ``>= vocab_size`` raises a DataError naming the file and
+            row.
 
     Returns:
         An :class:`ArrowShard`, :class:`ParquetShard` or :class:`TarShard`.
@@ -374,11 +432,17 @@ def open_shard(
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise DataError("no such file", path=path)
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
+                                   or vocab_size < 1):
+        raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
     if fmt == "arrow":
-        return ArrowShard(path, token_column, labels_column)
-    if fmt == "parquet":
-        return ParquetShard(path, token_column, labels_column, batch_rows=batch_rows)
-    return TarShard(path, token_column, labels_column, batch_rows=batch_rows)
+        shard = ArrowShard(path, token_column, labels_column)
+    elif fmt == "parquet":
+        shard = ParquetShard(path, token_column, labels_column, batch_rows=batch_rows)
+    else:
+        shard = TarShard(path, token_column, labels_column, batch_rows=batch_rows)
+    shard.vocab_size = None if vocab_size is None else int(vocab_size)
+    return shard
 
 
 # ---- pyarrow helpers -------------------------------------------------------------------------------
@@ -389,9 +453,11 @@ def _check_list_type(path, schema: pa.Schema, column: str, *, required: bool, wh
     idx = schema.get_field_index(column)
     if idx < 0:
         if required:
-            raise DataError(
-                f"{what} column {column!r} not found; columns are {schema.names}", path=path
-            )
+            try:
+                names = schema.names
+            except UnicodeDecodeError:
+                names = "not readable (a column name is not valid UTF-8: damaged file?)"
+            raise DataError(f"{what} column {column!r} not found; columns are {names}", path=path)
         return None
     typ = schema.field(idx).type
     if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
@@ -520,9 +586,15 @@ class ArrowShard(Shard):
                 stream = pa.ipc.open_stream(self._source)
                 schema = stream.schema
                 self._batches = list(stream)
-        except (pa.ArrowException, OSError) as e:
+                self._check_end_of_stream()
+            for i, b in enumerate(self._batches):
+                b.validate(full=True)  # offsets in range and increasing: a damaged file is refused
+        except DataError:
             self._source.close()
-            raise DataError(f"corrupt or unreadable Arrow IPC file: {e}", path=self.path) from None
+            raise
+        except (pa.ArrowException, OSError, ValueError) as e:  # (a damaged name: UnicodeDecodeError)
+            self._source.close()
+            raise DataError(f"corrupt or unreadable Arrow IPC file: {type(e).__name__}: {e}", path=self.path) from None
         self.schema = schema
         self._tok_idx = _check_list_type(self.path, schema, token_column, required=True, what="token")
         self._lab_idx = (
@@ -532,6 +604,28 @@ class ArrowShard(Shard):
         self.has_labels = self._lab_idx is not None
         self._rows = np.cumsum([0] + [b.num_rows for b in self._batches]).astype(np.int64)
         self._lengths = None
+
+    def _check_end_of_stream(self) -> None:
+        """An IPC stream ends with an end-of-stream marker (``0xFFFFFFFF 0x00000000``, or the legacy
+        ``0x00000000``) right after its last message; a stream cut at a message boundary lacks it."""
+        size = self._source.size()
+        self._source.seek(0)
+        reader = pa.ipc.MessageReader.open_stream(self._source)
+        end, n_msgs = 0, 0
+        while True:
+            try:
+                reader.read_next_message()
+            except StopIteration:
+                break
+            end, n_msgs = self._source.tell(), n_msgs + 1
+        tail = bytes(self._source.read_at(min(8, size - end), end)) if end < size else b""
+        if tail not in (b"\xff\xff\xff\xff\x00\x00\x00\x00", b"\x00\x00\x00\x00"):
+            what = "no end-of-stream marker" if not tail else "bytes after the last message are not an end-of-stream marker"
+            raise DataError(f"truncated or damaged Arrow IPC stream: {what} after message {n_msgs} "
+                            f"(byte {end} of {size}; {len(self._batches)} record batch(es) read)", path=self.path)
+        if end + len(tail) != size:
+            raise DataError(f"Arrow IPC stream has {size - end - len(tail)} unexpected byte(s) after its "
+                            "end-of-stream marker", path=self.path)
 
     def __len__(self) -> int:
         return int(self._rows[-1])
@@ -569,7 +663,7 @@ class ArrowShard(Shard):
                     )
             except pa.ArrowException as e:
                 raise DataError(f"corrupt Arrow data: {e}", path=self.path, row=row0) from None
-            yield SequenceBatch(row0, offsets, tokens, labels)
+            yield self._check_vocab(SequenceBatch(row0, offsets, tokens, labels))
 
     def close(self) -> None:
         self._batches = []
@@ -602,10 +696,11 @@ class ParquetShard(Shard):
         self.labels_column = labels_column
         self.batch_rows = int(batch_rows)
         try:
-            self._pf = pq.ParquetFile(self.path, memory_map=True)
+            # page checksums (CRC32), where the writer stored them, are verified on every read
+            self._pf = pq.ParquetFile(self.path, memory_map=True, page_checksum_verification=True)
             schema = self._pf.schema_arrow
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"corrupt or unreadable Parquet file: {e}", path=self.path) from None
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise DataError(f"corrupt or unreadable Parquet file: {type(e).__name__}: {e}", path=self.path) from None
         self.schema = schema
         _check_list_type(self.path, schema, token_column, required=True, what="token")
         lab = None if labels_column is None else _check_list_type(
@@ -614,6 +709,9 @@ class ParquetShard(Shard):
         self._columns = [token_column] + ([labels_column] if self.has_labels else [])
         md = self._pf.metadata
         self._groups = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)]).astype(np.int64)
+        if int(self._groups[-1]) != md.num_rows:  # a damaged footer must not hide rows
+            raise DataError(f"corrupt Parquet footer: its row groups hold {int(self._groups[-1])} rows, the file "
+                            f"says {md.num_rows}", path=self.path)
         self._lengths = None
 
     def __len__(self) -> int:
@@ -630,8 +728,13 @@ class ParquetShard(Shard):
                         _list_arrays(self.path, arr, self.token_column, row, allow_negative=True)
                     parts.append(np.diff(arr.offsets.to_numpy()).astype(np.int64, copy=False))
                     row += rb.num_rows
-            except (pa.ArrowException, OSError) as e:
-                raise DataError(f"corrupt Parquet data: {e}", path=self.path, row=row) from None
+                if row != len(self):
+                    raise DataError(f"corrupt Parquet file: {row} rows decoded, its footer says {len(self)}",
+                                    path=self.path)
+            except DataError:
+                raise
+            except (pa.ArrowException, OSError, ValueError) as e:
+                raise DataError(f"corrupt Parquet data: {type(e).__name__}: {e}", path=self.path, row=row) from None
             self._lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         return self._lengths
 
@@ -661,10 +764,12 @@ class ParquetShard(Shard):
                 labels = None
                 if self.has_labels:
                     labels = _labels_arrays(self.path, rb.column(1), self.labels_column, row, offsets)
-                yield SequenceBatch(row, offsets, tokens, labels)
+                yield self._check_vocab(SequenceBatch(row, offsets, tokens, labels))
                 row += rb.num_rows
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"corrupt Parquet data: {e}", path=self.path, row=row) from None
+        except DataError:
+            raise
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise DataError(f"corrupt Parquet data: {type(e).__name__}: {e}", path=self.path, row=row) from None
 
     def close(self) -> None:
         try:
@@ -691,7 +796,7 @@ _DESCR_STR = {k: np.dtype(k.decode()).str for k in _ITEMSIZE}
 def _walk_tar_py(buf):
     """Walk the 512-byte tar headers of ``buf`` (uint8): (header positions, sizes, type flags, error code,
     error byte offset). Error codes: 1 truncated header, 2 bad number field, 3 bad checksum, 4 member data
-    past the end. Compiled with Numba on first use (cached)."""
+    past the end, 5 no end-of-archive (zero) block after the last member. Compiled with Numba on first use (cached)."""
     n = buf.size
     cap = 64
     pos = np.empty(cap, np.int64)
@@ -700,6 +805,7 @@ def _walk_tar_py(buf):
     m = 0
     p = 0
     err = 0
+    ended = False
     while p < n:
         if p + 512 > n:
             err = 1
@@ -710,6 +816,7 @@ def _walk_tar_py(buf):
                 zero = False
                 break
         if zero:
+            ended = True
             break
         # stored checksum: octal digits, ended by NUL or space
         stored = 0
@@ -778,6 +885,8 @@ def _walk_tar_py(buf):
     if err == 0 and p > n:  # the last member's padding is cut off: the file was truncated
         err = 4
         p = pos[m - 1]
+    elif err == 0 and not ended:  # no zero block after the last member: cut at a member boundary
+        err = 5
     return pos[:m].copy(), size[:m].copy(), flag[:m].copy(), err, p
 
 
@@ -787,9 +896,9 @@ _walk_tar_jit = None
 def _walk_tar(buf):
     global _walk_tar_jit
     if _walk_tar_jit is None:
-        from numba import njit
+        from packloader._numba import njit_cached
 
-        _walk_tar_jit = njit(cache=True, nogil=True)(_walk_tar_py)
+        _walk_tar_jit = njit_cached(nogil=True)(_walk_tar_py)
     return _walk_tar_jit(buf)
 
 
@@ -849,10 +958,12 @@ class TarShard(Shard):
         buf, mm, path = self._buf, self._mm, self.path
         tok_ext = f"{self.token_column}.npy".lower().encode()
         lab_ext = None if self.labels_column is None else f"{self.labels_column}.npy".lower().encode()
-        if len(buf):
-            pos, sizes, flags, err, err_at = _walk_tar(buf)
-        else:
-            pos, sizes, flags, err, err_at = (np.zeros(0, np.int64),) * 2 + (np.zeros(0, np.uint8), 0, 0)
+        if not len(buf):
+            raise DataError("0-byte file: not a tar archive (an empty archive is two 512-byte zero blocks)",
+                            path=path)
+        pos, sizes, flags, err, err_at = _walk_tar(buf)
+        if not err and buf[err_at:].any():  # only zeros may follow the end-of-archive block
+            err = 6
         m = len(pos)
         if m and not err:  # the common case in one vectorised pass (packloader._tarindex), else member by member
             from packloader._tarindex import index_common_case
@@ -864,6 +975,15 @@ class TarShard(Shard):
         names = buf[pos[:, None] + np.arange(100)].view("S100").ravel().tolist() if m else []
         if err:
             prev = names[-1].decode("utf-8", "replace") if names else None
+            if err == 6:
+                raise DataError(
+                    f"corrupt tar: non-zero bytes after the end-of-archive (zero) block at byte {err_at}: a "
+                    f"damaged member header? (last member before it: {prev!r})", path=path, member=prev)
+            if err == 5:
+                raise DataError(
+                    "truncated tar: no end-of-archive block (a tar ends with two 512-byte zero blocks); the file "
+                    f"ends right after member {prev!r} (the last complete member: later members are lost)",
+                    path=path, member=prev)
             what = {1: "truncated header", 2: "bad number field in the header", 3: "bad header checksum",
                     4: "member data runs past the end of the file"}[err]
             if err == 4:
@@ -1007,10 +1127,10 @@ class TarShard(Shard):
         s = _NPY_SHAPE.search(header)
         if d is None or s is None or hstart + hlen > data + msize:
             raise DataError("member has a corrupt .npy header", path=path, member=member, row=row)
-        descr = d.group(1).decode()
+        descr = d.group(1).decode("latin-1")
         try:
             dtype = np.dtype(descr)
-        except TypeError:
+        except (TypeError, ValueError):
             raise DataError(f"member has an unknown dtype {descr!r}", path=path, member=member, row=row) from None
         if dtype.kind not in "iu":
             raise DataError(
@@ -1025,10 +1145,10 @@ class TarShard(Shard):
                             member=member, row=row)
         n = int(np.prod(dims)) if dims else 1
         off = hstart + hlen
-        if off + n * dtype.itemsize > data + msize:
+        if off + n * dtype.itemsize != data + msize:  # a damaged shape must not drop or invent tokens
             raise DataError(
-                f"member is truncated: shape {tuple(dims)} needs {n * dtype.itemsize} bytes, "
-                f"{data + msize - off} present",
+                f"member {'is truncated' if off + n * dtype.itemsize > data + msize else 'has extra bytes'}: "
+                f"shape {tuple(dims)} needs {n * dtype.itemsize} bytes, {data + msize - off} present",
                 path=path, member=member, row=row,
             )
         return off, n, dtype.str
@@ -1090,7 +1210,7 @@ class TarShard(Shard):
                                           self.labels_column, True, offsets)
                     for i in np.flatnonzero(missing).tolist():
                         labels[offsets[i]:offsets[i + 1]] = tokens[offsets[i]:offsets[i + 1]]
-            yield SequenceBatch(row0, offsets, tokens, labels)
+            yield self._check_vocab(SequenceBatch(row0, offsets, tokens, labels))
 
     def close(self) -> None:
         self._buf = np.zeros(0, np.uint8)

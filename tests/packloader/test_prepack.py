@@ -493,8 +493,11 @@ def test_stray_and_damaged_files_are_never_accepted(shard_factory, tmp_path, see
     out = tmp_path / "out"
     pack(paths, out, capacity=300)
     names = part_files(out)
-    # stray files: a temp file of a dead process, a foreign part file; the reader reads only the index
+    # stray files: a temp file of a dead process (ours, in .packloader/tmp), a foreign temp-like file and
+    # a foreign part file; the reader reads only the index, and pack removes only what it wrote
     dead_pid = 2**22 + 12345
+    (out / ".packloader" / "tmp").mkdir(exist_ok=True)
+    (out / ".packloader" / "tmp" / f"{names[0]}.tmp-{dead_pid}").write_bytes(b"garbage")
     (out / f"{names[0]}.tmp-{dead_pid}").write_bytes(b"garbage")
     (out / "part-99999-ffffffffff.arrow").write_bytes((out / names[0]).read_bytes()[:1000])
     with PrepackedDataset(out) as ds:
@@ -506,7 +509,8 @@ def test_stray_and_damaged_files_are_never_accepted(shard_factory, tmp_path, see
     with pytest.raises(DataError, match=names[1]):
         PrepackedDataset(out)
     pack(paths, out, capacity=300)
-    assert part_files(out) == names and temp_files(out) == []
+    assert part_files(out) == sorted(names + ["part-99999-ffffffffff.arrow"])  # the foreign file stays
+    assert temp_files(out) == [str(out / f"{names[0]}.tmp-{dead_pid}")]  # ours removed, the foreign one not
     assert_packed_matches(out, seqs)
 
 

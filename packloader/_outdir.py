@@ -1,0 +1,225 @@
+"""Output directories written by packloader tools: ownership, temp files, atomic replacement, checksums.
+
+One helper for every tool that writes files (``packloader pack``, ``packloader prepare``), so that all of
+them follow the same rules:
+
+* **Ownership.** A tool writes only into an empty (or new) directory, or into one it owns: one holding
+  ``.packloader/owner.json`` naming the same tool (directories written by older versions are recognised
+  by their ``.packloader/`` state or their ``prepare.json``). A non-empty directory it does not own is
+  refused with a :class:`~packloader.errors.DataError` unless the caller passes ``allow_nonempty=True``
+  (``--allow-nonempty``); even then no file the tool did not write is ever overwritten or removed.
+* **Manifest.** A tool removes only files it can prove it wrote: names listed in its own manifest
+  (``index.json`` / ``prepare.json``) or carrying the id of one of its recorded jobs.
+* **Temp files** live in ``.packloader/tmp/`` as ``NAME.tmp-<pid>`` and are renamed into place
+  (``os.replace``, atomic) once complete and flushed. Temp files of dead processes are removed by
+  :func:`remove_stale_temps`; nothing outside ``.packloader/tmp/`` is touched by it.
+* **Checksums.** :func:`file_checksum` is the per-file checksum recorded at write time (``crc32`` of the
+  file's bytes: it catches any flipped bit or damaged block, and at about 1.5 GB/s it is the fastest
+  check the standard library offers; it is not meant against deliberate tampering).
+* **Durability.** Small files (manifests, job records, the owner file) are flushed to disk (``fsync``)
+  before they are renamed into place; large data files are not by default (``atomic_path(fsync=False)``):
+  after a power loss a data file may be incomplete, which its size and checksum in the manifest reveal.
+
+Layout::
+
+    out/
+      .packloader/owner.json        {"tool": "pack" | "prepare", "owner_format": 1}
+      .packloader/tmp/NAME.tmp-PID  files being written
+      .packloader/...               the tool's own state (job records)
+      ...                           the tool's outputs and its manifest
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import zlib
+
+from packloader.errors import DataError
+
+__all__ = [
+    "STATE_DIR", "claim_output_dir", "owner_of", "temp_path", "atomic_path", "atomic_write_text",
+    "remove_stale_temps", "remove_file", "file_checksum", "pid_alive", "CHECKSUM_ALGO",
+]
+
+STATE_DIR = ".packloader"
+OWNER_NAME = "owner.json"
+TMP_DIR = "tmp"
+CHECKSUM_ALGO = "crc32"
+_TMP_RE = re.compile(r"\.tmp-(\d+)$")
+_LEGACY_MARKERS = {"pack": None, "prepare": "prepare.json"}
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_file(path: str) -> None:
+    """Remove ``path``; a missing file is fine."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def owner_of(out_dir) -> str | None:
+    """The tool that owns ``out_dir`` (``"pack"``, ``"prepare"``), or None."""
+    out_dir = os.fspath(out_dir)
+    try:
+        with open(os.path.join(out_dir, STATE_DIR, OWNER_NAME), encoding="utf-8") as f:
+            tool = json.load(f).get("tool")
+        return tool if isinstance(tool, str) else None
+    except (OSError, ValueError, AttributeError):
+        pass
+    # directories written before owner.json existed
+    sdir = os.path.join(out_dir, STATE_DIR)
+    if os.path.isdir(sdir) and any(n.startswith("job-") for n in os.listdir(sdir)):
+        return "pack"
+    if os.path.isfile(os.path.join(out_dir, "prepare.json")):
+        try:
+            with open(os.path.join(out_dir, "prepare.json"), encoding="utf-8") as f:
+                if "settings_key" in json.load(f):
+                    return "prepare"
+        except (OSError, ValueError, TypeError):
+            pass
+    return None
+
+
+def claim_output_dir(out_dir, tool: str, *, allow_nonempty: bool = False, reserved=()) -> str:
+    """Make ``out_dir`` the output directory of ``tool``: create it if needed and record the owner.
+
+    Args:
+        out_dir: the directory.
+        tool: ``"pack"`` or ``"prepare"``.
+        allow_nonempty: accept a non-empty directory the tool does not own (its files are left alone).
+        reserved: names the tool must write itself (its manifest): a foreign file of such a name is
+            refused even with ``allow_nonempty``.
+
+    Returns:
+        ``out_dir`` as a str.
+
+    Raises:
+        DataError: ``out_dir`` is a file, or a non-empty directory not owned by ``tool`` and
+            ``allow_nonempty`` is False (the message says how to proceed).
+    """
+    out_dir = os.fspath(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError("output path exists and is not a directory", path=out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    owner = owner_of(out_dir)
+    if owner != tool:
+        foreign = [n for n in os.listdir(out_dir) if n != STATE_DIR]
+        if owner is not None and not allow_nonempty:
+            raise DataError(f"output directory belongs to 'packloader {owner}', not 'packloader {tool}'; "
+                            "choose another directory (or pass --allow-nonempty to write beside its files)",
+                            path=out_dir)
+        clash = sorted(set(foreign) & set(reserved))
+        if clash:
+            raise DataError(f"output directory holds a {clash[0]!r} that 'packloader {tool}' did not write; "
+                            "choose another directory", path=out_dir)
+        if foreign and not allow_nonempty:
+            shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise DataError(f"output directory is not empty ({len(foreign)} entries: {shown}) and was not "
+                            f"written by 'packloader {tool}'; choose an empty directory, or pass "
+                            "allow_nonempty=True (--allow-nonempty) to write beside those files (they are "
+                            "never overwritten or removed)", path=out_dir)
+        os.makedirs(os.path.join(out_dir, STATE_DIR), exist_ok=True)
+        atomic_write_text(os.path.join(out_dir, STATE_DIR, OWNER_NAME),
+                          json.dumps({"tool": tool, "owner_format": 1}))
+    os.makedirs(os.path.join(out_dir, STATE_DIR), exist_ok=True)
+    return out_dir
+
+
+def temp_path(path) -> str:
+    """Where ``path`` is written before it is renamed into place: ``DIR/.packloader/tmp/NAME.tmp-PID``."""
+    path = os.fspath(path)
+    d, name = os.path.split(path)
+    tdir = os.path.join(d, TMP_DIR) if os.path.basename(d) == STATE_DIR else os.path.join(d, STATE_DIR, TMP_DIR)
+    os.makedirs(tdir, exist_ok=True)
+    return os.path.join(tdir, f"{name}.tmp-{os.getpid()}")
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path, *, fsync: bool = True):
+    """Write ``path`` atomically: yields a temp path to write; on success the temp file is flushed to disk
+    and renamed to ``path``; on any exception it is removed and ``path`` is untouched.
+
+    Example::
+
+        >>> with atomic_path("out/part-00000.arrow") as tmp:       # doctest: +SKIP
+        ...     write_something(tmp)
+    """
+    path = os.fspath(path)
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        if fsync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        remove_file(tmp)
+        raise
+    if fsync:
+        _fsync_dir(os.path.dirname(path) or ".")
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def remove_stale_temps(out_dir) -> int:
+    """Remove the temp files of dead processes under ``out_dir/.packloader/tmp``; returns how many. The
+    temp directory itself is removed when it ends up empty."""
+    tdir = os.path.join(os.fspath(out_dir), STATE_DIR, TMP_DIR)
+    if not os.path.isdir(tdir):
+        return 0
+    n = 0
+    for name in os.listdir(tdir):
+        m = _TMP_RE.search(name)
+        if m is None or not pid_alive(int(m.group(1))) or int(m.group(1)) == os.getpid():
+            remove_file(os.path.join(tdir, name))
+            n += 1
+    try:
+        os.rmdir(tdir)
+    except OSError:
+        pass
+    return n
+
+
+def file_checksum(path, *, block: int = 8 << 20) -> str:
+    """``"crc32:<8 hex digits>"`` of a file's bytes (the checksum recorded in ``index.json``)."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(block)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+    return f"{CHECKSUM_ALGO}:{crc:08x}"

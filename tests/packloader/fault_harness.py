@@ -1,0 +1,208 @@
+"""Kill ``packloader pack`` at random moments and check what is left (used by ``test_fault_injection.py``
+and ``benchmarks/fault_injection.py``).
+
+One trial: start ``python -m packloader.cli pack`` (its own session), SIGKILL it after a random delay in
+``[0, 0.9 T]`` (``T``: the wall time of an uninterrupted run), then check
+
+1. no process of its session is left (workers, resource tracker) after at most ``ORPHAN_WAIT_S``;
+2. ``mode="repack"`` (the directory held a finished pack with other settings): the directory still
+   opens and holds exactly one of the two finished outputs, never a mix or a damaged one;
+3. a re-run finishes, and then every file of the directory equals the uninterrupted run's byte for byte
+   (``index.json`` and the job records up to their timing fields and creation time, which differ from
+   run to run by nature), with nothing left behind (no temp file, no stale part, no extra record).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from tests.packloader.conftest import random_sequences, write_arrow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLI = [sys.executable, "-m", "packloader.cli"]
+ORPHAN_WAIT_S = 5.0
+#: index.json / record keys that differ between two identical runs (times, dates)
+VOLATILE = ("created", "reused_files", "tokens_per_second")
+
+
+def make_sources(d, *, n_shards: int = 6, n_seqs: int = 4000, seed: int = 0) -> list[str]:
+    os.makedirs(d, exist_ok=True)
+    return [write_arrow(os.path.join(d, f"shard-{k:03d}.arrow"), random_sequences(n_seqs, seed=seed + k, max_len=600),
+                        batch_rows=997) for k in range(n_shards)]
+
+
+def pack_cmd(sources, out, workers: int, capacity: int) -> list[str]:
+    return CLI + ["pack", *sources, "--capacity", str(capacity), "--workers", str(workers), "--out", str(out), "-q",
+                  "--rows-per-file", "300"]
+
+
+def run_pack(sources, out, workers: int, capacity: int) -> float:
+    """An uninterrupted run; returns its wall time."""
+    t0 = time.perf_counter()
+    r = subprocess.run(pack_cmd(sources, out, workers, capacity), cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"pack failed: {r.stderr}")
+    return time.perf_counter() - t0
+
+
+def _normalise(obj):
+    if isinstance(obj, dict):
+        return {k: _normalise(v) for k, v in obj.items() if k not in VOLATILE and not k.endswith("_seconds")}
+    if isinstance(obj, list):
+        return [_normalise(v) for v in obj]
+    return obj
+
+
+def snapshot(d) -> dict:
+    """{relative path: bytes, or normalised JSON for .json files} of every file under ``d``."""
+    out = {}
+    for r, dirs, names in os.walk(d):
+        for n in names:
+            p = os.path.join(r, n)
+            rel = os.path.relpath(p, d)
+            data = open(p, "rb").read()
+            out[rel] = _normalise(json.loads(data)) if n.endswith(".json") else data
+        for n in dirs:
+            out.setdefault(os.path.relpath(os.path.join(r, n), d) + "/", None)
+    return out
+
+
+def diff(a: dict, b: dict) -> list[str]:
+    problems = [f"only in the re-run: {k}" for k in sorted(set(a) - set(b))]
+    problems += [f"missing after the re-run: {k}" for k in sorted(set(b) - set(a))]
+    problems += [f"differs: {k}" for k in sorted(set(a) & set(b)) if a[k] != b[k]]
+    return problems
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if int(fields[3]) == sid and fields[0] != b"Z":
+            out.append(int(d))
+    return out
+
+
+def stage_of(out) -> str:
+    """What the killed run had written: nothing, temp files / job records, or its index."""
+    if not os.path.isdir(out):
+        return "before any output"
+    try:
+        with open(os.path.join(out, "index.json")) as f:
+            if json.load(f)["settings"]["capacity"] == _CURRENT["capacity"]:
+                return "after its index"
+    except (OSError, ValueError, KeyError):
+        pass
+    tdir = os.path.join(out, ".packloader", "tmp")
+    if os.path.isdir(tdir) and os.listdir(tdir):
+        return "while writing a file"
+    return "between files"
+
+
+_CURRENT: dict = {}
+
+
+def _opened_matches(out, refs: list[dict]) -> bool:
+    """The directory opens and its index and listed files equal one of the reference runs."""
+    from packloader.prepacked import PrepackedDataset
+
+    with PrepackedDataset(out) as ds:
+        names = list(ds.file_names)
+    got = {n: open(os.path.join(out, n), "rb").read() for n in names}
+    index = _normalise(json.load(open(os.path.join(out, "index.json"))))
+    return any(index == ref["index.json"] and all(got[n] == ref.get(n) for n in names) for ref in refs)
+
+
+def trial(sources, work, *, workers: int, mode: str, refs: dict, wall: dict, rng: random.Random) -> dict:
+    """One kill trial (see the module docstring). ``refs[capacity]``: snapshot of an uninterrupted run;
+    ``wall[workers]``: its wall time. Returns a dict describing the outcome."""
+    out = os.path.join(work, "out")
+    shutil.rmtree(out, ignore_errors=True)
+    cap_old, cap_new = sorted(refs)
+    if mode == "repack":
+        shutil.copytree(refs[cap_old]["__dir__"], out)
+    _CURRENT["capacity"] = cap_new
+    delay = rng.uniform(0, 0.9 * wall[workers])  # (most delays inside a run, whose time varies with load)
+    proc = subprocess.Popen(pack_cmd(sources, out, workers, cap_new), cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(delay)
+    finished = proc.poll() is not None
+    if not finished:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t0 = time.monotonic()
+    while session_pids(proc.pid) and time.monotonic() - t0 < ORPHAN_WAIT_S:
+        time.sleep(0.02)
+    orphans = session_pids(proc.pid)
+    for pid in orphans:
+        os.kill(pid, signal.SIGKILL)
+    result = {"workers": workers, "mode": mode, "delay_s": round(delay, 3), "killed": not finished,
+              "stage": "finished before the kill" if finished else stage_of(out), "orphans": len(orphans),
+              "problems": []}
+    if mode == "repack":
+        try:
+            ok = _opened_matches(out, [refs[cap_old], refs[cap_new]])
+        except Exception as e:  # noqa: BLE001 - any failure to open is a damaged directory
+            ok, result["problems"] = False, [f"directory does not open after the kill: {e}"]
+        if not ok and not result["problems"]:
+            result["problems"].append("directory after the kill is neither the old nor the new output")
+    rerun_s = run_pack(sources, out, workers, cap_new)
+    if mode == "fresh" and result["stage"] != "after its index":  # (a full run: keep T near the current load)
+        wall[workers] = 0.5 * (wall[workers] + rerun_s)
+    result["problems"] += diff(snapshot(out), {k: v for k, v in refs[cap_new].items() if k != "__dir__"})
+    if orphans:
+        result["problems"].append(f"{len(orphans)} process(es) of the killed run still alive after {ORPHAN_WAIT_S} s")
+    return result
+
+
+def prepare_refs(work, sources, capacities=(640, 1024), workers=(1, 2)) -> tuple[dict, dict]:
+    """Uninterrupted runs: ``refs[capacity]`` (snapshots, and ``"__dir__"``) and ``wall[workers]`` (the
+    wall time of a run with the new capacity). The 2-worker run must equal the 1-worker one."""
+    refs, wall = {}, {}
+    cap_old, cap_new = capacities
+    for cap in capacities:
+        d = os.path.join(work, f"ref-{cap}")
+        shutil.rmtree(d, ignore_errors=True)
+        t = run_pack(sources, d, 1, cap)
+        refs[cap] = snapshot(d)
+        refs[cap]["__dir__"] = d
+        if cap == cap_new:
+            wall[1] = t
+    for w in workers:
+        if w == 1:
+            continue
+        d = os.path.join(work, f"ref-{cap_new}-w{w}")
+        shutil.rmtree(d, ignore_errors=True)
+        wall[w] = run_pack(sources, d, w, cap_new)
+        problems = diff(snapshot(d), {k: v for k, v in refs[cap_new].items() if k != "__dir__"})
+        assert not problems, f"{w} workers give another output than 1: {problems}"
+    return refs, wall
+
+
+def campaign(work, *, trials_per_case: int, seed: int = 0, workers=(1, 2), modes=("fresh", "repack"),
+             n_shards: int = 6, n_seqs: int = 4000) -> list[dict]:
+    """All trials: ``trials_per_case`` for each (workers, mode)."""
+    rng = random.Random(seed)
+    sources = make_sources(os.path.join(work, "src"), n_shards=n_shards, n_seqs=n_seqs, seed=seed)
+    refs, wall = prepare_refs(work, sources, workers=workers)
+    results = []
+    for w in workers:
+        for mode in modes:
+            for _ in range(trials_per_case):
+                results.append(trial(sources, work, workers=w, mode=mode, refs=refs, wall=wall, rng=rng))
+    return results
