@@ -71,7 +71,11 @@ def main(argv=None):
                     help="conv calls per timed sample, back to back (the GPU never waits for Python, as in "
                          "training); the sample is divided by this")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True): the scan adds dB/dC in a fixed block order")
     args = ap.parse_args(argv)
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
     import ops  # noqa: F401  (registers torch.ops.packloader.*)
     from ops import _cuda
