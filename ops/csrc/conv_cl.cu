@@ -19,6 +19,18 @@ static_assert(kBYCL * kRunCL >= PACKLOADER_CONV_SLOT_STEPS, "one dweight slot pe
 template <typename T>
 struct ClVec { static constexpr int kFwd = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T); static constexpr int kBwd = 4; };
 
+// the weights and bias of channels d0 .. d0 + kV - 1 (clamped to the last channel: lanes past it are never stored)
+template <int kW, int kV>
+__device__ __forceinline__ void load_channel_params(const ConvParams &p, int d0, float (&w)[kW][kV], float (&bias)[kV]) {
+#pragma unroll
+  for (int c = 0; c < kV; ++c) {
+    const int d = min(d0 + c, p.dim - 1);
+#pragma unroll
+    for (int k = 0; k < kW; ++k) w[k][c] = p.weight[d * kW + k];
+    bias[c] = p.bias ? p.bias[d] : 0.f;
+  }
+}
+
 // (At most 128 registers, 4 blocks an SM: the grouped loads need ~170 otherwise, 2 blocks an SM. Measured on the
 // H200 at B=8, D=4096, L=4096 bf16: 0.231 against 0.288 ms, despite ~90 bytes of spills for 16-bit types.)
 template <typename T, int kW>
@@ -34,13 +46,7 @@ __global__ void __launch_bounds__(kBXCL * kBYCL, 4) conv_fwd_cl(const ConvParams
   T *out = reinterpret_cast<T *>(p.out) + b * p.x_bs + d0;
   const int *pos = p.pos + (int64_t)b * L;
   float w[kW][kV], bias[kV];
-#pragma unroll
-  for (int c = 0; c < kV; ++c) {
-    const int d = min(d0 + c, p.dim - 1);
-#pragma unroll
-    for (int k = 0; k < kW; ++k) w[k][c] = p.weight[d * kW + k];
-    bias[c] = p.bias ? p.bias[d] : 0.f;
-  }
+  load_channel_params<kW, kV>(p, d0, w, bias);
   float win[kW][kV];   // win[kW-1] = x[t], win[kW-1-j] = x[t-j]
 #pragma unroll
   for (int j = 0; j < kW - 1; ++j) {
@@ -121,13 +127,7 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
     T *dx = reinterpret_cast<T *>(p.dx) + b * p.x_bs + d0;
     const int *pos = p.pos + (int64_t)b * L;
     float w[kW][kV], bias[kV];
-#pragma unroll
-    for (int c = 0; c < kV; ++c) {
-      const int d = min(d0 + c, p.dim - 1);
-#pragma unroll
-      for (int k = 0; k < kW; ++k) w[k][c] = p.weight[d * kW + k];
-      bias[c] = p.bias ? p.bias[d] : 0.f;
-    }
+    load_channel_params<kW, kV>(p, d0, w, bias);
     float xw[kW][kV];    // xw[kW-1] = x[t], xw[kW-1-j] = x[t-j]
     float gw[kW][kV];    // gw[kW-1] = g[t], gw[kW-1-j] = g[t-j]
     int rw[kW];          // reach of the same timesteps as gw
