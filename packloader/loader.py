@@ -599,7 +599,10 @@ class _LoaderIterator:
         transport = isinstance(e, (EOFError, ConnectionError)) or (
             type(e) is RuntimeError and ("DataLoader worker" in str(e) or "timed out" in str(e)))
         if not hasattr(self, "_fault"):  # (once: a retry must not see the workers the shutdown ended)
-            self._fault = watch.fault_safely(wait=transport) if watch is not None else None
+            # an exception raised by the worker's own code (torch re-raises it here: "Caught ... in DataLoader
+            # worker process N") is the story; the other workers may be exiting by then (status 0) and must not
+            # be reported instead of it. Only a lost worker (transport errors, timeouts) is looked for.
+            self._fault = watch.fault_safely(wait=True) if (watch is not None and transport) else None
         fault = self._fault
         if watch is not None:
             watch.stop.set()
