@@ -23,8 +23,9 @@ The report tells them from a leak by itself, so nobody has to guess a tolerance:
 
 1. **Run-to-run noise** (backward kernels that add with atomics: their last bits vary between two
    identical calls). ``check_isolation`` runs the unperturbed batch twice (forward and the same
-   backward passes) and takes the largest difference per quantity: the *noise floor* of the outputs
-   and of the input gradients (``report.output_floor``, ``report.grad_floor``). A change counts
+   backward passes), and each perturbed batch twice too, and takes the largest difference between
+   identical runs per quantity: the *noise floor* of the outputs and of the input gradients
+   (``report.output_floor``, ``report.grad_floor``). A change counts
    only above ``limit = FLOOR_FACTOR * floor`` (4x: a change measured on one sequence is a maximum
    over fewer values than the floor, which is a maximum over the whole batch). With deterministic
    algorithms on (``torch.use_deterministic_algorithms(True)``, or ``deterministic=True``, which
@@ -481,6 +482,9 @@ def _check(model_fn, batch, *, targets, max_targets, input_key, embedding, vocab
         v = v[mask]
         return float(v.max()) if v.numel() else 0.0
 
+    def per_token_max(x):
+        return x.detach().reshape(B, L, -1).abs().amax(-1)
+
     def grad_of(c, sel, wrt, retain):
         g = torch.autograd.grad(c[sel].sum(), wrt, retain_graph=retain, allow_unused=True)[0]
         return torch.zeros_like(wrt) if g is None else g
@@ -521,6 +525,42 @@ def _check(model_fn, batch, *, targets, max_targets, input_key, embedding, vocab
         del c_b, c_b2
     del out_b2, wrt_b2
 
+    # each target perturbed, twice (the repeat measures the noise floor again, on the perturbed batch);
+    # only per-token maxima are kept
+    perturbed: Dict[int, dict] = {}
+    for t in targets:
+        tmask = seq_id_dev == t
+        pb = dict(batch)
+        delta = None
+        if is_ids:
+            V = vocab_size or (emb.num_embeddings if emb is not None else int(inp.max()) + 1)
+            V = max(int(V), 2)
+            shift = torch.randint(1, V, inp.shape, generator=gen).to(inp.device)
+            pb[input_key] = torch.where(tmask, (inp.long() + shift) % V, inp.long()).to(inp.dtype)
+        else:
+            std = float(inp.detach().float().std()) or 1.0
+            noise = torch.randn(inp.shape, generator=gen, dtype=torch.float64).to(inp.device, inp.dtype)
+            mask = tmask.reshape(B, L, *([1] * (inp.dim() - 2)))
+            delta = torch.where(mask, noise_scale * std * noise, torch.zeros_like(noise))
+            pb[input_key] = inp + delta
+        rec: dict = {"delta": delta}
+        outs = []
+        for _ in range(2):
+            out_p, wrt_p, e_p = run(pb)
+            g_p = grad_of(per_token(out_p), ~tmask, wrt_p, False) if grads_on else None
+            outs.append((out_p.detach(), g_p))
+            if e_p is not None and "emb_out" not in rec:
+                rec["emb_out"] = e_p.detach()
+            del out_p, wrt_p
+        (o1, g1), (o2, g2) = outs
+        rec["d_out"] = per_token_max(absdiff(o1, out_b))
+        output_floor = max(output_floor, token_max(absdiff(o2, o1), everything))
+        if grads_on:
+            rec["d_grad"] = per_token_max(absdiff(g1, g_oth[t]))
+            grad_floor = max(grad_floor, token_max(absdiff(g2, g1), everything))
+        del outs, o1, o2, g1, g2
+        perturbed[t] = rec
+
     if atol is not None:
         output_limit, grad_limit = float(atol), (float(atol) if grads_on else None)
     elif det:
@@ -547,31 +587,17 @@ def _check(model_fn, batch, *, targets, max_targets, input_key, embedding, vocab
     if is_ids and not can_probe:
         notes.append("no embedding to scale the perturbation on: every change above the limit counts as a leak")
 
+    out_scale_tok = per_token_max(out_b)
     results: List[SequenceResult] = []
     grad_into: Dict[int, float] = {}
     grad_into_kind: Dict[int, str] = {}
     max_out, max_grad = 0.0, 0.0 if grads_on else None
     for t in targets:
+        rec = perturbed[t]
         tmask = seq_id_dev == t
         others = ~tmask
-        pb = dict(batch)
-        if is_ids:
-            V = vocab_size or (emb.num_embeddings if emb is not None else int(inp.max()) + 1)
-            V = max(int(V), 2)
-            shift = torch.randint(1, V, inp.shape, generator=gen).to(inp.device)
-            pb[input_key] = torch.where(tmask, (inp.long() + shift) % V, inp.long()).to(inp.dtype)
-        else:
-            std = float(inp.detach().float().std()) or 1.0
-            noise = torch.randn(inp.shape, generator=gen, dtype=torch.float64).to(inp.device, inp.dtype)
-            mask = tmask.reshape(B, L, *([1] * (inp.dim() - 2)))
-            delta = torch.where(mask, noise_scale * std * noise, torch.zeros_like(noise))
-            pb[input_key] = inp + delta
-        out_p, wrt_p, e_p = run(pb)
-        d_out = absdiff(out_p, out_b)
-        d_grad = None
+        d_out, d_grad = rec["d_out"], rec.get("d_grad")
         if grads_on:
-            g_p_oth = grad_of(per_token(out_p), others, wrt_p, False)
-            d_grad = absdiff(g_p_oth, g_oth[t])
             grad_into[t] = token_max(g_oth[t], tmask)
             kind, _ = _classify_direct(grad_into[t], grad_limit, token_max(g_oth[t], others) or 0.0, direct_rtol)
             grad_into_kind[t] = kind
@@ -594,18 +620,19 @@ def _check(model_fn, batch, *, targets, max_targets, input_key, embedding, vocab
         if above and can_probe:
             # the same perturbation, scaled down: a leak's effect shrinks with it, rounding does not
             if is_ids:
-                e_q = (e_b.detach().double() + probe_scale * (e_p.detach().double() - e_b.detach().double()))
+                e_q = e_b.detach().double() + probe_scale * (rec["emb_out"].double() - e_b.detach().double())
                 out_q, wrt_q, _ = run(batch, emb_out=e_q.to(e_b.dtype))
             else:
                 qb = dict(batch)
-                qb[input_key] = inp + probe_scale * delta
+                qb[input_key] = inp + probe_scale * rec["delta"]
                 out_q, wrt_q, _ = run(qb)
-            d_out_probe = absdiff(out_q, out_b)
+            d_out_probe = per_token_max(absdiff(out_q, out_b))
             if grads_on:
-                d_grad_probe = absdiff(grad_of(per_token(out_q), others, wrt_q, False), g_oth[t])
+                d_grad_probe = per_token_max(absdiff(grad_of(per_token(out_q), others, wrt_q, False), g_oth[t]))
+            del out_q, wrt_q
         for (j, r, s, n, m, oc, gc, gl) in pairs:
             op, gp = token_max(d_out_probe, m), token_max(d_grad_probe, m)
-            o_scale = token_max(out_b, m)
+            o_scale = token_max(out_scale_tok, m)
             g_scale = token_max(g_oth[t], m) if grads_on else None
             k_out, w_out = _classify_change(oc, op, output_floor, output_limit, o_scale, rtol, cut)
             k_grad, w_grad = _classify_change(gc, gp, grad_floor or 0.0, grad_limit or 0.0, g_scale, rtol, cut)
