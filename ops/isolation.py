@@ -35,16 +35,22 @@ The report tells them from a leak by itself, so nobody has to guess a tolerance:
    mamba-ssm's Mamba-2 chunk scan with ``seq_idx`` forms ``exp(dA_cumsum[m] - dA_cumsum[k])`` from
    cumulative sums that run across boundaries: an earlier sequence's dt cancels exactly in theory and
    changes only the rounding of a later one's outputs (``benchmarks/gpu/mamba2_rounding.py``).
-   Every change above the limit is therefore probed: the same sequence is perturbed again with its
-   perturbation scaled by ``probe_scale`` (``2**-8``; ``2**-4`` for 16-bit inputs), between the
-   unperturbed input and the perturbed one (for ``input_ids``: on the embedding's output). A leak's
-   effect shrinks with its cause; rounding does not (any change of the earlier values flips the
-   same last bits). A change ``c`` (full perturbation) with probe change ``p`` is
+   Every change above the limit is therefore probed: the same sequence is perturbed three more
+   times, with its perturbation scaled by ``probe_scale`` = 1/16, by 2/16 and by -1/16, between the
+   unperturbed input and the perturbed one (for ``input_ids``: on the embedding's output). A leak is
+   a smooth function of its cause, so for small perturbations its effect is linear: element by
+   element, the 2/16 probe changes the observed sequence twice as much as the 1/16 one (``P2 = 2
+   P1``), the -1/16 one as much the other way (``P(-1) = -P1``), and all of them less than the full
+   perturbation. Rounding is not linear: a small change of the earlier values flips the last bits of
+   other elements, or none at all (a cumulative sum that stays in its binade rounds the same way),
+   as much for a small perturbation as for a large one. A change ``c`` (full perturbation) is
 
-   - ``"leak"`` if ``p <= sqrt(probe_scale) * c + 2 * floor`` (it scales), or if it exceeds
-     ``rounding_rtol`` times the observed sequence's own magnitude (its largest output, or largest
-     input gradient), whatever the probe says;
-   - ``"rounding"`` otherwise: small relative to the sequence and not shrinking with the perturbation.
+   - ``"leak"`` if ``c`` exceeds ``rounding_rtol`` times the observed sequence's own magnitude
+     ``s`` (its largest output, or largest input gradient), whatever the probes say; or if
+     ``max|P2|`` is resolved (above ``4 * eps * s`` plus two noise floors), at most ``c / 2``, and
+     ``max(max|P2 - 2 P1|, 2 max|P(-1) + P1|) <= max|P2| / 2`` (plus three noise floors);
+   - ``"rounding"`` otherwise: small relative to the sequence, and gone under a small perturbation,
+     not shrinking with it, or not linear in it.
 
    ``rounding_rtol`` defaults to 1e-6 for float64, 1e-2 for float32 (Triton kernels such as Mamba-2's
    compute fp32 products in TF32, 10-bit mantissas) and 5e-2 for 16-bit types (the lowest precision
@@ -56,8 +62,10 @@ Each (perturbed, observed) pair and the report as a whole are classified ``"none
 ``"leak"``; ``report.ok`` is true unless something leaks (``allow_rounding=False``: unless anything
 changes at all). The floors, limits, largest changes and the classification are in ``repr(report)``;
 ``str(report)`` adds a table. What it cannot see: a leak smaller than the limit (4x the noise floor;
-none in deterministic mode), and a leak that does not shrink with its cause and stays within
-``rounding_rtol`` of the observed sequence (a step function of another sequence, for example).
+none in deterministic mode); a leak so small that 1/8 of it is not resolved (about ``32 * eps`` of
+the observed sequence's scale, 4e-6 in float32), which is called rounding; a leak that is not linear
+in its cause and stays within ``rounding_rtol`` of the observed sequence (a step function of another
+sequence, for example).
 
 Example::
 
@@ -84,7 +92,11 @@ __all__ = ["check_isolation", "IsolationReport", "SequenceResult"]
 NONE, ROUNDING, LEAK = "none", "rounding", "leak"
 _RANK = {NONE: 0, ROUNDING: 1, LEAK: 2}
 FLOOR_FACTOR = 4.0  # a change counts above this many noise floors (default mode)
-PROBE_NOISE = 2.0  # floors of run-to-run noise allowed on top of a probe change that scales
+PROBE_SCALE = 2.0 ** -4  # the probes perturb by this fraction of the full perturbation, and by twice that
+PROBE_NOISE = 3.0  # floors of run-to-run noise allowed in the probes' comparisons
+RESOLUTION_EPS = 4.0  # a probe change is resolved above this many eps of the sequence's scale
+LINEARITY = 0.5  # max|P2 - 2 P1| and 2 max|P(-1) + P1| up to this fraction of max|P2|: linear
+SHRINK = 0.5  # a leak's max|P2| (2/16 of the perturbation) is at most this fraction of the full change
 DIRECT_EPS = 64.0  # direct cross-sequence gradients: rounding up to this many eps of their scale
 
 
@@ -104,8 +116,10 @@ class SequenceResult:
     output_change: float
     grad_change: Optional[float]  # change of d(loss of the others)/d(input of this sequence)
     grad_leak: Optional[float]  # |d(loss of the target)/d(input of this sequence)|
-    output_probe: Optional[float] = None  # output change with the perturbation scaled by probe_scale
+    output_probe: Optional[float] = None  # max|P2|: output change with the perturbation scaled by 2 * probe_scale
     grad_probe: Optional[float] = None  # the same for grad_change
+    output_nonlinearity: Optional[float] = None  # max(max|P2 - 2 P1|, 2 max|P(-1) + P1|) (P1: at probe_scale)
+    grad_nonlinearity: Optional[float] = None
     output_scale: float = 0.0  # largest |output| of this sequence (unperturbed)
     grad_scale: Optional[float] = None  # largest |d(loss of the others)/d(input)| over its tokens
     kind: str = NONE  # "none" / "rounding" / "leak": the worst of the three quantities
@@ -186,12 +200,14 @@ class IsolationReport:
                 f"(noise floor {f(self.grad_floor)}, limit {f(self.grad_limit)}); {how}; "
                 f"{len(self.targets)} perturbed sequence(s), {len(self.sequences)} sequences")
         lines = [head, f"{'target':>6} {'seq':>5} {'row':>4} {'start':>6} {'len':>5} "
-                       f"{'|d out|':>10} {'|d grad|':>10} {'grad leak':>10} {'probe out':>10} {'probe grad':>10}"]
+                       f"{'|d out|':>10} {'|d grad|':>10} {'grad leak':>10} {'probe out':>10} {'nonlin out':>10} "
+                       f"{'probe grad':>10} {'nonlin grd':>10}"]
         for r in self.results:
             flag = {LEAK: f"  ({r.why}) <- leak", ROUNDING: f"  rounding ({r.why})", NONE: ""}[r.kind]
             lines.append(f"{r.target:>6} {r.other:>5} {r.row:>4} {r.start:>6} {r.length:>5} "
                          f"{f(r.output_change):>10} {f(r.grad_change):>10} {f(r.grad_leak):>10} "
-                         f"{f(r.output_probe):>10} {f(r.grad_probe):>10}{flag}")
+                         f"{f(r.output_probe):>10} {f(r.output_nonlinearity):>10} {f(r.grad_probe):>10} "
+                         f"{f(r.grad_nonlinearity):>10}{flag}")
         for t, v in self.grad_into_target.items():
             kind = self.grad_into_kind.get(t, NONE)
             if kind != NONE:
@@ -269,24 +285,29 @@ def _default_rounding_rtol(dtypes) -> float:
     return 1e-6
 
 
-def _classify_change(c: Optional[float], probe: Optional[float], floor: float, limit: float, scale: Optional[float],
-                     rtol: float, cut: float):
-    """(kind, why) of a change ``c`` whose probe (perturbation scaled down) changed ``probe``."""
+def _classify_change(c: Optional[float], probe: Optional[float], nonlinearity: Optional[float], floor: float,
+                     limit: float, scale: Optional[float], rtol: float, eps: float):
+    """(kind, why) of a change ``c`` whose probes changed ``probe`` = max|P2| with ``nonlinearity`` = max|P2 - 2 P1|."""
     if c is None:
         return NONE, ""
     if math.isnan(c):
         return LEAK, "NaN"
     if c <= limit:
         return NONE, ""
+    scale = scale or 0.0
+    if c > rtol * scale:
+        return LEAK, f"{c / scale:.1e} of the sequence's scale" if scale else "the sequence's scale is 0"
     if probe is None:
         return LEAK, "above the limit, not probed"
-    if math.isnan(probe):
+    if math.isnan(probe) or math.isnan(nonlinearity):
         return LEAK, "NaN in the probe"
-    if c > rtol * (scale or 0.0):
-        return LEAK, f"{c / scale:.1e} of the sequence's scale" if scale else "the sequence's scale is 0"
-    if probe <= cut * c + PROBE_NOISE * floor:
-        return LEAK, f"scales with the perturbation: probe {probe:.1e}"
-    return ROUNDING, f"probe {probe:.1e}, {c / scale:.1e} of scale"
+    if probe <= RESOLUTION_EPS * eps * scale + 2 * floor:
+        return ROUNDING, f"gone under a small perturbation, {c / scale:.1e} of scale"
+    if probe > SHRINK * c + PROBE_NOISE * floor:
+        return ROUNDING, f"does not shrink with the perturbation, {c / scale:.1e} of scale"
+    if nonlinearity <= LINEARITY * probe + PROBE_NOISE * floor:
+        return LEAK, f"linear in the perturbation: deviation {nonlinearity:.1e} of |P2| {probe:.1e}"
+    return ROUNDING, f"not linear in the perturbation, {c / scale:.1e} of scale"
 
 
 def _classify_direct(v: Optional[float], limit: float, scale: float, rtol: float):
@@ -482,6 +503,10 @@ def _check(model_fn, batch, *, targets, max_targets, input_key, embedding, vocab
         v = v[mask]
         return float(v.max()) if v.numel() else 0.0
 
+    def signed_diff(a, b):
+        dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+        return a.detach().to(dt) - b.detach().to(dt)
+
     def per_token_max(x):
         return x.detach().reshape(B, L, -1).abs().amax(-1)
 
@@ -577,12 +602,11 @@ def _check(model_fn, batch, *, targets, max_targets, input_key, embedding, vocab
     device_type = inp.device.type
     if torch.is_autocast_enabled(device_type):  # the caller runs the check under autocast
         probe_dtypes.append(torch.get_autocast_dtype(device_type))
-    sixteen_bit = max(_eps(d) for d in probe_dtypes) > 1e-4
-    probe_scale = 2.0 ** -4 if sixteen_bit else 2.0 ** -8
-    cut = math.sqrt(probe_scale)
+    probe_scale = PROBE_SCALE
     rtol = _default_rounding_rtol(probe_dtypes) if rounding_rtol is None else float(rounding_rtol)
     grad_dtype = wrt_b.dtype if grads_on else out_b.dtype
     direct_rtol = min(DIRECT_EPS * _eps(grad_dtype), rtol)
+    out_eps = _eps(out_b.dtype)
     can_probe = not is_ids or emb is not None
     if is_ids and not can_probe:
         notes.append("no embedding to scale the perturbation on: every change above the limit counts as a leak")
@@ -616,31 +640,42 @@ def _check(model_fn, batch, *, targets, max_targets, input_key, embedding, vocab
                 max_grad = max(max_grad, gc, gl)
         above = any(oc > output_limit or math.isnan(oc) or (gc is not None and (gc > grad_limit or math.isnan(gc)))
                     for (_, _, _, _, _, oc, gc, _) in pairs)
-        d_out_probe = d_grad_probe = None
+        d_out_probe = d_grad_probe = d_out_nonlin = d_grad_nonlin = None
         if above and can_probe:
-            # the same perturbation, scaled down: a leak's effect shrinks with it, rounding does not
-            if is_ids:
-                e_q = e_b.detach().double() + probe_scale * (rec["emb_out"].double() - e_b.detach().double())
-                out_q, wrt_q, _ = run(batch, emb_out=e_q.to(e_b.dtype))
-            else:
-                qb = dict(batch)
-                qb[input_key] = inp + probe_scale * rec["delta"]
-                out_q, wrt_q, _ = run(qb)
-            d_out_probe = per_token_max(absdiff(out_q, out_b))
+            # the same perturbation, scaled down twice (1/16 and 2/16): a leak's effect is linear in it
+            probes = []
+            for k in (1, 2, -1):
+                if is_ids:
+                    e_q = e_b.detach().double() + k * probe_scale * (rec["emb_out"].double() - e_b.detach().double())
+                    out_q, wrt_q, _ = run(batch, emb_out=e_q.to(e_b.dtype))
+                else:
+                    qb = dict(batch)
+                    qb[input_key] = inp + (k * probe_scale) * rec["delta"]
+                    out_q, wrt_q, _ = run(qb)
+                dg = (signed_diff(grad_of(per_token(out_q), others, wrt_q, False), g_oth[t]) if grads_on else None)
+                probes.append((signed_diff(out_q, out_b), dg))
+                del out_q, wrt_q
+            (o1, g1), (o2, g2), (om, gm) = probes
+            # the larger of the two deviations from linearity: P2 - 2 P1 and P(-1) + P1
+            d_out_probe = per_token_max(o2)
+            d_out_nonlin = torch.maximum(per_token_max(o2 - 2 * o1), 2 * per_token_max(om + o1))
             if grads_on:
-                d_grad_probe = per_token_max(absdiff(grad_of(per_token(out_q), others, wrt_q, False), g_oth[t]))
-            del out_q, wrt_q
+                d_grad_probe = per_token_max(g2)
+                d_grad_nonlin = torch.maximum(per_token_max(g2 - 2 * g1), 2 * per_token_max(gm + g1))
+            del probes, o1, o2, om, g1, g2, gm
         for (j, r, s, n, m, oc, gc, gl) in pairs:
             op, gp = token_max(d_out_probe, m), token_max(d_grad_probe, m)
+            on, gn = token_max(d_out_nonlin, m), token_max(d_grad_nonlin, m)
             o_scale = token_max(out_scale_tok, m)
             g_scale = token_max(g_oth[t], m) if grads_on else None
-            k_out, w_out = _classify_change(oc, op, output_floor, output_limit, o_scale, rtol, cut)
-            k_grad, w_grad = _classify_change(gc, gp, grad_floor or 0.0, grad_limit or 0.0, g_scale, rtol, cut)
+            k_out, w_out = _classify_change(oc, op, on, output_floor, output_limit, o_scale, rtol, out_eps)
+            k_grad, w_grad = _classify_change(gc, gp, gn, grad_floor or 0.0, grad_limit or 0.0, g_scale, rtol,
+                                              _eps(grad_dtype))
             k_dir, w_dir = _classify_direct(gl, grad_limit or 0.0, tgt_scale, direct_rtol)
             kind = _worse(k_out, k_grad, k_dir)
             why = "; ".join(f"{name}: {w}" for name, k, w in (("out", k_out, w_out), ("grad", k_grad, w_grad),
                                                                ("grad leak", k_dir, w_dir)) if k == kind and w)
-            results.append(SequenceResult(t, j, r, s, n, oc, gc, gl, op, gp, o_scale, g_scale, kind, why))
+            results.append(SequenceResult(t, j, r, s, n, oc, gc, gl, op, gp, on, gn, o_scale, g_scale, kind, why))
     for v in (max_out, max_grad, output_floor, grad_floor):
         if v is not None and math.isnan(v):
             notes.append("NaN in the comparison")
