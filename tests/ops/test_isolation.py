@@ -328,14 +328,23 @@ def test_converted_model_in_deterministic_mode_is_exactly_zero(seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_chunked_cumsum_rounding_is_rounding_not_a_leak(seed, dtype):
+@pytest.mark.parametrize("fixed", [False, True])
+def test_chunked_cumsum_rounding_is_rounding_not_a_leak(seed, dtype, fixed):
+    """Random seeds: whatever changes is rounding (sometimes nothing does: a sum that stays in its binade
+    rounds the same way). Seed 1: known to round differently, in both dtypes."""
+    seed = 1 if fixed else seed
     rows = [[5, 3, 4], [2, 6, 4], [12]]
     batch = float_batch(rows, seed=seed, dtype=dtype)
     layer, _ = safe_layer(dtype, seed)
     decay = ChunkedDecay(6).to(dtype)
     fn = lambda b: decay(layer(b["hidden_states"], position_ids=b["position_ids"]), b["position_ids"])  # noqa: E731
     rep = check_isolation(fn, batch, max_targets=8)
-    assert rep.ok and rep.classification == "rounding" and not rep.leaks, str(rep)
+    assert rep.ok and not rep.leaks, str(rep)
+    changed = rep.max_output_change > 0 or rep.max_grad_change > 0
+    assert rep.classification == ("rounding" if changed else "none"), str(rep)
+    if not fixed and not changed:
+        return
+    assert rep.classification == "rounding"
     rounded = [r for r in rep.results if r.kind == "rounding"]
     assert rounded and all(r.output_probe is not None for r in rounded if r.output_change > 0)
     assert all(any(w in r.why for w in ("not linear", "gone under", "does not shrink", "grad leak"))
@@ -369,7 +378,7 @@ def test_rounding_sized_dependency_that_does_not_scale_is_rounding(seed, dtype):
         def g(b):
             y = fn(b)
             bits = torch.sin(1e6 * b["hidden_states"].detach().double().cumsum(1)).to(y.dtype)
-            return y + size * y.detach().abs().amax() * bits
+            return y + size * y.detach().abs().amax(-1, keepdim=True) * bits  # size x each token's scale
         return g
 
     rep = check_isolation(with_bits(1e-7), batch)
