@@ -25,8 +25,8 @@ The report tells them from a leak by itself, so nobody has to guess a tolerance:
    identical calls). ``check_isolation`` runs the unperturbed batch twice (forward and the same
    backward passes), and each perturbed batch twice too, and takes the largest difference between
    identical runs per quantity: the *noise floor* of the outputs and of the input gradients
-   (``report.output_floor``, ``report.grad_floor``). A change counts
-   only above ``limit = FLOOR_FACTOR * floor`` (4x: a change measured on one sequence is a maximum
+   (``report.output_floor``, ``report.grad_floor``). A change counts only above
+   ``limit = FLOOR_FACTOR * floor`` (4x: a change measured on one sequence is a maximum
    over fewer values than the floor, which is a maximum over the whole batch). With deterministic
    algorithms on (``torch.use_deterministic_algorithms(True)``, or ``deterministic=True``, which
    turns them on for the check) the limit is exactly 0, and a packing-safe model on deterministic
@@ -66,6 +66,9 @@ none in deterministic mode); a leak so small that 1/8 of it is not resolved (abo
 the observed sequence's scale, 4e-6 in float32), which is called rounding; a leak that is not linear
 in its cause and stays within ``rounding_rtol`` of the observed sequence (a step function of another
 sequence, for example).
+
+Cost: ``model_fn`` runs 2 + 2 x (perturbed sequences) times, plus 3 times for each perturbed sequence
+whose perturbation changes anything above the limit; each run with one backward pass per loss.
 
 Example::
 
