@@ -638,7 +638,8 @@ def pack_dataset(
         "labels_column": labels_column,
         "settings": settings,
         "files": files,
-        "sources": list(paths),
+        "sources": [os.path.abspath(p) for p in paths],
+        "source_paths": "absolute",  # resolved at pack time (before: as given, relative to pack's directory)
         "source_digests": digests,
         "content_hash": content_hash,
         "job_hashes": [j.job_hash for j in jobs],
