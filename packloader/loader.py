@@ -320,7 +320,7 @@ class PackedDataLoader:
                 raise ValueError(f"capacity={capacity} does not match the pre-packed directory {rows.directory!r}"
                                  f" (capacity {rows.capacity}); pass capacity=None or {rows.capacity}")
             for name, given, packed in (("algorithm", algorithm, rows.algorithm), ("overflow", overflow, rows.overflow)):
-                if given is not None and given != packed:
+                if given is not None and packed is not None and given != packed:  # (None: not recorded)
                     raise ValueError(f"{name}={given!r} does not match the pre-packed directory {rows.directory!r}"
                                      f" (packed with {name} {packed!r}): its rows are already packed; pass "
                                      f"{name}=None, or pack the shards again with --{name} {given}")

@@ -111,7 +111,7 @@ def test_persistent_workers_follow_set_epoch(tmp_path):
 
 def test_hf_compat_keys(tmp_path):
     paths, _, _ = make_shards(tmp_path, "arrow", n_shards=1)
-    b = next(iter(PackedDataLoader(paths, capacity=128, batch_size=2, hf_compat=True)))
+    b = next(iter(PackedDataLoader(paths, capacity=128, overflow="split", batch_size=2, hf_compat=True)))
     assert torch.equal(b["cu_seq_lens_q"], b["cu_seqlens"]) and torch.equal(b["cu_seq_lens_k"], b["cu_seqlens"])
     assert b["max_length_q"] == b["max_length_k"] == b["max_seqlen"]
     assert int(b["cu_seqlens"][-1]) == 2 * 128
@@ -227,7 +227,7 @@ def test_abandoned_worker_iterators_are_freed_without_the_garbage_collector(tmp_
 
 def test_state_is_small_json(tmp_path):
     paths, _, _ = make_shards(tmp_path, "arrow")
-    loader = PackedDataLoader(paths, capacity=128, batch_size=2)
+    loader = PackedDataLoader(paths, capacity=128, overflow="split", batch_size=2)
     it = iter(loader)
     next(it)
     sd = loader.state_dict()
@@ -278,9 +278,9 @@ def test_batch_keys_and_dtypes_are_the_documented_ones(tmp_path, kind):
 def test_pin_memory_without_accelerator_warns_and_still_yields(tmp_path):
     paths, _, _ = make_shards(tmp_path, "arrow", n_shards=1)
     with pytest.warns(UserWarning, match="pin_memory=True but no accelerator"):
-        loader = PackedDataLoader(paths, capacity=128, batch_size=2, pin_memory=True, num_workers=1)
+        loader = PackedDataLoader(paths, capacity=128, overflow="split", batch_size=2, pin_memory=True, num_workers=1)
     assert loader.pin_memory is False
-    ref = PackedDataLoader(paths, capacity=128, batch_size=2)
+    ref = PackedDataLoader(paths, capacity=128, overflow="split", batch_size=2)
     assert [batch_fingerprint(b) for b in loader] == [batch_fingerprint(b) for b in ref]
 
 
