@@ -39,6 +39,7 @@ def _add_common(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from packer_algos import ALGORITHMS, OVERFLOW_POLICIES
     from packloader import __version__
 
     parser = argparse.ArgumentParser(
@@ -76,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sources", nargs="+", help="shard files, patterns or directories")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--capacity", type=int, default=4096, help="tokens per row (default: %(default)s)")
-    p.add_argument("--algorithm", choices=["bfd", "ffd", "first_fit", "next_fit", "online"], default="bfd",
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="bfd",
                    help="packing algorithm (default: %(default)s)")
-    p.add_argument("--overflow", choices=["error", "split", "truncate", "drop"], default="error",
+    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="error",
                    help="sequences longer than --capacity (default: %(default)s)")
     p.add_argument("--global", dest="global_packing", action="store_true",
                    help="pack across shard boundaries (default: each shard alone)")

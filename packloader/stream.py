@@ -177,15 +177,13 @@ class StreamingRows:
                 self.has_labels |= bool(sh.has_labels)
             finally:
                 sh.close()
+        from packloader.prepacked import check_fits
+
         n_over = over_tokens = 0
         for p, ln in zip(self.paths, self.lengths):
-            long = np.flatnonzero(ln > self.capacity)
-            if len(long) and overflow == "error":
-                raise DataError(f"sequence of {int(ln[long[0]])} tokens exceeds capacity {self.capacity} "
-                                f"({len(long)} such sequence(s) in this file; overflow='error', the default: "
-                                "pass overflow='split', 'truncate' or 'drop')", path=p, row=int(long[0]))
-            n_over += len(long)
-            over_tokens += int(ln[long].sum())
+            n, t = check_fits(ln, self.capacity, overflow, path=p)
+            n_over += n
+            over_tokens += t
         #: what the overflow policy does to the source, the same every epoch (see
         #: :attr:`packloader.PackedDataLoader.overflow_counts`)
         self.overflow_counts = overflow_counts(overflow, n_over, over_tokens, self.capacity)

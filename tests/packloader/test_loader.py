@@ -167,7 +167,7 @@ def test_too_long_sequence_with_overflow_error_names_file_and_row(tmp_path):
     seqs = random_sequences(10, seed=1, max_len=50)
     seqs[6] = np.arange(1, 100, dtype=np.int32)
     p = write_arrow(tmp_path / "long.arrow", seqs)
-    with pytest.raises(DataError, match="long.arrow, row 6: sequence of 99 tokens exceeds capacity 64"):
+    with pytest.raises(DataError, match="long.arrow, row 6: sequence of 99 tokens is longer than capacity 64"):
         PackedDataLoader(p, capacity=64, overflow="error")
 
 
@@ -322,7 +322,7 @@ def _long_shard(tmp_path, name="long.arrow"):
 
 def test_overflow_default_is_error_naming_file_row_and_length(tmp_path):
     p, _ = _long_shard(tmp_path)
-    with pytest.raises(DataError, match=r"long.arrow, row 3: sequence of 99 tokens exceeds capacity 64 "
+    with pytest.raises(DataError, match=r"long.arrow, row 3: sequence of 99 tokens is longer than capacity 64 "
                                         r"\(2 such sequence"):
         PackedDataLoader(p, capacity=64)
     with pytest.raises(ValueError, match="overflow must be one of"):
