@@ -54,11 +54,15 @@ def test_example_trains_and_resumes_exactly(workdir, tmp_path):
         assert losses(idle) == []
 
 
-def test_example_help_and_bad_vocab_size(workdir, tmp_path):
+def test_example_help_shows_defaults(workdir, tmp_path):
     base = [sys.executable, EXAMPLE, "--workdir", workdir, "--threads", "1"]
     out = run(base + ["--help"], tmp_path)
     for default in ("(default: 20)", "(default: 512)", "(default: 50280)", "(default: error)"):
         assert default in out
+
+
+def test_example_token_id_beyond_vocab_size_is_a_clear_error(workdir, tmp_path):
+    base = [sys.executable, EXAMPLE, "--workdir", workdir, "--threads", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
     proc = subprocess.run(base + ["--steps", "1", "--vocab-size", "1000"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env=env)
