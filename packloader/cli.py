@@ -39,6 +39,7 @@ def _add_common(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import packloader._numba  # noqa: F401  (first: Numba's cache fallback, before packer_algos compiles)
     from packer_algos import ALGORITHMS, OVERFLOW_POLICIES
     from packloader import __version__
 

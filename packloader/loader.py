@@ -112,8 +112,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from packer_algos.pieces import check_overflow
-from packloader.batch import collate_raw
+from packloader.batch import collate_raw  # (imports packloader._numba: Numba's cache fallback) first
 from packloader.distributed import (assign_rows, current_worker, resolve_rank_world, resume_point, rows_consumed,
                                     worker_batch_indices)
 from packloader.distributed import num_batches as plan_batches
@@ -313,6 +312,8 @@ class PackedDataLoader:
         self.drop_last, self.num_workers = bool(drop_last), int(num_workers)
 
         if overflow is not None:
+            from packer_algos.pieces import check_overflow
+
             check_overflow(overflow)
         if is_prepacked_dir(source):
             rows = PrepackedRows(source)

@@ -44,10 +44,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from packer_algos import ALGORITHMS
-from packer_algos import OVERFLOW_POLICIES as OVERFLOW
 from packloader._log import Progress, log
-from packloader._numba import njit_cached
+from packloader._numba import njit_cached  # first: Numba's cache fallback, before packer_algos compiles
+
+from packer_algos import ALGORITHMS  # isort: skip
+from packer_algos import OVERFLOW_POLICIES as OVERFLOW  # isort: skip
 from packloader._outdir import (STATE_DIR, atomic_path, atomic_write_text, claim_output_dir, file_checksum,
                                 remove_file, remove_stale_temps)
 from packloader.batch import IGNORE_INDEX
