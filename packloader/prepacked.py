@@ -40,7 +40,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from packloader.batch import IGNORE_INDEX
+from packloader.batch import IGNORE_INDEX  # noqa: F401  (re-exported: the format stores it in index.json)
 from packloader.errors import DataError
 
 __all__ = [
