@@ -156,7 +156,7 @@ def make_loader(a, case, data):
     if case == "prepacked":
         return PackedDataLoader(data["packed"], num_workers=a.prepacked_workers, **kw)
     return PackedDataLoader(data["shards"], capacity=a.capacity, algorithm="online", buffer_size=a.buffer_size,
-                            num_workers=a.stream_workers, **kw)
+                            overflow="split", num_workers=a.stream_workers, **kw)  # as the pre-packed case
 
 
 def time_epoch(loader, epoch: int) -> dict:

@@ -78,7 +78,7 @@ def loader_campaign(trials: int, seed: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         paths = [write_arrow(os.path.join(d, f"s{k}.arrow"), random_sequences(150, seed=k, max_len=300))
                  for k in range(3)]
-        kw = dict(capacity=512, batch_size=2, num_workers=2, timeout=2, seed=3)
+        kw = dict(capacity=512, overflow="split", batch_size=2, num_workers=2, timeout=2, seed=3)
         ref = [b["input_ids"].clone() for b in PackedDataLoader(paths, **kw)]
         for sig in ("SIGKILL", "SIGTERM", "SIGSTOP"):
             for _ in range(trials):

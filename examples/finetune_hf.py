@@ -181,8 +181,9 @@ def run_packed(args, paths, out):
     from packloader.hf import PackedTrainer, packed_trainer_class
 
     model = ops.enable_packing(make_model(args.model, args.d_model, args.layers, args.d_state, args.seed))
+    # overflow="split": a problem longer than --capacity is trained on in pieces (counted, warned once)
     loader = PackedDataLoader(paths, capacity=args.capacity, batch_size=args.batch_size, shuffle=True,
-                              seed=args.seed, hf_compat=True)
+                              seed=args.seed, hf_compat=True, overflow="split")
     counter = TokenCounter()
 
     class Counted(PackedTrainer if args.trainer == "trainer" else packed_trainer_class(_sft())):

@@ -19,7 +19,12 @@ What to look at:
 * the loss is summed over tokens and divided by the number of loss tokens of the whole step, across
   ranks (a rank can receive a batch of padding rows with no loss tokens; it still takes the step);
 * ``--save`` / ``--resume`` checkpoint the model, the optimizer and the loader: the resumed run sees
-  exactly the batches the uninterrupted one would have.
+  exactly the batches the uninterrupted one would have. ``--steps`` counts from the start of training,
+  not from the checkpoint: resuming a checkpoint of step 20 with ``--steps 20`` (or fewer) has nothing to
+  do, says so and exits with status 0.
+
+Bad input stops with a message and exit status 1: a token id >= ``--vocab-size``, a sequence longer than
+``--capacity`` with ``--overflow error`` (the default; ``split``, ``truncate`` or ``drop`` change it).
 """
 from __future__ import annotations
 
@@ -108,20 +113,25 @@ def demo_shards(workdir: str) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=None, help="token shards (pattern) or a pre-packed directory "
-                   "(default: the embedded GSM8K demo corpus, tokenized into --workdir)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", default=None, help="token shards (pattern) or a pre-packed directory; "
+                   "None: the embedded GSM8K demo corpus, tokenized into --workdir")
     p.add_argument("--workdir", default="demo_out/train_example", help="where the demo corpus is tokenized")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="optimizer steps in all, counted from the start of training (also with --resume)")
     p.add_argument("--capacity", type=int, default=512, help="tokens per packed row (ignored for a pre-packed dir)")
+    p.add_argument("--overflow", choices=["error", "split", "truncate", "drop"], default="error",
+                   help="sequences longer than --capacity (ignored for a pre-packed dir)")
     p.add_argument("--batch-size", type=int, default=2, help="packed rows per step and rank")
-    p.add_argument("--num-workers", type=int, default=0)
-    p.add_argument("--d-model", type=int, default=32)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=50280, help="GPT-NeoX-20B tokenizer: 50280")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--num-workers", type=int, default=0, help="loader worker processes")
+    p.add_argument("--d-model", type=int, default=32, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="Mamba blocks")
+    p.add_argument("--vocab-size", type=int, default=50280,
+                   help="embedding rows; every token id must be below it (GPT-NeoX-20B tokenizer: 50280)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 helps on a busy machine)")
     p.add_argument("--save", default=None, help="write a checkpoint (model, optimizer, loader) here at the end")
     p.add_argument("--resume", default=None, help="continue from a checkpoint written by --save")
@@ -148,9 +158,11 @@ def main(argv=None):
         if distributed:
             dist.barrier()  # rank 0 tokenized; the others find the finished shards
         source = demo_shards(args.workdir) if rank else source
+    prepacked = os.path.isfile(os.path.join(source, "index.json"))
     loader = PackedDataLoader(
         source,
-        capacity=None if os.path.isfile(os.path.join(source, "index.json")) else args.capacity,
+        capacity=None if prepacked else args.capacity,
+        overflow=None if prepacked else args.overflow,
         batch_size=args.batch_size,
         seed=args.seed,
         num_workers=args.num_workers,
@@ -170,6 +182,13 @@ def main(argv=None):
         opt.load_state_dict(ckpt["optimizer"])
         loader.load_state_dict(ckpt["loader"])  # the next iterator continues the saved epoch
         step, epoch = ckpt["step"], ckpt["loader"]["epoch"]
+        if step >= args.steps:
+            if rank == 0:
+                print(f"nothing to do: the checkpoint {args.resume} is at step {step}, and --steps {args.steps} "
+                      f"counts from the start of training; pass --steps {step + 1} or more to continue")
+            if distributed:
+                dist.destroy_process_group()
+            return 0
     if rank == 0:
         mixer = "ops.PackedMamba" if PackedMamba is not None else "PackedShortConv (ops not importable)"
         n_params = sum(q.numel() for q in model.parameters())
@@ -181,6 +200,11 @@ def main(argv=None):
     while step < args.steps:
         loader.set_epoch(epoch)  # reshuffles; keeps a resumed position in the saved epoch
         for batch in loader:
+            top = int(batch["input_ids"].max())
+            if top >= args.vocab_size:
+                raise SystemExit(f"error: token id {top} in the batch of step {step + 1} is >= --vocab-size "
+                                 f"{args.vocab_size} (the embedding has {args.vocab_size} rows); pass the "
+                                 "tokenizer's vocabulary size")
             n_loss = torch.tensor(float(batch["num_loss_tokens"]), device=device)
             if distributed:
                 dist.all_reduce(n_loss)  # loss tokens of the whole step, all ranks

@@ -8,21 +8,39 @@
     packloader report packed/ [--json] [--plot lengths.png] [--verify]
     packloader demo [--out demo_out]
 
-Bad input stops with ``error: FILE, row R: ...`` and exit status 1; usage errors exit with 2.
+Bad input stops with ``error: FILE, row R: ...`` and exit status 1; usage errors exit with 2. ``-q``
+prints nothing but errors (and the JSON that ``--json`` asks for). Output files (``--plot``) are written
+before anything is printed, and a closed pipe (``packloader report DIR | head -3``) ends the command
+quietly with status 0.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main", "build_parser"]
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to an option's help unless it names its default already or has none (flags)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if ("default" in h or action.default in (None, False, argparse.SUPPRESS)
+                or action.option_strings == [] and action.nargs in ("+", "*", None)):
+            return h
+        return h + " (default: %(default)s)"
+
+
 def _add_common(p):
-    p.add_argument("-q", "--quiet", action="store_true", help="print no progress or log lines")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print nothing but errors (and the JSON that --json asks for)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import packloader._numba  # noqa: F401  (first: Numba's cache fallback, before packer_algos compiles)
+    from packer_algos import ALGORITHMS, OVERFLOW_POLICIES
     from packloader import __version__
 
     parser = argparse.ArgumentParser(
@@ -31,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"packloader {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    fmt = {"formatter_class": _DefaultsFormatter}
 
-    p = sub.add_parser("prepare", help="tokenize a JSONL file into token shards",
+    p = sub.add_parser("prepare", help="tokenize a JSONL file into token shards", **fmt,
                        description="Tokenize the --fields of every JSON record (joined by --separator, EOS "
                                    "appended) with a local tokenizer.json into Arrow / WebDataset / Parquet "
                                    "shards.")
@@ -53,43 +72,62 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write into a non-empty directory prepare did not create (its files are left alone)")
     _add_common(p)
 
-    p = sub.add_parser("pack", help="pre-pack token shards into fixed-capacity Arrow rows",
+    p = sub.add_parser("pack", help="pre-pack token shards into fixed-capacity Arrow rows", **fmt,
                        description="Pack token shards (.arrow/.ipc/.feather, .parquet, .tar; globs and "
                                    "{000..127} braces) into uncompressed Arrow IPC files plus index.json.")
     p.add_argument("sources", nargs="+", help="shard files, patterns or directories")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--capacity", type=int, default=4096, help="tokens per row (default: %(default)s)")
-    p.add_argument("--algorithm", choices=["bfd", "ffd", "first_fit", "next_fit", "online"], default="bfd",
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="bfd",
                    help="packing algorithm (default: %(default)s)")
-    p.add_argument("--overflow", choices=["error", "split", "truncate", "drop"], default="error",
+    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="error",
                    help="sequences longer than --capacity (default: %(default)s)")
     p.add_argument("--global", dest="global_packing", action="store_true",
                    help="pack across shard boundaries (default: each shard alone)")
     p.add_argument("--token-column", default="input_ids", help="token column / tar member (default: %(default)s)")
     p.add_argument("--labels-column", default="labels", help="labels column / tar member (default: %(default)s)")
     p.add_argument("--no-labels", action="store_true", help="ignore a labels column (labels = inputs)")
-    p.add_argument("--max-items-per-bin", type=int, default=None, help="cap on sequences per row")
-    p.add_argument("--buffer-size", type=int, default=None, help="buffer of --algorithm online")
-    p.add_argument("--seed", type=int, default=None, help="tie-breaking seed of bfd / ffd")
-    p.add_argument("--rows-per-file", type=int, default=None, help="split output files at this many rows")
+    p.add_argument("--max-items-per-bin", type=int, default=None, help="cap on sequences per row (default: no cap)")
+    p.add_argument("--buffer-size", type=int, default=None,
+                   help="pending sequences of --algorithm online (default: 1000)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="tie-breaking seed of bfd / ffd (default: none, equal lengths in input order)")
+    p.add_argument("--rows-per-file", type=int, default=None,
+                   help="split output files at this many rows (default: one file per shard, or one with --global)")
     p.add_argument("--allow-empty", action="store_true", help="skip empty shards instead of failing")
-    p.add_argument("--workers", type=int, default=1, help="processes packing shards in parallel (>= 1)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes packing shards in parallel (>= 1; default: %(default)s)")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="fail (naming file and row) on a token id >= this vocabulary size")
+                   help="fail (naming file and row) on a token id >= this vocabulary size (default: no check)")
     p.add_argument("--allow-nonempty", action="store_true",
                    help="write into a non-empty directory pack did not create (its files are left alone)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="PNG", default=None, help="write the length / row-fill plot")
     _add_common(p)
 
-    p = sub.add_parser("report", help="show the packing report of a pre-packed directory")
+    p = sub.add_parser("report", help="show the packing report of a pre-packed directory", **fmt,
+                       description="Print the packing report stored in DIR/index.json (rows, efficiency, "
+                                   "padding against padding each batch to its longest sequence and against "
+                                   "one sequence per row, the lower bound ceil(tokens / capacity), overflow "
+                                   "counts, timings) as a table or JSON; optionally plot it and verify the "
+                                   "packed files' checksums.")
     p.add_argument("dir", help="a directory written by 'packloader pack'")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="PNG", default=None, help="write the length / row-fill plot")
     p.add_argument("--verify", action="store_true",
                    help="also hash every packed file and compare with the checksums in index.json")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="batch size of the unpacked baseline (sequences per batch, each batch padded to its "
+                        "longest; recomputed from the packed rows' provenance; default: the one stored by "
+                        "pack, 8)")
+    _add_common(p)
 
-    p = sub.add_parser("demo", help="tokenize, pack (next_fit and bfd) and report the embedded GSM8K sample")
+    p = sub.add_parser("demo", help="tokenize, pack (next_fit and bfd) and report the embedded GSM8K sample",
+                       **fmt, description="Offline, on data embedded in the package: tokenize 4,000 GSM8K "
+                                          "problems with the GPT-NeoX-20B tokenizer into Arrow shards, pre-pack "
+                                          "them with next_fit and bfd, check a packed row against its source, "
+                                          "print both reports side by side and write lengths.png. Re-running "
+                                          "reuses finished outputs.")
     p.add_argument("--out", default="demo_out", help="output directory (default: %(default)s)")
     p.add_argument("--capacity", type=int, default=2048, help="tokens per row (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N problems")
@@ -105,8 +143,9 @@ def _cmd_prepare(a) -> int:
     res = prepare_jsonl(a.input, a.out, tokenizer=a.tokenizer, fields=fields, separator=a.separator,
                         eos=not a.no_eos, mask_prompt=a.mask_prompt, format=a.format, shard_size=a.shard_size,
                         limit=a.limit, quiet=a.quiet, overwrite=a.overwrite, allow_nonempty=a.allow_nonempty)
-    for p in res.paths:
-        print(p)
+    if not a.quiet:
+        for p in res.paths:
+            print(p)
     return 0
 
 
@@ -120,12 +159,22 @@ def _cmd_pack(a) -> int:
         seed=a.seed, rows_per_file=a.rows_per_file, allow_empty=a.allow_empty, workers=a.workers,
         quiet=a.quiet, allow_nonempty=a.allow_nonempty, vocab_size=a.vocab_size,
     )
-    print(report.to_json() if a.json else report)
+    _print_report(a, report)
+    return 0
+
+
+def _print_report(a, report, lines=()) -> None:
+    """Write ``--plot`` first (a closed stdout must not cost the file), then print."""
     if a.plot:
         report.plot(a.plot)
-        if not a.json:
+    if a.json:
+        print(report.to_json())
+    elif not a.quiet:
+        print(report)
+        for line in lines:
+            print(line)
+        if a.plot:
             print(f"plot: {a.plot}")
-    return 0
 
 
 def _cmd_report(a) -> int:
@@ -137,14 +186,29 @@ def _cmd_report(a) -> int:
         if not isinstance(ds.index.get("report"), dict):
             raise DataError("index.json holds no packing report", path=a.dir)
         report = ds.report
-    print(report.to_json() if a.json else report)
-    if a.verify and not a.json:
-        print(f"verified: {len(ds.file_names)} file(s) match the checksums in index.json")
-    if a.plot:
-        report.plot(a.plot)
-        if not a.json:
-            print(f"plot: {a.plot}")
+        if a.batch_size is not None:
+            report = _rebase(ds, report, a.batch_size)
+    lines = [f"verified: {len(ds.file_names)} file(s) match the checksums in index.json"] if a.verify else []
+    _print_report(a, report, lines)
     return 0
+
+
+def _rebase(ds, report, batch_size: int):
+    """``report`` with its padded-batches baseline recomputed at ``batch_size`` from the directory's pieces,
+    taken in data order (source file, sequence, offset)."""
+    import dataclasses
+
+    import numpy as np
+
+    from packloader.report import batch_padded_slots
+
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    _, _, _, lens = ds.read_rows(0, len(ds))
+    _, sf, sr, ss = ds.read_sources(0, len(ds))
+    order = np.lexsort((ss, sr, sf))
+    return dataclasses.replace(report, baseline_batch_size=int(batch_size),
+                               batch_padded_slots=batch_padded_slots(np.asarray(lens, np.int64)[order], batch_size))
 
 
 def _cmd_demo(a) -> int:
@@ -169,6 +233,15 @@ def main(argv=None) -> int:
     cmd = {"prepare": _cmd_prepare, "pack": _cmd_pack, "report": _cmd_report, "demo": _cmd_demo}[a.command]
     try:
         return cmd(a)
+    except BrokenPipeError:
+        # the reader of stdout went away (``| head``): stop quietly, as cat or grep do; point stdout at
+        # /dev/null so that the interpreter's final flush does not fail again
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

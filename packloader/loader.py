@@ -112,7 +112,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from packloader.batch import collate_raw
+from packloader.batch import collate_raw  # (imports packloader._numba: Numba's cache fallback) first
 from packloader.distributed import (assign_rows, current_worker, resolve_rank_world, resume_point, rows_consumed,
                                     worker_batch_indices)
 from packloader.distributed import num_batches as plan_batches
@@ -226,10 +226,11 @@ class PackedDataLoader:
         capacity: tokens per packed row (``L``). Default: the pre-packed directory's capacity, or 4096
             for shards. Given with a pre-packed directory it must match it.
         batch_size: packed rows per batch (``B``).
-        algorithm: packing algorithm for shards: ``"online"`` (default; streaming packer with a buffer of
-            ``buffer_size`` sequences, rows follow the data order) or ``"bfd"``, ``"ffd"``,
-            ``"first_fit"``, ``"next_fit"`` over the whole epoch (rows then shuffled). Ignored (must
-            stay default or match) for a pre-packed directory.
+        algorithm: packing algorithm for shards: ``"online"`` (the default for shards; streaming packer
+            with a buffer of ``buffer_size`` sequences, rows follow the data order) or ``"bfd"``,
+            ``"ffd"``, ``"first_fit"``, ``"next_fit"`` over the whole epoch (rows then shuffled). A
+            pre-packed directory was packed by ``packloader pack``: leave it ``None``, or give the
+            directory's algorithm (``index.json["algorithm"]``); another one is a ValueError naming both.
         buffer_size: pending sequences of the online packer.
         shuffle: shuffle shards, sequences (shards) or rows (pre-packed) by ``(seed, epoch)``.
         seed: the shuffling seed; same seed and epoch give the same batches on any run and machine.
@@ -238,8 +239,12 @@ class PackedDataLoader:
             initialised, else the ``RANK`` / ``WORLD_SIZE`` environment variables, else 0 and 1.
         drop_last: drop the incomplete last global step (``world_size * batch_size`` rows) instead of
             completing it with padding rows. Either way every rank yields the same number of batches.
-        overflow: sequences longer than ``capacity``: ``"split"`` (default: consecutive pieces, each its
-            own segment), ``"truncate"``, ``"drop"`` or ``"error"``.
+        overflow: sequences longer than ``capacity``: ``"error"`` (the default for shards, as for
+            ``packloader pack`` and ``packer_algos.pack``: a DataError naming the file, row and length),
+            ``"split"`` (consecutive pieces, each its own segment), ``"truncate"`` (the first ``capacity``
+            tokens) or ``"drop"``. Whatever it changed is counted in :attr:`overflow_counts` (also in
+            :meth:`state_dict`) and said once in a warning when the loader is built. A pre-packed directory
+            was packed with its own policy: leave it ``None`` or give that one (another is a ValueError).
         max_items_per_bin: optional cap on sequences per row.
         token_column, labels_column: columns (tar members) of the shards; without a labels column the
             labels are the inputs.
@@ -271,13 +276,14 @@ class PackedDataLoader:
         UserWarning: when an epoch is started on a rank that gets no data: the source packs into fewer rows
         than ``world_size * batch_size``, so the rank yields only padding batches (or, with
         ``drop_last=True``, no batch at all on any rank). A rank never has "no shards": shards are not
-        split between ranks, rows of the whole epoch's plan are.
+        split between ranks, rows of the whole epoch's plan are. Once, when the loader is built, when the
+        overflow policy split, truncated or dropped any sequence (counts in :attr:`overflow_counts`).
     """
 
-    def __init__(self, source, capacity: int | None = None, batch_size: int = 8, algorithm: str = "online",
+    def __init__(self, source, capacity: int | None = None, batch_size: int = 8, algorithm: str | None = None,
                  buffer_size: int = 1000, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
                  rank: int | None = None, world_size: int | None = None, drop_last: bool = False, *,
-                 overflow: str = "split", max_items_per_bin: int | None = None,
+                 overflow: str | None = None, max_items_per_bin: int | None = None,
                  token_column: str = "input_ids", labels_column: str | None = "labels",
                  hf_compat: bool = False, return_ids: bool = False, shard_cache: int = 3,
                  pin_memory: bool = False, persistent_workers: bool = False, prefetch_factor: int | None = None,
@@ -305,11 +311,20 @@ class PackedDataLoader:
         self.batch_size, self.seed, self.shuffle = int(batch_size), int(seed), bool(shuffle)
         self.drop_last, self.num_workers = bool(drop_last), int(num_workers)
 
+        if overflow is not None:
+            from packer_algos.pieces import check_overflow
+
+            check_overflow(overflow)
         if is_prepacked_dir(source):
             rows = PrepackedRows(source)
             if capacity is not None and int(capacity) != rows.capacity:
                 raise ValueError(f"capacity={capacity} does not match the pre-packed directory {rows.directory!r}"
                                  f" (capacity {rows.capacity}); pass capacity=None or {rows.capacity}")
+            for name, given, packed in (("algorithm", algorithm, rows.algorithm), ("overflow", overflow, rows.overflow)):
+                if given is not None and packed is not None and given != packed:  # (None: not recorded)
+                    raise ValueError(f"{name}={given!r} does not match the pre-packed directory {rows.directory!r}"
+                                     f" (packed with {name} {packed!r}): its rows are already packed; pass "
+                                     f"{name}=None, or pack the shards again with --{name} {given}")
             self.capacity = rows.capacity
             self.algorithm = None
             self.buffer_size = self.overflow = self.max_items_per_bin = None
@@ -318,6 +333,8 @@ class PackedDataLoader:
             from packer_algos import ALGORITHMS
             from packloader.sources import resolve_sources
 
+            algorithm = "online" if algorithm is None else algorithm
+            overflow = "error" if overflow is None else overflow
             if algorithm not in ALGORITHMS:
                 raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
             if isinstance(source, (list, tuple)) and not source:
@@ -329,6 +346,8 @@ class PackedDataLoader:
             rows = StreamingRows(self.sources, self.capacity, algorithm=algorithm, buffer_size=buffer_size,
                                  overflow=overflow, max_items_per_bin=max_items_per_bin,
                                  token_column=token_column, labels_column=labels_column, shard_cache=shard_cache)
+        self._overflow_counts = dict(rows.overflow_counts)
+        self._warn_overflow()
         self.hf_compat, self.return_ids = bool(hf_compat), bool(return_ids)
         self.dataset = _PackedIterable(rows, rank=self.rank, world_size=self.world_size,
                                        batch_size=self.batch_size, drop_last=self.drop_last, seed=self.seed,
@@ -357,6 +376,29 @@ class PackedDataLoader:
         # cyclic garbage collector, and torch's worker shutdown run from there waits 5 s per worker.
         self._iter_gen = 0
         self._warned: set[int] = set()  # epochs warned about (see _warn_if_no_data)
+
+    @property
+    def overflow_counts(self) -> dict[str, Any]:
+        """What the overflow policy did to the source (the same every epoch): ``{"policy", "split",
+        "truncated", "dropped", "split_tokens", "lost_tokens"}``; sequences split / truncated / dropped,
+        tokens of the split sequences (all kept) and tokens lost (cut off or dropped). For a pre-packed
+        directory, the figures of ``packloader pack`` (``split_tokens`` is None there: not recorded)."""
+        return dict(self._overflow_counts)
+
+    def _warn_overflow(self) -> None:
+        """One warning per loader when the overflow policy changed any sequence."""
+        c = self._overflow_counts
+        n = c["split"] + c["truncated"] + c["dropped"]
+        if not n:
+            return
+        what = {"split": f"split into pieces of at most {self.capacity} tokens ({c['split_tokens']} tokens, "
+                         "all kept; no piece attends to the one before it)" if c["split_tokens"] is not None
+                         else f"split into pieces of at most {self.capacity} tokens",
+                "truncate": f"truncated to {self.capacity} tokens ({c['lost_tokens']} tokens lost)",
+                "drop": f"dropped ({c['lost_tokens']} tokens lost)"}[c["policy"]]
+        where = "when the directory was packed" if self.algorithm is None else f"by overflow={c['policy']!r}"
+        warnings.warn(f"PackedDataLoader: {n} sequence(s) longer than capacity {self.capacity} were {what} "
+                      f"{where}; see loader.overflow_counts", stacklevel=3)
 
     # -- epochs and length ---------------------------------------------------------------------------
 
@@ -446,7 +488,8 @@ class PackedDataLoader:
         ``epoch_digest``, the epoch's plan (row count, hash of the rows' token counts) to check on load;
         ``batches_consumed``, this loader's batch index in its schedule of the epoch (informational);
         ``settings``, the loader's settings (``world_size``, ``batch_size``, ``drop_last``
-        informational, the others must match on load).
+        informational, the others must match on load); ``overflow_counts``, see :attr:`overflow_counts`
+        (checked and restored on load).
         """
         epoch = self._epoch
         n_rows, digest = self.dataset.epoch_info(epoch)
@@ -461,6 +504,7 @@ class PackedDataLoader:
             "epoch_digest": digest,
             "batches_consumed": int(batches),
             "settings": self._settings(),
+            "overflow_counts": self.overflow_counts,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -529,6 +573,13 @@ class PackedDataLoader:
             if done > n_rows:
                 raise ValueError(f"state_dict position rows_consumed={done} is past the end of epoch {epoch} "
                                  f"({n_rows} rows)")
+        counts = state.get("overflow_counts")
+        if isinstance(counts, dict):  # (states saved before it was kept have none: the source's are kept)
+            if counts != self._overflow_counts:
+                raise ValueError(f"state_dict mismatch: overflow_counts were {counts!r} when saved, this loader "
+                                 f"has {self._overflow_counts!r} with the same settings (another packloader "
+                                 "version?)")
+            self._overflow_counts = dict(counts)
         offset, start = resume_point(done, n_rows, self.world_size, self.batch_size, self.drop_last)
         self._epoch, self._offset, self._consumed, self._resume = epoch, offset, start, start
         self._iter_gen += 1  # an iterator still open from before no longer counts

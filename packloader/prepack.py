@@ -45,18 +45,20 @@ import numpy as np
 import pyarrow as pa
 
 from packloader._log import Progress, log
-from packloader._numba import njit_cached
+from packloader._numba import njit_cached  # first: Numba's cache fallback, before packer_algos compiles
+
+from packer_algos import ALGORITHMS  # isort: skip
+from packer_algos import OVERFLOW_POLICIES as OVERFLOW  # isort: skip
 from packloader._outdir import (STATE_DIR, atomic_path, atomic_write_text, claim_output_dir, file_checksum,
                                 remove_file, remove_stale_temps)
+from packloader.batch import IGNORE_INDEX
 from packloader.errors import DataError
-from packloader.prepacked import FORMAT, IGNORE_INDEX, INDEX_NAME, VERSION, check_capacity, packed_schema
+from packloader.prepacked import FORMAT, INDEX_NAME, VERSION, check_capacity, check_fits, packed_schema
 from packloader.report import PackingReport
 from packloader.sources import SequenceBatch, open_shard, resolve_sources
 
 __all__ = ["pack_dataset", "scatter_rows", "write_packed_file", "source_digest", "ALGORITHMS", "OVERFLOW"]
 
-ALGORITHMS = ("ffd", "bfd", "first_fit", "next_fit", "online")
-OVERFLOW = ("error", "split", "truncate", "drop")
 #: a job's record in STATE_DIR
 _JOB_RE = re.compile(r"^job-([0-9a-f]{24})\.json$")
 #: bytes of input_ids per Arrow record batch written (labels take as much again)
@@ -86,11 +88,11 @@ def _scatter_kernel(tokens, labels, has_labels, item_start, bin_offsets, item_id
                 for j in range(n):
                     out_lab[dst + j] = tokens[src + j]
             if n > 0:
-                out_lab[dst] = -100
+                out_lab[dst] = IGNORE_INDEX
             pos += n
         for j in range(base + pos, base + capacity):
             out_ids[j] = 0
-            out_lab[j] = -100
+            out_lab[j] = IGNORE_INDEX
 
 
 def scatter_rows(batch: SequenceBatch, plan, b0: int = 0, b1: int | None = None):
@@ -226,17 +228,7 @@ def _check_shard(shard, settings, allow_empty: bool) -> np.ndarray:
         what = "no sequences" if len(lengths) == 0 else f"{len(lengths)} sequence(s), all of length 0"
         raise DataError(f"empty shard ({what}: no tokens); pass allow_empty=True (--allow-empty) to skip it",
                         path=shard.path)
-    cap = settings["capacity"]
-    if settings["overflow"] == "error" and len(lengths):
-        over = np.flatnonzero(lengths > cap)
-        if over.size:
-            row = int(over[0])
-            raise DataError(
-                f"sequence of {int(lengths[row])} tokens is longer than capacity {cap} "
-                f"({over.size} such sequence(s) in this file); pass overflow='split', 'truncate' or 'drop' "
-                "(--overflow)",
-                path=shard.path, row=row,
-            )
+    check_fits(lengths, settings["capacity"], settings["overflow"], path=shard.path)
     return lengths
 
 
@@ -638,7 +630,8 @@ def pack_dataset(
         "labels_column": labels_column,
         "settings": settings,
         "files": files,
-        "sources": list(paths),
+        "sources": [os.path.abspath(p) for p in paths],
+        "source_paths": "absolute",  # resolved at pack time (before: as given, relative to pack's directory)
         "source_digests": digests,
         "content_hash": content_hash,
         "job_hashes": [j.job_hash for j in jobs],

@@ -40,6 +40,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
+from packloader.batch import IGNORE_INDEX  # noqa: F401  (re-exported: the format stores it in index.json)
 from packloader.errors import DataError
 
 __all__ = [
@@ -57,11 +58,28 @@ __all__ = [
 FORMAT = "packloader-packed"
 VERSION = 1
 INDEX_NAME = "index.json"
-IGNORE_INDEX = -100
 #: the largest capacity (tokens per packed row) accepted anywhere in packloader: 2**24 (16,777,216)
 #: tokens, 64 MiB of int32 ids per row. Rows are allocated whole, and Arrow's fixed-size lists and
 #: the packed files' int32 sequence lengths need the capacity well inside int32.
 MAX_CAPACITY = 1 << 24
+
+
+def check_fits(lengths, capacity: int, overflow: str, path=None) -> tuple[int, int]:
+    """The one check of sequence lengths against ``capacity`` (``pack`` and ``PackedDataLoader``):
+    ``(sequences longer than capacity, their tokens)``.
+
+    Raises:
+        DataError: with ``overflow="error"``, when a sequence is longer: names the file (``path``), the
+            first such row, its length and how many there are, and the other policies.
+    """
+    lengths = np.asarray(lengths)
+    over = np.flatnonzero(lengths > capacity)
+    if over.size and overflow == "error":
+        row = int(over[0])
+        raise DataError(f"sequence of {int(lengths[row])} tokens is longer than capacity {capacity} "
+                        f"({over.size} such sequence(s) in this file); overflow='error' is the default: pass "
+                        "overflow='split', 'truncate' or 'drop' (--overflow)", path=path, row=row)
+    return int(over.size), int(lengths[over].sum())
 
 
 def check_capacity(value, name: str = "capacity") -> int:

@@ -43,7 +43,7 @@ import numpy as np
 from packloader.batch import raw_alloc
 from packloader.errors import DataError
 
-__all__ = ["EpochPlan", "StreamingRows", "PrepackedRows", "ShardCache", "epoch_rng", "is_prepacked_dir"]
+__all__ = ["EpochPlan", "overflow_counts", "StreamingRows", "PrepackedRows", "ShardCache", "epoch_rng", "is_prepacked_dir"]
 
 _SALT_SHARDS = 0x5A4D
 _SALT_SEQS = 0x5E95
@@ -61,6 +61,24 @@ def is_prepacked_dir(source) -> bool:
         p = os.fspath(source)
         return os.path.isdir(p) and os.path.isfile(os.path.join(p, "index.json"))
     return False
+
+
+def overflow_counts(policy: str | None, sequences: int, tokens: int, capacity: int) -> dict:
+    """What an overflow policy did: ``sequences`` longer than ``capacity`` holding ``tokens`` tokens.
+
+    Keys: ``policy``; ``split`` / ``truncated`` / ``dropped``: sequences split into pieces, cut to
+    ``capacity`` tokens, or left out; ``split_tokens``: tokens of split sequences (all still trained on,
+    in several pieces); ``lost_tokens``: tokens never trained on (cut off or dropped)."""
+    n = int(sequences)
+    return {
+        "policy": policy,
+        "split": n if policy == "split" else 0,
+        "truncated": n if policy == "truncate" else 0,
+        "dropped": n if policy == "drop" else 0,
+        "split_tokens": int(tokens) if policy == "split" else 0,
+        "lost_tokens": (int(tokens) - n * int(capacity) if policy == "truncate"
+                        else int(tokens) if policy == "drop" else 0),
+    }
 
 
 class EpochPlan:
@@ -140,7 +158,7 @@ class StreamingRows:
     kind = "streaming"
 
     def __init__(self, paths, capacity: int, *, algorithm: str = "online", buffer_size: int = 1000,
-                 overflow: str = "split", max_items_per_bin: int | None = None,
+                 overflow: str = "error", max_items_per_bin: int | None = None,
                  token_column: str = "input_ids", labels_column: str | None = "labels", shard_cache: int = 3):
         from packloader.sources import open_shard
 
@@ -159,12 +177,16 @@ class StreamingRows:
                 self.has_labels |= bool(sh.has_labels)
             finally:
                 sh.close()
-        if overflow == "error":
-            for p, ln in zip(self.paths, self.lengths):
-                long = np.flatnonzero(ln > self.capacity)
-                if len(long):
-                    raise DataError(f"sequence of {int(ln[long[0]])} tokens exceeds capacity {self.capacity} "
-                                    "(overflow='error'; use 'split', 'truncate' or 'drop')", path=p, row=int(long[0]))
+        from packloader.prepacked import check_fits
+
+        n_over = over_tokens = 0
+        for p, ln in zip(self.paths, self.lengths):
+            n, t = check_fits(ln, self.capacity, overflow, path=p)
+            n_over += n
+            over_tokens += t
+        #: what the overflow policy does to the source, the same every epoch (see
+        #: :attr:`packloader.PackedDataLoader.overflow_counts`)
+        self.overflow_counts = overflow_counts(overflow, n_over, over_tokens, self.capacity)
         self.total_tokens = int(sum(int(x.sum()) for x in self.lengths))
         if self.total_tokens == 0:
             shown = self.paths if len(self.paths) <= 3 else self.paths[:3] + ["..."]
@@ -297,6 +319,12 @@ class PrepackedRows:
         if self.n_rows == 0:
             raise DataError("pre-packed directory holds no rows", path=self.directory)
         self.algorithm = index.get("algorithm")
+        self.overflow = index.get("overflow")
+        rep = index.get("report") if isinstance(index.get("report"), dict) else {}
+        self.overflow_counts = {"policy": self.overflow,
+                                **{k: int(rep.get(k) or 0) for k in ("split", "truncated", "dropped")},
+                                "split_tokens": None,  # not recorded by ``pack``
+                                "lost_tokens": int(rep.get("lost_tokens") or 0)}
         self.fingerprint = "prepacked:" + str(index.get("content_hash") or hashlib.sha256(
             repr((index.get("files"), index.get("total_tokens"))).encode()).hexdigest()[:24])
         self._ds = ds

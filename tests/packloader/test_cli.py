@@ -53,8 +53,7 @@ def test_pack_and_report(shard_factory, tmp_path, seed, capsys):
     out = tmp_path / "packed"
     pattern = str(shard_factory.root / "shard-{000..002}.arrow")
     rc, stdout, stderr = run(capsys, "pack", pattern, "--out", out, "--capacity", 512, "--algorithm", "bfd", "-q")
-    assert rc == 0 and stderr == ""
-    assert "efficiency" in stdout and "rows over lower bound" in stdout
+    assert rc == 0 and stderr == "" and stdout == ""  # -q: nothing but errors
     rows = assert_packed_matches(out, seqs, labs)
     index = json.load(open(out / "index.json"))
     assert index["capacity"] == 512 and index["algorithm"] == "bfd" and index["total_rows"] == rows
@@ -68,6 +67,9 @@ def test_pack_and_report(shard_factory, tmp_path, seed, capsys):
 
     rc, stdout, _ = run(capsys, "report", out)
     assert rc == 0 and f"{rows:,}" in stdout and "padding tokens" in stdout and stdout.startswith("+--")
+    assert "efficiency" in stdout and "rows over lower bound" in stdout and "unpacked, batch 8" in stdout
+    rc, stdout, stderr = run(capsys, "report", out, "-q")
+    assert (rc, stdout, stderr) == (0, "", "")
 
     png = tmp_path / "plots" / "lengths.png"
     rc, stdout, _ = run(capsys, "report", out, "--plot", png)
@@ -112,7 +114,10 @@ def test_prepare_cli(tmp_path, capsys):
     rc, stdout, stderr = run(capsys, "prepare", src, "--tokenizer", data_path(TOKENIZER), "--fields",
                              "question,answer", "--out", out, "--format", "webdataset", "--shard-size", 50,
                              "--mask-prompt", "-q")
-    assert rc == 0 and stderr == ""
+    assert rc == 0 and stderr == "" and stdout == ""
+    rc, stdout, stderr = run(capsys, "prepare", src, "--tokenizer", data_path(TOKENIZER), "--fields",
+                             "question,answer", "--out", out, "--format", "webdataset", "--shard-size", 50,
+                             "--mask-prompt")
     listed = stdout.split()
     assert listed == [str(out / f"shard-{k:05d}.tar") for k in range(3)]
     from packloader.sources import open_shard
@@ -241,8 +246,77 @@ def test_demo_data_is_embedded_with_licences():
 def test_demo_small_in_process(tmp_path, capsys):
     rc, stdout, stderr = run(capsys, "demo", "--out", tmp_path / "d", "--limit", 300, "--capacity", 1024,
                              "--no-plot", "-q")
-    assert rc == 0 and stderr == ""
+    assert (rc, stdout, stderr) == (0, "", "")
+    rc, stdout, stderr = run(capsys, "demo", "--out", tmp_path / "d", "--limit", 300, "--capacity", 1024,
+                             "--no-plot")
+    assert rc == 0
+    assert "one-time Numba compilation" in stdout and "unpacked in batches of 8" in stdout
+    assert "padding saved vs unpacked" not in stdout
     assert "300 GSM8K problems" in stdout and "capacity 1024" in stdout
     assert not (tmp_path / "d" / "lengths.png").exists()
     eff = [float(v.rstrip(" %")) for v in _column_values(stdout, "efficiency")]
     assert eff[1] >= eff[0]
+
+
+def test_report_into_a_closed_pipe_writes_the_plot_and_exits_0(shard_factory, tmp_path, seed):
+    """``packloader report DIR --json --plot x.png | head -3``: no "Broken pipe" error, status 0, PNG written."""
+    paths, _, _ = shards(shard_factory, seed)
+    out = tmp_path / "packed"
+    assert main(["pack", *map(str, paths), "--out", str(out), "--capacity", "512", "-q"]) == 0
+    png = tmp_path / "x.png"
+    cmd = " ".join(f"'{c}'" for c in [sys.executable, "-m", "packloader.cli", "report", str(out), "--json",
+                                       "--plot", str(png)])
+    p = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd} | head -3"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr
+    assert "Broken pipe" not in p.stderr and "Error" not in p.stderr
+    assert len(p.stdout.splitlines()) == 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a reader that is gone before anything is written (no race with the pipe's buffer): the same
+    png.unlink()
+    p = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd} | true"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_help_has_descriptions_and_defaults(capsys):
+    for cmd, words in (("report", ["index.json", "--batch-size", "default: the one stored by pack, 8"]),
+                       ("demo", ["GSM8K", "next_fit and bfd", "(default: demo_out)"]),
+                       ("pack", ["default: 1)", "--workers", "(default: 1000)", "(default: bfd)",
+                                 "(default: error)", "(default: 4096)"])):
+        rc, stdout, _ = run(capsys, cmd, "--help")
+        text = " ".join(stdout.split())
+        assert rc == 0
+        for w in words:
+            assert w in text, (cmd, w)
+        assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_index_stores_absolute_source_paths(shard_factory, tmp_path, seed, monkeypatch):
+    paths, _, _ = shards(shard_factory, seed, n=2)
+    monkeypatch.chdir(shard_factory.root)
+    rel = [os.path.basename(p) for p in paths]
+    out = tmp_path / "packed"
+    assert main(["pack", *rel, "--out", str(out), "-q"]) == 0
+    index = json.load(open(out / "index.json"))
+    assert index["source_paths"] == "absolute"
+    assert index["sources"] == [os.path.abspath(p) for p in paths]
+    monkeypatch.chdir(tmp_path)  # provenance resolves from anywhere
+    with PrepackedDataset(out) as ds:
+        assert all(os.path.isfile(p) for p in ds.sources)
+
+
+def test_report_batch_size_recomputes_the_baseline(shard_factory, tmp_path, seed, capsys):
+    paths, seqs, _ = shards(shard_factory, seed, n=2)
+    out = tmp_path / "packed"
+    assert main(["pack", *map(str, paths), "--out", str(out), "--capacity", "512", "--global", "-q"]) == 0
+    rc, stdout, _ = run(capsys, "report", out, "--json", "--batch-size", 4)
+    d = json.loads(stdout)
+    L = np.array([len(x) for p in paths for x in seqs[p]])
+    L = L[L > 0]
+    want = sum(int(L[i:i + 4].max()) * len(L[i:i + 4]) for i in range(0, len(L), 4))
+    assert rc == 0 and d["baseline_batch_size"] == 4 and d["batch_padded_slots"] == want
+    stored = json.load(open(out / "index.json"))["report"]
+    assert stored["baseline_batch_size"] == 8
+    assert stored["batch_padded_slots"] == sum(int(L[i:i + 8].max()) * len(L[i:i + 8]) for i in range(0, len(L), 8))

@@ -62,7 +62,7 @@ def make_corpus(root, seed: int):
         fill.append(rng.integers(0, VOCAB, CAPACITY, dtype=np.int32))
         fill_path = write_arrow(root / "fill.arrow", fill)
         # one rank, batch 1: one batch per row of the epoch
-        n_rows = len(PackedDataLoader(paths + [fill_path], capacity=CAPACITY, batch_size=1, seed=seed,
+        n_rows = len(PackedDataLoader(paths + [fill_path], capacity=CAPACITY, overflow="split", batch_size=1, seed=seed,
                                       rank=0, world_size=1))
         if n_rows % MOD == 1:
             return paths + [fill_path], seqs + [fill], n_rows
@@ -92,7 +92,7 @@ def _rank_main(rank: int, world: int, init_file: str, paths, seed: int, workers:
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=30))
-        loader = PackedDataLoader(paths, capacity=CAPACITY, batch_size=BATCH, seed=seed, num_workers=workers,
+        loader = PackedDataLoader(paths, capacity=CAPACITY, overflow="split", batch_size=BATCH, seed=seed, num_workers=workers,
                                   return_ids=True)
         assert (loader.rank, loader.world_size) == (rank, world), (loader.rank, loader.world_size)
         torch.manual_seed(0)
@@ -137,7 +137,7 @@ def _rank_main(rank: int, world: int, init_file: str, paths, seed: int, workers:
         # resume: rank 0's state, loaded by a fresh loader on every rank, continues every rank exactly
         box = [saved]
         dist.broadcast_object_list(box, src=0)
-        fresh = PackedDataLoader(paths, capacity=CAPACITY, batch_size=BATCH, seed=seed, num_workers=0,
+        fresh = PackedDataLoader(paths, capacity=CAPACITY, overflow="split", batch_size=BATCH, seed=seed, num_workers=0,
                                  return_ids=True)
         fresh.load_state_dict(json.loads(json.dumps(box[0])))
         rest = [batch_fingerprint(b) for b in fresh]
@@ -229,7 +229,7 @@ def _elastic_rank_main(rank: int, world: int, init_file: str, paths, seed: int, 
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=30))
-        loader = PackedDataLoader(paths, capacity=CAPACITY, batch_size=BATCH, seed=seed, num_workers=workers,
+        loader = PackedDataLoader(paths, capacity=CAPACITY, overflow="split", batch_size=BATCH, seed=seed, num_workers=workers,
                                   return_ids=True)
         if cut is None:
             with open(state_file) as f:

@@ -94,7 +94,7 @@ def test_epoch_covers_every_sequence_once(corpus, world, workers):
     paths, seqs = corpus
     counts, pieces, fps = [], [], {}
     for rank in range(world):
-        loader = PackedDataLoader(paths, capacity=256, batch_size=2, seed=7, num_workers=workers,
+        loader = PackedDataLoader(paths, capacity=256, overflow="split", batch_size=2, seed=7, num_workers=workers,
                                   rank=rank, world_size=world, return_ids=True)
         loader.set_epoch(1)
         batches = list(loader)
@@ -109,7 +109,7 @@ def test_epoch_covers_every_sequence_once(corpus, world, workers):
     # the same batches as with num_workers=0
     if workers:
         for rank in range(world):
-            ref = PackedDataLoader(paths, capacity=256, batch_size=2, seed=7, num_workers=0,
+            ref = PackedDataLoader(paths, capacity=256, overflow="split", batch_size=2, seed=7, num_workers=0,
                                    rank=rank, world_size=world, return_ids=True)
             ref.set_epoch(1)
             assert [batch_fingerprint(b) for b in ref] == fps[rank]
@@ -118,11 +118,11 @@ def test_epoch_covers_every_sequence_once(corpus, world, workers):
 def test_drop_last_drops_only_the_incomplete_step(corpus):
     paths, seqs = corpus
     world, B = 3, 2
-    full = PackedDataLoader(paths, capacity=256, batch_size=B, rank=0, world_size=world)
+    full = PackedDataLoader(paths, capacity=256, overflow="split", batch_size=B, rank=0, world_size=world)
     n_rows = len(full.dataset.rows.plan(full.seed, 0, True))
     counts = []
     for rank in range(world):
-        dl = PackedDataLoader(paths, capacity=256, batch_size=B, rank=rank, world_size=world, drop_last=True,
+        dl = PackedDataLoader(paths, capacity=256, overflow="split", batch_size=B, rank=rank, world_size=world, drop_last=True,
                               return_ids=True)
         batches = list(dl)
         counts.append(len(batches))
@@ -138,7 +138,7 @@ def test_rank_without_data_yields_padding_batches(tmp_path):
     p = write_arrow(tmp_path / "tiny.arrow", random_sequences(3, seed=3, max_len=50))
     seen, empty_ranks = 0, 0
     for rank in range(8):
-        dl = PackedDataLoader(p, capacity=128, batch_size=2, rank=rank, world_size=8, return_ids=True)
+        dl = PackedDataLoader(p, capacity=128, overflow="split", batch_size=2, rank=rank, world_size=8, return_ids=True)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             batches = list(dl)
@@ -159,7 +159,7 @@ def test_rank_without_data_yields_padding_batches(tmp_path):
 
 def test_drop_last_with_less_than_one_step_warns(tmp_path):
     p = write_arrow(tmp_path / "tiny.arrow", random_sequences(3, seed=3, max_len=50))
-    dl = PackedDataLoader(p, capacity=128, batch_size=2, rank=0, world_size=4, drop_last=True)
+    dl = PackedDataLoader(p, capacity=128, overflow="split", batch_size=2, rank=0, world_size=4, drop_last=True)
     with pytest.warns(UserWarning, match="epoch 0 has no batches.*drop_last=True"):
         assert list(dl) == []
 

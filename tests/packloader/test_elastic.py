@@ -43,8 +43,8 @@ def prepacked_corpus(tmp_path_factory):
 
 
 SOURCES = {
-    "online": ("stream", dict(capacity=256, algorithm="online", buffer_size=12, seed=3)),
-    "bfd": ("stream", dict(capacity=256, algorithm="bfd", seed=3)),
+    "online": ("stream", dict(capacity=256, overflow="split", algorithm="online", buffer_size=12, seed=3)),
+    "bfd": ("stream", dict(capacity=256, overflow="split", algorithm="bfd", seed=3)),
     "prepacked": ("prepacked", dict(seed=5)),
 }
 

@@ -47,6 +47,27 @@ def test_example_trains_and_resumes_exactly(workdir, tmp_path):
     assert "saved" in part and os.path.isfile(ckpt)
     rest = run(base + ["--steps", "3", "--resume", ckpt], tmp_path)
     assert losses(part) + losses(rest) == ref
+    # --steps at or below the checkpoint's step: says so, trains nothing, exits 0
+    for steps in ("2", "1"):
+        idle = run(base + ["--steps", steps, "--resume", ckpt], tmp_path)
+        assert "nothing to do" in idle and "at step 2" in idle and "--steps 3 or more" in idle
+        assert losses(idle) == []
+
+
+def test_example_help_shows_defaults(workdir, tmp_path):
+    base = [sys.executable, EXAMPLE, "--workdir", workdir, "--threads", "1"]
+    out = run(base + ["--help"], tmp_path)
+    for default in ("(default: 20)", "(default: 512)", "(default: 50280)", "(default: error)"):
+        assert default in out
+
+
+def test_example_token_id_beyond_vocab_size_is_a_clear_error(workdir, tmp_path):
+    base = [sys.executable, EXAMPLE, "--workdir", workdir, "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
+    proc = subprocess.run(base + ["--steps", "1", "--vocab-size", "1000"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "IndexError" not in proc.stderr and "is >= --vocab-size 1000" in proc.stderr
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo on Linux")

@@ -1,6 +1,7 @@
 """PackedDataLoader end to end: formats, pre-packed directories, determinism, DataLoader options, bad input."""
 import gc
 import json
+import warnings
 import weakref
 
 import numpy as np
@@ -110,7 +111,7 @@ def test_persistent_workers_follow_set_epoch(tmp_path):
 
 def test_hf_compat_keys(tmp_path):
     paths, _, _ = make_shards(tmp_path, "arrow", n_shards=1)
-    b = next(iter(PackedDataLoader(paths, capacity=128, batch_size=2, hf_compat=True)))
+    b = next(iter(PackedDataLoader(paths, capacity=128, overflow="split", batch_size=2, hf_compat=True)))
     assert torch.equal(b["cu_seq_lens_q"], b["cu_seqlens"]) and torch.equal(b["cu_seq_lens_k"], b["cu_seqlens"])
     assert b["max_length_q"] == b["max_length_k"] == b["max_seqlen"]
     assert int(b["cu_seqlens"][-1]) == 2 * 128
@@ -166,7 +167,7 @@ def test_too_long_sequence_with_overflow_error_names_file_and_row(tmp_path):
     seqs = random_sequences(10, seed=1, max_len=50)
     seqs[6] = np.arange(1, 100, dtype=np.int32)
     p = write_arrow(tmp_path / "long.arrow", seqs)
-    with pytest.raises(DataError, match="long.arrow, row 6: sequence of 99 tokens exceeds capacity 64"):
+    with pytest.raises(DataError, match="long.arrow, row 6: sequence of 99 tokens is longer than capacity 64"):
         PackedDataLoader(p, capacity=64, overflow="error")
 
 
@@ -226,7 +227,7 @@ def test_abandoned_worker_iterators_are_freed_without_the_garbage_collector(tmp_
 
 def test_state_is_small_json(tmp_path):
     paths, _, _ = make_shards(tmp_path, "arrow")
-    loader = PackedDataLoader(paths, capacity=128, batch_size=2)
+    loader = PackedDataLoader(paths, capacity=128, overflow="split", batch_size=2)
     it = iter(loader)
     next(it)
     sd = loader.state_dict()
@@ -277,9 +278,9 @@ def test_batch_keys_and_dtypes_are_the_documented_ones(tmp_path, kind):
 def test_pin_memory_without_accelerator_warns_and_still_yields(tmp_path):
     paths, _, _ = make_shards(tmp_path, "arrow", n_shards=1)
     with pytest.warns(UserWarning, match="pin_memory=True but no accelerator"):
-        loader = PackedDataLoader(paths, capacity=128, batch_size=2, pin_memory=True, num_workers=1)
+        loader = PackedDataLoader(paths, capacity=128, overflow="split", batch_size=2, pin_memory=True, num_workers=1)
     assert loader.pin_memory is False
-    ref = PackedDataLoader(paths, capacity=128, batch_size=2)
+    ref = PackedDataLoader(paths, capacity=128, overflow="split", batch_size=2)
     assert [batch_fingerprint(b) for b in loader] == [batch_fingerprint(b) for b in ref]
 
 
@@ -307,3 +308,81 @@ def test_bench_loader_quick_smoke(tmp_path):
         assert isinstance(r["meets_target"], bool)
     # the pre-packed directory was written by packloader's own pack_dataset
     assert json.loads((tmp_path / "data" / "packed" / "index.json").read_text())["format"] == "packloader-packed"
+
+
+# ---------------------------------------------------------------- overflow: one default, counted, said once
+
+def _long_shard(tmp_path, name="long.arrow"):
+    """10 short sequences and two longer than 64 tokens (rows 3: 99 tokens, 6: 150 tokens)."""
+    seqs = random_sequences(10, seed=3, max_len=50)
+    seqs[3] = np.arange(1, 100, dtype=np.int32)
+    seqs[6] = np.arange(1, 151, dtype=np.int32)
+    return write_arrow(tmp_path / name, seqs), seqs
+
+
+def test_overflow_default_is_error_naming_file_row_and_length(tmp_path):
+    p, _ = _long_shard(tmp_path)
+    with pytest.raises(DataError, match=r"long.arrow, row 3: sequence of 99 tokens is longer than capacity 64 "
+                                        r"\(2 such sequence"):
+        PackedDataLoader(p, capacity=64)
+    with pytest.raises(ValueError, match="overflow must be one of"):
+        PackedDataLoader(p, capacity=64, overflow="wrap")
+
+
+@pytest.mark.parametrize("policy, counts", [
+    ("split", {"split": 2, "truncated": 0, "dropped": 0, "split_tokens": 249, "lost_tokens": 0}),
+    ("truncate", {"split": 0, "truncated": 2, "dropped": 0, "split_tokens": 0, "lost_tokens": 35 + 86}),
+    ("drop", {"split": 0, "truncated": 0, "dropped": 2, "split_tokens": 0, "lost_tokens": 249}),
+])
+def test_overflow_policies_are_counted_warned_once_and_saved(tmp_path, policy, counts):
+    p, seqs = _long_shard(tmp_path)
+    with pytest.warns(UserWarning, match=f"2 sequence.s. longer than capacity 64 were") as rec:
+        loader = PackedDataLoader(p, capacity=64, batch_size=2, overflow=policy, seed=fresh_seed(),
+                                  return_ids=True)
+    assert sum("longer than capacity" in str(w.message) for w in rec) == 1
+    assert loader.overflow_counts == {"policy": policy, **counts}
+    # the counts agree with what the batches hold: every token but the lost ones is placed
+    real = sum(len(s) for s in seqs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # iterating does not warn again
+        placed = sum(int(b["sample_ids"][:, 4].sum()) for b in loader)
+    assert placed == real - counts["lost_tokens"]
+    state = loader.state_dict()
+    assert state["overflow_counts"] == loader.overflow_counts
+    json.dumps(state)
+    with pytest.warns(UserWarning, match="longer than capacity"):
+        fresh = PackedDataLoader(p, capacity=64, batch_size=2, overflow=policy, seed=loader.seed,
+                                 return_ids=True)
+    fresh.load_state_dict(state)
+    assert fresh.overflow_counts == loader.overflow_counts
+    bad = {**state, "overflow_counts": {**state["overflow_counts"], "lost_tokens": 1}}
+    with pytest.raises(ValueError, match="overflow_counts"):
+        fresh.load_state_dict(bad)
+
+
+def test_no_overflow_no_warning_and_zero_counts(tmp_path):
+    p, _ = _long_shard(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = PackedDataLoader(p, capacity=200, overflow="split")
+    assert loader.overflow_counts == {"policy": "split", "split": 0, "truncated": 0, "dropped": 0,
+                                      "split_tokens": 0, "lost_tokens": 0}
+
+
+def test_prepacked_directory_refuses_another_algorithm_or_overflow(tmp_path):
+    from packloader import pack_dataset
+
+    p, _ = _long_shard(tmp_path)
+    out = tmp_path / "packed"
+    pack_dataset([p], out, capacity=64, algorithm="bfd", overflow="truncate", quiet=True)
+    with pytest.raises(ValueError, match=r"algorithm='ffd' does not match the pre-packed directory .*"
+                                         r"packed with algorithm 'bfd'"):
+        PackedDataLoader(str(out), algorithm="ffd")
+    with pytest.raises(ValueError, match=r"overflow=.split. does not match .* \(packed with overflow .truncate."):
+        PackedDataLoader(str(out), overflow="split")
+    with pytest.warns(UserWarning, match="truncated .* when the directory was packed"):
+        loader = PackedDataLoader(str(out), algorithm="bfd", overflow="truncate")
+    assert loader.overflow_counts == {"policy": "truncate", "split": 0, "truncated": 2, "dropped": 0,
+                                      "split_tokens": None, "lost_tokens": 35 + 86}
+    with pytest.warns(UserWarning, match="truncated"):
+        PackedDataLoader(str(out))  # unset: the directory's own

@@ -871,3 +871,23 @@ def test_tar_unusual_shards_fall_back_to_general_indexer(shard_factory, monkeypa
     _assert_same_index(fast, slow)
     if case in ("float", "no_tokens", "label_length", "bad_magic"):
         assert isinstance(fast, DataError) and fast.path == path and fast.row == 4
+
+
+def test_constants_and_the_overflow_check_have_one_home():
+    """IGNORE_INDEX, the algorithm and overflow lists and the file-level overflow check are defined once
+    and shared by pack, the loader and the CLI (an edit in one place changes them all)."""
+    import packer_algos
+    from packloader import batch, cli, prepack, prepacked, stream
+
+    assert prepack.IGNORE_INDEX is batch.IGNORE_INDEX and prepacked.IGNORE_INDEX is batch.IGNORE_INDEX
+    assert prepack.ALGORITHMS is packer_algos.ALGORITHMS and prepack.OVERFLOW is packer_algos.OVERFLOW_POLICIES
+    actions = {a.dest: a for sp in cli.build_parser()._subparsers._group_actions[0].choices.values()
+               for a in sp._actions}
+    assert tuple(actions["algorithm"].choices) == packer_algos.ALGORITHMS
+    assert tuple(actions["overflow"].choices) == packer_algos.OVERFLOW_POLICIES
+    import inspect
+
+    for mod in (prepack, stream):  # the overflow check is check_fits, not a copy
+        src = inspect.getsource(mod)
+        assert "check_fits(" in src and "tokens is longer than capacity" not in src
+    assert "-100" not in inspect.getsource(prepack._scatter_kernel)

@@ -1,6 +1,8 @@
 """packloader.report: PackingReport figures against the packed data, JSON roundtrip, table, PNG."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import struct
@@ -11,6 +13,8 @@ import pytest
 from packloader.prepack import pack_dataset
 from packloader.prepacked import PrepackedDataset
 from packloader.report import (
+    baseline_pieces,
+    batch_padded_slots,
     FILL_BINS,
     LENGTH_BINS,
     PackingReport,
@@ -58,7 +62,10 @@ def test_from_lengths_by_hand():
     assert (r.min_seqs_per_row, r.mean_seqs_per_row, r.max_seqs_per_row) == (2, 2.0, 2)
     assert (r.min_length, r.max_length, r.mean_length) == (20, 1000, 505.0)
     assert r.unpacked_rows == 4
-    assert r.padding_saved == pytest.approx(1 - 28 / (4 * 1024 - 2020))
+    # the baseline: one batch of 8 (all four sequences), padded to its longest (1000)
+    assert r.baseline_batch_size == 8 and r.batch_padded_slots == 4 * 1000
+    assert r.baseline_padding == 4000 - 2020
+    assert r.padding_saved == pytest.approx(1 - 28 / (4000 - 2020))
     assert sum(r.length_counts) == 4 and sum(r.fill_counts) == 2
     # 1000/1024 and 1020/1024 are both in the last fill bin (95 %, 100 %]
     assert r.fill_counts[-1] == 2
@@ -115,7 +122,9 @@ def test_report_consistent_with_packed_data(shard_factory, tmp_path, seed, overf
     assert np.array_equal(rep.length_counts, ref_length_hist(L, cap))
     assert np.array_equal(rep.fill_counts, fill_histogram(fills, cap))
     assert sum(rep.fill_counts) == rows
-    assert rep.unpacked_rows == ((L[L > 0] + cap - 1) // cap).sum()
+    nz = L[L > 0]
+    assert rep.unpacked_rows == {"split": ((nz + cap - 1) // cap).sum(), "truncate": nz.size,
+                                 "drop": (nz <= cap).sum()}[overflow]
     n_over = int(over.sum())
     assert (rep.split, rep.truncated, rep.dropped) == {
         "split": (n_over, 0, 0), "truncate": (0, n_over, 0), "drop": (0, 0, n_over)}[overflow]
@@ -142,7 +151,10 @@ def test_combine_adds_up(seed):
         Ls.append(L), fills.append(f), ppr.append(p)
     whole = PackingReport.from_lengths(np.concatenate(Ls), cap, "bfd", row_fills=np.concatenate(fills),
                                        pieces_per_row=np.concatenate(ppr), read_seconds=2.0)
-    assert PackingReport.combine(parts) == whole
+    combined = PackingReport.combine(parts)
+    # the padded-batches baseline batches each part's sequences on its own (per source file)
+    assert combined.batch_padded_slots == sum(r.batch_padded_slots for r in parts)
+    assert dataclasses.replace(combined, batch_padded_slots=whole.batch_padded_slots) == whole
     assert PackingReport.combine(parts, total_seconds=9.0).total_seconds == 9.0
     with pytest.raises(ValueError, match="capacities"):
         PackingReport.combine([parts[0], PackingReport(capacity=7, algorithm="bfd")])
@@ -226,3 +238,28 @@ def test_plot_needs_no_display_and_leaves_pyplot_alone(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["svg", "1"]
     assert_png(tmp_path / "x.png")
+
+
+def test_baselines_are_batches_padded_to_their_longest_not_to_capacity():
+    """The headline compares with what a user would run: batches of B sequences padded to their longest
+    (not every sequence padded to the capacity), and one sequence per step; beside the lower bound."""
+    rng = np.random.default_rng(0)
+    L = rng.integers(50, 444, 1000)  # GSM8K-like: nothing near the capacity
+    cap = 2048
+    r = PackingReport.from_lengths(L, cap, "bfd", row_fills=[cap] * int(L.sum() // cap) + [int(L.sum() % cap)])
+    want = sum(int(L[i:i + 8].max()) * len(L[i:i + 8]) for i in range(0, len(L), 8))  # a twin
+    assert r.batch_padded_slots == want
+    assert r.baseline_padding == want - int(L.sum())
+    assert r.baseline_padding < len(L) * cap - int(L.sum())  # far less than padding to capacity
+    assert batch_padded_slots(L, 1) == int(L.sum())
+    table = dict(r.rows_table())
+    assert "padding saved vs unpacked" not in table
+    assert table["unpacked, batch 8: padding"].startswith(f"{want - int(L.sum()):,} (")
+    assert table["unpacked, batch 1: steps"] == "1,000 (no padding)"
+    assert table["lower bound (rows)"] == f"{r.lower_bound:,}"
+    r16 = PackingReport.from_lengths(L, cap, "bfd", row_fills=[int(L.sum())], baseline_batch_size=16)
+    assert r16.batch_padded_slots > r.batch_padded_slots and "unpacked, batch 16: padding" in dict(r16.rows_table())
+    # split pieces count as the sequences an unpacked loader would feed
+    assert baseline_pieces([5, 25, 0, 10], 10).tolist() == [5, 10, 10, 5, 10]
+    assert baseline_pieces([5, 25, 10], 10, "truncate").tolist() == [5, 10, 10]
+    assert baseline_pieces([5, 25, 10], 10, "drop").tolist() == [5, 10]

@@ -76,7 +76,7 @@ def test_resume_streaming_any_cut(shards, data, batch_size, world, algorithm, bu
     rank = data.draw(st.integers(0, world - 1))
 
     def make():
-        return PackedDataLoader(shards, capacity=512, batch_size=batch_size, algorithm=algorithm,
+        return PackedDataLoader(shards, capacity=512, overflow="split", batch_size=batch_size, algorithm=algorithm,
                                 buffer_size=buffer_size, seed=5, rank=rank, world_size=world)
 
     total = len(run(make(), (0, 1)))
@@ -100,7 +100,7 @@ def test_resume_prepacked_any_cut(prepacked, data, batch_size, world, shuffle):
 def test_prefetched_batches_are_not_consumed(shards, workers_before, workers_after):
     """Workers run ahead (prefetch); the state counts only batches handed to the loop, and the resumed
     loader may use another number of workers."""
-    kw = dict(capacity=256, batch_size=2, seed=1)
+    kw = dict(capacity=256, overflow="split", batch_size=2, seed=1)
     ref = [batch_fingerprint(b) for b in PackedDataLoader(shards, **kw)]
     first = PackedDataLoader(shards, num_workers=workers_before, prefetch_factor=4, **kw)
     it = iter(first)
@@ -114,7 +114,7 @@ def test_prefetched_batches_are_not_consumed(shards, workers_before, workers_aft
 
 
 def test_end_of_epoch_state(shards):
-    kw = dict(capacity=256, batch_size=2, seed=1)
+    kw = dict(capacity=256, overflow="split", batch_size=2, seed=1)
     a = PackedDataLoader(shards, **kw)
     ep0 = [batch_fingerprint(b) for b in a]
     sd = a.state_dict()
@@ -135,7 +135,7 @@ def test_end_of_epoch_state(shards):
 
 
 def test_state_of_one_rank_resumes_every_rank(shards):
-    kw = dict(capacity=256, batch_size=2, seed=1, world_size=3)
+    kw = dict(capacity=256, overflow="split", batch_size=2, seed=1, world_size=3)
     r0 = PackedDataLoader(shards, rank=0, **kw)
     it = iter(r0)
     for _ in range(2):
@@ -160,7 +160,7 @@ def test_state_of_one_rank_resumes_every_rank(shards):
 def test_mismatched_settings_are_named(shards, change, key):
     """A setting that changes the epoch's plan cannot change on resume; the error names it and says
     what may change (world size, batch size, drop_last, workers: see test_elastic.py)."""
-    kw = dict(capacity=256, batch_size=2, seed=1)
+    kw = dict(capacity=256, overflow="split", batch_size=2, seed=1)
     sd = PackedDataLoader(shards, **kw).state_dict()
     other = PackedDataLoader(shards, **{**kw, **change})
     with pytest.raises(ValueError, match=f"mismatch: '{key}' was .* when saved, this loader has .*"
@@ -169,12 +169,12 @@ def test_mismatched_settings_are_named(shards, change, key):
 
 
 def test_mismatched_source_and_garbage_state(shards, prepacked):
-    sd = PackedDataLoader(shards, capacity=256).state_dict()
+    sd = PackedDataLoader(shards, capacity=256, overflow="split").state_dict()
     with pytest.raises(ValueError, match="mismatch: 'source'"):
-        PackedDataLoader(shards[:2], capacity=256).load_state_dict(sd)
+        PackedDataLoader(shards[:2], capacity=256, overflow="split").load_state_dict(sd)
     with pytest.raises(ValueError, match="mismatch: 'source'"):
         PackedDataLoader(prepacked).load_state_dict({**sd, "settings": {**sd["settings"], "capacity": 256}})
-    loader = PackedDataLoader(shards, capacity=256)
+    loader = PackedDataLoader(shards, capacity=256, overflow="split")
     with pytest.raises(ValueError, match="not a PackedDataLoader state_dict"):
         loader.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match="past the end"):
@@ -199,7 +199,7 @@ def test_every_cut_with_sequences_in_the_packer_buffer_and_a_partial_shard(tmp_p
     paths = [write_arrow(tmp_path / f"s{k}.arrow", s, batch_rows=16) for k, s in enumerate(seqs)]
 
     def make(workers=0):
-        return PackedDataLoader(paths, capacity=512, batch_size=1, buffer_size=8, seed=3, num_workers=workers)
+        return PackedDataLoader(paths, capacity=512, overflow="split", batch_size=1, buffer_size=8, seed=3, num_workers=workers)
 
     ref = run(make(), (0, 1))
     probe = make()
@@ -248,7 +248,7 @@ def test_persistent_workers_resume_after_an_abandoned_iterator(shards):
     """Persistent workers hold prefetched batches of an abandoned iterator; loading a state and iterating
     again gives exactly the saved position's batches (stale prefetches are dropped, not counted), and an
     iterator left open across load_state_dict no longer moves the position."""
-    kw = dict(capacity=256, batch_size=2, seed=4)
+    kw = dict(capacity=256, overflow="split", batch_size=2, seed=4)
     ref = PackedDataLoader(shards, **kw)
     ep0 = [batch_fingerprint(b) for b in ref]
     ref.set_epoch(1)
