@@ -361,14 +361,23 @@ def _split_mixer_args(args, kwargs):
     return cache, mask
 
 
-def _mamba1_forward(self, base_forward, args, kwargs):
-    bounds = self.__dict__.get("_packloader_boundaries")
-    hidden_states, rest = args[0], args[1:]
+def _packed_call(mixer, args, kwargs):
+    """``(boundaries, hidden_states, attention_mask)`` when a packed batch reaches ``mixer``, None when it runs as
+    transformers wrote it (no boundaries were handed to it)."""
+    bounds = mixer.__dict__.get("_packloader_boundaries")
     if bounds is None:
-        return base_forward(self, *args, **kwargs)
-    cache, mask = _split_mixer_args(rest, kwargs)
+        return None
+    cache, mask = _split_mixer_args(args[1:], kwargs)
     if cache is not None:
         raise ValueError("enable_packing: a packed batch reached a mixer together with cache_params")
+    return bounds, args[0], mask
+
+
+def _mamba1_forward(self, base_forward, args, kwargs):
+    call = _packed_call(self, args, kwargs)
+    if call is None:
+        return base_forward(self, *args, **kwargs)
+    bounds, hidden_states, mask = call
     return _outside_cpu_autocast(_mamba1_packed, self, hidden_states, bounds[0], mask)
 
 
@@ -388,13 +397,10 @@ def _outside_cpu_autocast(fn, mixer, hidden_states, pos, mask):
 
 
 def _mamba2_forward(self, base_forward, args, kwargs):
-    bounds = self.__dict__.get("_packloader_boundaries")
-    hidden_states, rest = args[0], args[1:]
-    if bounds is None:
+    call = _packed_call(self, args, kwargs)
+    if call is None:
         return base_forward(self, *args, **kwargs)
-    cache, mask = _split_mixer_args(rest, kwargs)
-    if cache is not None:
-        raise ValueError("enable_packing: a packed batch reached a mixer together with cache_params")
+    bounds, hidden_states, mask = call
     if _mamba2_kernels_serve(self, hidden_states):
         for k in BOUNDARY_KWARGS:
             kwargs.pop(k, None)
