@@ -36,3 +36,15 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def cuda():
+    """The CUDA device for GPU tests that compare in float32: TF32 matmuls off (fp32 means fp32), restored after."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -42,18 +42,6 @@ def show(title, errs):
 
 
 @pytest.fixture
-def cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
-    torch.backends.cudnn.allow_tf32 = False
-    print("backends available:", ops.available_backends())
-    yield torch.device(DEVICE)
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-@pytest.fixture
 def mamba_ssm(cuda):
     return pytest.importorskip("mamba_ssm", exc_type=ImportError)
 
