@@ -31,10 +31,13 @@ Boundaries
     - Saved for backward (autograd): all inputs and ``saved``; not ``out``.
 
 ``packloader::selective_scan_bwd(u, delta, A, B, C, D?, z?, delta_bias?, position_ids, delta_softplus, saved,
-dout) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)``
+dout, recompute_out=False) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out)``
     - ``dout``: ``(b, d, L)`` (any strides), the gradient of ``out``.
     - Each gradient has its input's shape and dtype. An optional input that was not given gets an empty
       float32 tensor of shape ``(0,)`` in its place (custom ops cannot return None).
+    - ``out``: with ``recompute_out``, the forward's ``out`` recomputed (the backward recomputes it anyway; the
+      CUDA kernel gives the forward's bits exactly), so a caller that needs it in its backward (``out_proj``'s
+      weight gradient in the fused mixer) need not keep it from the forward; else an empty ``(0,)`` tensor.
 
 ``packloader::causal_conv1d_fwd(x, weight, bias?, position_ids, silu) -> out``
     - ``x``: ``(b, d, L)``, either channel-first contiguous or dense channel-last (memory ``(b, L, d)``,

@@ -10,7 +10,10 @@ Forward::
     y --out_proj--> out (b, l, d_model)
 
 The backward pass recomputes the conv output and ``delta`` (checkpoint_lvl=1, the default) instead
-of keeping them, and writes every gradient with batched GEMMs (no (b l) transposes of activations).
+of keeping them, and takes the scan's gated output (which ``out_proj``'s weight gradient needs) from the scan's
+backward, which recomputes it anyway: per layer the forward keeps ``hidden_states``, ``x``, ``z``, ``x_dbl``,
+``B``, ``C`` and the scan's chunk states, less than mamba-ssm's ``mamba_inner_fn`` keeps. Every gradient is
+written with batched GEMMs (no (b l) transposes of activations).
 Boundaries reach both kernels as int32 ``position_ids``. The Function calls the kernel ops
 (``torch.ops.packloader.*``, see :mod:`ops.contract`) directly, so it runs on any device (the reference
 implementations off CUDA) and traces under ``torch.compile`` without graph breaks.
@@ -111,31 +114,32 @@ class PackedMambaInnerFn(torch.autograd.Function):
             xc_saved, delta_saved = xc, delta
         ctx.save_for_backward(
             hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-            out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, out_z, saved, xc_saved, delta_saved,
+            out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, xc_saved, delta_saved,
         )
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-         out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, out_z, saved, xc, delta) = ctx.saved_tensors
+         out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, xc, delta) = ctx.saved_tensors
         batch, seqlen, d_model = hidden_states.shape
         d_inner = x.shape[1]
         dt_rank = delta_proj_weight.shape[1]
         d_state = A.shape[1]
         w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
-        dy = dy.contiguous().to(out_z.dtype)
+        dy = dy.contiguous().to(x.dtype)
         if xc is None:
             xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, position_ids, True)
             delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         # out_proj
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))  # (b, d_inner, l)
-        dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)  # (d_model, d_inner)
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
-        # scan
-        dxc, ddelta, dA, dB, dC, dD, dz, ddelta_bias = torch.ops.packloader.selective_scan_bwd(
-            xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, ctx.delta_softplus, saved, dout_y
+        # scan; it recomputes the forward's out_z (not kept from the forward: one (b, d_inner, l) less per layer)
+        dxc, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out_z = torch.ops.packloader.selective_scan_bwd(
+            xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, ctx.delta_softplus, saved, dout_y, True
         )
+        dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)  # (d_model, d_inner)
+        del out_z
         # x_proj / dt_proj
         dx_dbl = torch.empty_like(x_dbl)  # (b, l, r + 2n)
         dx_dbl[..., dt_rank:dt_rank + d_state] = dB.reshape(batch, d_state, seqlen).transpose(1, 2)

@@ -223,7 +223,8 @@ def _reduce_groups(X: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return X.reshape(batch, g, dim // g, L, n).sum(2).transpose(-1, -2)
 
 
-def _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout):
+def _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout,
+                        recompute_out=False):
     """The reference implementation of ``selective_scan_bwd``: the forward recomputed, then the adjoint state
     scanned backwards in time, dropped (not multiplied by zero) where the forward dropped the state."""
     ct, u_, dt_raw, dt, A_, Bx, Cx, dA, dtu, reset, h = _scan_terms(
@@ -233,11 +234,13 @@ def _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta
         y = y + D.to(ct)[:, None] * u_
     g = dout.to(ct)
     dz = None
+    out = y
     if z is not None:
         z_ = z.to(ct)
         sig = torch.sigmoid(z_)
         dz = g * y * sig * (1 + z_ * (1 - sig))
         g = g * z_ * sig
+        out = y * F.silu(z_)   # as the forward computes it
     # adjoint of the state: gh[t] = g[t] C[t] + dA[t+1] gh[t+1], dropped where a sequence starts at t+1
     a_next = torch.cat([dA[:, :, 1:], torch.zeros_like(dA[:, :, :1])], dim=2)
     r_next = torch.cat([reset[:, :, 1:], torch.ones_like(reset[:, :, :1])], dim=2)
@@ -261,6 +264,7 @@ def _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta
         _fresh(dD, D.dtype) if D is not None else _absent(u),
         _fresh(dz, z.dtype) if z is not None else _absent(u),
         _fresh(ddelta.sum((0, 2)), delta_bias.dtype) if delta_bias is not None else _absent(u),
+        _fresh(out, u.dtype) if recompute_out else _absent(u),
     )
 
 
@@ -302,11 +306,10 @@ def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus):
     z = None if z is None else z.contiguous()
     batch, dim, seqlen = u.shape
     out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    out_z = torch.empty(u.shape, dtype=u.dtype, device=u.device) if z is not None else None
     saved = torch.empty(batch, dim, scan_chunks(seqlen), SCAN_LANES, device=u.device, dtype=torch.float32)
     if u.numel() > 0:
-        ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, out_z, saved)
-    return (out_z if z is not None else out), saved
+        ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, saved)
+    return out, saved
 
 
 def _scan_fwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus):
@@ -321,9 +324,9 @@ def _scan_fwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_soft
                             None if z is None else z.to(u.dtype), _f32(delta_bias), pos, delta_softplus)
 
 
-def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout):
-    """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias) from the kernel: dB/dC (batch, n_groups, dstate, seqlen)
-    float32, dA/dD/ddelta_bias float32, None for absent inputs."""
+def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, recompute_out):
+    """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out) from the kernel: dB/dC (batch, n_groups, dstate, seqlen)
+    float32, dA/dD/ddelta_bias float32, None for absent inputs (and for out unless ``recompute_out``)."""
     slices = _group_slices(u.shape[1], B.shape[1])
     if slices is not None:
         parts = []
@@ -333,14 +336,16 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
                 ext, u[:, sl], delta[:, sl], A[sl], B[:, g:g + 1].float().contiguous(),
                 C[:, g:g + 1].float().contiguous(),
                 None if D is None else D[sl], None if z is None else z[:, sl],
-                None if delta_bias is None else delta_bias[sl], pos, softplus, saved[:, sl], dout[:, sl]))
+                None if delta_bias is None else delta_bias[sl], pos, softplus, saved[:, sl], dout[:, sl],
+                recompute_out))
         cat = lambda i, d: None if parts[0][i] is None else torch.cat([p[i] for p in parts], d)  # noqa: E731
-        return (cat(0, 1), cat(1, 1), cat(2, 0), cat(3, 1), cat(4, 1), cat(5, 0), cat(6, 1), cat(7, 0))
+        return (cat(0, 1), cat(1, 1), cat(2, 0), cat(3, 1), cat(4, 1), cat(5, 0), cat(6, 1), cat(7, 0), cat(8, 1))
     u, delta, dout = u.contiguous(), delta.contiguous(), dout.contiguous()
     z = None if z is None else z.contiguous()
     du = torch.empty(u.shape, dtype=u.dtype, device=u.device)
     ddelta = torch.empty(u.shape, dtype=u.dtype, device=u.device)
     dz = torch.empty(u.shape, dtype=u.dtype, device=u.device) if z is not None else None
+    out = torch.empty(u.shape, dtype=u.dtype, device=u.device) if recompute_out else None
     batch, dim = u.shape[:2]
     # dA / dD / ddelta_bias come per batch row and are summed here (no atomics: the same bits every run)
     dA = torch.zeros((batch,) + tuple(A.shape), device=u.device, dtype=torch.float32)
@@ -353,29 +358,32 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     det_sem = (torch.zeros(batch, saved.shape[2], device=u.device, dtype=torch.int32)
                if torch.are_deterministic_algorithms_enabled() else None)
     if u.numel() > 0:
-        # out_fwd=None: the kernel recomputes the forward output it needs for dz
-        ext.scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), saved.contiguous(), dout, None,
+        # the kernel recomputes the forward output (it needs it for dz) and writes it to out when asked
+        ext.scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), saved.contiguous(), dout, out,
                      du, ddelta, dz, dA, dB, dC, dD, ddb, det_sem)
     return (du, ddelta, dA.sum(0), dB, dC, None if dD is None else dD.sum(0), dz,
-            None if ddb is None else ddb.sum(0))
+            None if ddb is None else ddb.sum(0), out)
 
 
-def _scan_bwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout):
+def _scan_bwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout,
+                   recompute_out=False):
     if _backends.implementation("selective_scan", "cuda", u.dtype, dstate=A.shape[1]) == "reference":
-        return _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout)
+        return _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout,
+                                   recompute_out)
     ext = _backends.load_kernels()
     Bk, Ck = _bc(B, u), _bc(C, u)
     if Ck.dtype != Bk.dtype:
         Ck = Ck.to(Bk.dtype)
     pos = position_ids.to(torch.int32).contiguous()
-    du, ddelta, dA, dB, dC, dD, dz, ddb = _scan_bwd_kernel(
+    du, ddelta, dA, dB, dC, dD, dz, ddb, out = _scan_bwd_kernel(
         ext, u, delta.to(u.dtype), _f32(A), Bk, Ck, _f32(D), None if z is None else z.to(u.dtype),
-        _f32(delta_bias), pos, delta_softplus, saved, dout.to(u.dtype))
+        _f32(delta_bias), pos, delta_softplus, saved, dout.to(u.dtype), recompute_out)
     return (
         du, ddelta.to(delta.dtype), dA.to(A.dtype), dB.reshape(B.shape).to(B.dtype), dC.reshape(C.shape).to(C.dtype),
         dD.to(D.dtype) if D is not None else _absent(u),
         dz.to(z.dtype) if z is not None else _absent(u),
         ddb.to(delta_bias.dtype) if delta_bias is not None else _absent(u),
+        out if out is not None else _absent(u),
     )
 
 
@@ -408,21 +416,25 @@ def selective_scan_bwd(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
     position_ids: torch.Tensor, delta_softplus: bool, saved: torch.Tensor, dout: torch.Tensor,
+    recompute_out: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
-    """Packed selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias); see :mod:`ops.contract`.
-    This body is the reference implementation, used on every device but CUDA."""
-    return _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout)
+           torch.Tensor, torch.Tensor]:
+    """Packed selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out); see
+    :mod:`ops.contract`. This body is the reference implementation, used on every device but CUDA."""
+    return _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout,
+                               recompute_out)
 
 
 selective_scan_bwd.register_kernel("cuda")(_scan_bwd_cuda)
 
 
 @selective_scan_bwd.register_fake
-def _scan_bwd_fake(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout):
+def _scan_bwd_fake(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout,
+                   recompute_out=False):
     like = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)  # noqa: E731
     absent = lambda t: like(t) if t is not None else _absent(u)  # noqa: E731
-    return like(u), like(delta), like(A), like(B), like(C), absent(D), absent(z), absent(delta_bias)
+    return (like(u), like(delta), like(A), like(B), like(C), absent(D), absent(z), absent(delta_bias),
+            like(u) if recompute_out else _absent(u))
 
 
 def _scan_setup_context(ctx, inputs, output):
@@ -434,7 +446,7 @@ def _scan_setup_context(ctx, inputs, output):
 
 def _scan_backward(ctx, dout, _dsaved):
     u, delta, A, B, C, D, z, delta_bias, position_ids, saved = ctx.saved_tensors
-    du, ddelta, dA, dB, dC, dD, dz, ddb = selective_scan_bwd(
+    du, ddelta, dA, dB, dC, dD, dz, ddb, _ = selective_scan_bwd(
         u, delta, A, B, C, D, z, delta_bias, position_ids, ctx.delta_softplus, saved, dout)
     return (du, ddelta, dA, dB, dC, dD if D is not None else None, dz if z is not None else None,
             ddb if delta_bias is not None else None, None, None)

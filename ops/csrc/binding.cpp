@@ -50,24 +50,23 @@ static po::ScanParams scan_params(const Tensor &u, const Tensor &delta, const Te
 }
 
 void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
-              bool softplus, Tensor out, OptT out_z, Tensor saved) {
+              bool softplus, Tensor out, Tensor saved) {
   c10::cuda::CUDAGuard guard(u.device());
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
   p.out = out.data_ptr();
-  p.out_z = ptr_or_null<void>(out_z);
   p.saved = saved.data_ptr<float>();
   po::scan_fwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
-              bool softplus, Tensor saved, Tensor dout, OptT out_fwd, Tensor du, Tensor ddelta, OptT dz, Tensor dA,
+              bool softplus, Tensor saved, Tensor dout, OptT out_rec, Tensor du, Tensor ddelta, OptT dz, Tensor dA,
               Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_sem) {
   c10::cuda::CUDAGuard guard(u.device());
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
   p.saved = saved.data_ptr<float>();
   p.dout = dout.data_ptr();
-  p.out_fwd = ptr_or_null<const void>(out_fwd);
+  p.out_rec = ptr_or_null<void>(out_rec);
   p.du = du.data_ptr();
   p.ddelta = ddelta.data_ptr();
   p.dz = ptr_or_null<void>(dz);

@@ -19,10 +19,12 @@ struct ScanParams {
   const float *A, *D, *delta_bias;   // D / delta_bias may be null
   const int *pos;
   // forward outputs
-  void *out, *out_z;
+  void *out;        // y (+ D u) (* silu(z) when z is given)
   float *saved;     // (batch, dim, nchunks, 16): state at the end of every chunk
   // backward
-  const void *dout, *out_fwd;        // out_fwd: unused (the backward recomputes the forward output for dz)
+  const void *dout;
+  void *out_rec;                     // may be null: the forward's out, recomputed bit for bit (the backward
+                                     // recomputes it for dz anyway; a caller that needs it then need not keep it)
   void *du, *ddelta, *dz;
   float *dB, *dC;                    // fp32 accumulators (batch, n_groups, dstate, seqlen), zeroed by the caller
   float *dA, *dD, *ddelta_bias;      // fp32 per batch row: (batch, dim, dstate), (batch, dim); the caller sums rows

@@ -147,7 +147,6 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
   const w_t *Cp = reinterpret_cast<const w_t *>(p.C) + ((int64_t)b * p.n_groups + grp) * p.dstate * L;
   const int *pos = p.pos + (int64_t)b * L;
   in_t *out = reinterpret_cast<in_t *>(p.out) + ((int64_t)b * p.dim) * L;
-  in_t *out_z = kHasZ ? reinterpret_cast<in_t *>(p.out_z) + ((int64_t)b * p.dim) * L : nullptr;
 
   const int rows = p.dim - d0;
   auto stage = [&](int t0) {
@@ -174,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
         dtv = to_f(raw.in[1][dd][tt]);
         if (p.delta_bias) dtv += p.delta_bias[dg];
         if (p.softplus) dtv = softplus_(dtv);
-        if (p.D) skip = p.D[dg] * uv;
+        if (p.D) skip = __fmul_rn(p.D[dg], uv);
         if (kHasZ) { const float zv = to_f(raw.in[2][dd][tt]); zs = zv * sigmoidf_(zv); }
       }
       sm.dt[tt][dd] = dtv;
@@ -206,10 +205,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
       reduce_scatter16(yv, n);
       const int tt = s * kSub + n, t = t0 + tt;
       if (d_ok && t < L) {
-        const float o = yv[0] + sm.skip[tt][dl];
-        const int64_t off = (int64_t)d * L + t;
-        out[off] = from_f<in_t>(o);
-        if (kHasZ) out_z[off] = from_f<in_t>(o * sm.zs[tt][dl]);
+        const float o = p.D ? __fadd_rn(yv[0], sm.skip[tt][dl]) : yv[0];   // as the backward recomputes it
+        out[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
       }
     }
     if (d_ok) p.saved[(((int64_t)b * p.dim + d) * p.nchunks + c) * kLanes + n] = h;
@@ -225,6 +222,7 @@ struct BwdSmem {
   float dy[kChunk][kPad];
   float sig[kChunk][kPad];   // d softplus / d x
   float gz[kChunk][kPad];    // dz = (y + D u) * gz: dout * sigmoid(z) * (1 + z (1 - sigmoid(z)))
+  float zs[kChunk][kPad];    // silu(z), for the recomputed forward output
   float Bm[kChunk][kPad];
   float Cm[kChunk][kPad];
   float m[kChunk];
@@ -266,6 +264,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
   in_t *du = reinterpret_cast<in_t *>(p.du) + row;
   in_t *ddelta = reinterpret_cast<in_t *>(p.ddelta) + row;
   in_t *dz = kHasZ ? reinterpret_cast<in_t *>(p.dz) + row : nullptr;
+  in_t *out_rec = p.out_rec ? reinterpret_cast<in_t *>(p.out_rec) + row : nullptr;
+  const bool want_y = kHasZ || out_rec != nullptr;   // the forward output is recomputed (block-uniform)
 
   float gc = 0.f;        // adjoint carried from t+1 (already multiplied by a_{t+1})
   float dA_acc = 0.f, dD_acc = 0.f, dbias_acc = 0.f;
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
     __syncthreads();
     for (int i = tid; i < kDB * kChunk; i += kThreads) {
       const int dd = i / kChunk, tt = i % kChunk, dg = d0 + dd, t = t0 + tt;
-      float dtv = 0.f, uv = 0.f, dyv = 0.f, sg = 0.f, gzv = 0.f;
+      float dtv = 0.f, uv = 0.f, dyv = 0.f, sg = 0.f, gzv = 0.f, zsv = 0.f;
       if (dg < p.dim && t < L) {
         uv = to_f(raw.in[0][dd][tt]);
         dtv = to_f(raw.in[1][dd][tt]);
@@ -301,6 +301,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
           const float sz = sigmoidf_(zv);
           dyv = g * zv * sz;
           gzv = g * sz * (1.f + zv * (1.f - sz));
+          zsv = zv * sz;
         } else {
           dyv = g;
         }
@@ -310,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
       sm.u[tt][dd] = uv;
       sm.dy[tt][dd] = dyv;
       sm.sig[tt][dd] = sg;
-      if (kHasZ) sm.gz[tt][dd] = gzv;
+      if (kHasZ) { sm.gz[tt][dd] = gzv; sm.zs[tt][dd] = zsv; }
     }
     for (int i = tid; i < kLanes * kChunk; i += kThreads) {
       const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
@@ -336,14 +337,19 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
           const int tt = s * kSub + j;
           const float bx = sm.dtu[tt][dl] * sm.Bm[tt][n];
           h = sm.m[tt] != 0.f ? fmaf(exp2f(sm.dt[tt][dl] * A2), h, bx) : bx;
-          if (kHasZ) yv[j] = h * sm.Cm[tt][n];
+          yv[j] = want_y ? h * sm.Cm[tt][n] : 0.f;
         }
-        if (kHasZ) {
-          // dz needs the forward output y + D u in fp32: y = sum_n C h is recomputed here, so dz is rounded
-          // once and the forward output need not be kept for the backward
+        if (want_y) {
+          // dz needs the forward output y + D u in fp32: y = sum_n C h is recomputed here (the same states, the
+          // same reduction and, with no fused multiply-add, the same rounding as the forward, so out_rec is the
+          // forward's output bit for bit) and the forward output need not be kept for the backward
           reduce_scatter16(yv, n);
           const int tt = s * kSub + n, t = t0 + tt;
-          if (d_ok && t < L) dz[(int64_t)d * L + t] = from_f<in_t>(fmaf(Dd, sm.u[tt][dl], yv[0]) * sm.gz[tt][dl]);
+          if (d_ok && t < L) {
+            const float o = p.D ? __fadd_rn(yv[0], __fmul_rn(Dd, sm.u[tt][dl])) : yv[0];
+            if (kHasZ) dz[(int64_t)d * L + t] = from_f<in_t>(o * sm.gz[tt][dl]);
+            if (out_rec) out_rec[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
+          }
         }
       }
     }

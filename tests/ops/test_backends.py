@@ -179,18 +179,16 @@ class FakeExt:
         assert groups == 1 or (u.shape[1] // groups) % 16 == 0, "a 16-channel block must not straddle groups"
         assert pos.dtype == torch.int32 and pos.is_contiguous() and pos.shape == (u.shape[0], u.shape[2])
 
-    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, out_z, saved):
+    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved):
         self._check_scan(u, delta, A, B, C, D, z, delta_bias, pos)
         self.calls.append(("scan_fwd", u.shape[1], B.shape[1]))
         assert out.shape == u.shape and out.dtype == u.dtype and out.is_contiguous()
         assert saved.shape == (u.shape[0], u.shape[1], scan_chunks(u.shape[2]), SCAN_LANES) and saved.dtype == F32
-        o, s = scan_mod._scan_fwd_reference(u, delta, A, B, C, D, None, delta_bias, pos, softplus)
+        o, s = scan_mod._scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus)
         out.copy_(o)
         saved.copy_(s)
-        if z is not None:
-            out_z.copy_(scan_mod._scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus)[0])
 
-    def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_fwd, du, ddelta, dz,
+    def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz,
                  dA, dB, dC, dD, ddb, det_sem):
         self._check_scan(u, delta, A, B, C, D, z, delta_bias, pos)
         self.calls.append(("scan_bwd", u.shape[1], B.shape[1]))
@@ -207,8 +205,10 @@ class FakeExt:
             assert int(det_sem.abs().sum()) == 0
         else:
             assert det_sem is None
-        grads = scan_mod._scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout)
-        for buf, g in zip((du, ddelta, dA, dB, dC, dD, dz, ddb), grads):
+        assert out_rec is None or (out_rec.shape == u.shape and out_rec.dtype == u.dtype and out_rec.is_contiguous())
+        grads = scan_mod._scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout,
+                                             out_rec is not None)
+        for buf, g in zip((du, ddelta, dA, dB, dC, dD, dz, ddb, out_rec), grads):
             if buf is None:
                 continue
             if buf is dA or buf is dD or buf is ddb:   # the whole sum in row 0, as if the other rows gave 0

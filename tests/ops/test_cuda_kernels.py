@@ -301,6 +301,30 @@ def test_scan_reset_blocks_gradient(cuda_ops):
         assert g[..., :40].abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("has_z,has_D", [(True, True), (True, False), (False, True)], ids=["zD", "z", "D"])
+def test_scan_backward_recomputes_the_forward_output_bit_for_bit(cuda_ops, dtype, has_z, has_D):
+    """The fused mixer keeps no copy of the scan's output: it takes it from the backward (recompute_out=True),
+    which must give the forward's bits exactly (the same states, reduction and rounding), so out_proj's weight
+    gradient is what it would be from a kept copy. Gradients are unchanged by asking for it."""
+    L = 300
+    rows = [lengths_mix(L, kind) for kind in ("mixed", "tiny", "padded")]
+    pos = position_ids_for(rows, "cuda").int()
+    inputs = make_scan_inputs(len(rows), 48, 16, L, dtype, has_z=has_z, has_D=has_D)
+    out, saved = torch.ops.packloader.selective_scan_fwd(*inputs, pos, True)
+    dout = torch.randn_like(out)
+    torch.use_deterministic_algorithms(True, warn_only=True)   # dB / dC in a fixed order, so the two backward runs compare exactly
+    try:
+        g1 = torch.ops.packloader.selective_scan_bwd(*inputs, pos, True, saved, dout, True)
+        g0 = torch.ops.packloader.selective_scan_bwd(*inputs, pos, True, saved, dout)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(g1[8], out)
+    assert g0[8].shape == (0,)
+    for a, b in zip(g1[:8], g0[:8]):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # causal conv1d
 

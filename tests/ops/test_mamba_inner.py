@@ -187,3 +187,31 @@ def test_bad_boundaries_are_rejected():
         fn(h, position_ids=torch.tensor([[0, 1, 4, 0, 1], [0, 1, 2, 3, 4]]))
     with pytest.raises(ops.BoundaryError, match=r"boundaries have shape \(2, 4\)"):
         fn(h, position_ids=torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("checkpoint_lvl", [0, 1])
+def test_the_forward_keeps_no_copy_of_the_scan_output(seed, checkpoint_lvl):
+    """Memory: the fused Function keeps x and z (and with checkpoint_lvl=0 the conv output and delta) but not the
+    scan's gated output: the scan's backward recomputes it for out_proj's weight gradient. Counted with autograd's
+    saved-tensor hooks, which see what a Function saves; the gradients still match the composed reference."""
+    batch, L, d_model, d_inner = 2, 12, 6, 8
+    w = make_weights(d_model=d_model, d_inner=d_inner, dtype=torch.float32)
+    h = torch.randn(batch, L, d_model, requires_grad=True)
+    pos = positions([[5, 7], [12]])
+    big = []
+
+    def pack(t):
+        if tuple(t.shape) == (batch, d_inner, L):
+            big.append(t)
+        return t
+
+    fn, params, _ = fn_for(w, "fused", checkpoint_lvl=checkpoint_lvl)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(h, position_ids=pos)
+    assert len(big) == (2 if checkpoint_lvl == 1 else 4), [tuple(t.shape) for t in big]
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [h, *params], g)
+    ref_fn, ref_params, _ = fn_for(w, "composed")
+    ref = torch.autograd.grad(ref_fn(h, position_ids=pos), [h, *ref_params], g)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -463,3 +463,20 @@ def test_validate_false_skips_the_boundary_check(backend):
     with pytest.raises(ops.BoundaryError):
         run_op(inputs, softplus, backend, position_ids=bad)
     run_op(inputs, softplus, backend, position_ids=bad, validate=False)
+
+
+@pytest.mark.parametrize("variant", ["full", "bare", "grouped_nogate"])
+def test_backward_recomputes_the_forward_output(seed, variant):
+    """``recompute_out=True``: the backward also returns the forward's out (what the fused mixer uses instead of
+    keeping it); without it, an empty tensor in that place."""
+    rows = [[1, 3, 40, 20], [64]]
+    inputs, softplus = make_inputs(2, 6, 4, 64, variant)
+    pos = positions(rows).to(torch.int32)
+    out, saved = torch.ops.packloader.selective_scan_fwd(*inputs, pos, softplus)
+    dout = torch.randn_like(out)
+    with_out = torch.ops.packloader.selective_scan_bwd(*inputs, pos, softplus, saved, dout, True)
+    without = torch.ops.packloader.selective_scan_bwd(*inputs, pos, softplus, saved, dout)
+    assert torch.equal(with_out[8], out)
+    assert without[8].shape == (0,)
+    for a, b in zip(with_out[:8], without[:8]):
+        assert torch.equal(a, b)
