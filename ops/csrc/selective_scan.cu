@@ -74,6 +74,14 @@ __device__ __forceinline__ void reduce_scatter16(float (&v)[16], int lane16) {
 
 __device__ __forceinline__ float softplus_(float x) { return x <= 20.f ? log1pf(__expf(x)) : x; }
 
+// One step of the recurrence, h <- exp2(dA2) h + bx, or h <- bx at a sequence start (keep == 0): a select that drops
+// the carried state (not a multiply by zero: an inf or NaN state stays in its sequence). The decay is computed either
+// way, so the select needs no branch. The forward and both backward recomputations call this: the same bits.
+__device__ __forceinline__ float scan_step(float dA2, float bx, float h, float keep) {
+  const float carried = fmaf(exp2f(dA2), h, bx);
+  return keep != 0.f ? carried : bx;
+}
+
 // ---- raw staging: the next chunk's inputs are copied into shared memory with cp.async (cp_async.cuh; 4-byte units,
 // zero-filled past the end) while the current chunk computes; a conversion pass then turns them into the fp32 arrays.
 template <typename in_t, typename w_t, int kNIn>
@@ -115,13 +123,12 @@ __device__ __forceinline__ void stage_pos(int *dst, const int *pos, int t0, int 
 }
 
 // Shared staging of one chunk. Channel-indexed arrays are [t][kPad], state-indexed ones [t][kPad] too.
+// The forward pairs what one timestep reads together ({dt, dt*u}, {B, C}): one 64-bit load each.
 struct FwdSmem {
-  float dt[kChunk][kPad];
-  float dtu[kChunk][kPad];
+  float2 dt_dtu[kChunk][kPad];
   float skip[kChunk][kPad];
   float zs[kChunk][kPad];
-  float Bm[kChunk][kPad];
-  float Cm[kChunk][kPad];
+  float2 BC[kChunk][kPad];
   float m[kChunk];
 };
 
@@ -176,8 +183,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
         if (p.D) skip = __fmul_rn(p.D[dg], uv);
         if (kHasZ) { const float zv = to_f(raw.in[2][dd][tt]); zs = zv * sigmoidf_(zv); }
       }
-      sm.dt[tt][dd] = dtv;
-      sm.dtu[tt][dd] = dtv * uv;
+      sm.dt_dtu[tt][dd] = make_float2(dtv, dtv * uv);
       sm.skip[tt][dd] = skip;
       if (kHasZ) sm.zs[tt][dd] = zs;
     }
@@ -185,8 +191,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
       const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
       float bv = 0.f, cv = 0.f;
       if (nn < p.dstate && t < L) { bv = to_f(raw.bc[0][nn][tt]); cv = to_f(raw.bc[1][nn][tt]); }
-      sm.Bm[tt][nn] = bv;
-      sm.Cm[tt][nn] = cv;
+      sm.BC[tt][nn] = make_float2(bv, cv);
     }
     if (tid < kChunk) sm.m[tid] = (t0 + tid < L && raw.pos[tid] == 0) ? 0.f : 1.f;
     __syncthreads();
@@ -198,9 +203,10 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
         const int tt = s * kSub + j;
-        const float bx = sm.dtu[tt][dl] * sm.Bm[tt][n];
-        h = sm.m[tt] != 0.f ? fmaf(exp2f(sm.dt[tt][dl] * A2), h, bx) : bx;   // a reset drops h (a select)
-        yv[j] = h * sm.Cm[tt][n];
+        const float2 dd = sm.dt_dtu[tt][dl];
+        const float2 bc = sm.BC[tt][n];
+        h = scan_step(dd.x * A2, dd.y * bc.x, h, sm.m[tt]);
+        yv[j] = h * bc.y;
       }
       reduce_scatter16(yv, n);
       const int tt = s * kSub + n, t = t0 + tt;
@@ -216,15 +222,12 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
 template <typename in_t, typename w_t>
 struct BwdSmem {
   RawChunk<in_t, w_t, 4> raw;
-  float dt[kChunk][kPad];
-  float dtu[kChunk][kPad];
-  float u[kChunk][kPad];
-  float dy[kChunk][kPad];
+  float2 dt_dtu[kChunk][kPad];   // {dt, dt*u}; pairs read together: one 64-bit load each
+  float2 dy_u[kChunk][kPad];     // {dy, u}
   float sig[kChunk][kPad];   // d softplus / d x
   float gz[kChunk][kPad];    // dz = (y + D u) * gz: dout * sigmoid(z) * (1 + z (1 - sigmoid(z)))
   float zs[kChunk][kPad];    // silu(z), for the recomputed forward output
-  float Bm[kChunk][kPad];
-  float Cm[kChunk][kPad];
+  float2 BC[kChunk][kPad];
   float m[kChunk];
   float red[2][2][kThreads / 32][kLanes][kSub + 1];   // [buffer][dB|dC][warp][n][j]
   float chunk_dbc[2][kLanes][kChunk];                 // deterministic mode: the chunk's dB / dC block sums
@@ -306,10 +309,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
           dyv = g;
         }
       }
-      sm.dt[tt][dd] = dtv;
-      sm.dtu[tt][dd] = dtv * uv;
-      sm.u[tt][dd] = uv;
-      sm.dy[tt][dd] = dyv;
+      sm.dt_dtu[tt][dd] = make_float2(dtv, dtv * uv);
+      sm.dy_u[tt][dd] = make_float2(dyv, uv);
       sm.sig[tt][dd] = sg;
       if (kHasZ) { sm.gz[tt][dd] = gzv; sm.zs[tt][dd] = zsv; }
     }
@@ -317,8 +318,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
       const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
       float bv = 0.f, cv = 0.f;
       if (nn < p.dstate && t < L) { bv = to_f(raw.bc[0][nn][tt]); cv = to_f(raw.bc[1][nn][tt]); }
-      sm.Bm[tt][nn] = bv;
-      sm.Cm[tt][nn] = cv;
+      sm.BC[tt][nn] = make_float2(bv, cv);
     }
     if (tid < kChunk) sm.m[tid] = (t0 + tid < L && raw.pos[tid] == 0) ? 0.f : 1.f;
     __syncthreads();
@@ -335,9 +335,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
           const int tt = s * kSub + j;
-          const float bx = sm.dtu[tt][dl] * sm.Bm[tt][n];
-          h = sm.m[tt] != 0.f ? fmaf(exp2f(sm.dt[tt][dl] * A2), h, bx) : bx;
-          yv[j] = want_y ? h * sm.Cm[tt][n] : 0.f;
+          h = scan_step(sm.dt_dtu[tt][dl].x * A2, sm.dt_dtu[tt][dl].y * sm.BC[tt][n].x, h, sm.m[tt]);
+          yv[j] = want_y ? h * sm.BC[tt][n].y : 0.f;
         }
         if (want_y) {
           // dz needs the forward output y + D u in fp32: y = sum_n C h is recomputed here (the same states, the
@@ -346,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
           reduce_scatter16(yv, n);
           const int tt = s * kSub + n, t = t0 + tt;
           if (d_ok && t < L) {
-            const float o = p.D ? __fadd_rn(yv[0], __fmul_rn(Dd, sm.u[tt][dl])) : yv[0];
+            const float o = p.D ? __fadd_rn(yv[0], __fmul_rn(Dd, sm.dy_u[tt][dl].y)) : yv[0];
             if (kHasZ) dz[(int64_t)d * L + t] = from_f<in_t>(o * sm.gz[tt][dl]);
             if (out_rec) out_rec[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
           }
@@ -364,8 +363,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
           const int tt = s * kSub + j;
-          av[j] = exp2f(sm.dt[tt][dl] * A2);
-          const float bx = sm.dtu[tt][dl] * sm.Bm[tt][n];
+          av[j] = exp2f(sm.dt_dtu[tt][dl].x * A2);
+          const float bx = sm.dt_dtu[tt][dl].y * sm.BC[tt][n].x;
           h = sm.m[tt] != 0.f ? fmaf(av[j], h, bx) : bx;
           hv[j] = h;
         }
@@ -374,19 +373,19 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 #pragma unroll
       for (int j = kSub - 1; j >= 0; --j) {
         const int tt = s * kSub + j;
-        const float dyv = sm.dy[tt][dl];
-        const float Bn = sm.Bm[tt][n];
-        const float dtv = sm.dt[tt][dl];
-        const float g = fmaf(sm.Cm[tt][n], dyv, gc);
+        const float dyv = sm.dy_u[tt][dl].x;
+        const float Bn = sm.BC[tt][n].x;
+        const float dtv = sm.dt_dtu[tt][dl].x;
+        const float g = fmaf(sm.BC[tt][n].y, dyv, gc);
         const float hprev = j > 0 ? hv[j > 0 ? j - 1 : 0] : hstart;
         dCv[j] = dyv * hv[j];
-        dBv[j] = g * sm.dtu[tt][dl];
+        dBv[j] = g * sm.dt_dtu[tt][dl].y;
         duv[j] = g * dtv * Bn;
         // at a reset nothing flows to or from the sequence before: the terms through h[t-1] are dropped, not
         // multiplied by zero (an inf or NaN on either side stays on its side)
         const bool keep = sm.m[tt] != 0.f;
         const float ga = keep ? g * hprev * av[j] : 0.f;
-        ddv[j] = fmaf(ga, Anat, g * Bn * sm.u[tt][dl]);
+        ddv[j] = fmaf(ga, Anat, g * Bn * sm.dy_u[tt][dl].y);
         dA_acc = fmaf(ga, dtv, dA_acc);
         gc = keep ? g * av[j] : 0.f;
       }
@@ -395,14 +394,14 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
       reduce_scatter16(ddv, n);
       {
         const int tt = s * kSub + n, t = t0 + tt;
-        const float dyv = sm.dy[tt][dl];
+        const float dyv = sm.dy_u[tt][dl].x;
         const float duf = fmaf(dyv, Dd, duv[0]);
         const float ddf = ddv[0] * sm.sig[tt][dl];
         if (d_ok && t < L) {
           const int64_t off = (int64_t)d * L + t;
           du[off] = from_f<in_t>(duf);
           ddelta[off] = from_f<in_t>(ddf);
-          dD_acc = fmaf(dyv, sm.u[tt][dl], dD_acc);
+          dD_acc = fmaf(dyv, sm.dy_u[tt][dl].y, dD_acc);
           dbias_acc += ddf;
         }
       }
