@@ -25,8 +25,9 @@ out, saved = torch.ops.packloader.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z,
 torch.ops.packloader.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, db, pos, True, saved, dout, True)
 try:
     import selective_scan_cuda
-    o, x, oz = selective_scan_cuda.fwd(u, delta, A, Bm, Cm, Dp, z, db, True)
-    selective_scan_cuda.bwd(u, delta, A, Bm, Cm, Dp, z, db, dout, x, o, None, True, False)
+    B4, C4 = Bm.unsqueeze(1).contiguous(), Cm.unsqueeze(1).contiguous()   # upstream takes (b, groups, n, L)
+    o, x, oz = selective_scan_cuda.fwd(u, delta, A, B4, C4, Dp, z, db, True)
+    selective_scan_cuda.bwd(u, delta, A, B4, C4, Dp, z, db, dout, x, o, None, True, False)
 except ImportError:
     print("mamba-ssm not importable: its kernels are not profiled")
 torch.cuda.synchronize()
@@ -34,5 +35,6 @@ PY
 ncu --kernel-name regex:"scan_fwd_kernel|scan_bwd_kernel|selective_scan_fwd_kernel|selective_scan_bwd_kernel" \
   --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-  --section InstructionStats python3 /tmp/profile_scan_driver.py > "$out/ncu_scan.txt" 2>&1
+  --section InstructionStats --section SourceCounters --print-details all python3 /tmp/profile_scan_driver.py \
+  > "$out/ncu_scan.txt" 2>&1
 echo "ncu rc=$?"; grep -E "^  [a-z_]+.*scan|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|Executed Ipc A|Memory Throughput|Compute \(SM\) Th|Shared Memory Configuration Size|One or More Eligible" "$out/ncu_scan.txt" | head -80

@@ -1,8 +1,8 @@
 // Packed selective scan (Mamba-1), forward and backward, with a state reset where position_ids == 0.
 //
-// Layout: a thread block owns 16 channels of one batch row; within it, each channel's dstate (padded to 16)
+// Layout: a thread block owns 16 channels of one batch row. In the backward, each channel's dstate (padded to 16)
 // state lanes are 16 consecutive threads, so every thread carries ONE scalar state h[b, d, n] sequentially
-// through time.  Timesteps are staged in shared memory 64 at a time (u, delta after softplus, dt*u, masks,
+// through time; the forward gives each thread two states (n and n + 8) of one channel, 8 threads a channel.  Timesteps are staged in shared memory 64 at a time (u, delta after softplus, dt*u, masks,
 // B and C shared by the block's 16 channels).  Per timestep a thread does one exp2 and a few FMAs; the sum
 // over the 16 states (y = sum_n C h) is done every 16 timesteps with a butterfly reduce-scatter across the
 // 16 lanes, so lane n ends up owning timestep 16*s + n and writes it.
@@ -93,20 +93,20 @@ struct RawChunk {
 
 // rows r < 16 of a (rows, L) matrix with row stride `stride`, timesteps t0..t0+63, into dst[r][0..63].
 // kAsync: cp.async in 4-byte units (needs 4-byte aligned rows: L even for 16-bit types); else plain loads.
-template <bool kAsync, typename T>
+template <bool kAsync, int kNThreads = kThreads, typename T>
 __device__ __forceinline__ void stage_rows(T (*dst)[kChunk], const T *src, int64_t stride, int rows, int t0, int L,
                                            int tid) {
   if constexpr (kAsync) {
     constexpr int kEpu = 4 / sizeof(T);
     constexpr int kUpr = kChunk / kEpu;
-    for (int i = tid; i < 16 * kUpr; i += kThreads) {
+    for (int i = tid; i < 16 * kUpr; i += kNThreads) {
       const int r = i / kUpr, tu = (i % kUpr) * kEpu, t = t0 + tu;
       const bool ok = r < rows && t < L;
       cp_async4(&dst[r][tu], ok ? (const void *)(src + r * stride + t) : (const void *)src,
                 ok ? (int)(min(kEpu, L - t) * sizeof(T)) : 0);
     }
   } else {
-    for (int i = tid; i < 16 * kChunk; i += kThreads) {
+    for (int i = tid; i < 16 * kChunk; i += kNThreads) {
       const int r = i / kChunk, tt = i % kChunk, t = t0 + tt;
       dst[r][tt] = (r < rows && t < L) ? src[r * stride + t] : from_f<T>(0.f);
     }
@@ -122,30 +122,65 @@ __device__ __forceinline__ void stage_pos(int *dst, const int *pos, int t0, int 
   }
 }
 
-// Shared staging of one chunk. Channel-indexed arrays are [t][kPad], state-indexed ones [t][kPad] too.
-// The forward pairs what one timestep reads together ({dt, dt*u}, {B, C}): one 64-bit load each.
+// v[j] (j = 0..15) in each of 8 lanes -> v[0], v[1] of lane l hold the sums over the 8 lanes of v[2l], v[2l+1].
+// The same tree as the last three levels of reduce_scatter16 (the forward's first level is inside each thread).
+__device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
+  {
+    const bool hi = lane8 & 4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float send = hi ? v[j] : v[j + 8];
+      const float keep = hi ? v[j + 8] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+    }
+  }
+  {
+    const bool hi = lane8 & 2;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float send = hi ? v[j] : v[j + 4];
+      const float keep = hi ? v[j + 4] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+    }
+  }
+  {
+    const bool hi = lane8 & 1;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float send = hi ? v[j] : v[j + 2];
+      const float keep = hi ? v[j + 2] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+    }
+  }
+}
+
+// The forward: a thread carries TWO states of one channel (n and n + 8), so what a timestep reads ({dt, dt*u}, one
+// 128-bit {B_n, C_n, B_n+8, C_n+8}, the reset mask) and the sum over states are shared by two states; a block is
+// the 16 channels of the backward, with half its threads.
+constexpr int kFwdThreads = kThreads / 2;   // 128
 struct FwdSmem {
   float2 dt_dtu[kChunk][kPad];
   float skip[kChunk][kPad];
   float zs[kChunk][kPad];
-  float2 BC[kChunk][kPad];
+  float4 BC[kChunk][kLanes / 2];   // {B_n, C_n, B_n+8, C_n+8}
   float m[kChunk];
 };
 
 template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
-__global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams p) {
+__global__ void __launch_bounds__(kFwdThreads, 4) scan_fwd_kernel(const ScanParams p) {
   __shared__ FwdSmem sm;
   __shared__ __align__(16) RawChunk<in_t, w_t, 3> raw;
   const int tid = threadIdx.x;
-  const int n = tid & 15;
-  const int dl = tid >> 4;
+  const int n = tid & 7;    // states n and n + 8
+  const int dl = tid >> 3;
   const int b = blockIdx.y;
   const int d0 = blockIdx.x * kDB;
   const int d = d0 + dl;
   const int L = p.seqlen;
   const bool d_ok = d < p.dim;
   const int grp = d0 / p.dim_per_group;
-  const float A2 = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
+  const float A2a = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
+  const float A2b = (d_ok && n + 8 < p.dstate) ? p.A[(int64_t)d * p.dstate + n + 8] * kLog2e : 0.f;
 
   const in_t *u = reinterpret_cast<const in_t *>(p.u) + ((int64_t)b * p.dim) * L;
   const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + ((int64_t)b * p.dim) * L;
@@ -157,22 +192,22 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
 
   const int rows = p.dim - d0;
   auto stage = [&](int t0) {
-    stage_rows<kAsync>(raw.in[0], u + (int64_t)d0 * L, L, rows, t0, L, tid);
-    stage_rows<kAsync>(raw.in[1], delta + (int64_t)d0 * L, L, rows, t0, L, tid);
-    if constexpr (kHasZ) stage_rows<kAsync>(raw.in[2], z + (int64_t)d0 * L, L, rows, t0, L, tid);
-    stage_rows<kAsync>(raw.bc[0], Bp, L, p.dstate, t0, L, tid);
-    stage_rows<kAsync>(raw.bc[1], Cp, L, p.dstate, t0, L, tid);
+    stage_rows<kAsync, kFwdThreads>(raw.in[0], u + (int64_t)d0 * L, L, rows, t0, L, tid);
+    stage_rows<kAsync, kFwdThreads>(raw.in[1], delta + (int64_t)d0 * L, L, rows, t0, L, tid);
+    if constexpr (kHasZ) stage_rows<kAsync, kFwdThreads>(raw.in[2], z + (int64_t)d0 * L, L, rows, t0, L, tid);
+    stage_rows<kAsync, kFwdThreads>(raw.bc[0], Bp, L, p.dstate, t0, L, tid);
+    stage_rows<kAsync, kFwdThreads>(raw.bc[1], Cp, L, p.dstate, t0, L, tid);
     stage_pos<kAsync>(raw.pos, pos, t0, L, tid);
     if constexpr (kAsync) cp_async_commit();
   };
   stage(0);
 
-  float h = 0.f;
+  float ha = 0.f, hb = 0.f;
   for (int c = 0; c < p.nchunks; ++c) {
     const int t0 = c * kChunk;
     if constexpr (kAsync) cp_async_wait_all();
     __syncthreads();
-    for (int i = tid; i < kDB * kChunk; i += kThreads) {
+    for (int i = tid; i < kDB * kChunk; i += kFwdThreads) {
       const int dd = i / kChunk, tt = i % kChunk, dg = d0 + dd, t = t0 + tt;
       float dtv = 0.f, uv = 0.f, zs = 0.f, skip = 0.f;
       if (dg < p.dim && t < L) {
@@ -187,11 +222,13 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
       sm.skip[tt][dd] = skip;
       if (kHasZ) sm.zs[tt][dd] = zs;
     }
-    for (int i = tid; i < kLanes * kChunk; i += kThreads) {
+    for (int i = tid; i < kLanes * kChunk; i += kFwdThreads) {
       const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
       float bv = 0.f, cv = 0.f;
       if (nn < p.dstate && t < L) { bv = to_f(raw.bc[0][nn][tt]); cv = to_f(raw.bc[1][nn][tt]); }
-      sm.BC[tt][nn] = make_float2(bv, cv);
+      float *slot = reinterpret_cast<float *>(&sm.BC[tt][nn & 7]) + (nn >> 3) * 2;
+      slot[0] = bv;
+      slot[1] = cv;
     }
     if (tid < kChunk) sm.m[tid] = (t0 + tid < L && raw.pos[tid] == 0) ? 0.f : 1.f;
     __syncthreads();
@@ -204,18 +241,28 @@ __global__ void __launch_bounds__(kThreads, 2) scan_fwd_kernel(const ScanParams 
       for (int j = 0; j < kSub; ++j) {
         const int tt = s * kSub + j;
         const float2 dd = sm.dt_dtu[tt][dl];
-        const float2 bc = sm.BC[tt][n];
-        h = scan_step(dd.x * A2, dd.y * bc.x, h, sm.m[tt]);
-        yv[j] = h * bc.y;
+        const float4 bc = sm.BC[tt][n];
+        const float keep = sm.m[tt];
+        ha = scan_step(dd.x * A2a, dd.y * bc.x, ha, keep);
+        hb = scan_step(dd.x * A2b, dd.y * bc.z, hb, keep);
+        // no fused multiply-add: the backward recomputes y = sum_n C h with these exact roundings
+        yv[j] = __fadd_rn(__fmul_rn(ha, bc.y), __fmul_rn(hb, bc.w));
       }
-      reduce_scatter16(yv, n);
-      const int tt = s * kSub + n, t = t0 + tt;
-      if (d_ok && t < L) {
-        const float o = p.D ? __fadd_rn(yv[0], sm.skip[tt][dl]) : yv[0];   // as the backward recomputes it
-        out[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
+      reduce_scatter8(yv, n);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int tt = s * kSub + 2 * n + r, t = t0 + tt;
+        if (d_ok && t < L) {
+          const float o = p.D ? __fadd_rn(yv[r], sm.skip[tt][dl]) : yv[r];   // as the backward recomputes it
+          out[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
+        }
       }
     }
-    if (d_ok) p.saved[(((int64_t)b * p.dim + d) * p.nchunks + c) * kLanes + n] = h;
+    if (d_ok) {
+      float *sv = p.saved + (((int64_t)b * p.dim + d) * p.nchunks + c) * kLanes;
+      sv[n] = ha;
+      sv[n + 8] = hb;
+    }
   }
 }
 
@@ -336,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
         for (int j = 0; j < kSub; ++j) {
           const int tt = s * kSub + j;
           h = scan_step(sm.dt_dtu[tt][dl].x * A2, sm.dt_dtu[tt][dl].y * sm.BC[tt][n].x, h, sm.m[tt]);
-          yv[j] = want_y ? h * sm.BC[tt][n].y : 0.f;
+          yv[j] = want_y ? __fmul_rn(h, sm.BC[tt][n].y) : 0.f;   // as the forward rounds it
         }
         if (want_y) {
           // dz needs the forward output y + D u in fp32: y = sum_n C h is recomputed here (the same states, the
@@ -481,7 +528,7 @@ void fwd_launch(const ScanParams &p, cudaStream_t st) {
   const dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
   bool_switch(p.z != nullptr, [&](auto has_z) {
     bool_switch(use_async<in_t, w_t>(p), [&](auto async) {
-      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value><<<grid, kThreads, 0, st>>>(p);
+      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value><<<grid, kFwdThreads, 0, st>>>(p);
     });
   });
 }
