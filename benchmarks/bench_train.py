@@ -340,8 +340,8 @@ def plot(results, path):
         ax.set_xticklabels([f"{a}\n{b}" for a, b in groups])
         ax.set_title(title)
     ax1.set_yscale("log")
-    ax1.legend()
-    fig.tight_layout()
+    fig.legend(MODES, loc="upper center", ncol=len(MODES), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=120)
 
 
@@ -366,8 +366,24 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="data and init seed")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, help="draw the table as a bar chart (PNG) here")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no run: merge these result files (one device), print the table, write --out / --plot")
     args = ap.parse_args(argv)
     args.lengths = args.lengths.split(",")
+    if args.merge:
+        parts = [json.load(open(f)) for f in args.merge]
+        if len({p["device_name"] for p in parts}) != 1:
+            raise SystemExit("--merge: the files come from different devices: " + ", ".join(args.merge))
+        out = dict(parts[0], results=[r for p in parts for r in p["results"]],
+                   saved_tensors=[s for p in parts for s in p.get("saved_tensors", [])], merged_from=args.merge)
+        print(f"{out['device_name']}, torch {out['torch']}, {out['date']}")
+        print_table(out["results"])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=2)
+        if args.plot:
+            plot(out["results"], args.plot)
+        return out
     if args.write_gsm8k_lengths:
         lens = gsm8k_lengths(os.path.join(SHARED, "gsm8k_train.jsonl"),
                              os.path.join(SHARED, "gpt-neox-20b-tokenizer.json"))
