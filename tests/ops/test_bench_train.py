@@ -1,0 +1,118 @@
+"""benchmarks/bench_train.py: the batches each mode trains on (CPU), its merge of result files, and its GSM8K lengths.
+The training itself needs mamba-ssm on a GPU: its figures are in benchmarks/results/RESULTS.md."""
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train.py"
+SHARED = SCRIPT.parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_packed_steps_hold_each_sequence_once(bench, seed):
+    lengths = bench.lognormal_lengths(3000, seed)
+    assert lengths.min() >= 8 and lengths.max() <= 2048
+    steps = bench.packed_steps(lengths, 4096, 4, seed)
+    assert steps and all(len(s) == 4 for s in steps)
+    placed = collections.Counter(n for s in steps for row in s for n in row)
+    assert all(sum(row) <= 4096 for s in steps for row in s)
+    # whole rows are left over only when they do not fill a step: fewer than 4 rows' worth of sequences
+    left = collections.Counter(lengths.tolist()) - placed
+    assert not (placed - collections.Counter(lengths.tolist()))
+    assert sum(left.values()) == 0 or sum(n * c for n, c in left.items()) <= 3 * 4096
+    assert bench.real_tokens(steps[0]) == sum(map(sum, steps[0]))
+
+
+def test_padded_and_single_steps_are_permutations(bench, seed):
+    lengths = bench.lognormal_lengths(161, seed)
+    padded = bench.padded_steps(lengths, 16, seed)
+    assert len(padded) == 10 and all(len(s) == 16 for s in padded)
+    assert collections.Counter(n for s in padded for n in s) <= collections.Counter(lengths.tolist())
+    single = bench.single_steps(lengths, seed)
+    assert sorted(n for s in single for n in s) == sorted(lengths.tolist())
+    assert bench.real_tokens(single[3]) == single[3][0]
+
+
+def test_packed_batch_positions_and_labels(bench):
+    gen = torch.Generator().manual_seed(0)
+    ids, pos, labels = bench.packed_batch([[3, 1, 4], [8]], 10, 100, gen, "cpu")
+    assert pos.dtype == torch.int32
+    assert pos[0].tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 0, 1]   # the padding tail is a segment of its own
+    assert pos[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    ig = bench.IGNORE_INDEX
+    # next-token labels inside each sequence; the last token of a sequence and the padding predict nothing
+    assert labels[0].tolist() == [ids[0, 1].item(), ids[0, 2].item(), ig, ig, ids[0, 5].item(), ids[0, 6].item(),
+                                  ids[0, 7].item(), ig, ig, ig]
+    assert ids[0, 8:].tolist() == [0, 0] and ids[1, 8:].tolist() == [0, 0]
+    assert (ids[:, :8] >= 2).all()
+
+
+def test_padded_batch_labels(bench):
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = bench.padded_batch([2, 5, 1], 100, gen, "cpu")
+    assert ids.shape == (3, 5)
+    ig = bench.IGNORE_INDEX
+    assert labels[0].tolist() == [ids[0, 1].item(), ig, ig, ig, ig]
+    assert labels[2].tolist() == [ig] * 5
+    assert labels[1, :4].tolist() == ids[1, 1:].tolist() and labels[1, 4].item() == ig
+    assert ids[0, 2:].tolist() == [0, 0, 0]
+
+
+def _result_file(path, device, width):
+    rows = [{"width": width, "lengths": "gsm8k", "mode": m, "tokens_per_s": tps, "peak_gib": 10.0,
+             "ms_per_step": 1.0, "rows_per_step": 4 if m in ("packed", "dense") else None,
+             "micro_batches": 1 if m == "padded" else None, "packed_is": 1.0}
+            for m, tps in (("single", 10.0), ("padded", 100.0), ("packed", 1000.0), ("dense", 990.0))]
+    path.write_text(json.dumps({"device_name": device, "torch": "x", "date": "2026-11-23", "results": rows,
+                                "saved_tensors": []}))
+    return str(path)
+
+
+def test_merge_joins_one_device_and_draws(bench, tmp_path):
+    a = _result_file(tmp_path / "a.json", "GPU A", "1.4b")
+    b = _result_file(tmp_path / "b.json", "GPU A", "2.8b")
+    out = bench.main(["--merge", a, b, "--out", str(tmp_path / "m.json"), "--plot", str(tmp_path / "m.png")])
+    assert [(r["width"], r["mode"]) for r in out["results"]][::4] == [("1.4b", "single"), ("2.8b", "single")]
+    assert json.loads((tmp_path / "m.json").read_text())["merged_from"] == [a, b]
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+    c = _result_file(tmp_path / "c.json", "GPU B", "2.8b")
+    with pytest.raises(SystemExit, match="different devices"):
+        bench.main(["--merge", a, c])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_without_a_gpu_it_says_so(bench):
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--lengths", "lognormal"])
+
+
+def test_gsm8k_lengths_from_the_shared_corpus(bench, tmp_path):
+    if not (SHARED / "gsm8k_train.jsonl").exists():
+        pytest.skip(f"needs ../shared/data/gsm8k_train.jsonl (not found at {SHARED})")
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    lengths = bench.gsm8k_lengths(str(SHARED / "gsm8k_train.jsonl"), str(SHARED / "gpt-neox-20b-tokenizer.json"))
+    assert len(lengths) == 7473 and lengths.dtype == np.int64
+    tok = Tokenizer.from_file(str(SHARED / "gpt-neox-20b-tokenizer.json"))
+    with open(SHARED / "gsm8k_train.jsonl") as f:
+        ex = json.loads(next(f))
+    assert lengths[0] == len(tok.encode(ex["question"] + "\n" + ex["answer"]).ids) + 1
+    out = tmp_path / "lens.npy"
+    bench.main(["--write-gsm8k-lengths", os.fspath(out)])
+    assert np.array_equal(np.load(out), lengths)
