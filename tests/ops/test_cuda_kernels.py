@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ops
+
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 1e-3}
@@ -323,6 +325,53 @@ def test_scan_backward_recomputes_the_forward_output_bit_for_bit(cuda_ops, dtype
     assert g0[8].shape == (0,)
     for a, b in zip(g1[:8], g0[:8]):
         assert torch.equal(a, b)
+
+
+def test_scan_bf16_accuracy_no_worse_than_upstream_one_by_one(cuda_ops, seed):
+    """Issue 13, part 5: on a random packed bf16 row pair, the packed scan's output and gradients are at least as
+    close to a float64 computation as mamba-ssm's own bf16 selective_scan_fn run on each sequence alone. Both errors
+    are printed side by side (pytest -s)."""
+    up = pytest.importorskip("mamba_ssm.ops.selective_scan_interface", reason="needs mamba-ssm (the baseline)")
+    from ops.selective_scan_interface import selective_scan_ref
+
+    dim, dstate, L = 256, 16, 2048
+    rows = [lengths_mix(L, "mixed"), lengths_mix(L, "padded")]
+    pos = position_ids_for(rows, "cuda").int()
+    u, delta, A, Bm, Cm, D, z, db = make_scan_inputs(len(rows), dim, dstate, L, torch.bfloat16)
+    dout = torch.randn_like(u)
+    names = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias"]
+
+    def leaves(dtype=None):
+        return [t.detach().to(dtype or t.dtype).clone().requires_grad_(True) for t in (u, delta, A, Bm, Cm, D, z, db)]
+
+    ref = leaves(torch.float64)
+    out64 = selective_scan_ref(*ref[:7], delta_bias=ref[7], delta_softplus=True, position_ids=pos)
+    g64 = torch.autograd.grad(out64, ref, dout.double())
+
+    ours = leaves()
+    out_ours = ops.packed_selective_scan(*ours[:7], ours[7], True, position_ids=pos)
+    g_ours = torch.autograd.grad(out_ours, ours, dout)
+
+    theirs = leaves()
+    outs = torch.empty_like(out_ours)
+    for r, lens in enumerate(rows):
+        s = 0
+        for n in lens:
+            sl = (slice(r, r + 1), slice(None), slice(s, s + n))
+            tu, tdt, tA, tB, tC, tD, tz, tdb = theirs
+            o = up.selective_scan_fn(tu[sl], tdt[sl], tA, tB[sl], tC[sl], tD, tz[sl], tdb, delta_softplus=True)
+            o.backward(dout[sl])
+            outs[sl] = o.detach()
+            s += n
+    g_theirs = [t.grad for t in theirs]
+
+    report = [("out", rel_err(out_ours, out64), rel_err(outs, out64))]
+    report += [(f"d{name}", rel_err(a, ref64), rel_err(b, ref64)) for name, a, b, ref64 in zip(names, g_ours, g_theirs, g64)]
+    print(f"\nbf16 relative error against float64 (seed {seed}): ours (packed) | mamba-ssm one by one")
+    for name, e_ours, e_up in report:
+        print(f"  {name:12s} {e_ours:.3e} | {e_up:.3e}")
+    for name, e_ours, e_up in report:
+        assert e_ours <= 1.1 * e_up + 1e-6, (name, e_ours, e_up)
 
 
 # ---------------------------------------------------------------------------------------------------------------
