@@ -318,6 +318,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
   const bool want_y = kHasZ || out_rec != nullptr;   // the forward output is recomputed (block-uniform)
 
   float gc = 0.f;        // adjoint carried from t+1 (already multiplied by a_{t+1})
+  // dA, dD, ddelta_bias: summed per chunk, then over the row's chunks (not one running sum of L terms: as accurate as
+  // upstream's block reductions, test_scan_bf16_accuracy_no_worse_than_upstream_one_by_one)
   float dA_acc = 0.f, dD_acc = 0.f, dbias_acc = 0.f;
 
   const int rows = p.dim - d0;
@@ -335,6 +337,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 
   for (int c = p.nchunks - 1; c >= 0; --c) {
     const int t0 = c * kChunk;
+    float dA_chunk = 0.f, dD_chunk = 0.f, dbias_chunk = 0.f;
     if constexpr (kAsync) cp_async_wait_all();
     __syncthreads();
     for (int i = tid; i < kDB * kChunk; i += kThreads) {
@@ -433,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
         const bool keep = sm.m[tt] != 0.f;
         const float ga = keep ? g * hprev * av[j] : 0.f;
         ddv[j] = fmaf(ga, Anat, g * Bn * sm.dy_u[tt][dl].y);
-        dA_acc = fmaf(ga, dtv, dA_acc);
+        dA_chunk = fmaf(ga, dtv, dA_chunk);
         gc = keep ? g * av[j] : 0.f;
       }
       // sums over the 16 states: lane n gets timestep s*16+n
@@ -448,8 +451,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
           const int64_t off = (int64_t)d * L + t;
           du[off] = from_f<in_t>(duf);
           ddelta[off] = from_f<in_t>(ddf);
-          dD_acc = fmaf(dyv, sm.dy_u[tt][dl].y, dD_acc);
-          dbias_acc += ddf;
+          dD_chunk = fmaf(dyv, sm.dy_u[tt][dl].y, dD_chunk);
+          dbias_chunk += ddf;
         }
       }
       // dB, dC: sum the warp's two channels (reduce-scatter over the half-warp pair), then over the 8 warps
@@ -478,6 +481,9 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
         }
       }
     }
+    dA_acc += dA_chunk;
+    dD_acc += dD_chunk;
+    dbias_acc += dbias_chunk;
     if (p.det_sem) {
       // Deterministic mode: the blocks of a batch row add their sums for this chunk in the order of blockIdx.x, each
       // after the one before it (a ticket per (row, chunk)). Blocks start in index order, so the one waited for is

@@ -371,7 +371,11 @@ def test_scan_bf16_accuracy_no_worse_than_upstream_one_by_one(cuda_ops, seed):
     for name, e_ours, e_up in report:
         print(f"  {name:12s} {e_ours:.3e} | {e_up:.3e}")
     for name, e_ours, e_up in report:
-        assert e_ours <= 1.1 * e_up + 1e-6, (name, e_ours, e_up)
+        # bf16 tensors: as accurate (the same roundings, 1.6e-3 both; dz better); the float32 parameter gradients
+        # (dA, dD, ddelta_bias, ~2e-7 both) differ by their summation order: within 1.5x (one running sum over the
+        # row instead of per-chunk partials measured 2.7x on dA)
+        bound = 1.5 if name in ("dA", "dD", "ddelta_bias") else 1.05
+        assert e_ours <= bound * e_up, (name, e_ours, e_up)
 
 
 # ---------------------------------------------------------------------------------------------------------------
