@@ -16,7 +16,8 @@ Faults:
   row) is not retried: the tasks still running are cancelled and the error is raised as it was raised
   in the task (not wrapped in Ray's ``RayTaskError``).
 * A killed driver leaves the finished jobs' files and records: the next run skips them. A local Ray
-  instance started by the driver goes with it (Ray's own processes share its fate).
+  instance started by the driver goes with it: Ray's raylet and GCS share its fate, and a small
+  reaper process (:mod:`packloader._ray_reaper`) kills the agents that would hang on (Linux).
 
 Where it runs::
 
@@ -41,6 +42,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 try:  # optional extra: the call site decides
     import ray
@@ -61,18 +64,46 @@ def require_ray():
     return ray
 
 
-def _connect(workers: int, address: str | None, quiet: bool) -> bool:
-    """Connect to (or start) Ray; returns True when this call started a local instance to shut down."""
+def _start_reaper():
+    """The process that kills what is left of a local Ray instance once this process ends or closes
+    its stdin (:mod:`packloader._ray_reaper`; Linux only, else None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    from packloader import _ray_reaper
+
+    return subprocess.Popen([sys.executable, "-S", _ray_reaper.__file__, str(os.getpid())], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def _stop_reaper(reaper) -> None:
+    if reaper is None:
+        return
+    try:
+        reaper.stdin.close()
+        reaper.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        reaper.kill()
+        reaper.wait()
+
+
+def _connect(workers: int, address: str | None, quiet: bool):
+    """Connect to (or start) Ray. Returns None when it was connected already (nothing to undo), else
+    ``(reaper or None,)``: disconnect at the end (and, for a local instance started here, reap it)."""
     if ray.is_initialized():
-        return False
+        return None
     address = address or os.environ.get("RAY_ADDRESS") or None
     kw = {"logging_level": logging.ERROR if quiet else logging.WARNING, "log_to_driver": not quiet,
           "configure_logging": True}
     if address:
-        ray.init(address=address, **kw)
-        return True  # (disconnects; the cluster keeps running)
-    ray.init(num_cpus=workers, include_dashboard=False, **kw)
-    return True
+        ray.init(address=address, **kw)  # (disconnects at the end; the cluster keeps running)
+        return (None,)
+    reaper = _start_reaper()
+    try:
+        ray.init(num_cpus=workers, include_dashboard=False, **kw)
+    except BaseException:
+        _stop_reaper(reaper)
+        raise
+    return (reaper,)
 
 
 def run_ray_tasks(fn, tasks: list, *, workers: int = 1, address: str | None = None, on_done=None,
@@ -125,6 +156,9 @@ def run_ray_tasks(fn, tasks: list, *, workers: int = 1, address: str | None = No
                 ray.cancel(ref, force=True)
             except Exception:  # noqa: BLE001 - best effort: the task may have just finished
                 pass
-        if started:
-            ray.shutdown()
+        if started is not None:
+            try:
+                ray.shutdown()
+            finally:
+                _stop_reaper(started[0])
     return results
