@@ -62,6 +62,8 @@ __all__ = ["pack_dataset", "run_tasks", "ENGINES", "scatter_rows", "write_packed
 
 #: a job's record in STATE_DIR
 _JOB_RE = re.compile(r"^job-([0-9a-f]{24})\.json$")
+#: a URI (``s3://``, ``gs://``, ``file://``, ...): pack reads and writes local (or mounted) paths only
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 #: where pack's tasks run (see :func:`run_tasks`)
 ENGINES = ("local", "ray")
 #: bytes of input_ids per Arrow record batch written (labels take as much again)
@@ -564,6 +566,17 @@ def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> Non
         raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
 
 
+def _refuse_uris(sources, out_dir) -> None:
+    """A URI is refused with what to do instead (the readers and the atomic renames need a filesystem
+    path; object stores have no atomic rename)."""
+    items = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
+    for what, x in [("source", x) for x in items] + [("output directory", out_dir)]:
+        if isinstance(x, str) and _URI_RE.match(x):
+            raise DataError(f"{what} is a URI; pack reads and writes filesystem paths only: mount the bucket "
+                            "(s3fs, gcsfuse, mountpoint-s3) or use a shared filesystem, and give its path "
+                            "(file:// URIs: give the path without the scheme); see docs/cluster.md", path=x)
+
+
 def _check_sources_not_outputs(paths, out_dir: str, old_index: dict | None) -> None:
     """Refuse to read a file this directory's own packing wrote (it would be removed or replaced)."""
     real_out = os.path.realpath(out_dir)
@@ -742,6 +755,7 @@ def pack_dataset(
     _check_int("vocab_size", vocab_size, 1, optional=True)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    _refuse_uris(sources, out_dir)
     paths = resolve_sources(sources)
     out_dir = os.fspath(out_dir)
     settings = {
