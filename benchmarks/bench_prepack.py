@@ -287,7 +287,8 @@ def main_engines(a) -> int:
           f"{a.capacity}, {a.algorithm}, overflow={a.overflow}, {a.repeats} runs each; Ray {res['ray_version']} "
           f"local instance (2 CPUs) started once in {res['ray_start_seconds']:.1f} s, not timed; "
           f"load average {load0[0]:.2f} -> {load1[0]:.2f} on {os.cpu_count()} CPUs")
-    head = f"{'engine':<7} {'workers':>7} {'best s':>8} {'median s':>9} {'best M tok/s':>13} {'median M tok/s':>15}  same bytes"
+    head = (f"{'engine':<7} {'workers':>7} {'best s':>8} {'median s':>9} {'best M tok/s':>13} {'median M tok/s':>15}"
+            "  same bytes")
     print(head)
     print("-" * len(head))
     for r in res["rows"]:

@@ -58,7 +58,8 @@ from packloader.prepacked import FORMAT, INDEX_NAME, VERSION, check_capacity, ch
 from packloader.report import PackingReport
 from packloader.sources import SequenceBatch, _concat_batches, open_shard, resolve_sources
 
-__all__ = ["pack_dataset", "run_tasks", "ENGINES", "scatter_rows", "write_packed_file", "source_digest", "ALGORITHMS", "OVERFLOW"]
+__all__ = ["pack_dataset", "run_tasks", "ENGINES", "scatter_rows", "write_packed_file", "source_digest", "ALGORITHMS",
+           "OVERFLOW"]
 
 #: a job's record in STATE_DIR
 _JOB_RE = re.compile(r"^job-([0-9a-f]{24})\.json$")

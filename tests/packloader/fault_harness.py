@@ -200,7 +200,8 @@ def trial(sources, work, *, workers: int, mode: str, refs: dict, wall: dict, rng
     killed_workers: list = []
     killer, stop = None, threading.Event()
     if kill_workers:
-        killer = threading.Thread(target=_kill_a_worker, daemon=True, args=(proc.pid, stop, random.Random(rng.random()), killed_workers))
+        killer = threading.Thread(target=_kill_a_worker, daemon=True,
+                                  args=(proc.pid, stop, random.Random(rng.random()), killed_workers))
         killer.start()
     if after_tasks:
         _wait_for_tasks(proc.pid, proc, rng, 1.5)
