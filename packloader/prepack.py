@@ -709,7 +709,8 @@ def pack_dataset(
         allow_empty: skip shards without tokens (no sequences, or only zero-length ones) instead of
             raising.
         workers: jobs run in parallel (an int >= 1; with ``global_packing``, groups of output files
-            written in parallel from the one plan). Default 1. Local worker processes die with the
+            written in parallel from the one plan, each group holding the shards its rows use in
+            memory). Default 1. Local worker processes die with the
             calling process (a killed ``pack`` leaves none behind); with ``engine="ray"``, the Ray tasks
             in flight at once (and the CPUs of the local Ray instance it starts, if any).
         quiet: print nothing.
@@ -820,7 +821,7 @@ def pack_dataset(
 
     def done(result):
         if fn is _write_parts:
-            bar.update(len(result), note=f"{', '.join(st['files'][0]['name'] for st in result)}")
+            bar.update(len(result), note=f"{result[-1]['files'][0]['name']} ({len(result)} file(s) of a group)")
             return
         r = result["report"]
         bar.update(1, note=f"{os.path.basename(result['paths'][0])}{'...' if len(result['paths']) > 1 else ''}: "
