@@ -130,12 +130,12 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ray_writes_the_local_bytes(ray_cluster, shards, tmp_path, case):
     """Every byte of every file (index.json and the job records up to their timing fields and creation
-    time: ``fault_harness.VOLATILE`` and ``*_seconds``) equals the local engine's, with 1 and 2 Ray tasks in
-    flight."""
+    time: ``fault_harness.VOLATILE`` and ``*_seconds``) equals the local engine's, with 1, 2 and 3 Ray tasks
+    in flight (3: more than the instance's CPUs; under global packing, other groups of files)."""
     kw = dict(capacity=1024, quiet=True, **CASES[case])
     pack_dataset(shards, tmp_path / "local", **kw)
     ref = _body(tmp_path / "local")
-    for w in (1, 2):
+    for w in (1, 2, 3):
         out = tmp_path / f"ray{w}"
         rep = pack_dataset(shards, out, engine="ray", workers=w, **kw)
         assert fh.diff(_body(out), ref) == [], (case, w)
@@ -283,3 +283,40 @@ def test_driver_and_workers_sigkilled_at_random_moments(tmp_path, seed):
         print(r)
     bad = [r for r in results if r["problems"] or r["orphans"]]
     assert not bad, bad
+
+
+@needs_ray
+@linux
+def test_driver_killed_once_ray_agents_run_leaves_no_process(tmp_path):
+    """The defect the reaper fixes: a driver SIGKILLed once its Ray instance's agents run
+    (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) left those agents alive for good, reparented to
+    init. Now no process of the driver's session is left 5 s later."""
+    sources = fh.make_sources(tmp_path / "src", n_shards=2, n_seqs=500)
+    proc = subprocess.Popen(fh.pack_cmd(sources, tmp_path / "out", 2, 1024, "ray"), cwd=fh.ROOT,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        agents = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            agents = []
+            for pid in fh.session_pids(proc.pid):
+                try:
+                    cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                except OSError:
+                    continue
+                if cmd.startswith((b"ray::DashboardAgent", b"ray::RuntimeEnvAgent")):
+                    agents.append(pid)
+            if agents:
+                break
+            time.sleep(0.02)
+        assert agents, "the Ray agents never started (or the run ended first)"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        while fh.session_pids(proc.pid) and time.monotonic() - t0 < fh.ORPHAN_WAIT_S:
+            time.sleep(0.05)
+        left = fh.session_pids(proc.pid)
+    finally:
+        for pid in fh.session_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes left after the driver's kill: {left}"
