@@ -45,6 +45,8 @@ import os
 import subprocess
 import sys
 
+from packloader._log import log
+
 try:  # optional extra: the call site decides
     import ray
 except ImportError:  # pragma: no cover - exercised when ray is not installed
@@ -95,8 +97,10 @@ def _connect(workers: int, address: str | None, quiet: bool):
     kw = {"logging_level": logging.ERROR if quiet else logging.WARNING, "log_to_driver": not quiet,
           "configure_logging": True}
     if address:
+        log(f"connecting to the Ray cluster at {address}", quiet=quiet)
         ray.init(address=address, **kw)  # (disconnects at the end; the cluster keeps running)
         return (None,)
+    log(f"starting a local Ray instance with {workers} CPU(s) (ray {ray.__version__})", quiet=quiet)
     reaper = _start_reaper()
     try:
         ray.init(num_cpus=workers, include_dashboard=False, **kw)
