@@ -16,9 +16,16 @@ the outputs go through the page cache to the output folder's disk.
 
 Targets (issue 3): Arrow IPC >= 50 M tokens/s, WebDataset tar >= 10 M tokens/s.
 
+With ``--engine ray`` it compares the engines instead, on the Arrow shards: ``pack_dataset(...,
+engine="local", workers=W)`` (W processes) against ``engine="ray", workers=W`` (W Ray tasks in flight on
+one local Ray instance with 2 CPUs, started once, outside the timed runs: its start-up time is reported
+apart) for W = 1 and 2, in one run; both outputs are checked equal byte for byte. Writes
+``benchmarks/results/prepack_ray.json``.
+
 Usage::
 
     python benchmarks/bench_prepack.py                       # ~200 M tokens per format, ~1-2 minutes
+    python benchmarks/bench_prepack.py --engine ray          # local vs Ray, 1 and 2 workers
     python benchmarks/bench_prepack.py --quick               # seconds (smoke test)
     python benchmarks/bench_prepack.py --tokens 4e8 --shards 16 --formats arrow,tar,parquet \\
         --out benchmarks/results/prepack.json
@@ -67,9 +74,16 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", default=os.path.join(ROOT, ".bench_data", "prepack"),
                    help="where the synthetic shards are kept (git-ignored)")
     p.add_argument("--out-dir", default=None, help="where packed outputs go (default DATA_DIR/out)")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "prepack.json"),
-                   help="JSON results file")
+    p.add_argument("--out", default=None,
+                   help="JSON results file (default benchmarks/results/prepack.json, or prepack_ray.json "
+                        "with --engine ray)")
+    p.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local: one process per format; ray: local vs Ray engine, 1 and 2 workers (Arrow)")
     a = p.parse_args(argv)
+    if a.out is None:
+        a.out = os.path.join(ROOT, "benchmarks", "results", "prepack_ray.json" if a.engine == "ray" else "prepack.json")
+    if a.engine == "ray":
+        a.formats = "arrow"
     if a.quick:
         a.tokens = min(a.tokens, 4e6)
         a.shards = min(a.shards, 2)
@@ -208,8 +222,107 @@ def bench_format(a, fmt, paths, n_tok, out_root) -> dict:
     }
 
 
+def _same_bytes(d1, d2) -> bool:
+    names = sorted(n for n in os.listdir(d1) if n.endswith(".arrow"))
+    if names != sorted(n for n in os.listdir(d2) if n.endswith(".arrow")):
+        return False
+    for n in names:
+        with open(os.path.join(d1, n), "rb") as f1, open(os.path.join(d2, n), "rb") as f2:
+            if f1.read() != f2.read():
+                return False
+    return True
+
+
+def bench_engines(a, paths, n_tok, out_root) -> dict:
+    """local vs ray, W = 1 and 2; the Ray instance is started once (timed apart)."""
+    import logging
+
+    import ray
+
+    from packloader.prepack import pack_dataset
+
+    t0 = time.perf_counter()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    ray_start = time.perf_counter() - t0
+    kw = dict(capacity=a.capacity, algorithm=a.algorithm, overflow=a.overflow, quiet=True)
+    rows = []
+    try:
+        # warm-up: every Ray worker process loads the Numba kernels once
+        pack_dataset(paths[:2], os.path.join(out_root, "warm-ray"), engine="ray", workers=2, **kw)
+        shutil.rmtree(os.path.join(out_root, "warm-ray"))
+        for w in (1, 2):
+            for engine in ("local", "ray"):
+                out = os.path.join(out_root, f"packed-{engine}-{w}")
+                secs = []
+                for _ in range(a.repeats):
+                    shutil.rmtree(out, ignore_errors=True)
+                    t0 = time.perf_counter()
+                    rep = pack_dataset(paths, out, engine=engine, workers=w, **kw)
+                    secs.append(time.perf_counter() - t0)
+                    assert rep.tokens == n_tok and rep.reused_files == 0
+                rows.append({"engine": engine, "workers": w, "seconds": secs,
+                             "best_tokens_per_s": n_tok / min(secs),
+                             "median_tokens_per_s": n_tok / statistics.median(secs)})
+            same = _same_bytes(os.path.join(out_root, f"packed-local-{w}"), os.path.join(out_root, f"packed-ray-{w}"))
+            rows[-1]["same_bytes_as_local"] = same
+            assert same, f"ray output differs from local with {w} workers"
+    finally:
+        ray.shutdown()
+        for name in os.listdir(out_root):
+            if name.startswith("packed-"):
+                shutil.rmtree(os.path.join(out_root, name), ignore_errors=True)
+    return {"ray_version": ray.__version__, "ray_start_seconds": ray_start, "rows": rows}
+
+
+def main_engines(a) -> int:
+    load0 = os.getloadavg()
+    data = ensure_data(a)
+    paths, n_tok, n_seq = data["arrow"]
+    out_root = a.out_dir or os.path.join(a.data_dir, "out")
+    os.makedirs(out_root, exist_ok=True)
+    warm = warm_up(a, out_root)
+    res = bench_engines(a, paths, n_tok, out_root)
+    load1 = os.getloadavg()
+    print(f"pre-packing engines: {len(paths)} Arrow shards, {n_tok:,} tokens, {n_seq:,} documents, capacity "
+          f"{a.capacity}, {a.algorithm}, overflow={a.overflow}, {a.repeats} runs each; Ray {res['ray_version']} "
+          f"local instance (2 CPUs) started once in {res['ray_start_seconds']:.1f} s, not timed; "
+          f"load average {load0[0]:.2f} -> {load1[0]:.2f} on {os.cpu_count()} CPUs")
+    head = (f"{'engine':<7} {'workers':>7} {'best s':>8} {'median s':>9} {'best M tok/s':>13} {'median M tok/s':>15}"
+            "  same bytes")
+    print(head)
+    print("-" * len(head))
+    for r in res["rows"]:
+        same = r.get("same_bytes_as_local")
+        print(f"{r['engine']:<7} {r['workers']:>7} {min(r['seconds']):>8.3f} {statistics.median(r['seconds']):>9.3f} "
+              f"{r['best_tokens_per_s'] / 1e6:>13.1f} {r['median_tokens_per_s'] / 1e6:>15.1f}  "
+              f"{'-' if same is None else ('yes' if same else 'NO')}")
+    import numba
+    import pyarrow
+
+    doc = {
+        "benchmark": "prepack_engines",
+        "command": "python benchmarks/bench_prepack.py " + " ".join(sys.argv[1:]),
+        "config": {k: v for k, v in vars(a).items() if k not in ("out",)},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "numpy": np.__version__, "pyarrow": pyarrow.__version__, "numba": numba.__version__,
+                    "loadavg_before": load0, "loadavg_after": load1},
+        "warmup_seconds": warm,
+        "tokens": n_tok,
+        "documents": n_seq,
+        **res,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {a.out}")
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.engine == "ray":
+        return main_engines(a)
     import numba
     import pyarrow
 

@@ -11,11 +11,17 @@ Three campaigns, each counted:
 3. ``PackedDataLoader`` workers (2 workers, ``timeout=2``) sent SIGKILL, SIGTERM or SIGSTOP at a random
    batch: one ``WorkerError`` naming the worker within the timeout, and a resume from ``state_dict()``
    that yields exactly the batches of an uninterrupted run.
+4. ``pack --engine ray --workers 2`` (``--ray-trials`` per mode; needs ``ray``): one Ray worker running a
+   pack task SIGKILLed at a random moment, then the driver SIGKILLed at a random moment (half of the
+   kills after the first task started), on a fresh and on a finished ``--out``; the same checks as 1,
+   against the uninterrupted *local* run's bytes.
 
 Run from the repository root::
 
     python benchmarks/fault_injection.py --pack-trials 25 --fuzz-cases 1000 --loader-trials 5   # docs/reliability.md
     python benchmarks/fault_injection.py --pack-trials 2 --fuzz-cases 200 --loader-trials 1   # quick
+    python benchmarks/fault_injection.py --pack-trials 0 --fuzz-cases 0 --loader-trials 0 --ray-trials 10 \
+        --json benchmarks/results/fault_injection_ray.json                                  # Ray only
 
 Prints the table and writes ``benchmarks/results/fault_injection.json``.
 """
@@ -36,11 +42,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def pack_campaign(trials: int, seed: int) -> list[dict]:
+def pack_campaign(trials: int, seed: int, ray_trials: int = 0) -> list[dict]:
     from tests.packloader import fault_harness as fh
 
+    if not trials and not ray_trials:
+        return []
     with tempfile.TemporaryDirectory() as work:
-        return fh.campaign(work, trials_per_case=trials, seed=seed, n_shards=4, n_seqs=1500)
+        return fh.campaign(work, trials_per_case=trials, seed=seed, n_shards=4, n_seqs=1500,
+                           workers=(1, 2) if trials else (1,), ray_trials_per_case=ray_trials)
 
 
 def fuzz_campaign(cases: int, seed: int) -> Counter:
@@ -117,7 +126,7 @@ def table(pack, fuzz, loader) -> tuple[list[tuple], dict]:
     rows = []
     for w in (1, 2):
         for mode in ("fresh", "repack"):
-            rs = [r for r in pack if r["workers"] == w and r["mode"] == mode]
+            rs = [r for r in pack if r["workers"] == w and r["mode"] == mode and r.get("engine", "local") == "local"]
             if not rs:
                 continue
             killed = sum(r["killed"] for r in rs)
@@ -128,6 +137,18 @@ def table(pack, fuzz, loader) -> tuple[list[tuple], dict]:
                          f"{killed} killed mid-run; orphan processes: {sum(r['orphans'] for r in rs)}"
                          + ("; finished directory readable and whole after every kill" if mode == "repack" else ""),
                          f"{len(bad)}"))
+    for mode in ("fresh", "repack"):
+        rs = [r for r in pack if r.get("engine") == "ray" and r["mode"] == mode]
+        if not rs:
+            continue
+        bad = [r for r in rs if r["problems"]]
+        what = "fresh --out" if mode == "fresh" else "re-pack of a finished --out (other capacity)"
+        rows.append((f"SIGKILL a Ray worker mid-task, then `pack --engine ray --workers 2`, random moments, {what}",
+                     len(rs), f"{len(rs) - len(bad)} re-runs byte-identical to an uninterrupted local run; "
+                     f"{sum(r['killed'] for r in rs)} drivers killed mid-run, {sum(r['workers_killed'] for r in rs)} "
+                     f"Ray workers killed mid-task; orphan processes: {sum(r['orphans'] for r in rs)}"
+                     + ("; finished directory readable and whole after every kill" if mode == "repack" else ""),
+                     f"{len(bad)}"))
     for fmt in ("arrow", "stream", "parquet", "tar"):
         for kind in ("truncate", "corrupt"):
             c = {o: fuzz.get((fmt, kind, o), 0) for o in ("exact", "error", "changed", "changed-lengths", "lost")}
@@ -162,13 +183,15 @@ def main(argv=None) -> int:
     ap.add_argument("--pack-trials", type=int, default=25, help="kills per (workers, mode) case")
     ap.add_argument("--fuzz-cases", type=int, default=1000, help="truncations and corruptions per format, each")
     ap.add_argument("--loader-trials", type=int, default=5, help="trials per signal")
+    ap.add_argument("--ray-trials", type=int, default=0,
+                    help="kills of `pack --engine ray` per mode (fresh, re-pack); needs ray")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "fault_injection.json"))
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     fuzz = fuzz_campaign(a.fuzz_cases, a.seed)
     loader = loader_campaign(a.loader_trials, a.seed)
-    pack = pack_campaign(a.pack_trials, a.seed)
+    pack = pack_campaign(a.pack_trials, a.seed, a.ray_trials)
     rows, summary = table(pack, fuzz, loader)
     print("| injected | times | survived | lost |")
     print("|---|---:|---|---:|")

@@ -96,7 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split output files at this many rows (default: one file per shard, or one with --global)")
     p.add_argument("--allow-empty", action="store_true", help="skip empty shards instead of failing")
     p.add_argument("--workers", type=int, default=1,
-                   help="processes packing shards in parallel (>= 1; default: %(default)s)")
+                   help="jobs run in parallel: local processes, or Ray tasks in flight (>= 1; default: %(default)s)")
+    p.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="where the jobs run: this machine's processes, or Ray (pip install 'packloader[ray]'); "
+                        "same output bytes (default: %(default)s)")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster for --engine ray ('auto', 'ray://head:10001'; default: $RAY_ADDRESS, else a "
+                        "local Ray instance with --workers CPUs)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="fail (naming file and row) on a token id >= this vocabulary size (default: no check)")
     p.add_argument("--allow-nonempty", action="store_true",
@@ -157,7 +163,8 @@ def _cmd_pack(a) -> int:
         token_column=a.token_column, labels_column=None if a.no_labels else a.labels_column,
         global_packing=a.global_packing, max_items_per_bin=a.max_items_per_bin, buffer_size=a.buffer_size,
         seed=a.seed, rows_per_file=a.rows_per_file, allow_empty=a.allow_empty, workers=a.workers,
-        quiet=a.quiet, allow_nonempty=a.allow_nonempty, vocab_size=a.vocab_size,
+        quiet=a.quiet, allow_nonempty=a.allow_nonempty, vocab_size=a.vocab_size, engine=a.engine,
+        ray_address=a.ray_address,
     )
     _print_report(a, report)
     return 0
@@ -245,7 +252,7 @@ def main(argv=None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (ValueError, OSError) as e:  # bad settings, unreadable / unwritable paths
+    except (ValueError, OSError, ImportError) as e:  # bad settings, unreadable / unwritable paths, no ray
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

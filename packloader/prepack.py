@@ -49,18 +49,24 @@ from packloader._numba import njit_cached  # first: Numba's cache fallback, befo
 
 from packer_algos import ALGORITHMS  # isort: skip
 from packer_algos import OVERFLOW_POLICIES as OVERFLOW  # isort: skip
+from packer_algos import PackPlan  # isort: skip
 from packloader._outdir import (STATE_DIR, atomic_path, atomic_write_text, claim_output_dir, file_checksum,
                                 remove_file, remove_stale_temps)
 from packloader.batch import IGNORE_INDEX
 from packloader.errors import DataError
 from packloader.prepacked import FORMAT, INDEX_NAME, VERSION, check_capacity, check_fits, packed_schema
 from packloader.report import PackingReport
-from packloader.sources import SequenceBatch, open_shard, resolve_sources
+from packloader.sources import SequenceBatch, _concat_batches, open_shard, resolve_sources
 
-__all__ = ["pack_dataset", "scatter_rows", "write_packed_file", "source_digest", "ALGORITHMS", "OVERFLOW"]
+__all__ = ["pack_dataset", "run_tasks", "ENGINES", "scatter_rows", "write_packed_file", "source_digest", "ALGORITHMS",
+           "OVERFLOW"]
 
 #: a job's record in STATE_DIR
 _JOB_RE = re.compile(r"^job-([0-9a-f]{24})\.json$")
+#: a URI (``s3://``, ``gs://``, ``file://``, ...): pack reads and writes local (or mounted) paths only
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+#: where pack's tasks run (see :func:`run_tasks`)
+ENGINES = ("local", "ray")
 #: bytes of input_ids per Arrow record batch written (labels take as much again)
 RECORD_BATCH_BYTES = 64 << 20
 
@@ -232,69 +238,86 @@ def _check_shard(shard, settings, allow_empty: bool) -> np.ndarray:
     return lengths
 
 
-def _run_job(job: _Job) -> dict:
-    """Pack one job; returns its state dict (files + report). Runs in a worker process or inline."""
+def _read_lengths(job: _Job, shards) -> tuple[np.ndarray, np.ndarray]:
+    """All sequence lengths of ``shards`` (after :func:`_check_shard`), and ``row_base`` (int64
+    ``[len(shards) + 1]``: the first sequence number of each shard in the concatenated lengths)."""
+    lengths_list = [_check_shard(sh, job.settings, job.allow_empty) for sh in shards]
+    lengths = np.concatenate(lengths_list) if lengths_list else np.zeros(0, np.int64)
+    row_base = np.zeros(len(shards) + 1, np.int64)
+    np.cumsum([len(x) for x in lengths_list], out=row_base[1:])
+    return lengths, row_base
+
+
+def _make_plan(lengths: np.ndarray, s: dict):
     from packer_algos import pack
 
+    return pack(lengths, s["capacity"], s["algorithm"], overflow=s["overflow"],
+                max_items_per_bin=s["max_items_per_bin"], buffer_size=s["buffer_size"], seed=s["seed"])
+
+
+def _job_report(job: _Job, lengths, plan, n_files: int, **seconds) -> PackingReport:
     s = job.settings
     cap = s["capacity"]
-    t0 = time.perf_counter()
-    _write_record(job, {"job_hash": job.job_hash, "job": job.index, "paths": job.paths, "status": "writing"})
+    lost = int(lengths[plan.dropped_ids].sum()) + int((lengths[plan.truncated_ids] - cap).sum())
+    return PackingReport.from_lengths(
+        lengths, cap, s["algorithm"], row_fills=plan.bin_lengths(),
+        pieces_per_row=np.diff(plan.bin_offsets), split=plan.split_ids.size,
+        truncated=plan.truncated_ids.size, dropped=plan.dropped_ids.size, lost_tokens=lost,
+        overflow=s["overflow"], global_packing=s["global_packing"], sources=len(job.paths), files=n_files,
+        **seconds,
+    )
+
+
+def _file_entry(path: str, name: str, plan, r0: int, r1: int, size: int, job_index: int) -> dict:
+    p0, p1 = int(plan.bin_offsets[r0]), int(plan.bin_offsets[r1])
+    return {"name": name, "rows": r1 - r0, "tokens": int(plan.lengths[p0:p1].sum()), "bytes": size,
+            "checksum": file_checksum(path), "job": job_index}
+
+
+def _open_shards(paths, s: dict) -> list:
     shards = []
     try:
-        for p in job.paths:
+        for p in paths:
             shards.append(open_shard(p, s["token_column"], s["labels_column"], vocab_size=s.get("vocab_size")))
-        lengths_list = [_check_shard(sh, s, job.allow_empty) for sh in shards]
-        lengths = np.concatenate(lengths_list) if lengths_list else np.zeros(0, np.int64)
-        row_base = np.zeros(len(shards) + 1, np.int64)
-        np.cumsum([len(x) for x in lengths_list], out=row_base[1:])
-        t1 = time.perf_counter()
-        plan = pack(lengths, cap, s["algorithm"], overflow=s["overflow"],
-                    max_items_per_bin=s["max_items_per_bin"], buffer_size=s["buffer_size"], seed=s["seed"])
-        t2 = time.perf_counter()
-        batches = [sh.read_all() for sh in shards]  # validates every token (negative ids, nulls, ...)
-        if len(batches) == 1:
-            batch = batches[0]
-        else:
-            from packloader.sources import _concat_batches
+    except BaseException:
+        for sh in shards:
+            sh.close()
+        raise
+    return shards
 
-            batch = _concat_batches([b for b in batches if len(b)]) if any(len(b) for b in batches) else batches[0]
+
+def _run_job(job: _Job) -> dict:
+    """Pack one shard (a per-shard job); returns its state dict (files + report), also written as its
+    record. The unit of work of both engines (a process-pool worker, a Ray task, or inline)."""
+    s = job.settings
+    t0 = time.perf_counter()
+    _write_record(job, {"job_hash": job.job_hash, "job": job.index, "paths": job.paths, "status": "writing"})
+    shards = _open_shards(job.paths, s)
+    try:
+        lengths, _ = _read_lengths(job, shards)
+        t1 = time.perf_counter()
+        plan = _make_plan(lengths, s)
+        t2 = time.perf_counter()
+        batch = shards[0].read_all()  # validates every token (negative ids, nulls, ...)
         t3 = time.perf_counter()
-        item_shard = np.repeat(np.arange(len(shards)), [len(x) for x in lengths_list])
-        source_file = np.asarray(job.source_ids, np.int32)[item_shard] if len(item_shard) else np.zeros(0, np.int32)
-        source_row = np.arange(len(lengths), dtype=np.int64) - row_base[item_shard]
+        source_file = np.full(len(lengths), job.source_ids[0], np.int32)
+        source_row = np.arange(len(lengths), dtype=np.int64)
         n_rows = plan.n_bins
         per_file = job.rows_per_file or max(1, n_rows)
-        if s["global_packing"] and not job.rows_per_file:
-            per_file = max(1, -(-n_rows // max(1, len(shards))))
         ranges = [(r, min(n_rows, r + per_file)) for r in range(0, n_rows, per_file)]
         files = []
-        stem = f"part-{job.index:05d}" if not s["global_packing"] else "part"
         for k, (r0, r1) in enumerate(ranges):
-            if s["global_packing"]:
-                name = f"part-{k:05d}-{job.job_hash[:10]}.arrow"
-            elif len(ranges) == 1:
-                name = f"{stem}-{job.job_hash[:10]}.arrow"
+            if len(ranges) == 1:
+                name = f"part-{job.index:05d}-{job.job_hash[:10]}.arrow"
             else:
-                name = f"{stem}-{k:03d}-{job.job_hash[:10]}.arrow"
+                name = f"part-{job.index:05d}-{k:03d}-{job.job_hash[:10]}.arrow"
             full = os.path.join(job.out_dir, name)
-            size = write_packed_file(
-                full, batch, plan, r0, r1, source_file=source_file,
-                source_row=source_row, metadata={"packloader.job_hash": job.job_hash},
-            )
-            p0, p1 = int(plan.bin_offsets[r0]), int(plan.bin_offsets[r1])
-            files.append({"name": name, "rows": r1 - r0, "tokens": int(plan.lengths[p0:p1].sum()),
-                          "bytes": size, "checksum": file_checksum(full), "job": job.index})
+            size = write_packed_file(full, batch, plan, r0, r1, source_file=source_file, source_row=source_row,
+                                     metadata={"packloader.job_hash": job.job_hash})
+            files.append(_file_entry(full, name, plan, r0, r1, size, job.index))
         t4 = time.perf_counter()
-        lost = int(lengths[plan.dropped_ids].sum()) + int((lengths[plan.truncated_ids] - cap).sum())
-        report = PackingReport.from_lengths(
-            lengths, cap, s["algorithm"], row_fills=plan.bin_lengths(),
-            pieces_per_row=np.diff(plan.bin_offsets), split=plan.split_ids.size,
-            truncated=plan.truncated_ids.size, dropped=plan.dropped_ids.size, lost_tokens=lost,
-            overflow=s["overflow"], global_packing=s["global_packing"], sources=len(shards), files=len(files),
-            read_seconds=(t1 - t0) + (t3 - t2), plan_seconds=t2 - t1, write_seconds=t4 - t3,
-            total_seconds=t4 - t0,
-        )
+        report = _job_report(job, lengths, plan, len(files), read_seconds=(t1 - t0) + (t3 - t2),
+                             plan_seconds=t2 - t1, write_seconds=t4 - t3, total_seconds=t4 - t0)
     finally:
         for sh in shards:
             sh.close()
@@ -302,6 +325,133 @@ def _run_job(job: _Job) -> dict:
              "report": report.to_dict()}
     _write_record(job, state)
     return state
+
+
+# --------------------------------------------------------------------------------------------------
+# global packing: one plan made centrally from the lengths, its files written in parallel
+
+
+@dataclass
+class _Part:
+    """One output file of a global job: rows ``[0, n_rows)`` of a slice of the central plan (its
+    ``bin_offsets`` rebased to 0), with the global sequence numbers of its pieces. It has its own record
+    (``part_hash``), so that a re-run skips the files already written."""
+    index: int                 # file number k: part-<k:05d>-<job hash 10>.arrow
+    part_hash: str
+    job: _Job
+    bin_offsets: np.ndarray
+    item_ids: np.ndarray       # global sequence numbers (into the job's concatenated shards)
+    starts: np.ndarray
+    lengths: np.ndarray
+    row_base: np.ndarray       # [n_shards + 1]: first global sequence number of each shard
+    read_shards: list          # shard numbers this part reads (those its rows use, or validation only)
+
+    @property
+    def name(self) -> str:
+        return f"part-{self.index:05d}-{self.job.job_hash[:10]}.arrow"
+
+
+def _part_hash(job_hash: str, k: int) -> str:
+    return _hash({"job": job_hash, "file": k})
+
+
+def _plan_global(job: _Job) -> tuple[list, dict]:
+    """The driver's step of a global job: record it as "writing", read every shard's lengths, check
+    them, make the plan, cut it into files. Returns ``(parts, info)`` (``info``: what
+    :func:`_finish_global` needs for the report)."""
+    s = job.settings
+    t0 = time.perf_counter()
+    _write_record(job, {"job_hash": job.job_hash, "job": job.index, "paths": job.paths, "status": "writing"})
+    shards = _open_shards(job.paths, s)
+    try:
+        lengths, row_base = _read_lengths(job, shards)
+    finally:
+        for sh in shards:
+            sh.close()
+    t1 = time.perf_counter()
+    plan = _make_plan(lengths, s)
+    t2 = time.perf_counter()
+    n_rows = plan.n_bins
+    per_file = job.rows_per_file or max(1, -(-n_rows // max(1, len(job.paths))))
+    parts = []
+    for k, r0 in enumerate(range(0, n_rows, per_file)):
+        r1 = min(n_rows, r0 + per_file)
+        p0, p1 = int(plan.bin_offsets[r0]), int(plan.bin_offsets[r1])
+        items = plan.item_ids[p0:p1]
+        used = np.unique(np.searchsorted(row_base, items, side="right") - 1).tolist()
+        parts.append(_Part(k, _part_hash(job.job_hash, k), job, plan.bin_offsets[r0:r1 + 1] - p0, items,
+                           plan.starts[p0:p1], plan.lengths[p0:p1], row_base, used))
+    # shards no row uses (all dropped, or empty) are still read once: every token is validated
+    unread = sorted(set(range(len(job.paths))) - {i for p in parts for i in p.read_shards})
+    if unread and parts:
+        parts[-1].read_shards = sorted(parts[-1].read_shards + unread)
+    info = {"lengths": lengths, "plan": plan, "read_seconds": t1 - t0, "plan_seconds": t2 - t1, "t0": t0}
+    return parts, info
+
+
+def _write_parts(parts: list) -> list:
+    """Write a group of parts of one global job (skipping those already written); returns their states.
+    The unit of work of both engines under global packing. Each shard the group needs is read once."""
+    todo = [p for p in parts if _finished_record(p.job.out_dir, p.part_hash) is None]
+    states = {}
+    if todo:
+        job = todo[0].job
+        t0 = time.perf_counter()
+        need = sorted({i for p in todo for i in p.read_shards})
+        shards = _open_shards([job.paths[i] for i in need], job.settings)
+        try:
+            batches = [sh.read_all() for sh in shards]  # validates every token (negative ids, nulls, ...)
+        finally:
+            for sh in shards:
+                sh.close()
+        nonempty = [b for b in batches if len(b)]
+        batch = _concat_batches(nonempty) if nonempty else batches[0]
+        read_s = time.perf_counter() - t0
+        counts = np.array([len(b) for b in batches], np.int64)
+        local_base = np.full(len(job.paths), -1, np.int64)  # first local sequence number of a read shard
+        local_base[need] = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        local_shard = np.repeat(np.asarray(need, np.int64), counts)
+        row_base = todo[0].row_base
+        source_file = np.asarray(job.source_ids, np.int32)[local_shard]
+        source_row = np.arange(len(local_shard), dtype=np.int64) - local_base[local_shard]
+        for p in todo:
+            t1 = time.perf_counter()
+            shard_of = np.searchsorted(row_base, p.item_ids, side="right") - 1
+            local_ids = p.item_ids - row_base[shard_of] + local_base[shard_of]
+            sub = PackPlan(job.settings["capacity"], p.bin_offsets, local_ids, p.starts, p.lengths)
+            n = sub.n_bins
+            full = os.path.join(job.out_dir, p.name)
+            size = write_packed_file(full, batch, sub, 0, n, source_file=source_file, source_row=source_row,
+                                     metadata={"packloader.job_hash": job.job_hash})
+            state = {"job_hash": p.part_hash, "job": job.index, "part": p.index, "status": "done",
+                     "files": [_file_entry(full, p.name, sub, 0, n, size, job.index)],
+                     "read_seconds": read_s if p is todo[0] else 0.0,
+                     "write_seconds": time.perf_counter() - t1}
+            atomic_write_text(_state_path(job.out_dir, p.part_hash), json.dumps(state))
+            states[p.index] = state
+    return [states.get(p.index) or _finished_record(p.job.out_dir, p.part_hash) for p in parts]
+
+
+def _finish_global(job: _Job, info: dict, part_states: list) -> dict:
+    """The driver's last step of a global job: its report and its "done" record."""
+    files = [f for st in part_states for f in st["files"]]
+    plan = info["plan"]
+    report = _job_report(job, info["lengths"], plan, len(files),
+                         read_seconds=info["read_seconds"] + sum(st.get("read_seconds", 0.0) for st in part_states),
+                         plan_seconds=info["plan_seconds"],
+                         write_seconds=sum(st.get("write_seconds", 0.0) for st in part_states),
+                         total_seconds=time.perf_counter() - info["t0"])
+    state = {"job_hash": job.job_hash, "job": job.index, "paths": job.paths, "status": "done", "files": files,
+             "report": report.to_dict()}
+    _write_record(job, state)
+    return state
+
+
+def _groups(items: list, n: int) -> list:
+    """``items`` cut into ``n`` contiguous groups of near-equal size (fewer when there are fewer items)."""
+    n = max(1, min(n, len(items)))
+    bounds = [len(items) * g // n for g in range(n + 1)]
+    return [items[bounds[g]:bounds[g + 1]] for g in range(n)]
 
 
 def _write_record(job: _Job, record: dict) -> None:
@@ -319,16 +469,22 @@ def _job_file_re(job_hash: str) -> re.Pattern:
 
 def _finished_state(job: _Job) -> dict | None:
     """The state of an earlier identical run of ``job`` when all its files are intact, else None."""
-    path = _state_path(job.out_dir, job.job_hash)
+    return _finished_record(job.out_dir, job.job_hash)
+
+
+def _finished_record(out_dir: str, job_hash: str) -> dict | None:
+    """The record ``job_hash`` (a job or a part of a global job) when it is "done" and all its files are
+    intact, else None."""
+    path = _state_path(out_dir, job_hash)
     try:
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
     except (OSError, ValueError):
         return None
-    if state.get("job_hash") != job.job_hash or state.get("status", "done") != "done":
+    if not isinstance(state, dict) or state.get("job_hash") != job_hash or state.get("status", "done") != "done":
         return None
     for entry in state.get("files", []):
-        p = os.path.join(job.out_dir, entry["name"])
+        p = os.path.join(out_dir, entry["name"])
         if not os.path.isfile(p) or os.path.getsize(p) != entry["bytes"]:
             return None
     return state
@@ -411,6 +567,17 @@ def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> Non
         raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
 
 
+def _refuse_uris(sources, out_dir) -> None:
+    """A URI is refused with what to do instead (the readers and the atomic renames need a filesystem
+    path; object stores have no atomic rename)."""
+    items = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
+    for what, x in [("source", x) for x in items] + [("output directory", out_dir)]:
+        if isinstance(x, str) and _URI_RE.match(x):
+            raise DataError(f"{what} is a URI; pack reads and writes filesystem paths only: mount the bucket "
+                            "(s3fs, gcsfuse, mountpoint-s3) or use a shared filesystem, and give its path "
+                            "(file:// URIs: give the path without the scheme); see docs/cluster.md", path=x)
+
+
 def _check_sources_not_outputs(paths, out_dir: str, old_index: dict | None) -> None:
     """Refuse to read a file this directory's own packing wrote (it would be removed or replaced)."""
     real_out = os.path.realpath(out_dir)
@@ -455,6 +622,45 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="packloader-parent-watch", daemon=True).start()
 
 
+def run_tasks(fn, tasks: list, *, engine: str = "local", workers: int = 1, on_done=None,
+              ray_address: str | None = None, quiet: bool = True) -> list:
+    """Run ``fn`` on every task, return the results in task order; ``on_done(result)`` is called in the
+    calling process as each one finishes. The one place where pack's engines differ:
+
+    * ``"local"``: inline (``workers == 1`` or one task) or a pool of ``workers`` spawned processes that
+      die with the calling process;
+    * ``"ray"``: Ray tasks, at most ``workers`` in flight (:mod:`packloader.ray_engine`).
+
+    ``fn`` is a pure function of its task that writes its outputs atomically under deterministic names
+    (:func:`_run_job`, :func:`_write_parts`), so either engine, any ``workers``, and any retry of a
+    killed task write the same bytes.
+    """
+    if engine == "ray":
+        from packloader.ray_engine import run_ray_tasks
+
+        return run_ray_tasks(fn, tasks, workers=workers, address=ray_address, on_done=on_done, quiet=quiet)
+    if engine != "local":
+        raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    results = []
+    if workers > 1 and len(tasks) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=mp.get_context("spawn"),
+                                 initializer=_die_with_parent, initargs=(os.getpid(),)) as ex:
+            for r in ex.map(fn, tasks):
+                results.append(r)
+                if on_done is not None:
+                    on_done(r)
+    else:
+        for t in tasks:
+            r = fn(t)
+            results.append(r)
+            if on_done is not None:
+                on_done(r)
+    return results
+
+
 def pack_dataset(
     sources,
     out_dir,
@@ -475,6 +681,8 @@ def pack_dataset(
     progress: bool | None = None,
     allow_nonempty: bool = False,
     vocab_size: int | None = None,
+    engine: str = "local",
+    ray_address: str | None = None,
 ) -> PackingReport:
     """Pack token shards into fixed-capacity rows, written as Arrow IPC files plus ``index.json``.
 
@@ -500,13 +708,22 @@ def pack_dataset(
             shard; with ``global_packing``, as many files as shards).
         allow_empty: skip shards without tokens (no sequences, or only zero-length ones) instead of
             raising.
-        workers: processes packing shards in parallel (per-shard packing only; an int >= 1). Default 1.
-            Worker processes die with the calling process (a killed ``pack`` leaves none behind).
+        workers: jobs run in parallel (an int >= 1; with ``global_packing``, groups of output files
+            written in parallel from the one plan, each group holding the shards its rows use in
+            memory). Default 1. Local worker processes die with the
+            calling process (a killed ``pack`` leaves none behind); with ``engine="ray"``, the Ray tasks
+            in flight at once (and the CPUs of the local Ray instance it starts, if any).
         quiet: print nothing.
         progress: True for a tqdm bar, False for log lines, None (default) for a bar on a terminal.
         allow_nonempty: write into a non-empty directory that ``pack`` did not create (its files are
             never overwritten or removed). Default False: such a directory is refused.
         vocab_size: optional; a token id ``>= vocab_size`` is a DataError naming the file and row.
+        engine: ``"local"`` (default: this process, or a process pool) or ``"ray"`` (Ray tasks; needs
+            ``pip install 'packloader[ray]'``; see :mod:`packloader.ray_engine`). Both run the same
+            functions and write the same bytes.
+        ray_address: the Ray cluster for ``engine="ray"`` (``"auto"``, ``"ray://host:10001"``, ...);
+            default: the one ``ray.init`` already connected to, else ``$RAY_ADDRESS``, else a local Ray
+            instance with ``workers`` CPUs, shut down at the end.
 
     Returns:
         The :class:`~packloader.report.PackingReport` of the whole directory (also stored in
@@ -538,6 +755,9 @@ def pack_dataset(
     _check_int("max_items_per_bin", max_items_per_bin, 1, optional=True)
     _check_int("buffer_size", buffer_size, 1, optional=True)
     _check_int("vocab_size", vocab_size, 1, optional=True)
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    _refuse_uris(sources, out_dir)
     paths = resolve_sources(sources)
     out_dir = os.fspath(out_dir)
     settings = {
@@ -584,36 +804,43 @@ def pack_dataset(
             states[job.index] = st
         else:
             todo.append(job)
-    bar = Progress(len(jobs), f"packing {len(paths)} shard(s) -> {out_dir}", "job", quiet=quiet, bar=progress)
+    part_hashes, reused_parts = [], 0
+    if global_packing and todo:
+        file_parts, info = _plan_global(todo[0])
+        part_hashes = [p.part_hash for p in file_parts]
+        reused_parts = sum(_finished_record(out_dir, h) is not None for h in part_hashes)
+        tasks, fn, n_units = _groups(file_parts, workers), _write_parts, len(file_parts)
+    else:
+        tasks, fn, n_units = todo, _run_job, len(jobs)
+        if global_packing:  # finished earlier: keep its parts' records
+            part_hashes = [_part_hash(jobs[0].job_hash, k) for k in range(len(states[0]["files"]))]
+    bar = Progress(n_units, f"packing {len(paths)} shard(s) -> {out_dir}", "job" if fn is _run_job else "file",
+                   quiet=quiet, bar=progress)
     if states:
         bar.update(len(states), note=f"{len(states)} finished earlier, skipped")
 
-    def done(st):
-        r = st["report"]
-        bar.update(1, note=f"{os.path.basename(st['paths'][0])}{'...' if len(st['paths']) > 1 else ''}: "
+    def done(result):
+        if fn is _write_parts:
+            bar.update(len(result), note=f"{result[-1]['files'][0]['name']} ({len(result)} file(s) of a group)")
+            return
+        r = result["report"]
+        bar.update(1, note=f"{os.path.basename(result['paths'][0])}{'...' if len(result['paths']) > 1 else ''}: "
                            f"{r['rows']:,} rows, {100 * r['efficiency']:.2f} % full")
 
     try:
-        if workers > 1 and len(todo) > 1:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor
-
-            with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=mp.get_context("spawn"),
-                                     initializer=_die_with_parent, initargs=(os.getpid(),)) as ex:
-                for job, st in zip(todo, ex.map(_run_job, todo)):
-                    states[job.index] = st
-                    done(st)
-        else:
-            for job in todo:
-                st = _run_job(job)
-                states[job.index] = st
-                done(st)
+        results = run_tasks(fn, tasks, engine=engine, workers=workers, on_done=done, ray_address=ray_address,
+                            quiet=quiet)
     finally:
         bar.close()
+    if fn is _write_parts:
+        states[0] = _finish_global(todo[0], info, [st for group in results for st in group])
+    else:
+        for job, st in zip(tasks, results):
+            states[job.index] = st
 
     ordered = [states[j.index] for j in jobs]
     files = [f for st in ordered for f in st["files"]]
-    reused = sum(len(states[j.index]["files"]) for j in jobs if j not in todo)
+    reused = sum(len(states[j.index]["files"]) for j in jobs if j not in todo) + reused_parts
     parts = [PackingReport.from_dict(st["report"]) for st in ordered]
     report = PackingReport.combine(
         parts, algorithm=algorithm, overflow=overflow, global_packing=bool(global_packing),
@@ -634,7 +861,7 @@ def pack_dataset(
         "source_paths": "absolute",  # resolved at pack time (before: as given, relative to pack's directory)
         "source_digests": digests,
         "content_hash": content_hash,
-        "job_hashes": [j.job_hash for j in jobs],
+        "job_hashes": [j.job_hash for j in jobs] + part_hashes,
         "total_rows": int(sum(f["rows"] for f in files)),
         "total_tokens": int(sum(f["tokens"] for f in files)),
         "total_sequences": report.sequences,
@@ -645,7 +872,7 @@ def pack_dataset(
     }
     atomic_write_text(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=1))  # the commit point
     _cleanup(out_dir, {f["name"] for f in files},
-             {os.path.basename(_state_path(out_dir, j.job_hash)) for j in jobs}, old_index)
+             {os.path.basename(_state_path(out_dir, h)) for h in index["job_hashes"]}, old_index)
     log(f"{out_dir}: {report.rows:,} rows in {len(files)} file(s), efficiency {100 * report.efficiency:.2f} %, "
         f"{report.total_seconds:.2f} s", quiet=quiet)
     return report
