@@ -49,7 +49,7 @@ from packloader._numba import njit_cached  # first: Numba's cache fallback, befo
 
 from packer_algos import ALGORITHMS  # isort: skip
 from packer_algos import OVERFLOW_POLICIES as OVERFLOW  # isort: skip
-from packloader._outdir import (STATE_DIR, atomic_path, atomic_write_text, claim_output_dir, file_checksum,
+from packloader._outdir import (STATE_DIR, ChecksumFile, atomic_path, atomic_write_text, claim_output_dir,
                                 remove_file, remove_stale_temps)
 from packloader.batch import IGNORE_INDEX
 from packloader.errors import DataError
@@ -95,7 +95,7 @@ def _scatter_kernel(tokens, labels, has_labels, item_start, bin_offsets, item_id
             out_lab[j] = IGNORE_INDEX
 
 
-def scatter_rows(batch: SequenceBatch, plan, b0: int = 0, b1: int | None = None):
+def scatter_rows(batch: SequenceBatch, plan, b0: int = 0, b1: int | None = None, out=None):
     """Fill rows ``[b0, b1)`` of ``plan`` with the tokens of ``batch``.
 
     Args:
@@ -103,17 +103,25 @@ def scatter_rows(batch: SequenceBatch, plan, b0: int = 0, b1: int | None = None)
             batch).
         plan: a :class:`packer_algos.PackPlan`.
         b0, b1: the row range (default: all rows).
+        out: optional ``(ids, labels)`` int32 buffers of at least ``(b1 - b0) * capacity`` elements to
+            fill (reused from call to call by :func:`write_packed_file`: fresh memory costs a page fault
+            per 4 KiB); default: new arrays.
 
     Returns:
-        ``(input_ids, labels)``: int32 ``[(b1 - b0) * capacity]`` flat arrays; padding is 0 in
-        ``input_ids``; ``labels`` are the batch's labels (or its tokens), with -100 at each piece's first
-        position and on padding.
+        ``(input_ids, labels)``: int32 ``[(b1 - b0) * capacity]`` flat arrays (views of ``out`` when
+        given); padding is 0 in ``input_ids``; ``labels`` are the batch's labels (or its tokens), with
+        -100 at each piece's first position and on padding.
     """
     b1 = plan.n_bins if b1 is None else b1
     cap = plan.capacity
     n = (b1 - b0) * cap
-    out_ids = np.empty(n, np.int32)
-    out_lab = np.empty(n, np.int32)
+    if out is None:
+        out_ids = np.empty(n, np.int32)
+        out_lab = np.empty(n, np.int32)
+    else:
+        out_ids, out_lab = out[0][:n], out[1][:n]
+        if out_ids.dtype != np.int32 or out_lab.dtype != np.int32 or out_ids.size < n or out_lab.size < n:
+            raise ValueError(f"scatter_rows: out must be two int32 arrays of >= {n} elements")
     tokens = np.ascontiguousarray(batch.tokens, dtype=np.int32)
     has_labels = batch.labels is not None
     labels = np.ascontiguousarray(batch.labels, dtype=np.int32) if has_labels else tokens
@@ -129,11 +137,13 @@ def _list_array(offsets: np.ndarray, values: np.ndarray, value_type) -> pa.Array
 
 
 def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, source_file: np.ndarray,
-                      source_row: np.ndarray, metadata: dict | None = None) -> int:
+                      source_row: np.ndarray, metadata: dict | None = None) -> tuple[int, str]:
     """Write rows ``[b0, b1)`` of ``plan`` as one uncompressed Arrow IPC file, atomically.
 
-    The file is written as ``DIR/.packloader/tmp/NAME.tmp-<pid>``, flushed to disk and renamed to ``path``
-    once complete (:func:`packloader._outdir.atomic_path`).
+    The file is written as ``DIR/.packloader/tmp/NAME.tmp-<pid>`` and renamed to ``path`` once complete
+    (:func:`packloader._outdir.atomic_path`; not fsynced: its size and checksum in ``index.json`` reveal
+    a file torn by a power loss). Its checksum is computed on the bytes as they are written
+    (:class:`packloader._outdir.ChecksumFile`), not by reading the file back.
 
     Args:
         path: destination.
@@ -145,7 +155,8 @@ def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, sou
         metadata: optional str -> str schema metadata.
 
     Returns:
-        The size of the written file in bytes.
+        ``(size, checksum)``: the file's size in bytes and its ``"crc32:<hex>"`` checksum (as
+        :func:`packloader._outdir.file_checksum` would compute it).
     """
     cap = plan.capacity
     schema = packed_schema(cap)
@@ -153,11 +164,15 @@ def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, sou
         schema = schema.with_metadata({str(k): str(v) for k, v in metadata.items()})
     step = max(1, RECORD_BATCH_BYTES // (4 * cap))
     path = os.fspath(path)
+    buffers = (np.empty(min(step, max(0, b1 - b0)) * cap, np.int32),
+               np.empty(min(step, max(0, b1 - b0)) * cap, np.int32))
     with atomic_path(path, fsync=False) as tmp:  # (its size and checksum in index.json reveal a torn file)
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        with ChecksumFile(tmp) as raw, pa.PythonFile(raw, mode="w") as sink, \
+                pa.ipc.new_file(sink, schema) as writer:
             for r0 in range(b0, b1, step):
                 r1 = min(b1, r0 + step)
-                ids, lab = scatter_rows(batch, plan, r0, r1)
+                # (the buffers are reused: write_batch has copied the previous batch into the file)
+                ids, lab = scatter_rows(batch, plan, r0, r1, out=buffers)
                 p0, p1 = int(plan.bin_offsets[r0]), int(plan.bin_offsets[r1])
                 offs = plan.bin_offsets[r0:r1 + 1] - p0
                 items = plan.item_ids[p0:p1]
@@ -170,8 +185,11 @@ def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, sou
                     _list_array(offs, plan.starts[p0:p1].astype(np.int32), pa.int32()),
                 ]
                 writer.write_batch(pa.record_batch(cols, schema=schema))
+                del cols, ids, lab
         size = os.path.getsize(tmp)
-    return size
+        if size != raw.size:
+            raise OSError(f"{path}: wrote {raw.size} bytes but the file holds {size}")
+    return size, raw.checksum
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,13 +296,13 @@ def _run_job(job: _Job) -> dict:
             else:
                 name = f"{stem}-{k:03d}-{job.job_hash[:10]}.arrow"
             full = os.path.join(job.out_dir, name)
-            size = write_packed_file(
+            size, checksum = write_packed_file(
                 full, batch, plan, r0, r1, source_file=source_file,
                 source_row=source_row, metadata={"packloader.job_hash": job.job_hash},
             )
             p0, p1 = int(plan.bin_offsets[r0]), int(plan.bin_offsets[r1])
             files.append({"name": name, "rows": r1 - r0, "tokens": int(plan.lengths[p0:p1].sum()),
-                          "bytes": size, "checksum": file_checksum(full), "job": job.index})
+                          "bytes": size, "checksum": checksum, "job": job.index})
         t4 = time.perf_counter()
         lost = int(lengths[plan.dropped_ids].sum()) + int((lengths[plan.truncated_ids] - cap).sum())
         report = PackingReport.from_lengths(

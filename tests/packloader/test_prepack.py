@@ -179,6 +179,14 @@ def test_scatter_rows_matches_python_twin(seed):
                 pos += n
         assert np.array_equal(ids.reshape(-1, cap), want_ids)
         assert np.array_equal(got_lab.reshape(-1, cap), want_lab)
+        # into reused, dirty buffers (as write_packed_file does): the same rows, every slot written
+        bufs = (np.full((b1 - b0 + 3) * cap, 77, np.int32), np.full((b1 - b0 + 3) * cap, 77, np.int32))
+        ids2, lab2 = scatter_rows(batch, plan, b0, b1, out=bufs)
+        assert ids2.base is bufs[0] or ids2.base is bufs[0].base
+        assert np.array_equal(ids2.reshape(-1, cap), want_ids)
+        assert np.array_equal(lab2.reshape(-1, cap), want_lab)
+        with pytest.raises(ValueError, match="int32"):
+            scatter_rows(batch, plan, b0, b1, out=(bufs[0][:cap], bufs[1]))
 
 
 # ---------------------------------------------------------------- output schema and index.json
