@@ -41,8 +41,8 @@ import numpy as np
 import pyarrow as pa
 
 from packloader._log import Progress, log
-from packloader._outdir import (atomic_path, atomic_write_text, claim_output_dir, remove_file, remove_stale_temps,
-                                temp_path)
+from packloader._outdir import (atomic_path, atomic_write_text, claim_output_dir, fsync_dir, fsync_file, remove_file,
+                                remove_stale_temps, temp_path)
 from packloader.errors import DataError
 
 __all__ = ["prepare_jsonl", "PrepareResult", "load_tokenizer", "find_eos_id", "tokenize_records", "write_webdataset_shard",
@@ -508,8 +508,7 @@ def prepare_jsonl(
                 raise DataError(f"shard name {name!r} is taken by a file 'packloader prepare' did not write; "
                                 "choose another --out directory or prefix", path=path)
         for tmp, _ in staged:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            fsync_file(tmp)
     except BaseException:
         for tmp, _ in staged:
             remove_file(tmp)
@@ -532,6 +531,7 @@ def prepare_jsonl(
     atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
     for tmp, path in staged:
         os.replace(tmp, path)
+    fsync_dir(out_dir)
     _finish_replacement(out_dir, manifest_path, manifest)
     log(f"{input}: {res.sequences:,} records -> {res.tokens:,} tokens in {len(res.paths)} {format} shard(s) "
         f"under {out_dir} ({res.seconds:.2f} s)", quiet=quiet)
