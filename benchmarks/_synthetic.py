@@ -1,7 +1,6 @@
 """Synthetic token shards shared by the benchmarks (bench_prepack.py, bench_loader.py)."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 

@@ -55,7 +55,7 @@ from packloader.batch import IGNORE_INDEX
 from packloader.errors import DataError
 from packloader.prepacked import FORMAT, INDEX_NAME, VERSION, check_capacity, check_fits, packed_schema
 from packloader.report import PackingReport
-from packloader.sources import SequenceBatch, open_shard, resolve_sources
+from packloader.sources import SequenceBatch, concat_batches, open_shard, resolve_sources
 
 __all__ = ["pack_dataset", "scatter_rows", "write_packed_file", "source_digest", "ALGORITHMS", "OVERFLOW"]
 
@@ -271,12 +271,8 @@ def _run_job(job: _Job) -> dict:
                     max_items_per_bin=s["max_items_per_bin"], buffer_size=s["buffer_size"], seed=s["seed"])
         t2 = time.perf_counter()
         batches = [sh.read_all() for sh in shards]  # validates every token (negative ids, nulls, ...)
-        if len(batches) == 1:
-            batch = batches[0]
-        else:
-            from packloader.sources import _concat_batches
-
-            batch = _concat_batches([b for b in batches if len(b)]) if any(len(b) for b in batches) else batches[0]
+        nonempty = [b for b in batches if len(b)]
+        batch = concat_batches(nonempty) if nonempty else batches[0]
         t3 = time.perf_counter()
         item_shard = np.repeat(np.arange(len(shards)), [len(x) for x in lengths_list])
         source_file = np.asarray(job.source_ids, np.int32)[item_shard] if len(item_shard) else np.zeros(0, np.int32)
