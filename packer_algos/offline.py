@@ -216,7 +216,7 @@ def best_fit_runs(count, capacity, max_items, witness):
 
     Open bins sit in one stack per remaining capacity (``head`` / ``nxt``); a bitset over remaining
     capacities ``0..capacity`` finds the tightest one that fits. Returns ``(vbin, vcnt, n_visits,
-    n_bins)``. Ties as in :func:`best_fit`: among bins with equal remaining capacity the one that
+    n_bins)``. Ties as in the module docstring (BFD): among bins with equal remaining capacity the one that
     reached it last.
     """
     m = 0
