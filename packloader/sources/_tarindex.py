@@ -37,6 +37,25 @@ _NPY_BYTES = np.frombuffer(b"npy", np.uint8)
 _SKIP, _TOK, _LAB, _BARE, _OTHER = 0, 1, 2, 3, 4
 
 
+@njit_cached(nogil=True, inline="always")
+def _octal(buf, a, b):
+    """The tar number field ``buf[a:b]``: octal digits, ended by NUL or space (leading ones skipped);
+    -1 when another byte is in the way."""
+    v = np.int64(0)
+    seen = False
+    for j in range(a, b):
+        c = buf[j]
+        if c >= 48 and c <= 55:
+            v = v * 8 + (c - 48)
+            seen = True
+        elif c == 0 or c == 32:
+            if seen:
+                break
+        else:
+            return np.int64(-1)
+    return v
+
+
 @njit_cached(nogil=True)
 def walk_tar(buf):
     """Walk the 512-byte tar headers of ``buf`` (uint8): (header positions, sizes, type flags, error code,
@@ -63,22 +82,8 @@ def walk_tar(buf):
         if zero:
             ended = True
             break
-        # stored checksum: octal digits, ended by NUL or space
-        stored = 0
-        bad = False
-        seen = False
-        for j in range(148, 156):
-            c = buf[p + j]
-            if c >= 48 and c <= 55:
-                stored = stored * 8 + (c - 48)
-                seen = True
-            elif c == 0 or c == 32:
-                if seen:
-                    break
-            else:
-                bad = True
-                break
-        if bad:
+        stored = _octal(buf, p + 148, p + 156)
+        if stored < 0:
             err = 2
             break
         total = 256  # the checksum field counts as 8 spaces
@@ -95,19 +100,8 @@ def walk_tar(buf):
             for j in range(125, 136):
                 sz = sz * 256 + buf[p + j]
         else:
-            seen = False
-            for j in range(124, 136):
-                c = buf[p + j]
-                if c >= 48 and c <= 55:
-                    sz = sz * 8 + (c - 48)
-                    seen = True
-                elif c == 0 or c == 32:
-                    if seen:
-                        break
-                else:
-                    bad = True
-                    break
-            if bad:
+            sz = _octal(buf, p + 124, p + 136)
+            if sz < 0:
                 err = 2
                 break
         if p + 512 + sz > n:
