@@ -18,7 +18,7 @@ Stages, each small:
    setting writes new files (their names carry the job hash) and only then swaps the index and removes
    the old files, so a failing run never damages a finished directory.
 
-What ``pack`` may remove (see :mod:`packloader._outdir`): only files it provably wrote, i.e. files listed
+What ``pack`` may remove (see :mod:`packloader._outdir`; the bookkeeping lives in :mod:`packloader._packdir`): only files it provably wrote, i.e. files listed
 in its own earlier ``index.json`` or named after one of its recorded jobs
 (``part-<digits>-<job hash>.arrow``), and its temp files. It writes only into an empty directory or one it
 owns, unless ``allow_nonempty=True``; even then other files are never overwritten or removed. Every
@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -49,9 +48,10 @@ from packloader._numba import njit_cached  # first: Numba's cache fallback, befo
 
 from packer_algos import ALGORITHMS  # isort: skip
 from packer_algos import OVERFLOW_POLICIES as OVERFLOW  # isort: skip
-from packloader._outdir import (STATE_DIR, ChecksumFile, atomic_path, atomic_write_text, claim_output_dir,
-                                remove_file, remove_stale_temps)
+from packloader._outdir import ChecksumFile, atomic_path, atomic_write_text, claim_output_dir
 from packloader.batch import IGNORE_INDEX
+from packloader._packdir import (check_sources_not_outputs, cleanup, read_existing_index, read_index_raw,
+                                state_path)
 from packloader.errors import DataError
 from packloader.prepacked import FORMAT, INDEX_NAME, VERSION, check_capacity, check_fits, packed_schema
 from packloader.report import PackingReport
@@ -59,8 +59,6 @@ from packloader.sources import SequenceBatch, concat_batches, open_shard, resolv
 
 __all__ = ["pack_dataset", "scatter_rows", "write_packed_file", "source_digest", "ALGORITHMS", "OVERFLOW"]
 
-#: a job's record in STATE_DIR
-_JOB_RE = re.compile(r"^job-([0-9a-f]{24})\.json$")
 #: bytes of input_ids per Arrow record batch written (labels take as much again)
 RECORD_BATCH_BYTES = 64 << 20
 
@@ -319,21 +317,12 @@ def _run_job(job: _Job) -> dict:
 
 
 def _write_record(job: _Job, record: dict) -> None:
-    atomic_write_text(_state_path(job.out_dir, job.job_hash), json.dumps(record))
-
-
-def _state_path(out_dir: str, job_hash: str) -> str:
-    return os.path.join(out_dir, STATE_DIR, f"job-{job_hash[:24]}.json")
-
-
-def _job_file_re(job_hash: str) -> re.Pattern:
-    """Names of the files a job writes: ``part-<digits>[-<digits>]-<hash10>.arrow``."""
-    return re.compile(rf"^part-\d+(?:-\d+)?-{re.escape(job_hash[:10])}\.arrow$")
+    atomic_write_text(state_path(job.out_dir, job.job_hash), json.dumps(record))
 
 
 def _finished_state(job: _Job) -> dict | None:
     """The state of an earlier identical run of ``job`` when all its files are intact, else None."""
-    path = _state_path(job.out_dir, job.job_hash)
+    path = state_path(job.out_dir, job.job_hash)
     try:
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
@@ -348,72 +337,6 @@ def _finished_state(job: _Job) -> dict | None:
     return state
 
 
-def _read_index_raw(out_dir: str) -> dict | None:
-    """``index.json`` of ``out_dir`` when it is a packloader index (files not checked), else None."""
-    try:
-        with open(os.path.join(out_dir, INDEX_NAME), encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("files"), list):
-        return None
-    return index
-
-
-def _read_existing_index(out_dir: str) -> dict | None:
-    index = _read_index_raw(out_dir)
-    if index is None or index.get("version") != VERSION:
-        return None
-    for entry in index.get("files", []):
-        p = os.path.join(out_dir, entry.get("name", ""))
-        if not os.path.isfile(p) or os.path.getsize(p) != entry.get("bytes"):
-            return None
-    return index
-
-
-def _recorded_jobs(out_dir: str) -> dict:
-    """{record file name: job hash} of the job records in ``out_dir/.packloader``."""
-    sdir = os.path.join(out_dir, STATE_DIR)
-    out = {}
-    if os.path.isdir(sdir):
-        for name in os.listdir(sdir):
-            if _JOB_RE.match(name):
-                try:
-                    with open(os.path.join(sdir, name), encoding="utf-8") as f:
-                        h = json.load(f).get("job_hash")
-                except (OSError, ValueError, AttributeError):
-                    h = None
-                out[name] = h if isinstance(h, str) and h.startswith(_JOB_RE.match(name).group(1)) else None
-    return out
-
-
-def _written_by_us(out_dir: str, old_index: dict | None) -> set:
-    """Names of the files in ``out_dir`` that pack provably wrote: listed in its earlier index, or named
-    after one of its recorded jobs."""
-    names = set()
-    if old_index is not None:
-        names.update(e.get("name") for e in old_index.get("files", []) if isinstance(e, dict))
-    pats = [_job_file_re(h) for h in _recorded_jobs(out_dir).values() if h]
-    if pats:
-        for name in os.listdir(out_dir):
-            if any(p.match(name) for p in pats):
-                names.add(name)
-    return {n for n in names if isinstance(n, str) and os.path.basename(n) == n}
-
-
-def _cleanup(out_dir: str, keep_files: set, keep_states: set, old_index: dict | None) -> None:
-    """Remove what an earlier run wrote and the new index does not list: its part files (from the old
-    index or named after a recorded job), then the job records, and temp files of dead processes.
-    Files pack did not write are never touched. Safe to run again after a kill at any point."""
-    for name in sorted(_written_by_us(out_dir, old_index) - keep_files):
-        remove_file(os.path.join(out_dir, name))
-    sdir = os.path.join(out_dir, STATE_DIR)
-    for name in _recorded_jobs(out_dir):
-        if name not in keep_states:
-            remove_file(os.path.join(sdir, name))
-    remove_stale_temps(out_dir)
-
-
 # --------------------------------------------------------------------------------------------------
 # the public function
 
@@ -423,22 +346,6 @@ def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> Non
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
-
-
-def _check_sources_not_outputs(paths, out_dir: str, old_index: dict | None) -> None:
-    """Refuse to read a file this directory's own packing wrote (it would be removed or replaced)."""
-    real_out = os.path.realpath(out_dir)
-    ours = None
-    for p in paths:
-        d = os.path.realpath(os.path.dirname(os.path.abspath(p)))
-        if d == os.path.join(real_out, STATE_DIR) or d.startswith(os.path.join(real_out, STATE_DIR) + os.sep):
-            raise DataError("source lies in the output directory's state folder", path=p)
-        if d == real_out:
-            if ours is None:
-                ours = _written_by_us(out_dir, old_index)
-            if os.path.basename(p) in ours:
-                raise DataError("source is an output of this very pack directory (--out); pack into another "
-                                "directory", path=p)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -566,15 +473,15 @@ def pack_dataset(
     content_hash = _hash({"settings": settings, "sources": [[os.path.abspath(p), d] for p, d in zip(paths, digests)]})
 
     claim_output_dir(out_dir, "pack", allow_nonempty=allow_nonempty, reserved=(INDEX_NAME,))
-    old_index = _read_index_raw(out_dir)
-    _check_sources_not_outputs(paths, out_dir, old_index)
-    existing = _read_existing_index(out_dir)
+    old_index = read_index_raw(out_dir)
+    check_sources_not_outputs(paths, out_dir, old_index)
+    existing = read_existing_index(out_dir)
     if existing is not None and existing.get("content_hash") == content_hash and "report" in existing:
         # an earlier run may have been killed after its index swap, before its cleanup: finish that
         kept = {e["name"] for e in existing["files"]}
-        kept_states = {os.path.basename(_state_path(out_dir, h)) for h in existing.get("job_hashes", [])}
+        kept_states = {os.path.basename(state_path(out_dir, h)) for h in existing.get("job_hashes", [])}
         if "job_hashes" in existing:
-            _cleanup(out_dir, kept, kept_states, None)
+            cleanup(out_dir, kept, kept_states, None)
         log(f"{out_dir}: up to date (same inputs and settings); nothing to do", quiet=quiet)
         report = PackingReport.from_dict(existing["report"])
         report.reused_files = len(existing["files"])
@@ -658,8 +565,8 @@ def pack_dataset(
         "report": report.to_dict(),
     }
     atomic_write_text(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=1))  # the commit point
-    _cleanup(out_dir, {f["name"] for f in files},
-             {os.path.basename(_state_path(out_dir, j.job_hash)) for j in jobs}, old_index)
+    cleanup(out_dir, {f["name"] for f in files},
+             {os.path.basename(state_path(out_dir, j.job_hash)) for j in jobs}, old_index)
     log(f"{out_dir}: {report.rows:,} rows in {len(files)} file(s), efficiency {100 * report.efficiency:.2f} %, "
         f"{report.total_seconds:.2f} s", quiet=quiet)
     return report
