@@ -1,7 +1,6 @@
 """Synthetic token shards shared by the benchmarks (bench_prepack.py, bench_loader.py)."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
@@ -25,6 +24,8 @@ def write_arrow_shard(path, offsets, tokens, labels=None, batch_rows=1000):
     if labels is not None:
         cols["labels"] = pa.ListArray.from_arrays(off, pa.array(labels))
     table = pa.table(cols)
-    with pa.OSFile(path + ".tmp", "wb") as f, pa.ipc.new_file(f, table.schema) as w:
-        w.write_table(table, max_chunksize=batch_rows)
-    os.replace(path + ".tmp", path)
+    from packloader._outdir import atomic_path
+
+    with atomic_path(path, fsync=False, beside=True) as tmp:
+        with pa.OSFile(tmp, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+            w.write_table(table, max_chunksize=batch_rows)

@@ -103,9 +103,10 @@ def write_parquet_shard(path, offsets, tokens, batch_rows):
     import pyarrow.parquet as pq
 
     arr = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens))
-    pq.write_table(pa.table({"input_ids": arr}), path + ".tmp", compression="none",
-                   row_group_size=max(batch_rows, 16384))
-    os.replace(path + ".tmp", path)
+    from packloader._outdir import atomic_path
+
+    with atomic_path(path, fsync=False, beside=True) as tmp:
+        pq.write_table(pa.table({"input_ids": arr}), tmp, compression="none", row_group_size=max(batch_rows, 16384))
 
 
 def ensure_data(a) -> dict:

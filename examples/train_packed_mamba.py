@@ -43,27 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from packloader import PackedDataLoader  # noqa: E402
 
-try:  # the packing-safe Mamba mixer of this project
-    from ops import PackedMamba
-except ImportError:  # pragma: no cover - ops ships with this repository
-    PackedMamba = None
-
-
-class PackedShortConv(nn.Module):
-    """Fallback mixer when ``ops`` is missing: a causal depthwise convolution that, like the packed Mamba
-    kernels, uses tap ``k`` at time ``t`` only where ``position_ids[t] >= k`` (same sequence)."""
-
-    def __init__(self, d_model: int, width: int = 4):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(width, d_model) / width)
-        self.proj = nn.Linear(d_model, d_model)
-
-    def forward(self, x, position_ids):
-        out = torch.zeros_like(x)
-        for k in range(self.weight.shape[0]):
-            shifted = F.pad(x, (0, 0, k, 0))[:, : x.shape[1]]  # x[t - k]
-            out = out + shifted * self.weight[k] * (position_ids >= k).unsqueeze(-1)
-        return self.proj(F.silu(out))
+from ops import PackedMamba  # noqa: E402  (the packing-safe Mamba mixer of this project; runs on a CPU)
 
 
 class TinyMambaLM(nn.Module):
@@ -73,10 +53,7 @@ class TinyMambaLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
         self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_layers))
-        if PackedMamba is not None:
-            self.mixers = nn.ModuleList(PackedMamba(d_model, d_state=8, layer_idx=i) for i in range(n_layers))
-        else:
-            self.mixers = nn.ModuleList(PackedShortConv(d_model) for _ in range(n_layers))
+        self.mixers = nn.ModuleList(PackedMamba(d_model, d_state=8, layer_idx=i) for i in range(n_layers))
         self.norm_f = nn.LayerNorm(d_model)
         nn.init.normal_(self.embed.weight, std=0.02)  # as Mamba LMs: small tied logits at the start
 
@@ -190,9 +167,8 @@ def main(argv=None):
                 dist.destroy_process_group()
             return 0
     if rank == 0:
-        mixer = "ops.PackedMamba" if PackedMamba is not None else "PackedShortConv (ops not importable)"
         n_params = sum(q.numel() for q in model.parameters())
-        print(f"{n_params:,} parameters, {args.layers} x {mixer}; {loader.world_size} rank(s) x "
+        print(f"{n_params:,} parameters, {args.layers} x ops.PackedMamba; {loader.world_size} rank(s) x "
               f"{len(loader)} batches of {loader.batch_size} x {loader.capacity} tokens per epoch; device {device}")
 
     # -- training ----------------------------------------------------------------------------------------

@@ -10,6 +10,4 @@ from .online import OnlinePacker
 from .pieces import OVERFLOW_POLICIES
 from .plan import PackPlan
 
-Bin = tuple  # (item_ids, starts, lengths) int64 arrays
-
 __all__ = ["pack", "PackPlan", "OnlinePacker", "ALGORITHMS", "OVERFLOW_POLICIES"]

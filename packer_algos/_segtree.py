@@ -2,10 +2,9 @@
 
 The tree lives in one int64 array ``tree`` of size ``2 * P`` (``P`` a power of two); leaf ``k`` is
 ``tree[P + k]`` and holds how many things have key ``k``; an inner node is 1 when some leaf below it
-is non-zero, else 0 (so an update stops climbing as soon as an ancestor does not change). Queries find the smallest non-empty key ``>= lo`` or the largest non-empty key ``<= hi`` in
-O(log P). The packers key it by *remaining capacity* (best-fit) or by *item length* (online buffer).
+is non-zero, else 0 (so an update stops climbing as soon as an ancestor does not change). A query finds
+the largest non-empty key ``<= hi`` in O(log P). The online packer keys it by *item length* (its buffer).
 """
-import numpy as np
 from numba import njit
 
 
@@ -42,28 +41,6 @@ def seg_dec(tree, P, key):
 
 
 @njit(cache=True, inline="always")
-def seg_first_ge(tree, P, lo):
-    """Smallest key ``>= lo`` whose count is > 0, or -1 when there is none."""
-    if lo >= P:
-        return -1
-    i = lo + P
-    if tree[i] > 0:
-        return lo
-    # climb until a right sibling holds something
-    while i > 1:
-        if (i & 1) == 0 and tree[i + 1] > 0:
-            i = i + 1
-            # descend to its leftmost non-empty leaf
-            while i < P:
-                i = 2 * i
-                if tree[i] == 0:
-                    i += 1
-            return i - P
-        i >>= 1
-    return -1
-
-
-@njit(cache=True, inline="always")
 def seg_last_le(tree, P, hi):
     """Largest key ``<= hi`` whose count is > 0, or -1 when there is none."""
     if hi < 0:
@@ -84,7 +61,3 @@ def seg_last_le(tree, P, hi):
         i >>= 1
     return -1
 
-
-def new_tree(n_keys: int):
-    P = tree_size(n_keys)
-    return np.zeros(2 * P, dtype=np.int64), P

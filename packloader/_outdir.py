@@ -15,7 +15,9 @@ them follow the same rules:
   :func:`remove_stale_temps`; nothing outside ``.packloader/tmp/`` is touched by it.
 * **Checksums.** :func:`file_checksum` is the per-file checksum recorded at write time (``crc32`` of the
   file's bytes: it catches any flipped bit or damaged block, and at about 1.5 GB/s it is the fastest
-  check the standard library offers; it is not meant against deliberate tampering).
+  check the standard library offers; it is not meant against deliberate tampering). A writer computes it
+  on the bytes as it writes them (:class:`ChecksumFile`), so recording it costs no second read of the
+  file; :func:`file_checksum` reads a file back to verify it.
 * **Durability.** Small files (manifests, job records, the owner file) are flushed to disk (``fsync``)
   before they are renamed into place; large data files are not by default (``atomic_path(fsync=False)``):
   after a power loss a data file may be incomplete, which its size and checksum in the manifest reveal.
@@ -39,8 +41,9 @@ import zlib
 from packloader.errors import DataError
 
 __all__ = [
-    "STATE_DIR", "claim_output_dir", "owner_of", "temp_path", "atomic_path", "atomic_write_text",
-    "remove_stale_temps", "remove_file", "file_checksum", "pid_alive", "CHECKSUM_ALGO",
+    "STATE_DIR", "claim_output_dir", "owner_of", "temp_path", "atomic_path", "atomic_write_text", "fsync_file",
+    "fsync_dir",
+    "remove_stale_temps", "remove_file", "file_checksum", "ChecksumFile", "pid_alive", "CHECKSUM_ALGO",
 ]
 
 STATE_DIR = ".packloader"
@@ -138,18 +141,29 @@ def claim_output_dir(out_dir, tool: str, *, allow_nonempty: bool = False, reserv
     return out_dir
 
 
-def temp_path(path) -> str:
-    """Where ``path`` is written before it is renamed into place: ``DIR/.packloader/tmp/NAME.tmp-PID``."""
+def temp_path(path, *, beside: bool = False) -> str:
+    """Where ``path`` is written before it is renamed into place: ``DIR/.packloader/tmp/NAME.tmp-PID``
+    (a tool's output directory, where :func:`remove_stale_temps` finds it after a kill), or with
+    ``beside=True`` the hidden ``DIR/.NAME.tmp-PID`` (a single file the user names, e.g. a plot)."""
     path = os.fspath(path)
     d, name = os.path.split(path)
+    if beside:
+        return os.path.join(d, f".{name}.tmp-{os.getpid()}")
     tdir = os.path.join(d, TMP_DIR) if os.path.basename(d) == STATE_DIR else os.path.join(d, STATE_DIR, TMP_DIR)
     os.makedirs(tdir, exist_ok=True)
     return os.path.join(tdir, f"{name}.tmp-{os.getpid()}")
 
 
-def _fsync_dir(d: str) -> None:
+def fsync_file(path) -> None:
+    """Flush a written file's data to disk."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(d) -> None:
+    """Flush a directory's entries (renames) to disk, where the platform allows it."""
     try:
-        fd = os.open(d, os.O_RDONLY)
+        fd = os.open(os.fspath(d) or ".", os.O_RDONLY)
     except OSError:
         return
     try:
@@ -161,9 +175,21 @@ def _fsync_dir(d: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path, *, fsync: bool = True):
-    """Write ``path`` atomically: yields a temp path to write; on success the temp file is flushed to disk
-    and renamed to ``path``; on any exception it is removed and ``path`` is untouched.
+def atomic_path(path, *, fsync: bool = True, beside: bool = False):
+    """Write ``path`` atomically: yields a temp path to write (:func:`temp_path`); on success the temp
+    file is flushed to disk (``fsync=True``) and renamed to ``path`` (``os.replace``); on any exception
+    it is removed and ``path`` is untouched.
+
+    This is packloader's one temp-file-and-rename helper; a tool that commits several files at once
+    (``prepare``) stages them with :func:`temp_path`, flushes them with :func:`fsync_file` and renames
+    them after writing its manifest.
+
+    Args:
+        path: the file to write.
+        fsync: flush the file and its directory to disk (default). False for large data files whose
+            manifest records their size and checksum (a torn file is detected, not prevented).
+        beside: the temp file sits next to ``path`` (see :func:`temp_path`) instead of in the
+            directory's ``.packloader/tmp/``.
 
     Example::
 
@@ -171,23 +197,23 @@ def atomic_path(path, *, fsync: bool = True):
         ...     write_something(tmp)
     """
     path = os.fspath(path)
-    tmp = temp_path(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = temp_path(path, beside=beside)
     try:
         yield tmp
         if fsync:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         remove_file(tmp)
         raise
     if fsync:
-        _fsync_dir(os.path.dirname(path) or ".")
+        fsync_dir(os.path.dirname(path))
 
 
-def atomic_write_text(path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_path`)."""
-    with atomic_path(path) as tmp:
+def atomic_write_text(path, text: str, *, beside: bool = False) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically and durably (see :func:`atomic_path`)."""
+    with atomic_path(path, beside=beside) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
 
@@ -211,6 +237,86 @@ def remove_stale_temps(out_dir) -> int:
     return n
 
 
+def _format_checksum(crc: int) -> str:
+    return f"{CHECKSUM_ALGO}:{crc:08x}"
+
+
+#: writes at least this large are checksummed on a second thread while they are written
+_PARALLEL_CRC_BYTES = 1 << 20
+_CRC_THREAD = None
+
+
+def _crc_thread():
+    global _CRC_THREAD
+    if _CRC_THREAD is None or getattr(_CRC_THREAD, "_pid", None) != os.getpid():  # (not a fork's copy)
+        from concurrent.futures import ThreadPoolExecutor
+
+        _CRC_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packloader-crc32")
+        _CRC_THREAD._pid = os.getpid()
+    return _CRC_THREAD
+
+
+class ChecksumFile:
+    """A binary file opened for writing that checksums every byte written to it, in order: when it is
+    closed, :attr:`checksum` equals :func:`file_checksum` of the file, without reading it again.
+
+    It is a plain Python file object (``write``, ``flush``, ``close``), so pyarrow writes through it with
+    ``pa.PythonFile(ChecksumFile(tmp), mode="w")``.
+
+    Example::
+
+        >>> with atomic_path("out/part.arrow") as tmp, ChecksumFile(tmp) as f:   # doctest: +SKIP
+        ...     f.write(b"data")
+        >>> f.checksum, f.size                                                   # doctest: +SKIP
+        ('crc32:adf3f363', 4)
+    """
+
+    def __init__(self, path):
+        self._file = open(path, "wb")
+        self._crc = 0
+        self.size = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    @property
+    def checksum(self) -> str:
+        """``"crc32:<8 hex digits>"`` of the bytes written so far."""
+        return _format_checksum(self._crc)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes >= _PARALLEL_CRC_BYTES:
+            # zlib.crc32 releases the GIL: checksum on a second core while this one copies the bytes
+            # into the file; both finish before returning (the caller may reuse its buffer afterwards)
+            crc = _crc_thread().submit(zlib.crc32, view, self._crc)
+            try:
+                self._file.write(view)  # (a buffered file writes all of it or raises)
+            finally:
+                self._crc = crc.result()
+        else:
+            self._crc = zlib.crc32(view, self._crc)
+            self._file.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def writable(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def file_checksum(path, *, block: int = 8 << 20) -> str:
     """``"crc32:<8 hex digits>"`` of a file's bytes (the checksum recorded in ``index.json``)."""
     crc = 0
@@ -222,4 +328,4 @@ def file_checksum(path, *, block: int = 8 << 20) -> str:
             if not n:
                 break
             crc = zlib.crc32(view[:n], crc)
-    return f"{CHECKSUM_ALGO}:{crc:08x}"
+    return _format_checksum(crc)

@@ -43,6 +43,8 @@ import json
 import os
 from typing import Any, Dict, Iterator, Optional
 
+from packloader._outdir import atomic_write_text
+
 __all__ = ["PackedTrainerMixin", "packed_trainer_class", "PackedTrainer", "PackedSFTTrainer",
            "LOADER_STATE_NAME", "MODEL_KEYS"]
 
@@ -161,10 +163,7 @@ class PackedTrainerMixin:
     def _save_loader_state(self, checkpoint: str) -> None:
         if not os.path.isdir(checkpoint):
             raise FileNotFoundError(f"{type(self).__name__}: checkpoint folder {checkpoint!r} was not written")
-        tmp = _loader_state_path(checkpoint) + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.train_loader.state_dict(), f)
-        os.replace(tmp, _loader_state_path(checkpoint))
+        atomic_write_text(_loader_state_path(checkpoint), json.dumps(self.train_loader.state_dict()), beside=True)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         path = resume_from_checkpoint

@@ -18,12 +18,16 @@ Stages, each small:
    setting writes new files (their names carry the job hash) and only then swaps the index and removes
    the old files, so a failing run never damages a finished directory.
 
-What ``pack`` may remove (see :mod:`packloader._outdir`): only files it provably wrote, i.e. files listed
+What ``pack`` may remove (see :mod:`packloader._outdir`; the bookkeeping lives in :mod:`packloader._packdir`): only files it provably wrote, i.e. files listed
 in its own earlier ``index.json`` or named after one of its recorded jobs
 (``part-<digits>-<job hash>.arrow``), and its temp files. It writes only into an empty directory or one it
 owns, unless ``allow_nonempty=True``; even then other files are never overwritten or removed. Every
 cleanup, including the one a killed run missed, runs again on the next run, also when the directory is
 already up to date.
+
+Size: about 570 lines, over the ~500 of one concept, because the writer's three parts (the scatter kernel and
+Arrow file writing, the restartable jobs, and ``pack_dataset`` with its argument checks and documentation) are one
+pipeline; the output-directory bookkeeping lives in :mod:`packloader._packdir`.
 
 Example::
 
@@ -50,19 +54,18 @@ from packloader._numba import njit_cached  # first: Numba's cache fallback, befo
 from packer_algos import ALGORITHMS  # isort: skip
 from packer_algos import OVERFLOW_POLICIES as OVERFLOW  # isort: skip
 from packer_algos import PackPlan  # isort: skip
-from packloader._outdir import (STATE_DIR, atomic_path, atomic_write_text, claim_output_dir, file_checksum,
-                                remove_file, remove_stale_temps)
+from packloader._outdir import ChecksumFile, atomic_path, atomic_write_text, claim_output_dir
 from packloader.batch import IGNORE_INDEX
+from packloader._packdir import (check_sources_not_outputs, cleanup, read_existing_index, read_index_raw,
+                                state_path)
 from packloader.errors import DataError
 from packloader.prepacked import FORMAT, INDEX_NAME, VERSION, check_capacity, check_fits, packed_schema
 from packloader.report import PackingReport
-from packloader.sources import SequenceBatch, _concat_batches, open_shard, resolve_sources
+from packloader.sources import SequenceBatch, concat_batches, open_shard, resolve_sources
 
 __all__ = ["pack_dataset", "run_tasks", "ENGINES", "scatter_rows", "write_packed_file", "source_digest", "ALGORITHMS",
            "OVERFLOW"]
 
-#: a job's record in STATE_DIR
-_JOB_RE = re.compile(r"^job-([0-9a-f]{24})\.json$")
 #: a URI (``s3://``, ``gs://``, ``file://``, ...): pack reads and writes local (or mounted) paths only
 _URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 #: where pack's tasks run (see :func:`run_tasks`)
@@ -101,7 +104,7 @@ def _scatter_kernel(tokens, labels, has_labels, item_start, bin_offsets, item_id
             out_lab[j] = IGNORE_INDEX
 
 
-def scatter_rows(batch: SequenceBatch, plan, b0: int = 0, b1: int | None = None):
+def scatter_rows(batch: SequenceBatch, plan, b0: int = 0, b1: int | None = None, out=None):
     """Fill rows ``[b0, b1)`` of ``plan`` with the tokens of ``batch``.
 
     Args:
@@ -109,17 +112,25 @@ def scatter_rows(batch: SequenceBatch, plan, b0: int = 0, b1: int | None = None)
             batch).
         plan: a :class:`packer_algos.PackPlan`.
         b0, b1: the row range (default: all rows).
+        out: optional ``(ids, labels)`` int32 buffers of at least ``(b1 - b0) * capacity`` elements to
+            fill (reused from call to call by :func:`write_packed_file`: fresh memory costs a page fault
+            per 4 KiB); default: new arrays.
 
     Returns:
-        ``(input_ids, labels)``: int32 ``[(b1 - b0) * capacity]`` flat arrays; padding is 0 in
-        ``input_ids``; ``labels`` are the batch's labels (or its tokens), with -100 at each piece's first
-        position and on padding.
+        ``(input_ids, labels)``: int32 ``[(b1 - b0) * capacity]`` flat arrays (views of ``out`` when
+        given); padding is 0 in ``input_ids``; ``labels`` are the batch's labels (or its tokens), with
+        -100 at each piece's first position and on padding.
     """
     b1 = plan.n_bins if b1 is None else b1
     cap = plan.capacity
     n = (b1 - b0) * cap
-    out_ids = np.empty(n, np.int32)
-    out_lab = np.empty(n, np.int32)
+    if out is None:
+        out_ids = np.empty(n, np.int32)
+        out_lab = np.empty(n, np.int32)
+    else:
+        out_ids, out_lab = out[0][:n], out[1][:n]
+        if out_ids.dtype != np.int32 or out_lab.dtype != np.int32 or out_ids.size < n or out_lab.size < n:
+            raise ValueError(f"scatter_rows: out must be two int32 arrays of >= {n} elements")
     tokens = np.ascontiguousarray(batch.tokens, dtype=np.int32)
     has_labels = batch.labels is not None
     labels = np.ascontiguousarray(batch.labels, dtype=np.int32) if has_labels else tokens
@@ -135,11 +146,13 @@ def _list_array(offsets: np.ndarray, values: np.ndarray, value_type) -> pa.Array
 
 
 def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, source_file: np.ndarray,
-                      source_row: np.ndarray, metadata: dict | None = None) -> int:
+                      source_row: np.ndarray, metadata: dict | None = None) -> tuple[int, str]:
     """Write rows ``[b0, b1)`` of ``plan`` as one uncompressed Arrow IPC file, atomically.
 
-    The file is written as ``DIR/.packloader/tmp/NAME.tmp-<pid>``, flushed to disk and renamed to ``path``
-    once complete (:func:`packloader._outdir.atomic_path`).
+    The file is written as ``DIR/.packloader/tmp/NAME.tmp-<pid>`` and renamed to ``path`` once complete
+    (:func:`packloader._outdir.atomic_path`; not fsynced: its size and checksum in ``index.json`` reveal
+    a file torn by a power loss). Its checksum is computed on the bytes as they are written
+    (:class:`packloader._outdir.ChecksumFile`), not by reading the file back.
 
     Args:
         path: destination.
@@ -151,7 +164,8 @@ def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, sou
         metadata: optional str -> str schema metadata.
 
     Returns:
-        The size of the written file in bytes.
+        ``(size, checksum)``: the file's size in bytes and its ``"crc32:<hex>"`` checksum (as
+        :func:`packloader._outdir.file_checksum` would compute it).
     """
     cap = plan.capacity
     schema = packed_schema(cap)
@@ -159,11 +173,15 @@ def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, sou
         schema = schema.with_metadata({str(k): str(v) for k, v in metadata.items()})
     step = max(1, RECORD_BATCH_BYTES // (4 * cap))
     path = os.fspath(path)
+    buffers = (np.empty(min(step, max(0, b1 - b0)) * cap, np.int32),
+               np.empty(min(step, max(0, b1 - b0)) * cap, np.int32))
     with atomic_path(path, fsync=False) as tmp:  # (its size and checksum in index.json reveal a torn file)
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        with ChecksumFile(tmp) as raw, pa.PythonFile(raw, mode="w") as sink, \
+                pa.ipc.new_file(sink, schema) as writer:
             for r0 in range(b0, b1, step):
                 r1 = min(b1, r0 + step)
-                ids, lab = scatter_rows(batch, plan, r0, r1)
+                # (the buffers are reused: write_batch has copied the previous batch into the file)
+                ids, lab = scatter_rows(batch, plan, r0, r1, out=buffers)
                 p0, p1 = int(plan.bin_offsets[r0]), int(plan.bin_offsets[r1])
                 offs = plan.bin_offsets[r0:r1 + 1] - p0
                 items = plan.item_ids[p0:p1]
@@ -176,8 +194,11 @@ def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, sou
                     _list_array(offs, plan.starts[p0:p1].astype(np.int32), pa.int32()),
                 ]
                 writer.write_batch(pa.record_batch(cols, schema=schema))
+                del cols, ids, lab
         size = os.path.getsize(tmp)
-    return size
+        if size != raw.size:
+            raise OSError(f"{path}: wrote {raw.size} bytes but the file holds {size}")
+    return size, raw.checksum
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,10 +289,10 @@ def _job_report(job: _Job, lengths, plan, n_files: int, **seconds) -> PackingRep
     )
 
 
-def _file_entry(path: str, name: str, plan, r0: int, r1: int, size: int, job_index: int) -> dict:
+def _file_entry(name: str, plan, r0: int, r1: int, size: int, checksum: str, job_index: int) -> dict:
     p0, p1 = int(plan.bin_offsets[r0]), int(plan.bin_offsets[r1])
     return {"name": name, "rows": r1 - r0, "tokens": int(plan.lengths[p0:p1].sum()), "bytes": size,
-            "checksum": file_checksum(path), "job": job_index}
+            "checksum": checksum, "job": job_index}
 
 
 def _open_shards(paths, s: dict) -> list:
@@ -312,9 +333,9 @@ def _run_job(job: _Job) -> dict:
             else:
                 name = f"part-{job.index:05d}-{k:03d}-{job.job_hash[:10]}.arrow"
             full = os.path.join(job.out_dir, name)
-            size = write_packed_file(full, batch, plan, r0, r1, source_file=source_file, source_row=source_row,
-                                     metadata={"packloader.job_hash": job.job_hash})
-            files.append(_file_entry(full, name, plan, r0, r1, size, job.index))
+            size, checksum = write_packed_file(full, batch, plan, r0, r1, source_file=source_file,
+                                               source_row=source_row, metadata={"packloader.job_hash": job.job_hash})
+            files.append(_file_entry(name, plan, r0, r1, size, checksum, job.index))
         t4 = time.perf_counter()
         report = _job_report(job, lengths, plan, len(files), read_seconds=(t1 - t0) + (t3 - t2),
                              plan_seconds=t2 - t1, write_seconds=t4 - t3, total_seconds=t4 - t0)
@@ -405,7 +426,7 @@ def _write_parts(parts: list) -> list:
             for sh in shards:
                 sh.close()
         nonempty = [b for b in batches if len(b)]
-        batch = _concat_batches(nonempty) if nonempty else batches[0]
+        batch = concat_batches(nonempty) if nonempty else batches[0]
         read_s = time.perf_counter() - t0
         counts = np.array([len(b) for b in batches], np.int64)
         local_base = np.full(len(job.paths), -1, np.int64)  # first local sequence number of a read shard
@@ -421,13 +442,13 @@ def _write_parts(parts: list) -> list:
             sub = PackPlan(job.settings["capacity"], p.bin_offsets, local_ids, p.starts, p.lengths)
             n = sub.n_bins
             full = os.path.join(job.out_dir, p.name)
-            size = write_packed_file(full, batch, sub, 0, n, source_file=source_file, source_row=source_row,
-                                     metadata={"packloader.job_hash": job.job_hash})
+            size, checksum = write_packed_file(full, batch, sub, 0, n, source_file=source_file,
+                                               source_row=source_row, metadata={"packloader.job_hash": job.job_hash})
             state = {"job_hash": p.part_hash, "job": job.index, "part": p.index, "status": "done",
-                     "files": [_file_entry(full, p.name, sub, 0, n, size, job.index)],
+                     "files": [_file_entry(p.name, sub, 0, n, size, checksum, job.index)],
                      "read_seconds": read_s if p is todo[0] else 0.0,
                      "write_seconds": time.perf_counter() - t1}
-            atomic_write_text(_state_path(job.out_dir, p.part_hash), json.dumps(state))
+            atomic_write_text(state_path(job.out_dir, p.part_hash), json.dumps(state))
             states[p.index] = state
     return [states.get(p.index) or _finished_record(p.job.out_dir, p.part_hash) for p in parts]
 
@@ -455,16 +476,7 @@ def _groups(items: list, n: int) -> list:
 
 
 def _write_record(job: _Job, record: dict) -> None:
-    atomic_write_text(_state_path(job.out_dir, job.job_hash), json.dumps(record))
-
-
-def _state_path(out_dir: str, job_hash: str) -> str:
-    return os.path.join(out_dir, STATE_DIR, f"job-{job_hash[:24]}.json")
-
-
-def _job_file_re(job_hash: str) -> re.Pattern:
-    """Names of the files a job writes: ``part-<digits>[-<digits>]-<hash10>.arrow``."""
-    return re.compile(rf"^part-\d+(?:-\d+)?-{re.escape(job_hash[:10])}\.arrow$")
+    atomic_write_text(state_path(job.out_dir, job.job_hash), json.dumps(record))
 
 
 def _finished_state(job: _Job) -> dict | None:
@@ -475,7 +487,7 @@ def _finished_state(job: _Job) -> dict | None:
 def _finished_record(out_dir: str, job_hash: str) -> dict | None:
     """The record ``job_hash`` (a job or a part of a global job) when it is "done" and all its files are
     intact, else None."""
-    path = _state_path(out_dir, job_hash)
+    path = state_path(out_dir, job_hash)
     try:
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
@@ -488,72 +500,6 @@ def _finished_record(out_dir: str, job_hash: str) -> dict | None:
         if not os.path.isfile(p) or os.path.getsize(p) != entry["bytes"]:
             return None
     return state
-
-
-def _read_index_raw(out_dir: str) -> dict | None:
-    """``index.json`` of ``out_dir`` when it is a packloader index (files not checked), else None."""
-    try:
-        with open(os.path.join(out_dir, INDEX_NAME), encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("files"), list):
-        return None
-    return index
-
-
-def _read_existing_index(out_dir: str) -> dict | None:
-    index = _read_index_raw(out_dir)
-    if index is None or index.get("version") != VERSION:
-        return None
-    for entry in index.get("files", []):
-        p = os.path.join(out_dir, entry.get("name", ""))
-        if not os.path.isfile(p) or os.path.getsize(p) != entry.get("bytes"):
-            return None
-    return index
-
-
-def _recorded_jobs(out_dir: str) -> dict:
-    """{record file name: job hash} of the job records in ``out_dir/.packloader``."""
-    sdir = os.path.join(out_dir, STATE_DIR)
-    out = {}
-    if os.path.isdir(sdir):
-        for name in os.listdir(sdir):
-            if _JOB_RE.match(name):
-                try:
-                    with open(os.path.join(sdir, name), encoding="utf-8") as f:
-                        h = json.load(f).get("job_hash")
-                except (OSError, ValueError, AttributeError):
-                    h = None
-                out[name] = h if isinstance(h, str) and h.startswith(_JOB_RE.match(name).group(1)) else None
-    return out
-
-
-def _written_by_us(out_dir: str, old_index: dict | None) -> set:
-    """Names of the files in ``out_dir`` that pack provably wrote: listed in its earlier index, or named
-    after one of its recorded jobs."""
-    names = set()
-    if old_index is not None:
-        names.update(e.get("name") for e in old_index.get("files", []) if isinstance(e, dict))
-    pats = [_job_file_re(h) for h in _recorded_jobs(out_dir).values() if h]
-    if pats:
-        for name in os.listdir(out_dir):
-            if any(p.match(name) for p in pats):
-                names.add(name)
-    return {n for n in names if isinstance(n, str) and os.path.basename(n) == n}
-
-
-def _cleanup(out_dir: str, keep_files: set, keep_states: set, old_index: dict | None) -> None:
-    """Remove what an earlier run wrote and the new index does not list: its part files (from the old
-    index or named after a recorded job), then the job records, and temp files of dead processes.
-    Files pack did not write are never touched. Safe to run again after a kill at any point."""
-    for name in sorted(_written_by_us(out_dir, old_index) - keep_files):
-        remove_file(os.path.join(out_dir, name))
-    sdir = os.path.join(out_dir, STATE_DIR)
-    for name in _recorded_jobs(out_dir):
-        if name not in keep_states:
-            remove_file(os.path.join(sdir, name))
-    remove_stale_temps(out_dir)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -576,22 +522,6 @@ def _refuse_uris(sources, out_dir) -> None:
             raise DataError(f"{what} is a URI; pack reads and writes filesystem paths only: mount the bucket "
                             "(s3fs, gcsfuse, mountpoint-s3) or use a shared filesystem, and give its path "
                             "(file:// URIs: give the path without the scheme); see docs/cluster.md", path=x)
-
-
-def _check_sources_not_outputs(paths, out_dir: str, old_index: dict | None) -> None:
-    """Refuse to read a file this directory's own packing wrote (it would be removed or replaced)."""
-    real_out = os.path.realpath(out_dir)
-    ours = None
-    for p in paths:
-        d = os.path.realpath(os.path.dirname(os.path.abspath(p)))
-        if d == os.path.join(real_out, STATE_DIR) or d.startswith(os.path.join(real_out, STATE_DIR) + os.sep):
-            raise DataError("source lies in the output directory's state folder", path=p)
-        if d == real_out:
-            if ours is None:
-                ours = _written_by_us(out_dir, old_index)
-            if os.path.basename(p) in ours:
-                raise DataError("source is an output of this very pack directory (--out); pack into another "
-                                "directory", path=p)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -772,15 +702,15 @@ def pack_dataset(
     content_hash = _hash({"settings": settings, "sources": [[os.path.abspath(p), d] for p, d in zip(paths, digests)]})
 
     claim_output_dir(out_dir, "pack", allow_nonempty=allow_nonempty, reserved=(INDEX_NAME,))
-    old_index = _read_index_raw(out_dir)
-    _check_sources_not_outputs(paths, out_dir, old_index)
-    existing = _read_existing_index(out_dir)
+    old_index = read_index_raw(out_dir)
+    check_sources_not_outputs(paths, out_dir, old_index)
+    existing = read_existing_index(out_dir)
     if existing is not None and existing.get("content_hash") == content_hash and "report" in existing:
         # an earlier run may have been killed after its index swap, before its cleanup: finish that
         kept = {e["name"] for e in existing["files"]}
-        kept_states = {os.path.basename(_state_path(out_dir, h)) for h in existing.get("job_hashes", [])}
+        kept_states = {os.path.basename(state_path(out_dir, h)) for h in existing.get("job_hashes", [])}
         if "job_hashes" in existing:
-            _cleanup(out_dir, kept, kept_states, None)
+            cleanup(out_dir, kept, kept_states, None)
         log(f"{out_dir}: up to date (same inputs and settings); nothing to do", quiet=quiet)
         report = PackingReport.from_dict(existing["report"])
         report.reused_files = len(existing["files"])
@@ -871,8 +801,8 @@ def pack_dataset(
         "report": report.to_dict(),
     }
     atomic_write_text(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=1))  # the commit point
-    _cleanup(out_dir, {f["name"] for f in files},
-             {os.path.basename(_state_path(out_dir, h)) for h in index["job_hashes"]}, old_index)
+    cleanup(out_dir, {f["name"] for f in files},
+            {os.path.basename(state_path(out_dir, h)) for h in index["job_hashes"]}, old_index)
     log(f"{out_dir}: {report.rows:,} rows in {len(files)} file(s), efficiency {100 * report.efficiency:.2f} %, "
         f"{report.total_seconds:.2f} s", quiet=quiet)
     return report

@@ -41,9 +41,10 @@ import numpy as np
 import pyarrow as pa
 
 from packloader._log import Progress, log
-from packloader._outdir import (atomic_path, atomic_write_text, claim_output_dir, remove_file, remove_stale_temps,
-                                temp_path)
+from packloader._outdir import (atomic_write_text, claim_output_dir, fsync_dir, fsync_file, remove_file,
+                                remove_stale_temps, temp_path)
 from packloader.errors import DataError
+from packloader.sources.tar import write_tar_members, write_webdataset_shard
 
 __all__ = ["prepare_jsonl", "PrepareResult", "load_tokenizer", "find_eos_id", "tokenize_records", "write_webdataset_shard",
            "FORMATS"]
@@ -217,80 +218,8 @@ def _write_arrow(path: str, offsets, tokens, labels, ids, *, parquet: bool = Fal
             w.write_table(table)
 
 
-def _npy_header(n: int, descr: str = "<i4") -> bytes:
-    """The .npy (version 1.0) header of a 1-D array of ``n`` items, padded to a multiple of 64 bytes."""
-    d = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({n},), }}"
-    pad = 64 - (10 + len(d) + 1) % 64
-    d = d + " " * (pad % 64) + "\n"
-    return b"\x93NUMPY\x01\x00" + len(d).to_bytes(2, "little") + d.encode("latin1")
-
-
-def _tar_header(name: str, size: int) -> bytes:
-    raw = name.encode("utf-8")
-    if len(raw) > 100:
-        raise ValueError(f"tar member name too long: {name!r}")
-    h = bytearray(512)
-    h[0:len(raw)] = raw
-    h[100:108] = b"0000644\0"
-    h[108:116] = b"0000000\0"
-    h[116:124] = b"0000000\0"
-    h[124:136] = b"%011o\0" % size
-    h[136:148] = b"00000000000\0"
-    h[148:156] = b" " * 8
-    h[156:157] = b"0"
-    h[257:263] = b"ustar\0"
-    h[263:265] = b"00"
-    h[148:156] = b"%06o\0 " % sum(h)
-    return bytes(h)
-
-
-def write_webdataset_shard(path, offsets, tokens, labels=None, keys=None) -> str:
-    """Write sequences as a WebDataset tar: members ``KEY.input_ids.npy`` (and ``KEY.labels.npy``).
-
-    Builds the ustar headers and .npy headers directly (no per-member ``tarfile`` overhead); written to
-    a temp file (``DIR/.packloader/tmp/NAME.tmp-<pid>``) and renamed when complete.
-
-    Args:
-        path: the ``.tar`` file.
-        offsets: int64 ``[n + 1]`` sequence offsets into ``tokens``.
-        tokens: int32 token ids.
-        labels: optional int32 labels aligned with ``tokens``.
-        keys: optional sample keys (default ``000000000``, ``000000001``, ...).
-
-    Returns:
-        ``path``.
-    """
-    path = os.fspath(path)
-    with atomic_path(path) as tmp:
-        _write_tar_to(tmp, offsets, tokens, labels, keys)
-    return path
-
-
-def _write_tar_to(tmp: str, offsets, tokens, labels=None, keys=None) -> None:
-    tokens = np.ascontiguousarray(tokens, dtype="<i4")
-    labels = None if labels is None else np.ascontiguousarray(labels, dtype="<i4")
-    n = len(offsets) - 1
-    keys = [f"{i:09d}" for i in range(n)] if keys is None else [str(k) for k in keys]
-    zeros = bytes(512)
-    with open(tmp, "wb", buffering=1 << 22) as f:
-        off = np.asarray(offsets).tolist()
-        for i in range(n):
-            a, b = off[i], off[i + 1]
-            members = [("input_ids", tokens)] + ([("labels", labels)] if labels is not None else [])
-            for stem, src in members:
-                head = _npy_header(b - a)
-                body = src[a:b].tobytes()
-                size = len(head) + len(body)
-                f.write(_tar_header(f"{keys[i]}.{stem}.npy", size))
-                f.write(head)
-                f.write(body)
-                f.write(zeros[: (-size) % 512])
-        f.write(zeros)
-        f.write(zeros)
-
-
 def _write_tar(path: str, offsets, tokens, labels, ids) -> None:
-    _write_tar_to(path, offsets, tokens, labels, keys=[f"{i:09d}" for i in ids.tolist()])
+    write_tar_members(path, offsets, tokens, labels, keys=[f"{i:09d}" for i in ids.tolist()])
 
 
 def _read_manifest(manifest_path: str) -> dict | None:
@@ -508,8 +437,7 @@ def prepare_jsonl(
                 raise DataError(f"shard name {name!r} is taken by a file 'packloader prepare' did not write; "
                                 "choose another --out directory or prefix", path=path)
         for tmp, _ in staged:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            fsync_file(tmp)
     except BaseException:
         for tmp, _ in staged:
             remove_file(tmp)
@@ -532,6 +460,7 @@ def prepare_jsonl(
     atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
     for tmp, path in staged:
         os.replace(tmp, path)
+    fsync_dir(out_dir)
     _finish_replacement(out_dir, manifest_path, manifest)
     log(f"{input}: {res.sequences:,} records -> {res.tokens:,} tokens in {len(res.paths)} {format} shard(s) "
         f"under {out_dir} ({res.seconds:.2f} s)", quiet=quiet)

@@ -23,6 +23,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from packloader._outdir import atomic_path
+
 __all__ = ["PackingReport", "side_by_side", "plot_reports", "baseline_pieces", "batch_padded_slots",
            "LENGTH_BINS", "FILL_BINS", "BASELINE_BATCH_SIZE"]
 
@@ -417,14 +419,6 @@ def plot_reports(reports: Sequence[PackingReport], path, titles: Sequence[str] |
     ax2.legend(loc="upper left")
     fig.tight_layout()
     path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    try:
+    with atomic_path(path, fsync=False, beside=True) as tmp:
         fig.savefig(tmp, dpi=110, format="png")
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
     return path

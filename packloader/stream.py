@@ -335,6 +335,7 @@ class PrepackedRows:
         d = dict(self.__dict__)
         d["_ds"] = None
         d["_chunks"] = None
+        d["_order"] = None
         return d
 
     def _load_chunks(self):
@@ -363,9 +364,19 @@ class PrepackedRows:
         return self.row_tokens[self.order(seed, epoch, shuffle)]
 
     def order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+        """The epoch's row order (read-only; kept for the epoch: :meth:`build` asks for it every batch,
+        and a permutation of all rows per batch took a third of the loader's time)."""
+        key = (int(seed), int(epoch), bool(shuffle))
+        cached = getattr(self, "_order", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
         if not shuffle:
-            return np.arange(self.n_rows, dtype=np.int64)
-        return epoch_rng(seed, epoch, _SALT_ROWS).permutation(self.n_rows).astype(np.int64)
+            order = np.arange(self.n_rows, dtype=np.int64)
+        else:
+            order = epoch_rng(seed, epoch, _SALT_ROWS).permutation(self.n_rows).astype(np.int64)
+        order.flags.writeable = False
+        self._order = (key, order)
+        return order
 
     def build(self, seed: int, epoch: int, shuffle: bool, rows: np.ndarray, want_ids: bool = False):
         """Like :meth:`StreamingRows.build`; ``ids`` is ``(row_ids, sample_ids)``: the int64 [B] dataset row of

@@ -239,7 +239,7 @@ def test_stale_parts_after_a_crash_between_index_swap_and_cleanup(tmp_path, monk
     out = tmp_path / "out"
     pack(src, out, capacity=64)
     old = sorted(n for n in os.listdir(out) if n.endswith(".arrow"))
-    monkeypatch.setattr(prepack, "_cleanup", lambda *a, **k: None)  # killed right after the index swap
+    monkeypatch.setattr(prepack, "cleanup", lambda *a, **k: None)  # killed right after the index swap
     pack(src, out, capacity=100)
     monkeypatch.undo()
     assert set(old) <= set(os.listdir(out))

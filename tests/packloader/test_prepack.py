@@ -27,8 +27,6 @@ from tests.packloader.conftest import (
     random_sequences,
     sft_labels,
     write_arrow,
-    write_parquet,
-    write_tar,
 )
 
 EXT = {"arrow": "arrow", "parquet": "parquet", "tar": "tar"}
@@ -179,6 +177,14 @@ def test_scatter_rows_matches_python_twin(seed):
                 pos += n
         assert np.array_equal(ids.reshape(-1, cap), want_ids)
         assert np.array_equal(got_lab.reshape(-1, cap), want_lab)
+        # into reused, dirty buffers (as write_packed_file does): the same rows, every slot written
+        bufs = (np.full((b1 - b0 + 3) * cap, 77, np.int32), np.full((b1 - b0 + 3) * cap, 77, np.int32))
+        ids2, lab2 = scatter_rows(batch, plan, b0, b1, out=bufs)
+        assert ids2.base is bufs[0] or ids2.base is bufs[0].base
+        assert np.array_equal(ids2.reshape(-1, cap), want_ids)
+        assert np.array_equal(lab2.reshape(-1, cap), want_lab)
+        with pytest.raises(ValueError, match="int32"):
+            scatter_rows(batch, plan, b0, b1, out=(bufs[0][:cap], bufs[1]))
 
 
 # ---------------------------------------------------------------- output schema and index.json
@@ -718,159 +724,6 @@ def test_bench_prepack_quick_smoke(tmp_path):
         assert r["meets_target"] in (True, False, None)
     assert doc["machine"]["cpus"] >= 1 and doc["config"]["quick"] is True
     assert not os.listdir(tmp_path / "data" / "out")  # outputs are removed after each format
-
-
-# ---------------------------------------------------------------- vectorised tar index == general indexer
-
-
-def _tar_from_members(path, members, *, fmt=None):
-    import io
-    import tarfile
-
-    kw = {} if fmt is None else {"format": fmt}
-    with tarfile.open(path, "w", **kw) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return str(path)
-
-
-def _npy(a) -> bytes:
-    import io
-
-    b = io.BytesIO()
-    np.save(b, a)
-    return b.getvalue()
-
-
-def _open_both(path, monkeypatch, **kw):
-    """(shard indexed as usual, shard indexed by the general per-member loop, whether the first used the
-    vectorised path); either may be a DataError instead of a shard."""
-    import packloader._tarindex as ti
-    from packloader.sources import TarShard
-
-    real = ti.index_common_case
-    used = []
-
-    def spy(*a, **k):
-        r = real(*a, **k)
-        used.append(r is not None)
-        return r
-
-    out = []
-    for fn in (spy, lambda *a, **k: None):
-        monkeypatch.setattr(ti, "index_common_case", fn)
-        try:
-            out.append(TarShard(path, **kw))
-        except DataError as e:
-            out.append(e)
-    monkeypatch.setattr(ti, "index_common_case", real)
-    return out[0], out[1], bool(used and used[0])
-
-
-def _assert_same_index(a, b):
-    if isinstance(a, DataError) or isinstance(b, DataError):
-        assert isinstance(a, DataError) and isinstance(b, DataError) and str(a) == str(b)
-        return
-    for attr in ("keys", "_tok_dt", "_lab_dt", "has_labels", "_fast_tok", "_fast_lab"):
-        assert getattr(a, attr) == getattr(b, attr), attr
-    for attr in ("_tok_off", "_tok_n", "_lab_off", "_lab_n"):
-        x, y = getattr(a, attr), getattr(b, attr)
-        assert x.dtype == y.dtype == np.int64 and np.array_equal(x, y), attr
-    try:
-        ra = a.read_all()
-    except DataError as e:  # e.g. -100 labels read as tokens: both refuse alike
-        with pytest.raises(DataError) as eb:
-            b.read_all()
-        assert str(eb.value) == str(e)
-        return
-    rb = b.read_all()
-    assert np.array_equal(ra.offsets, rb.offsets) and np.array_equal(ra.tokens, rb.tokens)
-    assert (ra.labels is None) == (rb.labels is None)
-    if ra.labels is not None:
-        assert np.array_equal(ra.labels, rb.labels)
-
-
-@pytest.mark.parametrize("case", ["plain", "labels_some_missing", "dtypes", "dirs_bare_npy", "prepare_writer",
-                                  "other_members", "empty_sequences"])
-def test_tar_vectorised_index_equals_general(shard_factory, monkeypatch, seed, case):
-    rng = np.random.default_rng(seed)
-    seqs = random_sequences(int(rng.integers(5, 80)), seed=seed, max_len=200)
-    path = shard_factory.path(f"{case}.tar")
-    if case == "plain":
-        write_tar(path, seqs, sft_labels(seqs, seed=seed))
-    elif case == "labels_some_missing":
-        labs = [lab if rng.random() < 0.5 else None for lab in sft_labels(seqs, seed=seed)]
-        write_tar(path, seqs, labs)
-    elif case == "dtypes":
-        dts = [np.int16, np.uint16, np.uint8, np.int64, np.uint32, np.int8, np.int32]
-        members = []
-        for i, s in enumerate(seqs):
-            dt = dts[i % len(dts)]
-            members.append((f"k{i:05d}.input_ids.npy", _npy((s % 100).astype(dt))))
-            members.append((f"k{i:05d}.labels.npy", _npy((s % 100).astype(np.int64))))
-        _tar_from_members(path, members)
-    elif case == "dirs_bare_npy":
-        write_tar(path, seqs, bare_npy=True, key_prefix="train/part.1/doc_")
-    elif case == "prepare_writer":
-        from packloader.prepare import write_webdataset_shard
-
-        offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
-        write_webdataset_shard(path, offsets, np.concatenate(seqs), np.concatenate(sft_labels(seqs)))
-    elif case == "other_members":
-        members = [("README", b"no extension"), (".hidden.npy", _npy(np.arange(3)))]
-        for i, s in enumerate(seqs):
-            members += [(f"s{i}.json", b"{}"), (f"s{i}.INPUT_IDS.NPY", _npy(s)), (f"s{i}.txt", b"text")]
-        _tar_from_members(path, members)
-    elif case == "empty_sequences":
-        seqs = [s if i % 3 else s[:0] for i, s in enumerate(seqs)]
-        write_tar(path, seqs, sft_labels(seqs))
-    fast, slow, used = _open_both(path, monkeypatch)
-    assert used, "the vectorised index should handle this shard"
-    _assert_same_index(fast, slow)
-    fast2, slow2, _ = _open_both(path, monkeypatch, labels_column=None)
-    _assert_same_index(fast2, slow2)
-    fast3, slow3, used3 = _open_both(path, monkeypatch, token_column="labels")
-    _assert_same_index(fast3, slow3)
-
-
-@pytest.mark.parametrize("case", ["big_endian", "two_d", "float", "long_name", "directory", "no_tokens",
-                                  "label_length", "duplicate", "bad_magic"])
-def test_tar_unusual_shards_fall_back_to_general_indexer(shard_factory, monkeypatch, seed, case):
-    import tarfile
-
-    seqs = random_sequences(12, seed=seed, max_len=50, min_len=2)
-    members = [(f"k{i:03d}.input_ids.npy", _npy(s)) for i, s in enumerate(seqs)]
-    fmt = None
-    if case == "big_endian":
-        members[4] = ("k004.input_ids.npy", _npy(seqs[4].astype(">i4")))
-    elif case == "two_d":
-        members[4] = ("k004.input_ids.npy", _npy(seqs[4][:, None]))
-    elif case == "float":
-        members[4] = ("k004.input_ids.npy", _npy(seqs[4].astype(np.float32)))
-    elif case == "long_name":
-        members[4] = ("d" * 120 + ".input_ids.npy", members[4][1])
-        fmt = tarfile.GNU_FORMAT
-    elif case == "no_tokens":
-        members[4] = ("k004.json", b"{}")
-    elif case == "label_length":
-        members.insert(5, ("k004.labels.npy", _npy(seqs[4][:-1])))
-    elif case == "duplicate":
-        members.insert(5, ("k004.input_ids.npy", _npy(seqs[4][:1])))
-    elif case == "bad_magic":
-        members[4] = ("k004.input_ids.npy", b"NOTNUMPY" + bytes(100))
-    path = _tar_from_members(shard_factory.path(f"{case}.tar"), members, fmt=fmt)
-    if case == "directory":
-        with tarfile.open(path, "a") as tf:
-            info = tarfile.TarInfo("somedir")
-            info.type = tarfile.DIRTYPE
-            tf.addfile(info)
-    fast, slow, used = _open_both(path, monkeypatch)
-    assert not used
-    _assert_same_index(fast, slow)
-    if case in ("float", "no_tokens", "label_length", "bad_magic"):
-        assert isinstance(fast, DataError) and fast.path == path and fast.row == 4
 
 
 def test_constants_and_the_overflow_check_have_one_home():

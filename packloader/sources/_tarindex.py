@@ -1,5 +1,8 @@
-"""Vectorised indexing of WebDataset tar shards, for the common case (used by
-:class:`packloader.sources.TarShard`).
+"""The Numba side of the tar reader (:class:`packloader.sources.tar.TarShard`): the walk over the
+member headers, the vectorised index of the common case, and the gather of token runs.
+
+:func:`walk_tar` is the one pass over a tar's 512-byte headers (checksums verified, sizes, type flags,
+truncation and end-of-archive checks); every tar shard is walked by it exactly once.
 
 The common case: every member is a plain file (type ``'0'``) with a name of at most 100 bytes (no ustar
 prefix, no GNU / pax long-name records), and every token / labels member carries the standard .npy v1.0
@@ -9,8 +12,9 @@ dtype); samples are then assembled with numpy, without a Python loop per member.
 
 :func:`index_common_case` returns None whenever a shard falls outside that case (another member type, an
 unusual .npy header, a sample without a token member, labels of another length, a role given twice), and
-``TarShard`` then runs its general per-member indexer, which also produces the error messages. Both give
-the same index (checked by ``tests/packloader/test_prepack.py``).
+``TarShard`` then runs its general per-member indexer over the same walk, which also produces the error
+messages. Both give the same index (checked by ``tests/packloader/sources/test_tar.py``). The standard
+.npy header both expect is defined once, in :mod:`packloader.sources._npy`.
 
 :func:`gather_runs` copies runs of an int32 array into one contiguous array (the tokens of a batch).
 """
@@ -19,13 +23,11 @@ from __future__ import annotations
 import numpy as np
 
 from packloader._numba import njit_cached
+from packloader.sources._npy import STANDARD_PARTS
 
-__all__ = ["index_common_case", "gather_runs"]
+__all__ = ["walk_tar", "index_common_case", "gather_runs"]
 
-_MAGIC = np.frombuffer(b"\x93NUMPY\x01\x00", np.uint8)
-_HEAD1 = np.frombuffer(b"{'descr': '", np.uint8)
-_HEAD2 = np.frombuffer(b"', 'fortran_order': False, 'shape': (", np.uint8)
-_TAIL = np.frombuffer(b",), }", np.uint8)
+_MAGIC, _HEAD1, _HEAD2, _TAIL = (np.frombuffer(p, np.uint8) for p in STANDARD_PARTS)
 #: dtype code -> numpy dtype string (code = 4 * unsigned + log2(itemsize))
 _DTYPES = np.array(["|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8"])
 _I4 = 2
@@ -33,6 +35,98 @@ _NPY_BYTES = np.frombuffer(b"npy", np.uint8)
 
 # member roles
 _SKIP, _TOK, _LAB, _BARE, _OTHER = 0, 1, 2, 3, 4
+
+
+@njit_cached(nogil=True, inline="always")
+def _octal(buf, a, b):
+    """The tar number field ``buf[a:b]``: octal digits, ended by NUL or space (leading ones skipped);
+    -1 when another byte is in the way."""
+    v = np.int64(0)
+    seen = False
+    for j in range(a, b):
+        c = buf[j]
+        if c >= 48 and c <= 55:
+            v = v * 8 + (c - 48)
+            seen = True
+        elif c == 0 or c == 32:
+            if seen:
+                break
+        else:
+            return np.int64(-1)
+    return v
+
+
+@njit_cached(nogil=True)
+def walk_tar(buf):
+    """Walk the 512-byte tar headers of ``buf`` (uint8): (header positions, sizes, type flags, error code,
+    error byte offset). Error codes: 1 truncated header, 2 bad number field, 3 bad checksum, 4 member data
+    past the end, 5 no end-of-archive (zero) block after the last member."""
+    n = buf.size
+    cap = 64
+    pos = np.empty(cap, np.int64)
+    size = np.empty(cap, np.int64)
+    flag = np.empty(cap, np.uint8)
+    m = 0
+    p = 0
+    err = 0
+    ended = False
+    while p < n:
+        if p + 512 > n:
+            err = 1
+            break
+        zero = True
+        for j in range(512):
+            if buf[p + j] != 0:
+                zero = False
+                break
+        if zero:
+            ended = True
+            break
+        stored = _octal(buf, p + 148, p + 156)
+        if stored < 0:
+            err = 2
+            break
+        total = 256  # the checksum field counts as 8 spaces
+        for j in range(148):
+            total += buf[p + j]
+        for j in range(156, 512):
+            total += buf[p + j]
+        if total != stored:
+            err = 3
+            break
+        sz = 0
+        if buf[p + 124] & 0x80:  # GNU base-256
+            sz = buf[p + 124] & 0x7F
+            for j in range(125, 136):
+                sz = sz * 256 + buf[p + j]
+        else:
+            sz = _octal(buf, p + 124, p + 136)
+            if sz < 0:
+                err = 2
+                break
+        if p + 512 + sz > n:
+            err = 4
+            break
+        if m == cap:
+            cap *= 2
+            pos2 = np.empty(cap, np.int64)
+            size2 = np.empty(cap, np.int64)
+            flag2 = np.empty(cap, np.uint8)
+            pos2[:m] = pos[:m]
+            size2[:m] = size[:m]
+            flag2[:m] = flag[:m]
+            pos, size, flag = pos2, size2, flag2
+        pos[m] = p
+        size[m] = sz
+        flag[m] = buf[p + 156]
+        m += 1
+        p += 512 + ((sz + 511) // 512) * 512
+    if err == 0 and p > n:  # the last member's padding is cut off: the file was truncated
+        err = 4
+        p = pos[m - 1]
+    elif err == 0 and not ended:  # no zero block after the last member: cut at a member boundary
+        err = 5
+    return pos[:m].copy(), size[:m].copy(), flag[:m].copy(), err, p
 
 
 @njit_cached(nogil=True)

@@ -18,12 +18,9 @@ from packloader.sources import (
     ParquetShard,
     SequenceBatch,
     TarShard,
-    _list_arrays,
-    expand_braces,
     open_shard,
-    resolve_sources,
-    shard_format,
 )
+from packloader.sources.arrow import list_arrays
 from tests.packloader.conftest import make_table, random_sequences, sft_labels, write_arrow, write_tar
 
 
@@ -39,46 +36,6 @@ def read_back(shard, start=0):
             seqs.append(b.sequence(i).copy())
             labs.append(b.label_sequence(i).copy())
     return seqs, labs
-
-
-# ---------------------------------------------------------------- patterns
-
-
-def test_expand_braces():
-    assert expand_braces("shard-{000..003}.tar") == [f"shard-00{i}.tar" for i in range(4)]
-    assert expand_braces("s{8..11}") == ["s8", "s9", "s10", "s11"]
-    assert expand_braces("{a,b}-{1,2}") == ["a-1", "a-2", "b-1", "b-2"]
-    assert expand_braces("x{a,b{c,d}}y") == ["xay", "xbcy", "xbdy"]
-    assert expand_braces("{3..1}") == ["3", "2", "1"]
-    assert expand_braces("{0..10..5}") == ["0", "5", "10"]
-    assert expand_braces("{a..c}") == ["a", "b", "c"]
-    assert expand_braces("plain{}") == ["plain{}"]
-    assert expand_braces("no-braces.arrow") == ["no-braces.arrow"]
-
-
-def test_resolve_sources(shard_factory):
-    paths, _ = shard_factory.many("arrow", n_shards=4, n_seqs=3)
-    root = shard_factory.root
-    tar = shard_factory.tar("x/t.tar", random_sequences(2))
-    (root / "notes.txt").write_text("not a shard")
-    assert resolve_sources([str(root / "shard-{000..003}.arrow")]) == paths
-    assert resolve_sources(str(root / "shard-00[12].arrow")) == paths[1:3]
-    # a directory: its shards, sorted; duplicates dropped keeping the first
-    assert resolve_sources([paths[3], str(root)]) == [paths[3]] + paths[:3]
-    assert resolve_sources([str(root / "**" / "*.tar")]) == [tar]
-    with pytest.raises(DataError, match="no such shard file"):
-        resolve_sources([str(root / "shard-{000..009}.arrow")])
-    with pytest.raises(DataError, match="matches no shard file"):
-        resolve_sources([str(root / "*.parquet")])
-    with pytest.raises(DataError, match="unsupported shard suffix"):
-        resolve_sources([str(root / "notes.txt")])
-
-
-def test_shard_format():
-    assert shard_format("a.ARROW") == "arrow" and shard_format("a.feather") == "arrow"
-    assert shard_format("a.parquet") == "parquet" and shard_format("x/a.tar") == "tar"
-    with pytest.raises(DataError, match="a.csv"):
-        shard_format("a.csv")
 
 
 # ---------------------------------------------------------------- readers
@@ -150,7 +107,7 @@ def test_sliced_list_array_pitfall():
     arr = make_table(seqs, extra=False).column("input_ids").chunk(0)
     sliced = arr.slice(3, 4)
     assert len(sliced.values) == len(arr.values)  # the pitfall exists in this pyarrow
-    offsets, tokens = _list_arrays("mem", sliced, "input_ids", 3, allow_negative=False)
+    offsets, tokens = list_arrays("mem", sliced, "input_ids", 3, allow_negative=False)
     assert offsets.tolist() == [0, 4, 9, 15, 22]
     assert np.array_equal(tokens, np.concatenate(seqs[3:7]))
     # and through a shard: iter_batches(start) slices record batches internally
@@ -202,20 +159,6 @@ def test_tar_long_names_and_directories(shard_factory, fmt):
     shard = open_shard(path)
     assert len(shard) == 6 and shard.keys[2] == f"{long_dir}/k002"
     assert all(np.array_equal(a, b) for a, b in zip(read_back(shard)[0], seqs))
-
-
-def test_tar_matches_webdataset_library(shard_factory):
-    import webdataset as wds
-
-    seqs = random_sequences(25, seed=4)
-    p = shard_factory.tar("w.tar", seqs, sft_labels(seqs))
-    ours = open_shard(p)
-    theirs = list(wds.WebDataset(p, shardshuffle=False).decode())
-    assert [s["__key__"] for s in theirs] == ours.keys
-    b = ours.read_all()
-    for i, s in enumerate(theirs):
-        assert np.array_equal(s["input_ids.npy"], b.sequence(i))
-        assert np.array_equal(s["labels.npy"], b.label_sequence(i))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,0 +1,121 @@
+"""Parquet shards, read in record batches (page checksums verified where the writer stored them)."""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from packloader.errors import DataError
+from packloader.sources.arrow import check_list_type, labels_arrays, list_arrays
+from packloader.sources.base import DEFAULT_BATCH_ROWS, SequenceBatch, Shard
+
+__all__ = ["ParquetShard"]
+
+
+class ParquetShard(Shard):
+    """A Parquet file, read column by column in record batches of ``batch_rows`` rows.
+
+    Args:
+        path: the ``.parquet`` / ``.pq`` file.
+        token_column: the ``list<int32>`` / ``large_list<int32>`` token column. Default ``"input_ids"``.
+        labels_column: optional labels column; None to ignore.
+        batch_rows: rows per yielded batch.
+
+    Example::
+
+        >>> shard = ParquetShard("train-0000.parquet", token_column="tokens")   # doctest: +SKIP
+    """
+
+    format = "parquet"
+
+    def __init__(self, path, token_column: str = "input_ids", labels_column: str | None = "labels",
+                 *, batch_rows: int = DEFAULT_BATCH_ROWS):
+        import pyarrow.parquet as pq
+
+        self.path = os.fspath(path)
+        self.token_column = token_column
+        self.labels_column = labels_column
+        self.batch_rows = int(batch_rows)
+        try:
+            # page checksums (CRC32), where the writer stored them, are verified on every read
+            self._pf = pq.ParquetFile(self.path, memory_map=True, page_checksum_verification=True)
+            schema = self._pf.schema_arrow
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise DataError(f"corrupt or unreadable Parquet file: {type(e).__name__}: {e}", path=self.path) from None
+        self.schema = schema
+        check_list_type(self.path, schema, token_column, required=True, what="token")
+        lab = None if labels_column is None else check_list_type(
+            self.path, schema, labels_column, required=False, what="labels")
+        self.has_labels = lab is not None
+        self._columns = [token_column] + ([labels_column] if self.has_labels else [])
+        md = self._pf.metadata
+        self._groups = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)]).astype(np.int64)
+        if int(self._groups[-1]) != md.num_rows:  # a damaged footer must not hide rows
+            raise DataError(f"corrupt Parquet footer: its row groups hold {int(self._groups[-1])} rows, the file "
+                            f"says {md.num_rows}", path=self.path)
+        self._lengths = None
+
+    def __len__(self) -> int:
+        return int(self._groups[-1])
+
+    def lengths(self) -> np.ndarray:
+        if self._lengths is None:
+            parts = []
+            row = 0
+            try:
+                for rb in self._pf.iter_batches(batch_size=self.batch_rows, columns=[self.token_column]):
+                    arr = rb.column(0)
+                    if arr.null_count:
+                        list_arrays(self.path, arr, self.token_column, row, allow_negative=True)
+                    parts.append(np.diff(arr.offsets.to_numpy()).astype(np.int64, copy=False))
+                    row += rb.num_rows
+                if row != len(self):
+                    raise DataError(f"corrupt Parquet file: {row} rows decoded, its footer says {len(self)}",
+                                    path=self.path)
+            except DataError:
+                raise
+            except (pa.ArrowException, OSError, ValueError) as e:
+                raise DataError(f"corrupt Parquet data: {type(e).__name__}: {e}", path=self.path, row=row) from None
+            self._lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return self._lengths
+
+    def iter_batches(self, start: int = 0) -> Iterator[SequenceBatch]:
+        start = self._check_start(start)
+        if start == len(self):
+            return
+        g = int(np.searchsorted(self._groups, start, side="right") - 1)
+        row = int(self._groups[g])
+        skip = start - row
+        try:
+            it = self._pf.iter_batches(
+                batch_size=self.batch_rows, columns=self._columns,
+                row_groups=list(range(g, len(self._groups) - 1)),
+            )
+            for rb in it:
+                if skip >= rb.num_rows:
+                    skip -= rb.num_rows
+                    row += rb.num_rows
+                    continue
+                if skip:
+                    rb = rb.slice(skip)
+                    row += skip
+                    skip = 0
+                offsets, tokens = list_arrays(self.path, rb.column(0), self.token_column, row,
+                                               allow_negative=False)
+                labels = None
+                if self.has_labels:
+                    labels = labels_arrays(self.path, rb.column(1), self.labels_column, row, offsets)
+                yield self._check_vocab(SequenceBatch(row, offsets, tokens, labels))
+                row += rb.num_rows
+        except DataError:
+            raise
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise DataError(f"corrupt Parquet data: {type(e).__name__}: {e}", path=self.path, row=row) from None
+
+    def close(self) -> None:
+        try:
+            self._pf.close()
+        except AttributeError:
+            pass

@@ -1,0 +1,133 @@
+"""packloader._outdir: the one temp-file-and-rename helper, checksums computed while writing."""
+from __future__ import annotations
+
+import os
+import types
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from packloader import _outdir
+from packloader._outdir import (STATE_DIR, ChecksumFile, atomic_path, atomic_write_text, file_checksum,
+                                remove_stale_temps, temp_path)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _all_files(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.mark.parametrize("beside", [False, True])
+@pytest.mark.parametrize("fsync", [False, True])
+def test_atomic_path_replaces_on_success_and_leaves_the_old_file_on_failure(tmp_path, beside, fsync):
+    target = tmp_path / "sub" / "file.bin"
+    with atomic_path(target, fsync=fsync, beside=beside) as tmp:  # creates the parent directory
+        assert not os.path.exists(target)
+        with open(tmp, "wb") as f:
+            f.write(b"first")
+    assert target.read_bytes() == b"first"
+    with pytest.raises(Boom):
+        with atomic_path(target, fsync=fsync, beside=beside) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(b"second, half written")
+            raise Boom()
+    assert target.read_bytes() == b"first"
+    leftovers = [n for n in _all_files(tmp_path) if ".tmp-" in n]
+    assert leftovers == []
+
+
+def test_temp_paths(tmp_path):
+    p = tmp_path / "out" / "part.arrow"
+    t = temp_path(p)
+    assert t == os.path.join(tmp_path, "out", STATE_DIR, "tmp", f"part.arrow.tmp-{os.getpid()}")
+    assert os.path.isdir(os.path.dirname(t))
+    assert temp_path(tmp_path / STATE_DIR / "job.json") == os.path.join(tmp_path, STATE_DIR, "tmp",
+                                                                         f"job.json.tmp-{os.getpid()}")
+    assert temp_path(p, beside=True) == os.path.join(tmp_path, "out", f".part.arrow.tmp-{os.getpid()}")
+
+
+def test_killed_writer_temp_is_removed_by_the_next_run(tmp_path):
+    dead = os.path.join(tmp_path, STATE_DIR, "tmp", "x.arrow.tmp-999999999")
+    os.makedirs(os.path.dirname(dead))
+    open(dead, "wb").close()
+    assert remove_stale_temps(tmp_path) == 1
+    assert not os.path.exists(os.path.dirname(dead))
+
+
+def test_atomic_write_text(tmp_path):
+    atomic_write_text(tmp_path / "a.json", "{\"é\": 1}")
+    assert (tmp_path / "a.json").read_text(encoding="utf-8") == "{\"é\": 1}"
+
+
+@pytest.mark.parametrize("sizes", [[0], [5, 0, 7], [3 << 20], [1, (1 << 20) + 1, 17, 2 << 20, 3]])
+def test_checksum_file_matches_reading_the_file_back(tmp_path, sizes):
+    """Small writes are checksummed inline, large ones on the crc thread while they are written: the
+    chained result is the file's crc32 either way."""
+    rng = np.random.default_rng(sum(sizes))
+    path = tmp_path / "f.bin"
+    with ChecksumFile(path) as f:
+        for n in sizes:
+            buf = rng.integers(0, 256, n, dtype=np.uint8)
+            assert f.write(buf) == n
+            buf[:] = 0  # the caller may reuse its buffer once write returned
+    assert f.closed and f.size == sum(sizes) == os.path.getsize(path)
+    assert f.checksum == file_checksum(path)
+
+
+def test_checksum_file_under_pyarrow(tmp_path):
+    path = tmp_path / "t.arrow"
+    schema = pa.schema([("x", pa.int32())])
+    with ChecksumFile(path) as raw, pa.PythonFile(raw, mode="w") as sink, pa.ipc.new_file(sink, schema) as w:
+        for k in range(3):
+            w.write_batch(pa.record_batch([pa.array(np.arange(k, k + 400_000, dtype=np.int32))], schema=schema))
+    assert raw.checksum == file_checksum(path)
+    assert raw.size == os.path.getsize(path)
+    with pa.memory_map(str(path)) as src:
+        assert pa.ipc.open_file(src).read_all().num_rows == 1_200_000
+
+
+def test_checksum_file_write_error_propagates(tmp_path, monkeypatch):
+    path = tmp_path / "f.bin"
+    f = ChecksumFile(path)
+
+    class Full:
+        closed = False
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            self.closed = True
+
+    f._file = Full()
+    with pytest.raises(OSError, match="No space"):
+        f.write(np.zeros(2 << 20, np.uint8))
+    with pytest.raises(OSError, match="No space"):
+        f.write(b"abc")
+    f.close()
+
+
+def test_loader_state_write_failure_leaves_no_temp(tmp_path):
+    """The Trainer mixin saves the loader state atomically: a failure leaves neither a partial state
+    file nor its temp file (it used to leave ``packloader_state.json.tmp``)."""
+    from packloader import hf
+
+    ckpt = tmp_path / "checkpoint-5"
+    ckpt.mkdir()
+    fake = types.SimpleNamespace(train_loader=types.SimpleNamespace(state_dict=lambda: {"bad": object()}))
+    with pytest.raises(TypeError):
+        hf.PackedTrainerMixin._save_loader_state(fake, str(ckpt))
+    assert os.listdir(ckpt) == []
+    fake.train_loader.state_dict = lambda: {"step": 3}
+    hf.PackedTrainerMixin._save_loader_state(fake, str(ckpt))
+    assert os.listdir(ckpt) == [hf.LOADER_STATE_NAME]
+
+
+def test_crc_thread_is_per_process():
+    t = _outdir._crc_thread()
+    assert t is _outdir._crc_thread()
+    assert t._pid == os.getpid()
