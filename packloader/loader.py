@@ -117,8 +117,8 @@ from packloader.distributed import (assign_rows, current_worker, resolve_rank_wo
                                     worker_batch_indices)
 from packloader.distributed import num_batches as plan_batches
 from packloader.errors import DataError, WorkerError
-from packloader.prepacked import check_capacity, unfinished_pack_dir
-from packloader.stream import PrepackedRows, StreamingRows, is_prepacked_dir
+from packloader.prepacked import PrepackedRows, check_capacity, is_prepacked_dir, unfinished_pack_dir
+from packloader.stream import StreamingRows
 
 __all__ = ["PackedDataLoader", "STATE_FORMAT"]
 
@@ -171,25 +171,19 @@ class _PackedIterable(IterableDataset):
     def make_raw(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
         """The batch before collation, as it travels from a worker: ``{"raw": int32 tensor}`` (one buffer,
         see :func:`packloader.batch.raw_alloc`), plus the id tables with ``return_ids``."""
-        buf, table = self.rows.build(self.seed, epoch, self.shuffle, rows, want_ids=self.return_ids)
-        out = {"raw": torch.from_numpy(buf)}
-        if self.return_ids:
-            if self.rows.kind == "prepacked":
-                out["row_ids"] = torch.from_numpy(np.ascontiguousarray(table[0], dtype=np.int64))
-                table = table[1]
-            out["sample_ids"] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
+        built = self.rows.build(self.seed, epoch, self.shuffle, rows, want_ids=self.return_ids)
+        out = {"raw": torch.from_numpy(built.raw)}
+        for key, table in built.ids.items():
+            out[key] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
         return out
 
     def collate(self, item: dict[str, Any], pin_memory: bool = False) -> dict[str, Any]:
         """The training batch of a :meth:`make_raw` item (in the main process)."""
         out = collate_raw(item["raw"], hf_compat=self.hf_compat, pin_memory=pin_memory)
-        for key in ("row_ids", "sample_ids"):
-            if key in item:
-                out[key] = item[key].pin_memory() if pin_memory else item[key]
+        for key, table in item.items():
+            if key != "raw":
+                out[key] = table.pin_memory() if pin_memory else table
         return out
-
-    def make_batch(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
-        return self.collate(self.make_raw(epoch, rows))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch, offset, start = (int(x) for x in self.control.tolist())

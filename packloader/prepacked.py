@@ -41,7 +41,10 @@ import numpy as np
 import pyarrow as pa
 
 from packloader.batch import IGNORE_INDEX  # noqa: F401  (re-exported: the format stores it in index.json)
+from packloader.batch import raw_alloc
 from packloader.errors import DataError
+from packloader.place import place_pieces
+from packloader.rows import SALT_ROWS, Built, epoch_rng
 
 __all__ = [
     "PrepackedDataset",
@@ -53,6 +56,8 @@ __all__ = [
     "check_capacity",
     "MAX_CAPACITY",
     "unfinished_pack_dir",
+    "is_prepacked_dir",
+    "PrepackedRows",
 ]
 
 FORMAT = "packloader-packed"
@@ -442,3 +447,118 @@ class PrepackedDataset:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def is_prepacked_dir(source) -> bool:
+    """Whether ``source`` is a directory holding a pre-packed ``index.json``."""
+    if isinstance(source, (str, os.PathLike)):
+        p = os.fspath(source)
+        return os.path.isdir(p) and os.path.isfile(os.path.join(p, INDEX_NAME))
+    return False
+
+
+class PrepackedRows:
+    """The rows of a pre-packed directory as a row source of the loader (:mod:`packloader.rows`): the
+    epoch's plan is the directory's rows in an order shuffled by ``(seed, epoch)``; a batch is built
+    from the memory-mapped files (:class:`PrepackedDataset`), one placement per record batch it reads.
+
+    Args:
+        directory: written by ``packloader pack``.
+
+    Raises:
+        DataError: not a pre-packed directory, or it holds no rows.
+    """
+
+    def __init__(self, directory):
+        import hashlib
+
+        self.directory = os.fspath(directory)
+        self._ds = ds = PrepackedDataset(self.directory)
+        self.capacity = int(ds.capacity)
+        index = ds.index
+        self.n_rows = len(ds)
+        if self.n_rows == 0:
+            raise DataError("pre-packed directory holds no rows", path=self.directory)
+        self.algorithm = index.get("algorithm")
+        self.overflow = index.get("overflow")
+        rep = index.get("report") if isinstance(index.get("report"), dict) else {}
+        self.overflow_counts = {"policy": self.overflow,
+                                **{k: int(rep.get(k) or 0) for k in ("split", "truncated", "dropped")},
+                                "split_tokens": None,  # not recorded by ``pack``
+                                "lost_tokens": int(rep.get("lost_tokens") or 0)}
+        self.fingerprint = "prepacked:" + str(index.get("content_hash") or hashlib.sha256(
+            repr((index.get("files"), index.get("total_tokens"))).encode()).hexdigest()[:24])
+        self._blocks = None
+        self.row_tokens = self._load_blocks()[2]
+
+    def __getstate__(self):  # workers reopen the files
+        d = dict(self.__dict__)
+        d["_ds"] = d["_blocks"] = None
+        return d
+
+    def _dataset(self) -> PrepackedDataset:
+        if self._ds is None:
+            self._ds = PrepackedDataset(self.directory)
+        return self._ds
+
+    def _load_blocks(self):
+        """``(first row of each block int64 [k + 1], blocks, row_tokens int64 [N])``: one zero-copy block
+        ``(input_ids, labels, seq_lens_offsets, seq_lens)`` per record batch, and the real tokens of
+        every row."""
+        if self._blocks is None:
+            ds = self._dataset()
+            firsts, blocks, tokens = [0], [], []
+            for block in ds.iter_rows(batch_rows=max(1, len(ds))):  # (never crosses a record batch)
+                soff = np.asarray(block[2], np.int64)
+                csum = np.concatenate([[0], np.cumsum(block[3], dtype=np.int64)])
+                tokens.append(csum[soff[1:]] - csum[soff[:-1]])
+                blocks.append((block[0], block[1], soff, block[3]))
+                firsts.append(firsts[-1] + len(block[0]))
+            self._blocks = (np.asarray(firsts, np.int64), blocks, np.concatenate(tokens))
+        return self._blocks
+
+    def order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+        """int64 [N]: the directory row of each plan row."""
+        if not shuffle:
+            return np.arange(self.n_rows, dtype=np.int64)
+        return epoch_rng(seed, epoch, SALT_ROWS).permutation(self.n_rows).astype(np.int64)
+
+    def epoch_rows(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+        return self.row_tokens[self.order(seed, epoch, shuffle)]
+
+    def build(self, seed: int, epoch: int, shuffle: bool, rows: np.ndarray, want_ids: bool = False) -> Built:
+        """The plan rows ``rows`` (``-1``: a padding row) as a :class:`~packloader.rows.Built`; with
+        ``want_ids`` also ``row_ids`` (the directory row of each batch row, -1: padding) and
+        ``sample_ids`` (row in batch, source file index into ``index.json["sources"]``, sequence, start,
+        length of each piece, from the provenance columns)."""
+        firsts, blocks, _ = self._load_blocks()
+        rows = np.asarray(rows, dtype=np.int64)
+        gids = np.full(len(rows), -1, dtype=np.int64)
+        real = np.flatnonzero(rows >= 0)
+        gids[real] = self.order(seed, epoch, shuffle)[rows[real]]
+        block = np.searchsorted(firsts, gids, side="right") - 1
+        local = gids - firsts[block]
+        counts = np.zeros(len(rows), np.int64)
+        for b in real.tolist():
+            soff = blocks[block[b]][2]
+            counts[b] = soff[local[b] + 1] - soff[local[b]]
+        buf, ids, labels, seq_off, seq_lens = raw_alloc(len(rows), self.capacity, int(counts.sum()), True)
+        np.cumsum(counts, out=seq_off[1:])
+        cap = self.capacity
+        for k in np.unique(block[real]).tolist():  # whole rows, one placement per record batch
+            b_ids, b_lab, soff, slen = blocks[k]
+            dst = real[block[real] == k]
+            place_pieces(b_ids.reshape(-1), b_lab.reshape(-1), local[dst] * cap, np.full(len(dst), cap), dst,
+                         np.zeros(len(dst), np.int64), ids, labels)
+            for b in dst.tolist():
+                i = int(local[b])
+                seq_lens[seq_off[b]:seq_off[b + 1]] = slen[int(soff[i]):int(soff[i + 1])]
+        if not want_ids:
+            return Built(buf, {})
+        ds = self._dataset()
+        parts = [np.zeros((0, 5), np.int64)]
+        for b in real.tolist():
+            _, sf, sr, ss = ds.read_sources(int(gids[b]), int(gids[b]) + 1)
+            n = seq_lens[seq_off[b]:seq_off[b + 1]]
+            parts.append(np.stack([np.full(len(sf), b), sf, sr, ss, n]).T.astype(np.int64))
+        return Built(buf, {"row_ids": gids, "sample_ids": np.concatenate(parts)})
