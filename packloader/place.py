@@ -33,31 +33,49 @@ __all__ = ["place_pieces", "row_layout"]
 
 
 @njit_cached(nogil=True)
+def _copy(src, dst):  # (an element loop over 1-D views: vectorised, about 3x faster than slice assignment)
+    for j in range(len(src)):
+        dst[j] = src[j]
+
+
+@njit_cached(nogil=True)
+def _fill(dst, value):
+    for j in range(len(dst)):
+        dst[j] = value
+
+
+@njit_cached(nogil=True)
 def _place_kernel(src_ids, src_labels, src_start, length, dst_row, dst_col, out_ids, out_labels, with_labels,
                   mask_starts, pad_from):
+    """Returns -1, or the first piece that reaches outside the arrays (then nothing is written)."""
+    B, L = out_ids.shape
+    n_src = len(src_ids)
     for p in range(len(length)):
-        r = dst_row[p]
-        c = dst_col[p]
-        s = src_start[p]
-        n = length[p]
-        for j in range(n):
-            out_ids[r, c + j] = src_ids[s + j]
+        s, n, r, c = src_start[p], length[p], dst_row[p], dst_col[p]
+        if n < 0 or s < 0 or s + n > n_src or r < 0 or r >= B or c < 0 or c + n > L:
+            return p
+    flat_ids = out_ids.reshape(-1)
+    flat_labels = out_labels.reshape(-1)
+    for p in range(len(length)):
+        s, n = src_start[p], length[p]
+        d = dst_row[p] * L + dst_col[p]
+        _copy(src_ids[s:s + n], flat_ids[d:d + n])
         if with_labels:
-            for j in range(n):
-                out_labels[r, c + j] = src_labels[s + j]
+            _copy(src_labels[s:s + n], flat_labels[d:d + n])
             if mask_starts and n > 0:
-                out_labels[r, c] = IGNORE_INDEX
-    L = out_ids.shape[1]
+                flat_labels[d] = IGNORE_INDEX
     for r in range(len(pad_from)):
-        for j in range(pad_from[r], L):
-            out_ids[r, j] = 0
+        _fill(flat_ids[r * L + pad_from[r]:(r + 1) * L], 0)
         if with_labels:
-            for j in range(pad_from[r], L):
-                out_labels[r, j] = IGNORE_INDEX
+            _fill(flat_labels[r * L + pad_from[r]:(r + 1) * L], IGNORE_INDEX)
+    return -1
 
 
 def _i64(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
+
+
+_NO_PADDING = np.zeros(0, np.int64)
 
 
 def place_pieces(src_ids: np.ndarray, src_labels: np.ndarray | None, src_start, length, dst_row, dst_col,
@@ -78,7 +96,8 @@ def place_pieces(src_ids: np.ndarray, src_labels: np.ndarray | None, src_start, 
             labels ``IGNORE_INDEX``), written after the pieces. None: the padding is left as it is.
 
     Raises:
-        ValueError: mismatched shapes, or a piece that reaches outside ``src_ids`` or a row (names it).
+        ValueError: mismatched shapes, or a piece that reaches outside ``src_ids`` or a row (names it;
+            nothing is written then).
     """
     src_start, length, dst_row, dst_col = _i64(src_start), _i64(length), _i64(dst_row), _i64(dst_col)
     m = len(length)
@@ -89,28 +108,26 @@ def place_pieces(src_ids: np.ndarray, src_labels: np.ndarray | None, src_start, 
         raise ValueError(f"out_ids must be a C-contiguous [B, L] array, got shape {out_ids.shape}")
     B, L = out_ids.shape
     with_labels = out_labels is not None
-    if with_labels and out_labels.shape != out_ids.shape:
-        raise ValueError(f"out_labels shape {out_labels.shape} != out_ids shape {out_ids.shape}")
+    if with_labels and (out_labels.shape != out_ids.shape or not out_labels.flags.c_contiguous):
+        raise ValueError(f"out_labels must be C-contiguous and shaped as out_ids {out_ids.shape}, got shape "
+                         f"{out_labels.shape}")
     if src_labels is None:
         src_labels = src_ids
     elif len(src_labels) != len(src_ids):
         raise ValueError(f"src_labels has {len(src_labels)} tokens, src_ids {len(src_ids)}")
-    if m:
-        bad = np.flatnonzero((length < 0) | (src_start < 0) | (src_start + length > len(src_ids)) | (dst_row < 0)
-                             | (dst_row >= B) | (dst_col < 0) | (dst_col + length > L))
-        if bad.size:
-            p = int(bad[0])
-            raise ValueError(f"piece {p} (src_start {int(src_start[p])}, length {int(length[p])}, row "
-                             f"{int(dst_row[p])}, column {int(dst_col[p])}) reaches outside the source "
-                             f"({len(src_ids)} tokens) or the output ([{B}, {L}])")
     if pad_from is None:
-        pad_from = np.zeros(0, np.int64)
+        pad_from = _NO_PADDING
     else:
         pad_from = _i64(pad_from)
         if len(pad_from) != B or (B and (pad_from.min() < 0 or pad_from.max() > L)):
             raise ValueError(f"pad_from must hold {B} columns in [0, {L}]")
-    _place_kernel(src_ids, src_labels, src_start, length, dst_row, dst_col, out_ids,
-                  out_labels if with_labels else out_ids, with_labels, bool(mask_starts), pad_from)
+    bad = _place_kernel(src_ids, src_labels, src_start, length, dst_row, dst_col, out_ids,
+                        out_labels if with_labels else out_ids, with_labels, bool(mask_starts), pad_from)
+    if bad >= 0:
+        p = int(bad)
+        raise ValueError(f"piece {p} (src_start {int(src_start[p])}, length {int(length[p])}, row "
+                         f"{int(dst_row[p])}, column {int(dst_col[p])}) reaches outside the source "
+                         f"({len(src_ids)} tokens) or the output ([{B}, {L}])")
 
 
 def row_layout(row_offsets, length) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

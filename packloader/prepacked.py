@@ -489,6 +489,7 @@ class PrepackedRows:
         self.fingerprint = "prepacked:" + str(index.get("content_hash") or hashlib.sha256(
             repr((index.get("files"), index.get("total_tokens"))).encode()).hexdigest()[:24])
         self._blocks = None
+        self._order: tuple | None = None
         self.row_tokens = self._load_blocks()[2]
 
     def __getstate__(self):  # workers reopen the files
@@ -518,10 +519,13 @@ class PrepackedRows:
         return self._blocks
 
     def order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-        """int64 [N]: the directory row of each plan row."""
-        if not shuffle:
-            return np.arange(self.n_rows, dtype=np.int64)
-        return epoch_rng(seed, epoch, SALT_ROWS).permutation(self.n_rows).astype(np.int64)
+        """int64 [N]: the directory row of each plan row (the epoch's latest order is kept)."""
+        key = (int(seed), int(epoch), bool(shuffle))
+        if self._order is None or self._order[0] != key:
+            order = (epoch_rng(seed, epoch, SALT_ROWS).permutation(self.n_rows).astype(np.int64) if shuffle
+                     else np.arange(self.n_rows, dtype=np.int64))
+            self._order = (key, order)
+        return self._order[1]
 
     def epoch_rows(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         return self.row_tokens[self.order(seed, epoch, shuffle)]

@@ -98,7 +98,7 @@ def test_place_pieces_refuses_a_piece_outside_the_arrays(bad):
 
 def test_place_pieces_checks_shapes():
     src = np.arange(10, dtype=np.int32)
-    with pytest.raises(ValueError, match="out_labels shape"):
+    with pytest.raises(ValueError, match="out_labels must be C-contiguous and shaped as out_ids"):
         place_pieces(src, None, [0], [1], [0], [0], np.zeros((2, 6), np.int32), np.zeros((2, 5), np.int32))
     with pytest.raises(ValueError, match="src_labels has 9"):
         place_pieces(src, src[:9], [0], [1], [0], [0], np.zeros((2, 6), np.int32))
