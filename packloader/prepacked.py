@@ -30,6 +30,10 @@ file, computed when it was written): sizes and row counts are checked on every o
 with ``PrepackedDataset(dir, verify=True)`` / ``packloader report DIR --verify``.
 
 Capacity: at most :data:`MAX_CAPACITY` tokens per row (:func:`check_capacity`).
+
+The loader reads a directory through :class:`PrepackedRows` (a row source, see :mod:`packloader.rows`).
+This module holds the whole format (schema, index, checks, reader, row source: about 570 lines) because
+its parts change together whenever the format does; the writer is :mod:`packloader.prepack`.
 """
 from __future__ import annotations
 
