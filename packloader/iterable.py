@@ -3,11 +3,11 @@
 :class:`PackedIterable` is the ``IterableDataset`` that torch's ``DataLoader`` runs in each worker (or in
 the main process with ``num_workers=0``)::
 
-    row source ──epoch_rows──> assign_rows (packloader.distributed) ──> schedule: int64 [n_batches, B]
-                                                                        (plan rows of this rank, -1: padding)
-    batch k of the schedule, k % num_workers == this worker ──> row source .build ──> {"raw": int32 buffer,
-                                                                                       id tables}
-    main process: collate (packloader.batch.collate_raw) ──> the training batch
+    row source --epoch_rows--> assign_rows (packloader.distributed) --> schedule: int64 [n_batches, B]
+                                                     (plan rows of this rank's batches, -1: padding row)
+    batch k of the schedule, (k - start) % num_workers == this worker
+        --> row source .build(rows) --> {"raw": int32 buffer, id tables}        (make_raw, in the worker)
+    main process: collate (packloader.batch.collate_raw) --> the training batch   (collate)
 
 The epoch, the first plan row of its global steps (non-zero after an elastic resume) and the iterator's
 first batch travel to the workers in the shared ``control`` tensor, so persistent workers follow

@@ -28,7 +28,9 @@ What one epoch is
 1. **Rows.** A streaming source (Arrow / Parquet / WebDataset shards) is packed from its sequence lengths
    into the epoch's plan of rows: shards and the sequences inside each shard in an order shuffled by
    ``(seed, epoch)``, then the packer (``algorithm``, default the online packer with ``buffer_size``);
-   see :mod:`packloader.stream`. A pre-packed directory's rows are its rows, shuffled by ``(seed, epoch)``.
+   see :mod:`packloader.stream`. A pre-packed directory's rows are its rows, shuffled by ``(seed, epoch)``
+   (:class:`packloader.prepacked.PrepackedRows`). Both are row sources (:mod:`packloader.rows`): the
+   loader asks neither which one it holds.
 2. **Ranks.** Global steps of ``world_size * batch_size`` consecutive rows; each rank gets ``batch_size``
    rows of each step, balanced by token count; the last step is completed with padding rows (no loss
    tokens) or, with ``drop_last=True``, dropped (at most ``world_size * batch_size - 1`` rows, counted in
@@ -38,7 +40,8 @@ What one epoch is
    one row of the epoch (``drop_last=False``); see :mod:`packloader.distributed`.
 3. **Workers.** Batch ``k`` of a rank is built by worker ``k % num_workers`` (counted from the first batch
    of the iterator); torch's round-robin collection gives the same batches in the same order for any
-   ``num_workers``. A worker reads and places the tokens (the expensive part: shard decoding, gathers)
+   ``num_workers`` (:mod:`packloader.iterable`). A worker reads and places the tokens
+   (:mod:`packloader.place`; the expensive part: shard decoding, copies)
    and sends the batch as ONE int32 buffer (:func:`packloader.batch.raw_alloc`); the main process turns
    it into the tensors of the batch in one Numba pass (tens of microseconds), written straight into
    page-locked memory with ``pin_memory=True``. Moving one small buffer instead of five tensors is what
