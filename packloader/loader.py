@@ -81,6 +81,7 @@ import packloader._numba  # noqa: F401  (first: Numba's cache fallback, before p
 from packloader.distributed import resolve_rank_world, resume_point  # isort: skip
 from packloader.errors import DataError
 from packloader.iterable import PackedIterable
+from packloader.place import warm_up
 from packloader.prepacked import PrepackedRows, check_capacity, is_prepacked_dir, unfinished_pack_dir
 from packloader.state import STATE_FORMAT, make_state, read_state
 from packloader.stream import StreamingRows
@@ -244,6 +245,7 @@ class PackedDataLoader:
                                        shuffle=self.shuffle, hf_compat=self.hf_compat, return_ids=self.return_ids)
         if self.num_workers > 0:
             self.dataset.share_control()
+            warm_up()  # the placer, loaded once here instead of in every worker of every epoch
         dl_kw: dict[str, Any] = {}
         if self.num_workers > 0:
             dl_kw.update(persistent_workers=persistent_workers, timeout=timeout, worker_init_fn=worker_init_fn,

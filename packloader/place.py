@@ -29,7 +29,7 @@ import numpy as np
 from packloader._numba import njit_cached
 from packloader.batch import IGNORE_INDEX
 
-__all__ = ["place_pieces", "row_layout"]
+__all__ = ["place_pieces", "row_layout", "warm_up"]
 
 
 @njit_cached(nogil=True)
@@ -149,3 +149,15 @@ def row_layout(row_offsets, length) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     dst_col = before[:-1] - before[rel[:-1]][dst_row]
     fill = before[rel[1:]] - before[rel[:-1]]
     return dst_row, dst_col, fill
+
+
+def warm_up() -> None:
+    """Load (or compile) the kernel, in this process, for the array types the row sources pass it (writable
+    and read-only sources: memory-mapped shards and pre-packed files are read-only). DataLoader workers
+    forked afterwards inherit it; otherwise each worker loads it at its first batch, about 0.4 s, again
+    every epoch without ``persistent_workers``."""
+    out = np.zeros((1, 2), np.int32)
+    for writable in (True, False):
+        src = np.zeros(2, np.int32)
+        src.flags.writeable = writable
+        place_pieces(src, src, [0], [2], [0], [0], out, out)

@@ -94,3 +94,17 @@ def test_the_iterable_takes_any_row_source():
     assert [b["my_ids"].tolist() for b in batches] == [[0, 1], [2, 3]]
     assert batches[1]["input_ids"].tolist() == [[3] * 8, [4] + [0] * 7]
     assert batches[0]["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+
+
+def test_warm_up_loads_the_placer_for_what_both_sources_pass(sources):
+    """Forked workers inherit what warm_up loaded in the loader's process: a build must find its kernel
+    signature there (else every worker loads it again at its first batch, every epoch)."""
+    from packloader import place
+
+    place.warm_up()
+    warmed = set(place._place_kernel.signatures)
+    rows_by_kind, _, _ = sources
+    for rows in rows_by_kind.values():
+        n = len(rows.epoch_rows(0, 0, True))
+        rows.build(0, 0, True, np.arange(min(n, 4), dtype=np.int64))
+    assert set(place._place_kernel.signatures) == warmed
