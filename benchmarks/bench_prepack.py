@@ -147,7 +147,7 @@ def ensure_data(a) -> dict:
 
 def warm_up(a, out_root):
     """Pack a small shard of every format once: compiles / loads the Numba kernels."""
-    from packloader.prepack import pack_dataset
+    from packloader.pack_writer import pack_dataset
     from packloader.prepare import write_webdataset_shard
 
     rng = np.random.default_rng(1)
@@ -175,7 +175,7 @@ def warm_up(a, out_root):
 
 
 def bench_format(a, fmt, paths, n_tok, out_root) -> dict:
-    from packloader.prepack import pack_dataset
+    from packloader.pack_writer import pack_dataset
 
     out = os.path.join(out_root, f"packed-{fmt}")
     runs = []

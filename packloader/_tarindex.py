@@ -10,7 +10,7 @@ dtype); samples are then assembled with numpy, without a Python loop per member.
 :func:`index_common_case` returns None whenever a shard falls outside that case (another member type, an
 unusual .npy header, a sample without a token member, labels of another length, a role given twice), and
 ``TarShard`` then runs its general per-member indexer, which also produces the error messages. Both give
-the same index (checked by ``tests/packloader/test_prepack.py``).
+the same index (checked by ``tests/packloader/test_pack_writer.py``).
 
 :func:`gather_runs` copies runs of an int32 array into one contiguous array (the tokens of a batch).
 """

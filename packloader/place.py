@@ -10,7 +10,7 @@ A *piece* is ``length`` consecutive tokens of a flat token array, starting at ``
 
 Its three users:
 
-* ``packloader pack`` (:func:`packloader.prepack.scatter_rows`): a plan's rows from one shard's tokens, with
+* ``packloader pack`` (:func:`packloader.pack_writer.scatter_rows`): a plan's rows from one shard's tokens, with
   ``mask_starts`` and the padding written (the pre-packed format stores finished labels);
 * streaming rows (:meth:`packloader.stream.StreamingRows.build`): a batch's pieces, one call per shard that
   the batch draws on, into a zeroed raw buffer (the collation masks the starts and the padding);

@@ -1,6 +1,6 @@
 """The pre-packed directory format: its schema, and :class:`PrepackedDataset`, its zero-copy reader.
 
-``packloader pack`` (:func:`packloader.prepack.pack_dataset`) writes a directory::
+``packloader pack`` (:func:`packloader.pack_writer.pack_dataset`) writes a directory::
 
     out/
       part-00000.arrow      uncompressed Arrow IPC files, one packed row per Arrow row
@@ -33,7 +33,7 @@ Capacity: at most :data:`MAX_CAPACITY` tokens per row (:func:`check_capacity`).
 
 The loader reads a directory through :class:`PrepackedRows` (a row source, see :mod:`packloader.rows`).
 This module holds the whole format (schema, index, checks, reader, row source: about 570 lines) because
-its parts change together whenever the format does; the writer is :mod:`packloader.prepack`.
+its parts change together whenever the format does; the writer is :mod:`packloader.pack_writer`.
 """
 from __future__ import annotations
 

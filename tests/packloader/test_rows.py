@@ -7,7 +7,7 @@ import pytest
 
 from packloader.batch import IGNORE_INDEX, raw_alloc, raw_views
 from packloader.iterable import PackedIterable
-from packloader.prepack import pack_dataset
+from packloader.pack_writer import pack_dataset
 from packloader.prepacked import PrepackedRows
 from packloader.rows import Built
 from packloader.sources import resolve_sources
