@@ -162,7 +162,7 @@ def ensure_data(a) -> dict:
 
 def warm_up(a, out_root):
     """Pack a small shard of every format once: compiles / loads the Numba kernels."""
-    from packloader.prepack import pack_dataset
+    from packloader.pack_writer import pack_dataset
     from packloader.prepare import write_webdataset_shard
 
     rng = np.random.default_rng(1)
@@ -190,7 +190,7 @@ def warm_up(a, out_root):
 
 
 def bench_format(a, fmt, paths, n_tok, out_root) -> dict:
-    from packloader.prepack import pack_dataset
+    from packloader.pack_writer import pack_dataset
 
     out = os.path.join(out_root, f"packed-{fmt}")
     runs = []
@@ -240,7 +240,7 @@ def bench_engines(a, paths, n_tok, out_root) -> dict:
 
     import ray
 
-    from packloader.prepack import pack_dataset
+    from packloader.pack_writer import pack_dataset
 
     t0 = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "PackedDataLoader": "packloader.loader",
     "PackingReport": "packloader.report",
-    "pack_dataset": "packloader.prepack",
+    "pack_dataset": "packloader.pack_writer",
     "prepare_jsonl": "packloader.prepare",
     "PrepackedDataset": "packloader.prepacked",
     "resolve_sources": "packloader.sources",

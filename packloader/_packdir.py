@@ -1,5 +1,5 @@
 """What ``packloader pack`` owns in its output directory: its index, its job records, the files it
-provably wrote, and the cleanup of everything else it wrote (see :mod:`packloader.prepack`, stage 4, and
+provably wrote, and the cleanup of everything else it wrote (see :mod:`packloader.pack_writer`, stage 4, and
 :mod:`packloader._outdir` for the rules every tool follows)."""
 from __future__ import annotations
 

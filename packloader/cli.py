@@ -156,7 +156,7 @@ def _cmd_prepare(a) -> int:
 
 
 def _cmd_pack(a) -> int:
-    from packloader.prepack import pack_dataset
+    from packloader.pack_writer import pack_dataset
 
     report = pack_dataset(
         a.sources, a.out, capacity=a.capacity, algorithm=a.algorithm, overflow=a.overflow,

@@ -85,7 +85,7 @@ def run_demo(out_dir="demo_out", *, capacity: int = DEMO_CAPACITY, algorithms=("
     """
     import sys
 
-    from packloader.prepack import pack_dataset
+    from packloader.pack_writer import pack_dataset
     from packloader.prepacked import PrepackedDataset
     from packloader.prepare import prepare_jsonl
     from packloader.report import plot_reports, side_by_side

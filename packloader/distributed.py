@@ -6,7 +6,7 @@ so that the rest of the loader only has to build the rows it is told to build.
 How an epoch is split
 ---------------------
 1. The epoch's packing plan is an ordered list of ``N`` packed rows (the same on every rank: it is
-   computed from sequence lengths, seed and epoch only; see :mod:`packloader.stream`).
+   computed from sequence lengths, seed and epoch only; see :mod:`packloader.rows`).
 2. The rows are cut into *global steps* of ``world_size * batch_size`` consecutive rows. Step ``s`` gives
    every rank exactly ``batch_size`` rows, chosen greedily so that ranks get balanced token counts
    (:func:`assign_rows`: rows by decreasing token count, each to the rank with the fewest tokens so far

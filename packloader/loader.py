@@ -28,7 +28,9 @@ What one epoch is
 1. **Rows.** A streaming source (Arrow / Parquet / WebDataset shards) is packed from its sequence lengths
    into the epoch's plan of rows: shards and the sequences inside each shard in an order shuffled by
    ``(seed, epoch)``, then the packer (``algorithm``, default the online packer with ``buffer_size``);
-   see :mod:`packloader.stream`. A pre-packed directory's rows are its rows, shuffled by ``(seed, epoch)``.
+   see :mod:`packloader.stream`. A pre-packed directory's rows are its rows, shuffled by ``(seed, epoch)``
+   (:class:`packloader.prepacked.PrepackedRows`). Both are row sources (:mod:`packloader.rows`): the
+   loader asks neither which one it holds.
 2. **Ranks.** Global steps of ``world_size * batch_size`` consecutive rows; each rank gets ``batch_size``
    rows of each step, balanced by token count; the last step is completed with padding rows (no loss
    tokens) or, with ``drop_last=True``, dropped (at most ``world_size * batch_size - 1`` rows, counted in
@@ -38,7 +40,8 @@ What one epoch is
    one row of the epoch (``drop_last=False``); see :mod:`packloader.distributed`.
 3. **Workers.** Batch ``k`` of a rank is built by worker ``k % num_workers`` (counted from the first batch
    of the iterator); torch's round-robin collection gives the same batches in the same order for any
-   ``num_workers``. A worker reads and places the tokens (the expensive part: shard decoding, gathers)
+   ``num_workers`` (:mod:`packloader.iterable`). A worker reads and places the tokens
+   (:mod:`packloader.place`; the expensive part: shard decoding, copies)
    and sends the batch as ONE int32 buffer (:func:`packloader.batch.raw_alloc`); the main process turns
    it into the tensors of the batch in one Numba pass (tens of microseconds), written straight into
    page-locked memory with ``pin_memory=True``. Moving one small buffer instead of five tensors is what
@@ -46,47 +49,14 @@ What one epoch is
 
 Exact and elastic resume
 ------------------------
-The epoch's plan is a pure function of (sequence lengths, settings, seed, epoch), and no rank, world
-size or worker count goes into it (every rank computes the whole plan, the online packer included), so
-the state is only the position in it: ``{epoch, rows_consumed}`` plus the settings, the epoch's row
-count and a digest of its plan to check against (JSON, a few hundred bytes, no token data).
-``rows_consumed`` is MosaicML streaming's ``sample_in_epoch``: the plan rows ``[0, R)`` handed out, over
-all ranks together. Batches are counted when the training loop receives them (``__next__`` in the main
-process): batches prefetched by workers but not yet handed out are not consumed. All ranks consume the
-same number of batches, so **every rank's state is the same**: save rank 0's (``if rank == 0:
-torch.save(...)``) and load it on every rank of the next run.
-
-A fresh loader given the state continues the epoch at plan row ``R``; sequences that an online packer
-would have held in its buffer, or a partially read shard, are exactly where the plan puts them:
-
-* **the same** ``world_size`` and ``batch_size``: the batches are exactly those of the uninterrupted run
-  (``len(loader)`` and ``batches_consumed`` too), with any ``num_workers``;
-* **another** ``world_size``, ``batch_size``, ``drop_last`` or ``num_workers`` (a job restarted on more or
-  fewer GPUs): the rows ``[R, N)`` are cut into global steps of the new ``world_size * batch_size``, so
-  every remaining sequence comes exactly once, none consumed before comes again, and every rank still
-  yields the same number of batches (the last step padded, or dropped with ``drop_last=True``). The
-  epoch's schedule then begins at row ``R % (world_size * batch_size)``: ``len(loader)`` counts its
-  batches (the same as a fresh epoch's, or one less), and the resumed iterator starts at batch
-  ``R // (world_size * batch_size)``;
-* **not** another ``source`` (other shards, another order of them, another pre-packed directory),
-  ``capacity``, ``seed``, ``shuffle``, ``algorithm``, ``buffer_size``, ``overflow`` or
-  ``max_items_per_bin``: these make the plan, so the saved position means nothing under other ones.
-  :meth:`load_state_dict` names the setting, both values and what may change; it also refuses a plan
-  that differs although the settings match (a packer changed between versions). Finish the epoch with
-  the old settings, or start a new epoch (``set_epoch``) without loading the state.
-
-Both sources are elastic: a pre-packed directory's plan is its rows in a ``(seed, epoch)`` order, a
-streaming source's the packer's rows over the ``(seed, epoch)`` stream order. Once every batch of an
-epoch is out the state says ``rows_consumed == epoch_rows`` (a tail that ``drop_last`` dropped counts as
-done), and any layout resumes it with an empty rest. States of the first format (``version`` 1,
-``batches_consumed`` of the saving layout) still load, elastically too.
-
-Epochs follow ``DistributedSampler``: call :meth:`set_epoch` before each epoch to reshuffle; iterating
-again without it repeats the epoch. After :meth:`load_state_dict` the *next* iterator yields the rest of
-the saved epoch (``set_epoch`` with the saved epoch keeps that; another epoch discards it), so the usual
-loop ``for e in range(state["epoch"], n_epochs): loader.set_epoch(e); for batch in loader: ...``
-continues exactly. A state saved at the very end of an epoch yields an empty rest of that epoch, then
-the loop moves on to the next epoch, as the uninterrupted run would.
+The epoch's plan of rows is a pure function of (the data, the plan settings, seed, epoch): no rank, world
+size or worker count goes into it. :meth:`~PackedDataLoader.state_dict` is the position in it,
+``rows_consumed`` (plan rows handed out over all ranks, counted when the training loop receives a batch),
+the same on every rank: save rank 0's. A fresh loader with the same plan settings continues exactly with
+the same ``world_size`` and ``batch_size``, and elastically with others (every remaining sequence once,
+none repeated, every rank the same number of batches). Epochs follow ``DistributedSampler``: call
+:meth:`~PackedDataLoader.set_epoch` before each epoch; after ``load_state_dict`` the next iterator yields
+the rest of the saved epoch. The rules, and what the state holds: :mod:`packloader.state`.
 
 Padding batches and the loss
 ----------------------------
@@ -99,104 +69,25 @@ loader warns once per epoch.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import signal
-import threading
-import time
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from packloader.batch import collate_raw  # (imports packloader._numba: Numba's cache fallback) first
-from packloader.distributed import (assign_rows, current_worker, resolve_rank_world, resume_point, rows_consumed,
-                                    worker_batch_indices)
-from packloader.distributed import num_batches as plan_batches
-from packloader.errors import DataError, WorkerError
-from packloader.prepacked import check_capacity, unfinished_pack_dir
-from packloader.stream import PrepackedRows, StreamingRows, is_prepacked_dir
+import packloader._numba  # noqa: F401  (first: Numba's cache fallback, before packer_algos compiles)
+from packloader.distributed import resolve_rank_world, resume_point  # isort: skip
+from packloader.errors import DataError
+from packloader.iterable import PackedIterable
+from packloader.place import warm_up
+from packloader.prepacked import PrepackedRows, check_capacity, is_prepacked_dir, unfinished_pack_dir
+from packloader.state import STATE_FORMAT, make_state, read_state
+from packloader.stream import StreamingRows
+from packloader.workers import LoaderIterator
 
 __all__ = ["PackedDataLoader", "STATE_FORMAT"]
-
-STATE_FORMAT = "packloader.PackedDataLoader"
-STATE_VERSION = 2
-# settings that decide the epoch's plan of rows: a state resumes only with the same ones. The others
-# (world_size, batch_size, drop_last; num_workers and the output options are not saved) only split the
-# plan into batches and may change between save and load.
-_PLAN_SETTINGS = ("source", "capacity", "seed", "shuffle", "algorithm", "buffer_size", "overflow",
-                  "max_items_per_bin")
-_LAYOUT_SETTINGS = ("world_size", "batch_size", "drop_last")
-
-
-class _PackedIterable(IterableDataset):
-    """The per-process half of the loader: builds this rank's batches of the epoch named in the shared
-    ``control`` tensor ``[epoch, offset, start]`` (the schedule begins at plan row ``offset``, the
-    iterator at its batch ``start``), the share of the calling worker only."""
-
-    def __init__(self, rows, *, rank, world_size, batch_size, drop_last, seed, shuffle, hf_compat, return_ids):
-        super().__init__()
-        self.rows = rows
-        self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
-        self.drop_last, self.seed, self.shuffle = drop_last, seed, shuffle
-        self.hf_compat, self.return_ids = hf_compat, return_ids
-        self.control = torch.zeros(3, dtype=torch.int64)
-        self._sched: tuple[tuple[int, int], np.ndarray] | None = None
-        self._info: tuple[int, tuple[int, str]] | None = None
-
-    def share_control(self):
-        self.control.share_memory_()
-
-    def schedule(self, epoch: int, offset: int = 0) -> np.ndarray:
-        """int64 [n_batches, batch_size]: plan rows of this rank's batches (-1 = padding row), global steps
-        starting at plan row ``offset`` (see :func:`packloader.distributed.assign_rows`)."""
-        key = (int(epoch), int(offset))
-        if self._sched is None or self._sched[0] != key:
-            tokens = self.rows.epoch_rows(self.seed, epoch, self.shuffle)
-            sched = assign_rows(tokens, self.world_size, self.batch_size, self.drop_last, offset)[self.rank]
-            self._sched = (key, np.ascontiguousarray(sched))
-        return self._sched[1]
-
-    def epoch_info(self, epoch: int) -> tuple[int, str]:
-        """``(rows, digest)`` of the epoch's plan: its row count and a hash of its rows' token counts, in
-        plan order. The same on every rank and for every world size, batch size and worker count."""
-        if self._info is None or self._info[0] != epoch:
-            tokens = np.ascontiguousarray(self.rows.epoch_rows(self.seed, epoch, self.shuffle), dtype="<i8")
-            self._info = (epoch, (len(tokens), hashlib.sha256(tokens.tobytes()).hexdigest()[:16]))
-        return self._info[1]
-
-    def make_raw(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
-        """The batch before collation, as it travels from a worker: ``{"raw": int32 tensor}`` (one buffer,
-        see :func:`packloader.batch.raw_alloc`), plus the id tables with ``return_ids``."""
-        buf, table = self.rows.build(self.seed, epoch, self.shuffle, rows, want_ids=self.return_ids)
-        out = {"raw": torch.from_numpy(buf)}
-        if self.return_ids:
-            if self.rows.kind == "prepacked":
-                out["row_ids"] = torch.from_numpy(np.ascontiguousarray(table[0], dtype=np.int64))
-                table = table[1]
-            out["sample_ids"] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
-        return out
-
-    def collate(self, item: dict[str, Any], pin_memory: bool = False) -> dict[str, Any]:
-        """The training batch of a :meth:`make_raw` item (in the main process)."""
-        out = collate_raw(item["raw"], hf_compat=self.hf_compat, pin_memory=pin_memory)
-        for key in ("row_ids", "sample_ids"):
-            if key in item:
-                out[key] = item[key].pin_memory() if pin_memory else item[key]
-        return out
-
-    def make_batch(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
-        return self.collate(self.make_raw(epoch, rows))
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        epoch, offset, start = (int(x) for x in self.control.tolist())
-        sched = self.schedule(epoch, offset)
-        wid, nw = current_worker()
-        for k in worker_batch_indices(len(sched), start, wid, nw):
-            yield self.make_raw(epoch, sched[k])
 
 
 class PackedDataLoader:
@@ -217,7 +108,7 @@ class PackedDataLoader:
     ``drop_last`` or ``num_workers``: every remaining sequence once, none repeated, the same number of
     batches on every rank. ``source``, ``capacity``, ``seed``, ``shuffle``, ``algorithm``, ``buffer_size``,
     ``overflow`` and ``max_items_per_bin`` must be the saved ones (they make the plan); another value is
-    refused with an error naming it. Details: "Exact and elastic resume" in :mod:`packloader.loader`.
+    refused with an error naming it. Details: :mod:`packloader.state`.
 
     Args:
         source: token shards (a path, directory, glob / brace pattern, or a list of them: see
@@ -349,11 +240,12 @@ class PackedDataLoader:
         self._overflow_counts = dict(rows.overflow_counts)
         self._warn_overflow()
         self.hf_compat, self.return_ids = bool(hf_compat), bool(return_ids)
-        self.dataset = _PackedIterable(rows, rank=self.rank, world_size=self.world_size,
+        self.dataset = PackedIterable(rows, rank=self.rank, world_size=self.world_size,
                                        batch_size=self.batch_size, drop_last=self.drop_last, seed=self.seed,
                                        shuffle=self.shuffle, hf_compat=self.hf_compat, return_ids=self.return_ids)
         if self.num_workers > 0:
             self.dataset.share_control()
+            warm_up()  # the placer, loaded once here instead of in every worker of every epoch
         dl_kw: dict[str, Any] = {}
         if self.num_workers > 0:
             dl_kw.update(persistent_workers=persistent_workers, timeout=timeout, worker_init_fn=worker_init_fn,
@@ -425,7 +317,7 @@ class PackedDataLoader:
     def __len__(self) -> int:
         return self.num_batches()
 
-    def __iter__(self) -> "_LoaderIterator":
+    def __iter__(self) -> LoaderIterator:
         epoch = self._epoch
         if self._resume is None:  # a fresh pass over the epoch (iterating again repeats all of it)
             self._offset = 0
@@ -438,7 +330,7 @@ class PackedDataLoader:
         self.dataset.control[2] = start
         self._consumed = start
         self._iter_gen += 1
-        return _LoaderIterator(self, iter(self._dl), epoch, start, n, self._iter_gen)
+        return LoaderIterator(self, iter(self._dl), epoch, start, n, self._iter_gen)
 
     def _warn_if_no_data(self, epoch: int, n: int) -> None:
         """Warn (once per epoch) when this rank gets no real row: the data packs into fewer rows than
@@ -481,7 +373,7 @@ class PackedDataLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's position: JSON-serializable, no token data, the same on every rank (see
-        "Exact and elastic resume" in the module docstring).
+        :mod:`packloader.state`).
 
         Keys: ``epoch``; ``rows_consumed``, the plan rows of the epoch handed out over all ranks (what a
         resume continues from, whatever its world size and batch size); ``epoch_rows`` and
@@ -491,21 +383,10 @@ class PackedDataLoader:
         informational, the others must match on load); ``overflow_counts``, see :attr:`overflow_counts`
         (checked and restored on load).
         """
-        epoch = self._epoch
-        n_rows, digest = self.dataset.epoch_info(epoch)
         batches = self._resume if self._resume is not None else self._consumed
-        n = self.num_batches(epoch)
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "epoch": epoch,
-            "rows_consumed": rows_consumed(self._offset, batches, n, n_rows, self.world_size, self.batch_size),
-            "epoch_rows": n_rows,
-            "epoch_digest": digest,
-            "batches_consumed": int(batches),
-            "settings": self._settings(),
-            "overflow_counts": self.overflow_counts,
-        }
+        return make_state(epoch=self._epoch, offset=self._offset, batches=batches,
+                          n_batches=self.num_batches(self._epoch), epoch_info=self.dataset.epoch_info(self._epoch),
+                          settings=self._settings(), overflow_counts=self.overflow_counts)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict` of any rank of a loader over the same data).
@@ -523,63 +404,9 @@ class PackedDataLoader:
                 and what may change); the epoch's plan differs from the saved one although the
                 settings match (another packer version); a position outside the epoch.
         """
-        if isinstance(state, (str, bytes)):
-            state = json.loads(state)
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a PackedDataLoader state_dict (format={state.get('format') if isinstance(state, dict) else type(state).__name__!r})")
-        version = state.get("version")
-        if version not in (1, STATE_VERSION):
-            raise ValueError(f"unsupported PackedDataLoader state version {version!r} "
-                             f"(this loader reads 1 and {STATE_VERSION})")
-        saved = state.get("settings") or {}
-        mine = self._settings()
-        allowed = (f"the plan settings ({', '.join(_PLAN_SETTINGS)}) must be as when saved; "
-                   f"{', '.join(_LAYOUT_SETTINGS)} and num_workers may change")
-        for key in _PLAN_SETTINGS:
-            if key not in saved:
-                raise ValueError(f"state_dict mismatch: {key!r} missing from the saved state")
-            if saved[key] != mine[key]:
-                raise ValueError(f"state_dict mismatch: {key!r} was {saved[key]!r} when saved, this loader "
-                                 f"has {mine[key]!r}; the epoch's plan of rows depends on it, so the saved "
-                                 f"position means nothing here ({allowed})")
-        epoch = state.get("epoch")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise ValueError(f"bad state_dict position: epoch={epoch!r}")
-        n_rows, digest = self.dataset.epoch_info(epoch)
-        if version == 1:  # position in batches of the saving layout
-            consumed = state.get("batches_consumed")
-            if not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
-                raise ValueError(f"bad state_dict position: epoch={epoch!r}, batches_consumed={consumed!r}")
-            layout = [saved.get(k) for k in _LAYOUT_SETTINGS]
-            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in layout[:2]):
-                raise ValueError(f"bad state_dict settings: world_size={layout[0]!r}, batch_size={layout[1]!r}")
-            world, batch, drop_last = layout[0], layout[1], bool(layout[2])
-            n = plan_batches(n_rows, world, batch, drop_last)
-            if consumed > n:
-                raise ValueError(f"state_dict position batches_consumed={consumed} is past the end of epoch "
-                                 f"{epoch} ({n} batches of world_size={world}, batch_size={batch})")
-            done = rows_consumed(0, consumed, n, n_rows, world, batch)
-        else:
-            done = state.get("rows_consumed")
-            if not isinstance(done, int) or isinstance(done, bool) or done < 0:
-                raise ValueError(f"bad state_dict position: epoch={epoch!r}, rows_consumed={done!r}")
-            if (state.get("epoch_rows"), state.get("epoch_digest")) != (n_rows, digest):
-                raise ValueError(
-                    f"state_dict mismatch: epoch {epoch}'s plan was {state.get('epoch_rows')!r} rows (digest "
-                    f"{state.get('epoch_digest')!r}) when saved, this loader's plan is {n_rows} rows (digest "
-                    f"{digest!r}) with the same settings: the packer or the shuffling changed (another "
-                    "packloader version?), so the saved position cannot be continued; finish the epoch "
-                    "with the version that saved it, or start the next epoch (set_epoch)")
-            if done > n_rows:
-                raise ValueError(f"state_dict position rows_consumed={done} is past the end of epoch {epoch} "
-                                 f"({n_rows} rows)")
-        counts = state.get("overflow_counts")
-        if isinstance(counts, dict):  # (states saved before it was kept have none: the source's are kept)
-            if counts != self._overflow_counts:
-                raise ValueError(f"state_dict mismatch: overflow_counts were {counts!r} when saved, this loader "
-                                 f"has {self._overflow_counts!r} with the same settings (another packloader "
-                                 "version?)")
-            self._overflow_counts = dict(counts)
+        epoch, done, counts = read_state(state, self._settings(), self.dataset.epoch_info, self._overflow_counts)
+        self._overflow_counts = counts
+        n_rows = self.dataset.epoch_info(epoch)[0]
         offset, start = resume_point(done, n_rows, self.world_size, self.batch_size, self.drop_last)
         self._epoch, self._offset, self._consumed, self._resume = epoch, offset, start, start
         self._iter_gen += 1  # an iterator still open from before no longer counts
@@ -590,160 +417,3 @@ def _can_pin() -> bool:
     if acc is not None and hasattr(acc, "is_available"):
         return bool(acc.is_available())
     return torch.cuda.is_available()
-
-
-class _LoaderIterator:
-    """Counts batches as they are handed to the training loop (prefetched ones are not consumed)."""
-
-    def __init__(self, loader: PackedDataLoader, it, epoch: int, start: int, n: int, gen: int):
-        self._loader, self._it = loader, it
-        self._epoch, self._pos, self._n, self._gen = epoch, start, n, gen
-        workers = list(getattr(it, "_workers", None) or [])
-        self._watch = _WorkerWatch(workers, loader.timeout) if workers else None
-
-    def __del__(self):
-        if getattr(self, "_watch", None) is not None:
-            self._watch.stop.set()
-
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        return self._n - self._pos
-
-    def __next__(self) -> dict[str, Any]:
-        watch = self._watch
-        try:
-            if watch is not None:
-                watch.waiting_since = time.monotonic()
-            batch = next(self._it)
-        except StopIteration:
-            if watch is not None:
-                watch.stop.set()
-            raise
-        except Exception as e:
-            for _ in range(20):
-                try:
-                    self._fail(e, watch)  # always raises
-                except RuntimeError as again:
-                    # torch's SIGCHLD handler raises asynchronously wherever the main thread is when a
-                    # worker dies; here it only repeats what _fail is reporting: do it again
-                    if type(again) is RuntimeError and again is not e and "DataLoader worker" in str(again):
-                        continue
-                    raise
-            raise
-        finally:
-            if watch is not None:
-                watch.waiting_since = None
-        loader = self._loader
-        batch = loader.dataset.collate(batch, loader.pin_memory)
-        self._pos += 1
-        if loader._iter_gen == self._gen and loader._epoch == self._epoch:
-            loader._consumed = self._pos
-        return batch
-
-    def _fail(self, e: Exception, watch) -> None:
-        """After ``next()`` of torch's iterator raised ``e``: stop the workers now (the epoch cannot go on;
-        otherwise the traceback keeps torch's iterator alive until the cyclic garbage collector runs, and
-        torch's worker shutdown run from there waits 5 s per worker), then raise one WorkerError naming
-        a dead or stopped worker, or ``e`` itself."""
-        transport = isinstance(e, (EOFError, ConnectionError)) or (
-            type(e) is RuntimeError and ("DataLoader worker" in str(e) or "timed out" in str(e)))
-        if not hasattr(self, "_fault"):  # (once: a retry must not see the workers the shutdown ended)
-            # an exception raised by the worker's own code (torch re-raises it here: "Caught ... in DataLoader
-            # worker process N") is the story; the other workers may be exiting by then (status 0) and must not
-            # be reported instead of it. Only a lost worker (transport errors, timeouts) is looked for.
-            self._fault = watch.fault_safely(wait=True) if (watch is not None and transport) else None
-        fault = self._fault
-        if watch is not None:
-            watch.stop.set()
-        shutdown = getattr(self._it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-            dl = self._loader._dl
-            if getattr(dl, "_iterator", None) is self._it:  # persistent workers: start afresh next time
-                dl._iterator = None
-        if fault is not None:
-            worker, pid, sig, what = fault
-            raise WorkerError(
-                f"PackedDataLoader worker {worker} (pid {pid}) {what}; this iteration cannot go on "
-                f"({type(e).__name__} in the main process). {self._pos} batch(es) of epoch {self._epoch} "
-                "were handed out: build a fresh loader with the same settings and load_state_dict("
-                "state_dict()) to continue exactly.", worker=worker, pid=pid, signal=sig) from None
-        raise e
-
-
-def _proc_state(pid: int) -> str | None:
-    """The state letter of a process in /proc (``"T"``: stopped), or None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3].decode()
-    except (OSError, ValueError):
-        return None
-
-
-class _WorkerWatch:
-    """Watches the DataLoader workers of one iterator (holds no reference to the iterator or loader).
-
-    While the main process waits for a batch longer than ``timeout``, a stopped worker (``SIGSTOP``;
-    torch would otherwise block the main process forever, receiving a tensor's file descriptor from it)
-    is killed, which makes the main process's wait fail at once; :meth:`fault` then names the worker."""
-
-    def __init__(self, workers: list, timeout: float):
-        self.workers, self.timeout = workers, timeout
-        self.waiting_since: float | None = None
-        self.stopped: dict[int, int] = {}    # worker number -> pid, of workers found stopped and killed
-        self.stop = threading.Event()
-        if timeout > 0:
-            threading.Thread(target=self._run, name="packloader-worker-watch", daemon=True).start()
-
-    def _kill_stopped(self) -> None:
-        for i, w in enumerate(self.workers):
-            pid = w.pid
-            if pid is not None and i not in self.stopped and _proc_state(pid) in ("T", "t"):
-                self.stopped[i] = pid
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-
-    def _run(self) -> None:
-        while not self.stop.wait(min(0.25, self.timeout / 4)):
-            since = self.waiting_since
-            if since is not None and time.monotonic() - since > self.timeout:
-                self._kill_stopped()
-
-    def fault_safely(self, wait: bool = True):
-        """:meth:`fault`, retried when torch's SIGCHLD handler raises (it reports the same death)."""
-        for _ in range(10):
-            try:
-                return self.fault(wait)
-            except RuntimeError:
-                continue
-        return None
-
-    def fault(self, wait: bool = True):
-        """``(worker, pid, signal name or None, description)`` of the first failed worker, or None.
-        ``wait``: give a worker whose connection just broke up to 2 s to be seen dead."""
-        self._kill_stopped()
-        deadline = time.monotonic() + (2.0 if wait else 0.0)
-        while True:
-            for i in sorted(self.stopped):
-                return (i, self.stopped[i], "SIGSTOP",
-                        f"was stopped (SIGSTOP) and sent nothing for {self.timeout:g} s (timeout); it was killed")
-            codes = [(i, w.pid, w.exitcode) for i, w in enumerate(self.workers)]
-            # any exit before the iterator ends is unexpected; a signal first, then an error status
-            for i, pid, code in sorted((c for c in codes if c[2] is not None), key=lambda c: (c[2] >= 0, c[2] == 0)):
-                if code < 0:
-                    try:
-                        name = signal.Signals(-code).name
-                    except ValueError:
-                        name = f"signal {-code}"
-                    return i, pid, name, f"was killed by {name}"
-                if code == 0:  # observed: a torch worker sent SIGTERM exits with status 0
-                    return i, pid, None, "exited unexpectedly with status 0 (as a worker does on SIGTERM)"
-                return i, pid, None, f"exited unexpectedly with status {code}"
-            if time.monotonic() > deadline:  # not a worker fault (e.g. an error raised in the worker)
-                return None
-            time.sleep(0.05)

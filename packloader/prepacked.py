@@ -1,6 +1,6 @@
 """The pre-packed directory format: its schema, and :class:`PrepackedDataset`, its zero-copy reader.
 
-``packloader pack`` (:func:`packloader.prepack.pack_dataset`) writes a directory::
+``packloader pack`` (:func:`packloader.pack_writer.pack_dataset`) writes a directory::
 
     out/
       part-00000.arrow      uncompressed Arrow IPC files, one packed row per Arrow row
@@ -30,6 +30,10 @@ file, computed when it was written): sizes and row counts are checked on every o
 with ``PrepackedDataset(dir, verify=True)`` / ``packloader report DIR --verify``.
 
 Capacity: at most :data:`MAX_CAPACITY` tokens per row (:func:`check_capacity`).
+
+The loader reads a directory through :class:`PrepackedRows` (a row source, see :mod:`packloader.rows`).
+This module holds the whole format (schema, index, checks, reader, row source: about 570 lines) because
+its parts change together whenever the format does; the writer is :mod:`packloader.pack_writer`.
 """
 from __future__ import annotations
 
@@ -41,7 +45,10 @@ import numpy as np
 import pyarrow as pa
 
 from packloader.batch import IGNORE_INDEX  # noqa: F401  (re-exported: the format stores it in index.json)
+from packloader.batch import raw_alloc
 from packloader.errors import DataError
+from packloader.place import place_pieces
+from packloader.rows import SALT_ROWS, Built, epoch_rng
 
 __all__ = [
     "PrepackedDataset",
@@ -53,6 +60,8 @@ __all__ = [
     "check_capacity",
     "MAX_CAPACITY",
     "unfinished_pack_dir",
+    "is_prepacked_dir",
+    "PrepackedRows",
 ]
 
 FORMAT = "packloader-packed"
@@ -442,3 +451,123 @@ class PrepackedDataset:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def is_prepacked_dir(source) -> bool:
+    """Whether ``source`` is a directory holding a pre-packed ``index.json``."""
+    if isinstance(source, (str, os.PathLike)):
+        p = os.fspath(source)
+        return os.path.isdir(p) and os.path.isfile(os.path.join(p, INDEX_NAME))
+    return False
+
+
+class PrepackedRows:
+    """The rows of a pre-packed directory as a row source of the loader (:mod:`packloader.rows`): the
+    epoch's plan is the directory's rows in an order shuffled by ``(seed, epoch)``; a batch is built
+    from the memory-mapped files (:class:`PrepackedDataset`), one placement per record batch it reads.
+
+    Args:
+        directory: written by ``packloader pack``.
+
+    Raises:
+        DataError: not a pre-packed directory, or it holds no rows.
+    """
+
+    def __init__(self, directory):
+        import hashlib
+
+        self.directory = os.fspath(directory)
+        self._ds = ds = PrepackedDataset(self.directory)
+        self.capacity = int(ds.capacity)
+        index = ds.index
+        self.n_rows = len(ds)
+        if self.n_rows == 0:
+            raise DataError("pre-packed directory holds no rows", path=self.directory)
+        self.algorithm = index.get("algorithm")
+        self.overflow = index.get("overflow")
+        rep = index.get("report") if isinstance(index.get("report"), dict) else {}
+        self.overflow_counts = {"policy": self.overflow,
+                                **{k: int(rep.get(k) or 0) for k in ("split", "truncated", "dropped")},
+                                "split_tokens": None,  # not recorded by ``pack``
+                                "lost_tokens": int(rep.get("lost_tokens") or 0)}
+        self.fingerprint = "prepacked:" + str(index.get("content_hash") or hashlib.sha256(
+            repr((index.get("files"), index.get("total_tokens"))).encode()).hexdigest()[:24])
+        self._blocks = None
+        self._order: tuple | None = None
+        self.row_tokens = self._load_blocks()[2]
+
+    def __getstate__(self):  # workers reopen the files
+        d = dict(self.__dict__)
+        d["_ds"] = d["_blocks"] = None
+        return d
+
+    def _dataset(self) -> PrepackedDataset:
+        if self._ds is None:
+            self._ds = PrepackedDataset(self.directory)
+        return self._ds
+
+    def _load_blocks(self):
+        """``(first row of each block int64 [k + 1], blocks, row_tokens int64 [N])``: one zero-copy block
+        ``(input_ids, labels, seq_lens_offsets, seq_lens)`` per record batch, and the real tokens of
+        every row."""
+        if self._blocks is None:
+            ds = self._dataset()
+            firsts, blocks, tokens = [0], [], []
+            for block in ds.iter_rows(batch_rows=max(1, len(ds))):  # (never crosses a record batch)
+                soff = np.asarray(block[2], np.int64)
+                csum = np.concatenate([[0], np.cumsum(block[3], dtype=np.int64)])
+                tokens.append(csum[soff[1:]] - csum[soff[:-1]])
+                blocks.append((block[0], block[1], soff, block[3]))
+                firsts.append(firsts[-1] + len(block[0]))
+            self._blocks = (np.asarray(firsts, np.int64), blocks, np.concatenate(tokens))
+        return self._blocks
+
+    def order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+        """int64 [N]: the directory row of each plan row (the epoch's latest order is kept)."""
+        key = (int(seed), int(epoch), bool(shuffle))
+        if self._order is None or self._order[0] != key:
+            order = (epoch_rng(seed, epoch, SALT_ROWS).permutation(self.n_rows).astype(np.int64) if shuffle
+                     else np.arange(self.n_rows, dtype=np.int64))
+            order.setflags(write=False)   # kept for the whole epoch: no caller may change it
+            self._order = (key, order)
+        return self._order[1]
+
+    def epoch_rows(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+        return self.row_tokens[self.order(seed, epoch, shuffle)]
+
+    def build(self, seed: int, epoch: int, shuffle: bool, rows: np.ndarray, want_ids: bool = False) -> Built:
+        """The plan rows ``rows`` (``-1``: a padding row) as a :class:`~packloader.rows.Built`; with
+        ``want_ids`` also ``row_ids`` (the directory row of each batch row, -1: padding) and
+        ``sample_ids`` (row in batch, source file index into ``index.json["sources"]``, sequence, start,
+        length of each piece, from the provenance columns)."""
+        firsts, blocks, _ = self._load_blocks()
+        rows = np.asarray(rows, dtype=np.int64)
+        gids = np.full(len(rows), -1, dtype=np.int64)
+        real = np.flatnonzero(rows >= 0)
+        gids[real] = self.order(seed, epoch, shuffle)[rows[real]]
+        block = np.searchsorted(firsts, gids, side="right") - 1
+        local = gids - firsts[block]
+        counts = np.zeros(len(rows), np.int64)
+        for b in real.tolist():
+            soff = blocks[block[b]][2]
+            counts[b] = soff[local[b] + 1] - soff[local[b]]
+        buf, ids, labels, seq_off, seq_lens = raw_alloc(len(rows), self.capacity, int(counts.sum()), True)
+        np.cumsum(counts, out=seq_off[1:])
+        cap = self.capacity
+        for k in np.unique(block[real]).tolist():  # whole rows, one placement per record batch
+            b_ids, b_lab, soff, slen = blocks[k]
+            dst = real[block[real] == k]
+            place_pieces(b_ids.reshape(-1), b_lab.reshape(-1), local[dst] * cap, np.full(len(dst), cap), dst,
+                         np.zeros(len(dst), np.int64), ids, labels)
+            for b in dst.tolist():
+                i = int(local[b])
+                seq_lens[seq_off[b]:seq_off[b + 1]] = slen[int(soff[i]):int(soff[i + 1])]
+        if not want_ids:
+            return Built(buf, {})
+        ds = self._dataset()
+        parts = [np.zeros((0, 5), np.int64)]
+        for b in real.tolist():
+            _, sf, sr, ss = ds.read_sources(int(gids[b]), int(gids[b]) + 1)
+            n = seq_lens[seq_off[b]:seq_off[b + 1]]
+            parts.append(np.stack([np.full(len(sf), b), sf, sr, ss, n]).T.astype(np.int64))
+        return Built(buf, {"row_ids": gids, "sample_ids": np.concatenate(parts)})

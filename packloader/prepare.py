@@ -342,7 +342,7 @@ def prepare_jsonl(
     else:
         eos_id = None
     out_dir = claim_output_dir(out_dir, "prepare", allow_nonempty=allow_nonempty, reserved=(MANIFEST_NAME,))
-    from packloader.prepack import _hash, source_digest
+    from packloader.pack_writer import _hash, source_digest
 
     tok_digest = (source_digest(tokenizer) if isinstance(tokenizer, (str, os.PathLike))
                   else _hash(tok.to_str()))

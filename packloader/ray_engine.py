@@ -2,7 +2,7 @@
 
 :func:`run_ray_tasks` runs the very functions the local engine runs (one task per shard, or, under
 global packing, one task per group of output files of the plan made centrally by the driver) as Ray
-tasks, and returns their results to :func:`packloader.prepack.pack_dataset`, which merges them into one
+tasks, and returns their results to :func:`packloader.pack_writer.pack_dataset`, which merges them into one
 ``index.json`` and one report exactly as it does for the local engine. Ray only schedules; the output
 layout never depends on it (no Ray Data, no repartitioning), so the bytes are those of the local engine
 whatever the number of Ray workers.

@@ -1,6 +1,6 @@
 """Packing reports: how well a corpus packed, as a terminal table, JSON and a PNG.
 
-:func:`packloader.prepack.pack_dataset` returns a :class:`PackingReport` and stores it in the output's
+:func:`packloader.pack_writer.pack_dataset` returns a :class:`PackingReport` and stores it in the output's
 ``index.json``; ``packloader report DIR`` rebuilds it from there.
 
 Example::
@@ -88,7 +88,7 @@ def fill_histogram(row_fills: np.ndarray, capacity: int) -> np.ndarray:
 class PackingReport:
     """Figures of one packing run: what went in, how many rows came out, how full they are.
 
-    Build one with :meth:`from_lengths` (or get it from :func:`~packloader.prepack.pack_dataset`); merge
+    Build one with :meth:`from_lengths` (or get it from :func:`~packloader.pack_writer.pack_dataset`); merge
     per-shard reports with :meth:`combine`.
 
     Args:

@@ -1,36 +1,31 @@
-"""Row sources of :class:`packloader.PackedDataLoader`: what the rows of an epoch are, and how to build them.
+"""Streaming rows: token shards packed while the loader streams them (a row source, see :mod:`packloader.rows`).
 
-Two small stages with one interface (``fingerprint``, ``capacity``, ``epoch_rows(seed, epoch, shuffle)``
--> the real-token count of each row of the epoch's plan, ``build(epoch, rows)`` -> numpy row arrays):
+:class:`StreamingRows` packs token shards (Arrow / Parquet / WebDataset tar) *online*. The epoch's
+packing plan is computed from sequence lengths only (cheap: Arrow offsets, tar member sizes), in a
+deterministic stream order::
 
-* :class:`StreamingRows` packs token shards (Arrow / Parquet / WebDataset tar) *online*. The epoch's
-  packing plan is computed from sequence lengths only (cheap: Arrow offsets, tar member sizes), in a
-  deterministic stream order::
+    shards in an order shuffled by (seed, epoch)       e.g.  s2  s0  s1
+    sequences of each shard shuffled by (seed, epoch)        s2[7] s2[1] ... s0[4] s0[0] ... s1[..]
+    the packer over that stream (default "online":           [s2[7] s2[1] s2[3] pad] [s2[0] s2[5]] ...
+      packer_algos.OnlinePacker, buffer of `buffer_size`)
 
-      shards in an order shuffled by (seed, epoch)       e.g.  s2  s0  s1
-      sequences of each shard shuffled by (seed, epoch)        s2[7] s2[1] ... s0[4] s0[0] ... s1[..]
-      the packer over that stream (default "online":           [s2[7] s2[1] s2[3] pad] [s2[0] s2[5]] ...
-        packer_algos.OnlinePacker, buffer of `buffer_size`)
+Rows come out of the packer in stream order, so consecutive rows draw on the same one or two shards.
+Tokens are read only when a row is built, from a small per-process cache of decoded shards
+(:class:`ShardCache`). Because the plan is a pure function of (lengths, settings, seed, epoch), a
+resumed loader recomputes it and lands on exactly the rows of the uninterrupted run, including
+sequences that an online packer would have been holding in its buffer at the cut: no packer state,
+shard position or token data needs to be saved.
 
-  Rows come out of the packer in stream order, so consecutive rows draw on the same one or two shards.
-  Tokens are read only when a row is built, from a small per-process cache of decoded shards
-  (:class:`ShardCache`). Because the plan is a pure function of (lengths, settings, seed, epoch), a
-  resumed loader recomputes it and lands on exactly the rows of the uninterrupted run, including
-  sequences that an online packer would have been holding in its buffer at the cut: no packer state,
-  shard position or token data needs to be saved.
+Every rank computes the whole epoch's plan (packing is Numba and needs only the lengths: about a
+second per 10 million sequences; memory about 40 bytes per sequence), and then builds only its own
+rows. The alternative, each rank packing only its own shards, would save that time but cannot give
+every rank the same number of rows without communication, and makes the data order depend on the
+world size. No rank, world size or worker count goes into the plan, which is what lets a loader state
+resume on another number of ranks (see :mod:`packloader.state`).
+With an offline algorithm (``"bfd"``, ``"ffd"``, ...) the epoch's rows are shuffled as a
+whole, so rows draw on all shards: fine for memory-mapped Arrow, slow for Parquet / tar.
 
-  Every rank computes the whole epoch's plan (packing is Numba and needs only the lengths: about a
-  second per 10 million sequences; memory about 40 bytes per sequence), and then builds only its own
-  rows. The alternative, each rank packing only its own shards, would save that time but cannot give
-  every rank the same number of rows without communication, and makes the data order depend on the
-  world size. No rank, world size or worker count goes into the plan, which is what lets a loader state
-  resume on another number of ranks (see "Exact and elastic resume" in :mod:`packloader.loader`).
-  With an offline algorithm (``"bfd"``, ``"ffd"``, ...) the epoch's rows are shuffled as a
-  whole, so rows draw on all shards: fine for memory-mapped Arrow, slow for Parquet / tar.
-
-* :class:`PrepackedRows` reads a directory written by ``packloader pack`` through
-  :class:`packloader.prepacked.PrepackedDataset` (memory-mapped, zero-copy): the plan is its rows,
-  in an order shuffled by (seed, epoch).
+A pre-packed directory is the other row source: :class:`packloader.prepacked.PrepackedRows`.
 """
 from __future__ import annotations
 
@@ -42,25 +37,10 @@ import numpy as np
 
 from packloader.batch import raw_alloc
 from packloader.errors import DataError
+from packloader.place import place_pieces, row_layout
+from packloader.rows import SALT_ROWS, SALT_SEQS, SALT_SHARDS, Built, epoch_rng
 
-__all__ = ["EpochPlan", "overflow_counts", "StreamingRows", "PrepackedRows", "ShardCache", "epoch_rng", "is_prepacked_dir"]
-
-_SALT_SHARDS = 0x5A4D
-_SALT_SEQS = 0x5E95
-_SALT_ROWS = 0x70E5
-
-
-def epoch_rng(seed: int, epoch: int, salt: int, extra: int = 0) -> np.random.Generator:
-    """The deterministic generator of one shuffling decision of one epoch."""
-    return np.random.default_rng([int(seed) & 0xFFFFFFFFFFFF, int(epoch), salt, int(extra)])
-
-
-def is_prepacked_dir(source) -> bool:
-    """Whether ``source`` is a directory holding a pre-packed ``index.json``."""
-    if isinstance(source, (str, os.PathLike)):
-        p = os.fspath(source)
-        return os.path.isdir(p) and os.path.isfile(os.path.join(p, "index.json"))
-    return False
+__all__ = ["EpochPlan", "overflow_counts", "StreamingRows", "ShardCache"]
 
 
 def overflow_counts(policy: str | None, sequences: int, tokens: int, capacity: int) -> dict:
@@ -210,11 +190,11 @@ class StreamingRows:
     def stream_order(self, seed: int, epoch: int, shuffle: bool) -> tuple[np.ndarray, np.ndarray]:
         """(shard, row) of every sequence in the epoch's stream order."""
         n_shards = len(self.paths)
-        order = epoch_rng(seed, epoch, _SALT_SHARDS).permutation(n_shards) if shuffle else np.arange(n_shards)
+        order = epoch_rng(seed, epoch, SALT_SHARDS).permutation(n_shards) if shuffle else np.arange(n_shards)
         shard_parts, row_parts = [], []
         for s in order.tolist():
             n = len(self.lengths[s])
-            rows = epoch_rng(seed, epoch, _SALT_SEQS, s).permutation(n) if shuffle else np.arange(n)
+            rows = epoch_rng(seed, epoch, SALT_SEQS, s).permutation(n) if shuffle else np.arange(n)
             shard_parts.append(np.full(n, s, dtype=np.int64))
             row_parts.append(rows.astype(np.int64))
         return np.concatenate(shard_parts), np.concatenate(row_parts)
@@ -234,14 +214,14 @@ class StreamingRows:
         if self.algorithm == "online":
             kw["buffer_size"] = self.buffer_size
         else:
-            kw["seed"] = int(epoch_rng(seed, epoch, _SALT_ROWS, 1).integers(2**31)) if shuffle else None
+            kw["seed"] = int(epoch_rng(seed, epoch, SALT_ROWS, 1).integers(2**31)) if shuffle else None
         p = pack(stream_lens, self.capacity, self.algorithm, **kw)
         offsets = np.asarray(p.bin_offsets, np.int64)
         items = np.asarray(p.item_ids, np.int64)
         starts = np.asarray(p.starts, np.int64)
         plen = np.asarray(p.lengths, np.int64)
         if self.algorithm != "online" and shuffle and p.n_bins > 1:
-            perm = epoch_rng(seed, epoch, _SALT_ROWS).permutation(p.n_bins)
+            perm = epoch_rng(seed, epoch, SALT_ROWS).permutation(p.n_bins)
             counts = np.diff(offsets)[perm]
             new_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
             idx = np.repeat(offsets[:-1][perm] - new_off[:-1], counts) + np.arange(new_off[-1])
@@ -256,14 +236,14 @@ class StreamingRows:
     # -- building rows ---------------------------------------------------------------------------------
 
     def build(self, seed: int, epoch: int, shuffle: bool, rows: np.ndarray, want_ids: bool = False):
-        """The raw batch of the given plan rows (``-1``: a padding row): ``(buf, ids)`` where ``buf`` is the
-        int32 buffer of :func:`packloader.batch.raw_alloc` (input_ids, labels if the shards have any,
-        sequence lengths) and ``ids`` the int64 [m, 5] (row in batch, shard, sequence, start, length)
-        table of the pieces when ``want_ids`` (else None)."""
+        """The plan rows ``rows`` (``-1``: a padding row) as a :class:`~packloader.rows.Built`: the raw
+        buffer (labels in it if any shard has labels), and with ``want_ids`` the ``sample_ids`` table
+        (row in batch, shard index into :attr:`paths`, sequence, start, length of each piece).
+
+        Each shard the batch draws on is placed in one call of :func:`packloader.place.place_pieces`."""
         ep = self.plan(seed, epoch, shuffle)
         if self._shards is None:
             self._shards = ShardCache(self.paths, self.token_column, self.labels_column, self.shard_cache)
-        cache = self._shards
         ro = ep.row_offsets
         rows = np.asarray(rows, dtype=np.int64)
         real = rows >= 0
@@ -272,147 +252,21 @@ class StreamingRows:
         buf, ids, labels, seq_off, seq_lens = raw_alloc(len(rows), self.capacity, int(counts.sum()),
                                                         self.has_labels)
         np.cumsum(counts, out=seq_off[1:])
-        id_parts = []
-        for b, r in enumerate(rows.tolist()):
-            if r < 0:
-                continue
-            lo, hi = int(ro[r]), int(ro[r + 1])
-            seq_lens[seq_off[b]:seq_off[b + 1]] = ep.length[lo:hi]
-            t = 0
-            for s, q, st, n in zip(ep.shard[lo:hi].tolist(), ep.row[lo:hi].tolist(),
-                                   ep.start[lo:hi].tolist(), ep.length[lo:hi].tolist()):
-                offsets, tokens, lab = cache.get(s)
-                a = int(offsets[q]) + st
-                ids[b, t:t + n] = tokens[a:a + n]
-                if labels is not None:
-                    labels[b, t:t + n] = (tokens if lab is None else lab)[a:a + n]
-                t += n
-            if want_ids:
-                id_parts.append(np.stack([np.full(hi - lo, b, np.int64), ep.shard[lo:hi], ep.row[lo:hi],
-                                          ep.start[lo:hi], ep.length[lo:hi]], axis=1))
-        table = None
-        if want_ids:
-            table = np.concatenate(id_parts) if id_parts else np.zeros((0, 5), np.int64)
-        return buf, table
+        # the batch's pieces, in order: plan piece numbers, then where each goes
+        piece = np.repeat(ro[rows[real]] - seq_off[:-1][real], counts[real]) + np.arange(int(counts.sum()))
+        length = ep.length[piece]
+        seq_lens[:] = length
+        dst_row, dst_col, _ = row_layout(seq_off, length)
+        shard, seq, start = ep.shard[piece], ep.row[piece], ep.start[piece]
+        for s in _in_order_of_appearance(shard):  # one placement per shard the batch draws on
+            offsets, tokens, lab = self._shards.get(s)
+            sel = np.flatnonzero(shard == s)
+            place_pieces(tokens, lab, offsets[seq[sel]] + start[sel], length[sel], dst_row[sel], dst_col[sel],
+                         ids, labels)
+        ids_out = {"sample_ids": np.stack([dst_row, shard, seq, start, length], axis=1)} if want_ids else {}
+        return Built(buf, ids_out)
 
 
-class PrepackedRows:
-    """Rows of a pre-packed directory (see the module docstring).
-
-    Args:
-        directory: written by ``packloader pack``.
-
-    Raises:
-        DataError: not a pre-packed directory, or it holds no rows.
-    """
-
-    kind = "prepacked"
-
-    def __init__(self, directory):
-        from packloader.prepacked import PrepackedDataset
-
-        self.directory = os.fspath(directory)
-        ds = PrepackedDataset(self.directory)
-        self.capacity = int(ds.capacity)
-        index = ds.index
-        self.n_rows = len(ds)
-        if self.n_rows == 0:
-            raise DataError("pre-packed directory holds no rows", path=self.directory)
-        self.algorithm = index.get("algorithm")
-        self.overflow = index.get("overflow")
-        rep = index.get("report") if isinstance(index.get("report"), dict) else {}
-        self.overflow_counts = {"policy": self.overflow,
-                                **{k: int(rep.get(k) or 0) for k in ("split", "truncated", "dropped")},
-                                "split_tokens": None,  # not recorded by ``pack``
-                                "lost_tokens": int(rep.get("lost_tokens") or 0)}
-        self.fingerprint = "prepacked:" + str(index.get("content_hash") or hashlib.sha256(
-            repr((index.get("files"), index.get("total_tokens"))).encode()).hexdigest()[:24])
-        self._ds = ds
-        self._chunks = None
-        self.row_tokens = self._load_chunks()[3]
-
-    def __getstate__(self):
-        d = dict(self.__dict__)
-        d["_ds"] = None
-        d["_chunks"] = None
-        d["_order"] = None
-        return d
-
-    def _load_chunks(self):
-        """Views of every file: (chunk starts int64 [k+1], per-chunk arrays, ..., row_tokens)."""
-        if self._chunks is None:
-            from packloader.prepacked import PrepackedDataset
-
-            if self._ds is None:
-                self._ds = PrepackedDataset(self.directory)
-            ds = self._ds
-            starts, parts, tok = [], [], []
-            pos = 0
-            # one zero-copy block per record batch (iter_rows never crosses one)
-            for ids, labels, soff, slen in ds.iter_rows(batch_rows=max(1, len(ds))):
-                soff = np.asarray(soff, np.int64)
-                csum = np.concatenate([[0], np.cumsum(slen, dtype=np.int64)])
-                tok.append(csum[soff[1:]] - csum[soff[:-1]])
-                starts.append(pos)
-                parts.append((ids, labels, soff, slen))
-                pos += len(ids)
-            starts.append(pos)
-            self._chunks = (np.asarray(starts, np.int64), parts, None, np.concatenate(tok))
-        return self._chunks
-
-    def epoch_rows(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-        return self.row_tokens[self.order(seed, epoch, shuffle)]
-
-    def order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-        """The epoch's row order (read-only; kept for the epoch: :meth:`build` asks for it every batch,
-        and a permutation of all rows per batch took a third of the loader's time)."""
-        key = (int(seed), int(epoch), bool(shuffle))
-        cached = getattr(self, "_order", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        if not shuffle:
-            order = np.arange(self.n_rows, dtype=np.int64)
-        else:
-            order = epoch_rng(seed, epoch, _SALT_ROWS).permutation(self.n_rows).astype(np.int64)
-        order.flags.writeable = False
-        self._order = (key, order)
-        return order
-
-    def build(self, seed: int, epoch: int, shuffle: bool, rows: np.ndarray, want_ids: bool = False):
-        """Like :meth:`StreamingRows.build`; ``ids`` is ``(row_ids, sample_ids)``: the int64 [B] dataset row of
-        each row (-1: padding) and the [m, 5] (row in batch, source file, sequence, start, length) table
-        from the directory's provenance columns (file indices into ``index.json["sources"]``)."""
-        starts, parts, _, _ = self._load_chunks()
-        order = self.order(seed, epoch, shuffle)
-        rows = np.asarray(rows, dtype=np.int64)
-        gids = np.full(len(rows), -1, dtype=np.int64)
-        real = rows >= 0
-        gids[real] = order[rows[real]]
-        chunk = np.searchsorted(starts, gids, side="right") - 1
-        local = gids - starts[chunk]
-        counts = np.zeros(len(rows), np.int64)
-        for b in np.flatnonzero(real).tolist():
-            csoff = parts[chunk[b]][2]
-            counts[b] = csoff[local[b] + 1] - csoff[local[b]]
-        buf, ids, labels, seq_off, seq_lens = raw_alloc(len(rows), self.capacity, int(counts.sum()), True)
-        np.cumsum(counts, out=seq_off[1:])
-        for b in np.flatnonzero(real).tolist():
-            cids, clab, csoff, cslen = parts[chunk[b]]
-            i = int(local[b])
-            ids[b] = cids[i]
-            labels[b] = clab[i]
-            seq_lens[seq_off[b]:seq_off[b + 1]] = cslen[int(csoff[i]):int(csoff[i + 1])]
-        if not want_ids:
-            return buf, None
-        if self._ds is None:
-            from packloader.prepacked import PrepackedDataset
-
-            self._ds = PrepackedDataset(self.directory)
-        tparts = []
-        for b, g in enumerate(gids.tolist()):
-            if g >= 0:
-                _, sf, sr, ss = self._ds.read_sources(g, g + 1)
-                n = seq_lens[seq_off[b]:seq_off[b + 1]]
-                tparts.append(np.stack([np.full(len(sf), b), sf, sr, ss, n]).T.astype(np.int64))
-        table = np.concatenate(tparts) if tparts else np.zeros((0, 5), np.int64)
-        return buf, (gids, table)
+def _in_order_of_appearance(values: np.ndarray) -> list:
+    uniq, first = np.unique(values, return_index=True)
+    return uniq[np.argsort(first)].tolist()

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pytest
 
 from packloader.errors import DataError
-from packloader.prepack import pack_dataset
+from packloader.pack_writer import pack_dataset
 from packloader.prepacked import PrepackedDataset
 from packloader.sources import open_shard, resolve_sources
 from tests.packloader.conftest import random_sequences, write_arrow, write_tar
@@ -233,13 +233,13 @@ def test_prepare_killed_after_its_commit_is_finished_by_the_next_run(tmp_path, m
 
 
 def test_stale_parts_after_a_crash_between_index_swap_and_cleanup(tmp_path, monkeypatch, seed):
-    import packloader.prepack as prepack
+    import packloader.pack_writer as pack_writer
 
     src = [write_arrow(tmp_path / f"s{k}.arrow", random_sequences(40, seed=seed + k, max_len=60)) for k in range(2)]
     out = tmp_path / "out"
     pack(src, out, capacity=64)
     old = sorted(n for n in os.listdir(out) if n.endswith(".arrow"))
-    monkeypatch.setattr(prepack, "cleanup", lambda *a, **k: None)  # killed right after the index swap
+    monkeypatch.setattr(pack_writer, "cleanup", lambda *a, **k: None)  # killed right after the index swap
     pack(src, out, capacity=100)
     monkeypatch.undo()
     assert set(old) <= set(os.listdir(out))

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from packloader import PackedDataLoader
+from packloader.prepacked import PrepackedRows
 from tests.packloader.conftest import random_sequences, write_arrow, write_tar
 from tests.packloader.loader_fixtures import (assert_exact_cover, batch_fingerprint, check_stream_batch,
                                               write_prepacked)
@@ -61,8 +62,8 @@ class Plan:
 
     def __init__(self, loader, epoch):
         rows = loader.dataset.rows
-        self.kind = rows.kind
-        if self.kind == "prepacked":
+        self.prepacked = isinstance(rows, PrepackedRows)
+        if self.prepacked:
             order = rows.order(loader.seed, epoch, loader.shuffle)
             self.n = len(order)
             self.index = {int(g): i for i, g in enumerate(order)}
@@ -77,7 +78,7 @@ class Plan:
     def rows_of(self, batch) -> list[int]:
         """Plan indices of the batch's real rows (padding rows left out)."""
         sid = batch["sample_ids"].numpy()
-        if self.kind == "prepacked":
+        if self.prepacked:
             return [self.index[int(g)] for g in batch["row_ids"].tolist() if g >= 0]
         out = []
         for b in range(batch["input_ids"].shape[0]):
@@ -134,7 +135,7 @@ def resume_ranks(loaders, state, plan, epoch=EPOCH, seqs=None):
         got = 0
         for b in it:
             assert tuple(b["input_ids"].shape) == (dl.batch_size, dl.capacity)
-            if seqs is not None and plan.kind == "stream":
+            if seqs is not None and not plan.prepacked:
                 check_stream_batch(b, seqs, dl.capacity)  # the tokens are the named source tokens
             rows += plan.rows_of(b)
             pieces += pieces_of(b)

@@ -391,28 +391,28 @@ def test_prepacked_directory_refuses_another_algorithm_or_overflow(tmp_path):
 def test_prepacked_row_order_is_computed_once_per_epoch(tmp_path, monkeypatch):
     """The epoch's row permutation is drawn once per epoch, not once per batch (it was: a third of the
     pre-packed loader's time); the batches are the same as with a fresh permutation each time."""
-    from packloader import stream
+    from packloader import prepacked, rows as rows_mod
 
     seed = fresh_seed()
     seqs = [random_sequences(40, seed=seed + k, max_len=200) for k in range(2)]
     d, _ = write_prepacked(tmp_path / "packed", seqs, 256, rows_per_file=7)
     want = [batch_fingerprint(b) for b in PackedDataLoader(d, batch_size=2, seed=seed)]
     calls = []
-    real = stream.epoch_rng
+    real = rows_mod.epoch_rng
 
     def counting(seed_, epoch, salt, extra=0):
         calls.append((epoch, salt))
         return real(seed_, epoch, salt, extra)
 
-    monkeypatch.setattr(stream, "epoch_rng", counting)
+    monkeypatch.setattr(prepacked, "epoch_rng", counting)
     loader = PackedDataLoader(d, batch_size=2, seed=seed)
     got = [batch_fingerprint(b) for b in loader]
     assert got == want and len(got) > 3
-    assert calls.count((0, stream._SALT_ROWS)) <= 2  # (the plan's row lengths, then the batches)
+    assert calls.count((0, rows_mod.SALT_ROWS)) <= 2  # (the plan's row lengths, then the batches)
     loader.set_epoch(1)
     assert [batch_fingerprint(b) for b in loader] != want
-    rows = stream.PrepackedRows(d)
+    rows = prepacked.PrepackedRows(d)
     o = rows.order(seed, 3, True)
     assert not o.flags.writeable and rows.order(seed, 3, True) is o
-    assert np.array_equal(o, real(seed, 3, stream._SALT_ROWS).permutation(rows.n_rows))
+    assert np.array_equal(o, real(seed, 3, rows_mod.SALT_ROWS).permutation(rows.n_rows))
     assert np.array_equal(rows.order(seed, 3, False), np.arange(rows.n_rows))

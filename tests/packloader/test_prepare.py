@@ -18,7 +18,7 @@ import pytest
 
 from packloader.demo import CORPUS, TOKENIZER, data_path
 from packloader.errors import DataError
-from packloader.prepack import pack_dataset
+from packloader.pack_writer import pack_dataset
 from packloader.prepare import (
     find_eos_id,
     load_tokenizer,

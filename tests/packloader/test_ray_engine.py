@@ -67,7 +67,7 @@ def _body(d) -> dict:
 
 
 def test_import_packloader_does_not_import_ray():
-    code = ("import sys, packloader, packloader.prepack, packloader.cli; "
+    code = ("import sys, packloader, packloader.pack_writer, packloader.cli; "
             "print(any(m == 'ray' or m.startswith('ray.') for m in sys.modules))")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)

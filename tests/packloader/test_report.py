@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from packloader.prepack import pack_dataset
+from packloader.pack_writer import pack_dataset
 from packloader.prepacked import PrepackedDataset
 from packloader.report import (
     baseline_pieces,

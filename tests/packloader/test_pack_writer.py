@@ -1,4 +1,4 @@
-"""packloader.prepack (offline pre-packing): formats, per-shard and global packing, the output schema,
+"""packloader.pack_writer (offline pre-packing): formats, per-shard and global packing, the output schema,
 index.json, overflow policies, atomic writes and restart, bad input.
 
 Inputs are fresh random data each run; the seed is printed (shown on failure) and can be replayed with
@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import packloader.prepack as prepack
+import packloader.pack_writer as pack_writer
 from packloader.errors import DataError
-from packloader.prepack import ALGORITHMS, pack_dataset, scatter_rows
+from packloader.pack_writer import ALGORITHMS, pack_dataset, scatter_rows
 from packloader.prepacked import INDEX_NAME, PrepackedDataset, packed_schema
 from packloader.report import PackingReport
 from packloader.sources import SequenceBatch
@@ -275,7 +275,7 @@ def test_content_hash_changes_with_inputs_and_settings(shard_factory, tmp_path, 
 
 
 def test_source_digest_sees_content_size_and_mtime(tmp_path, seed):
-    from packloader.prepack import source_digest
+    from packloader.pack_writer import source_digest
 
     rng = np.random.default_rng(seed)
     for size in (1000, 3 << 20):
@@ -419,7 +419,7 @@ class Boom(RuntimeError):
 def test_crash_mid_run_keeps_finished_outputs_and_rerun_completes(shard_factory, tmp_path, seed, monkeypatch):
     paths, seqs, _ = make_shards(shard_factory, "arrow", n_shards=3, n_seqs=40, seed=seed)
     out = tmp_path / "out"
-    real_scatter = prepack.scatter_rows
+    real_scatter = pack_writer.scatter_rows
     calls = []
 
     def failing_scatter(*a, **k):  # fails while the second shard's file is being written
@@ -428,10 +428,10 @@ def test_crash_mid_run_keeps_finished_outputs_and_rerun_completes(shard_factory,
             raise Boom("disk full")
         return real_scatter(*a, **k)
 
-    monkeypatch.setattr(prepack, "scatter_rows", failing_scatter)
+    monkeypatch.setattr(pack_writer, "scatter_rows", failing_scatter)
     with pytest.raises(Boom):
         pack(paths, out, capacity=300)
-    monkeypatch.setattr(prepack, "scatter_rows", real_scatter)
+    monkeypatch.setattr(pack_writer, "scatter_rows", real_scatter)
     assert not (out / INDEX_NAME).exists()
     with pytest.raises(DataError, match="not a finished pre-packed directory"):
         PrepackedDataset(out)
@@ -451,15 +451,15 @@ def test_failed_rerun_leaves_finished_directory_intact(shard_factory, tmp_path, 
     out = tmp_path / "out"
     pack(paths, out, capacity=300)
     snap = snapshot(out)
-    real = prepack.write_packed_file
+    real = pack_writer.write_packed_file
 
     def failing_write(*a, **k):
         raise Boom("killed")
 
-    monkeypatch.setattr(prepack, "write_packed_file", failing_write)
+    monkeypatch.setattr(pack_writer, "write_packed_file", failing_write)
     with pytest.raises(Boom):
         pack(paths, out, capacity=300, algorithm="next_fit")  # new settings: every shard is rewritten
-    monkeypatch.setattr(prepack, "write_packed_file", real)
+    monkeypatch.setattr(pack_writer, "write_packed_file", real)
     assert snapshot(out) == snap
     assert_packed_matches(out, seqs)
     assert read_index(out)["algorithm"] == "bfd"
@@ -471,7 +471,7 @@ def test_hard_kill_leaves_no_file_a_reader_accepts(shard_factory, tmp_path, seed
     paths, seqs, _ = make_shards(shard_factory, "arrow", n_shards=2, n_seqs=40, seed=seed)
     out = tmp_path / "out"
     code = textwrap.dedent(f"""
-        import os, packloader.prepack as pp
+        import os, packloader.pack_writer as pp
         real = pp.scatter_rows
         n = [0]
         def scatter(*a, **k):
@@ -730,17 +730,19 @@ def test_constants_and_the_overflow_check_have_one_home():
     """IGNORE_INDEX, the algorithm and overflow lists and the file-level overflow check are defined once
     and shared by pack, the loader and the CLI (an edit in one place changes them all)."""
     import packer_algos
-    from packloader import batch, cli, prepack, prepacked, stream
+    from packloader import batch, cli, pack_writer, prepacked, stream
 
-    assert prepack.IGNORE_INDEX is batch.IGNORE_INDEX and prepacked.IGNORE_INDEX is batch.IGNORE_INDEX
-    assert prepack.ALGORITHMS is packer_algos.ALGORITHMS and prepack.OVERFLOW is packer_algos.OVERFLOW_POLICIES
+    assert pack_writer.IGNORE_INDEX is batch.IGNORE_INDEX and prepacked.IGNORE_INDEX is batch.IGNORE_INDEX
+    assert pack_writer.ALGORITHMS is packer_algos.ALGORITHMS and pack_writer.OVERFLOW is packer_algos.OVERFLOW_POLICIES
     actions = {a.dest: a for sp in cli.build_parser()._subparsers._group_actions[0].choices.values()
                for a in sp._actions}
     assert tuple(actions["algorithm"].choices) == packer_algos.ALGORITHMS
     assert tuple(actions["overflow"].choices) == packer_algos.OVERFLOW_POLICIES
     import inspect
 
-    for mod in (prepack, stream):  # the overflow check is check_fits, not a copy
+    for mod in (pack_writer, stream):  # the overflow check is check_fits, not a copy
         src = inspect.getsource(mod)
         assert "check_fits(" in src and "tokens is longer than capacity" not in src
-    assert "-100" not in inspect.getsource(prepack._scatter_kernel)
+    from packloader import place
+
+    assert "-100" not in inspect.getsource(place._place_kernel)

@@ -1,9 +1,9 @@
 """Offline pre-packing: token shards in, packed Arrow IPC rows out (``packloader pack``).
 
 :func:`pack_dataset` reads each source shard (Arrow IPC, Parquet, WebDataset tar; see
-:mod:`packloader.sources`), plans its rows with :func:`packer_algos.pack`, scatters the tokens into a
-``[rows, capacity]`` buffer with a Numba loop, and writes that buffer zero-copy as an uncompressed Arrow
-IPC file (format: :mod:`packloader.prepacked`). It returns a :class:`~packloader.report.PackingReport`.
+:mod:`packloader.sources`), plans its rows with :func:`packer_algos.pack`, places the tokens into a
+``[rows, capacity]`` buffer (:func:`packloader.place.place_pieces`), and writes that buffer zero-copy as an
+uncompressed Arrow IPC file (format: :mod:`packloader.prepacked`). It returns a :class:`~packloader.report.PackingReport`.
 
 Stages, each small:
 
@@ -49,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 
 from packloader._log import Progress, log
-from packloader._numba import njit_cached  # first: Numba's cache fallback, before packer_algos compiles
+import packloader._numba  # noqa: F401  (first: Numba's cache fallback, before packer_algos compiles)
 
 from packer_algos import ALGORITHMS  # isort: skip
 from packer_algos import OVERFLOW_POLICIES as OVERFLOW  # isort: skip
@@ -59,6 +59,7 @@ from packloader.batch import IGNORE_INDEX
 from packloader._packdir import (check_sources_not_outputs, cleanup, read_existing_index, read_index_raw,
                                 state_path)
 from packloader.errors import DataError
+from packloader.place import place_pieces, row_layout
 from packloader.prepacked import FORMAT, INDEX_NAME, VERSION, check_capacity, check_fits, packed_schema
 from packloader.report import PackingReport
 from packloader.sources import SequenceBatch, concat_batches, open_shard, resolve_sources
@@ -75,37 +76,11 @@ RECORD_BATCH_BYTES = 64 << 20
 
 
 # --------------------------------------------------------------------------------------------------
-# the scatter kernel
-
-
-@njit_cached(nogil=True)
-def _scatter_kernel(tokens, labels, has_labels, item_start, bin_offsets, item_ids, starts, lengths,
-                    b0, b1, capacity, out_ids, out_lab):
-    for r in range(b0, b1):
-        base = (r - b0) * capacity
-        pos = 0
-        for p in range(bin_offsets[r], bin_offsets[r + 1]):
-            src = item_start[item_ids[p]] + starts[p]
-            n = lengths[p]
-            dst = base + pos
-            for j in range(n):
-                out_ids[dst + j] = tokens[src + j]
-            if has_labels:
-                for j in range(n):
-                    out_lab[dst + j] = labels[src + j]
-            else:
-                for j in range(n):
-                    out_lab[dst + j] = tokens[src + j]
-            if n > 0:
-                out_lab[dst] = IGNORE_INDEX
-            pos += n
-        for j in range(base + pos, base + capacity):
-            out_ids[j] = 0
-            out_lab[j] = IGNORE_INDEX
+# rows of a plan (tokens placed by packloader.place)
 
 
 def scatter_rows(batch: SequenceBatch, plan, b0: int = 0, b1: int | None = None, out=None):
-    """Fill rows ``[b0, b1)`` of ``plan`` with the tokens of ``batch``.
+    """Fill rows ``[b0, b1)`` of ``plan`` with the tokens of ``batch`` (:func:`packloader.place.place_pieces`).
 
     Args:
         batch: all sequences the plan's ``item_ids`` index (``item_ids[p]`` is sequence ``p`` of the
@@ -119,7 +94,7 @@ def scatter_rows(batch: SequenceBatch, plan, b0: int = 0, b1: int | None = None,
     Returns:
         ``(input_ids, labels)``: int32 ``[(b1 - b0) * capacity]`` flat arrays (views of ``out`` when
         given); padding is 0 in ``input_ids``; ``labels`` are the batch's labels (or its tokens), with
-        -100 at each piece's first position and on padding.
+        ``IGNORE_INDEX`` at each piece's first position and on padding.
     """
     b1 = plan.n_bins if b1 is None else b1
     cap = plan.capacity
@@ -131,12 +106,14 @@ def scatter_rows(batch: SequenceBatch, plan, b0: int = 0, b1: int | None = None,
         out_ids, out_lab = out[0][:n], out[1][:n]
         if out_ids.dtype != np.int32 or out_lab.dtype != np.int32 or out_ids.size < n or out_lab.size < n:
             raise ValueError(f"scatter_rows: out must be two int32 arrays of >= {n} elements")
+    p0, p1 = int(plan.bin_offsets[b0]), int(plan.bin_offsets[b1])
+    length = plan.lengths[p0:p1]
+    dst_row, dst_col, fill = row_layout(plan.bin_offsets[b0:b1 + 1], length)
+    src_start = np.asarray(batch.offsets, np.int64)[plan.item_ids[p0:p1]] + plan.starts[p0:p1]
     tokens = np.ascontiguousarray(batch.tokens, dtype=np.int32)
-    has_labels = batch.labels is not None
-    labels = np.ascontiguousarray(batch.labels, dtype=np.int32) if has_labels else tokens
-    item_start = np.ascontiguousarray(batch.offsets[:-1], dtype=np.int64)
-    _scatter_kernel(tokens, labels, has_labels, item_start, plan.bin_offsets, plan.item_ids, plan.starts,
-                    plan.lengths, b0, b1, cap, out_ids, out_lab)
+    labels = None if batch.labels is None else np.ascontiguousarray(batch.labels, dtype=np.int32)
+    place_pieces(tokens, labels, src_start, length, dst_row, dst_col, out_ids.reshape(b1 - b0, cap),
+                 out_lab.reshape(b1 - b0, cap), mask_starts=True, pad_from=fill)
     return out_ids, out_lab
 
 

@@ -1,0 +1,89 @@
+"""The per-process half of the loader: this rank's schedule of an epoch, and the batches of one worker.
+
+:class:`PackedIterable` is the ``IterableDataset`` that torch's ``DataLoader`` runs in each worker (or in
+the main process with ``num_workers=0``)::
+
+    row source --epoch_rows--> assign_rows (packloader.distributed) --> schedule: int64 [n_batches, B]
+                                                     (plan rows of this rank's batches, -1: padding row)
+    batch k of the schedule, (k - start) % num_workers == this worker
+        --> row source .build(rows) --> {"raw": int32 buffer, id tables}        (make_raw, in the worker)
+    main process: collate (packloader.batch.collate_raw) --> the training batch   (collate)
+
+The epoch, the first plan row of its global steps (non-zero after an elastic resume) and the iterator's
+first batch travel to the workers in the shared ``control`` tensor, so persistent workers follow
+:meth:`packloader.PackedDataLoader.set_epoch` and :meth:`~packloader.PackedDataLoader.load_state_dict`.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from packloader.batch import collate_raw  # (imports packloader._numba: Numba's cache fallback) first
+from packloader.distributed import assign_rows, current_worker, worker_batch_indices
+
+__all__ = ["PackedIterable"]
+
+
+class PackedIterable(IterableDataset):
+    """The per-process half of the loader: builds this rank's batches of the epoch named in the shared
+    ``control`` tensor ``[epoch, offset, start]`` (the schedule begins at plan row ``offset``, the
+    iterator at its batch ``start``), the share of the calling worker only."""
+
+    def __init__(self, rows, *, rank, world_size, batch_size, drop_last, seed, shuffle, hf_compat, return_ids):
+        super().__init__()
+        self.rows = rows
+        self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
+        self.drop_last, self.seed, self.shuffle = drop_last, seed, shuffle
+        self.hf_compat, self.return_ids = hf_compat, return_ids
+        self.control = torch.zeros(3, dtype=torch.int64)
+        self._sched: tuple[tuple[int, int], np.ndarray] | None = None
+        self._info: tuple[int, tuple[int, str]] | None = None
+
+    def share_control(self):
+        self.control.share_memory_()
+
+    def schedule(self, epoch: int, offset: int = 0) -> np.ndarray:
+        """int64 [n_batches, batch_size]: plan rows of this rank's batches (-1 = padding row), global steps
+        starting at plan row ``offset`` (see :func:`packloader.distributed.assign_rows`)."""
+        key = (int(epoch), int(offset))
+        if self._sched is None or self._sched[0] != key:
+            tokens = self.rows.epoch_rows(self.seed, epoch, self.shuffle)
+            sched = assign_rows(tokens, self.world_size, self.batch_size, self.drop_last, offset)[self.rank]
+            self._sched = (key, np.ascontiguousarray(sched))
+        return self._sched[1]
+
+    def epoch_info(self, epoch: int) -> tuple[int, str]:
+        """``(rows, digest)`` of the epoch's plan: its row count and a hash of its rows' token counts, in
+        plan order. The same on every rank and for every world size, batch size and worker count."""
+        if self._info is None or self._info[0] != epoch:
+            tokens = np.ascontiguousarray(self.rows.epoch_rows(self.seed, epoch, self.shuffle), dtype="<i8")
+            self._info = (epoch, (len(tokens), hashlib.sha256(tokens.tobytes()).hexdigest()[:16]))
+        return self._info[1]
+
+    def make_raw(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
+        """The batch before collation, as it travels from a worker: ``{"raw": int32 tensor}`` (one buffer,
+        see :func:`packloader.batch.raw_alloc`), plus the id tables with ``return_ids``."""
+        built = self.rows.build(self.seed, epoch, self.shuffle, rows, want_ids=self.return_ids)
+        out = {"raw": torch.from_numpy(built.raw)}
+        for key, table in built.ids.items():
+            out[key] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
+        return out
+
+    def collate(self, item: dict[str, Any], pin_memory: bool = False) -> dict[str, Any]:
+        """The training batch of a :meth:`make_raw` item (in the main process)."""
+        out = collate_raw(item["raw"], hf_compat=self.hf_compat, pin_memory=pin_memory)
+        for key, table in item.items():
+            if key != "raw":
+                out[key] = table.pin_memory() if pin_memory else table
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        epoch, offset, start = (int(x) for x in self.control.tolist())
+        sched = self.schedule(epoch, offset)
+        wid, nw = current_worker()
+        for k in worker_batch_indices(len(sched), start, wid, nw):
+            yield self.make_raw(epoch, sched[k])
