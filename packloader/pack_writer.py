@@ -25,9 +25,11 @@ owns, unless ``allow_nonempty=True``; even then other files are never overwritte
 cleanup, including the one a killed run missed, runs again on the next run, also when the directory is
 already up to date.
 
-Size: about 570 lines, over the ~500 of one concept, because the writer's three parts (the scatter kernel and
-Arrow file writing, the restartable jobs, and ``pack_dataset`` with its argument checks and documentation) are one
-pipeline; the output-directory bookkeeping lives in :mod:`packloader._packdir`.
+Size: about 790 lines, over the ~500 of one concept. The writer's parts form one pipeline: placing rows and
+writing Arrow files; the restartable jobs that both engines run (per shard, and the parts of a global plan, with
+their records); :func:`run_tasks`; and ``pack_dataset`` with its argument checks and documentation. The
+output-directory bookkeeping lives in :mod:`packloader._packdir` and the Ray side in :mod:`packloader.ray_engine`.
+The jobs are the next candidate for a module of their own; tests patch them here, so they have not moved yet.
 
 Example::
 
