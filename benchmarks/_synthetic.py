@@ -1,6 +1,8 @@
-"""Synthetic token shards shared by the benchmarks (bench_prepack.py, bench_loader.py)."""
+"""Synthetic token shards, and the machine record and JSON writing, shared by the benchmarks (bench_prepack.py,
+bench_loader.py)."""
 from __future__ import annotations
 
+import os
 
 import numpy as np
 
@@ -29,3 +31,27 @@ def write_arrow_shard(path, offsets, tokens, labels=None, batch_rows=1000):
     with atomic_path(path, fsync=False, beside=True) as tmp:
         with pa.OSFile(tmp, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
             w.write_table(table, max_chunksize=batch_rows)
+
+
+def machine_info(load_before, load_after, **extra) -> dict:
+    """What a CPU benchmark ran on: cores, platform, library versions, the load averages around the run."""
+    import platform
+
+    import numba
+    import pyarrow
+
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "numpy": np.__version__, "pyarrow": pyarrow.__version__, "numba": numba.__version__, **extra,
+            "loadavg_before": load_before, "loadavg_after": load_after}
+
+
+def write_result(path, doc: dict) -> None:
+    """``doc`` (plus its creation time) as JSON at ``path``, creating the folder."""
+    import json
+    import time
+
+    doc = dict(doc, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")

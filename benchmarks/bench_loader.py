@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -42,7 +41,7 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _synthetic import synth_lengths, write_arrow_shard  # noqa: E402
+from _synthetic import machine_info, synth_lengths, write_arrow_shard, write_result  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -232,8 +231,6 @@ def profile_case(a, case, data, top: int = 25):
 def main(argv=None) -> int:
     a = parse_args(argv)
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
-    import numba
-    import pyarrow
     import torch
 
     if a.pin and not torch.cuda.is_available():
@@ -267,17 +264,11 @@ def main(argv=None) -> int:
         "benchmark": "loader",
         "config": {k: v for k, v in vars(a).items() if k not in ("out", "profile")},
         "data": {k: v for k, v in data.items() if k not in ("shards",)},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "numpy": np.__version__, "pyarrow": pyarrow.__version__, "numba": numba.__version__,
-                    "torch": torch.__version__, "loadavg_before": load0, "loadavg_after": load1},
+        "machine": machine_info(load0, load1, torch=torch.__version__),
         "train_rate_tokens_per_s": TRAIN_RATE,
         "results": results,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {a.out}")
+    write_result(a.out, doc)
     return 0
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -44,7 +43,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _synthetic import synth_lengths, write_arrow_shard  # noqa: E402
+from _synthetic import machine_info, synth_lengths, write_arrow_shard, write_result  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -297,26 +296,18 @@ def main_engines(a) -> int:
         print(f"{r['engine']:<7} {r['workers']:>7} {min(r['seconds']):>8.3f} {statistics.median(r['seconds']):>9.3f} "
               f"{r['best_tokens_per_s'] / 1e6:>13.1f} {r['median_tokens_per_s'] / 1e6:>15.1f}  "
               f"{'-' if same is None else ('yes' if same else 'NO')}")
-    import numba
-    import pyarrow
 
     doc = {
         "benchmark": "prepack_engines",
         "command": "python benchmarks/bench_prepack.py " + " ".join(sys.argv[1:]),
         "config": {k: v for k, v in vars(a).items() if k not in ("out",)},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "numpy": np.__version__, "pyarrow": pyarrow.__version__, "numba": numba.__version__,
-                    "loadavg_before": load0, "loadavg_after": load1},
+        "machine": machine_info(load0, load1),
         "warmup_seconds": warm,
         "tokens": n_tok,
         "documents": n_seq,
         **res,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {a.out}")
+    write_result(a.out, doc)
     return 0
 
 
@@ -324,8 +315,6 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if a.engine == "ray":
         return main_engines(a)
-    import numba
-    import pyarrow
 
     load0 = os.getloadavg()
     data = ensure_data(a)
@@ -357,17 +346,11 @@ def main(argv=None) -> int:
     doc = {
         "benchmark": "prepack",
         "config": {k: v for k, v in vars(a).items() if k not in ("out",)},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "numpy": np.__version__, "pyarrow": pyarrow.__version__, "numba": numba.__version__,
-                    "loadavg_before": load0, "loadavg_after": load1},
+        "machine": machine_info(load0, load1),
         "warmup_seconds": warm,
         "results": results,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {a.out}")
+    write_result(a.out, doc)
     return 0
 
 

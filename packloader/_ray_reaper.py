@@ -26,8 +26,9 @@ import sys
 POLL_S = 0.2
 
 
-def _procs() -> dict:
-    """{pid: (ppid, start time)} of the live, non-zombie processes."""
+def proc_stats() -> dict:
+    """{pid: the fields of /proc/<pid>/stat after the command name} of the live, non-zombie processes (field 0 is
+    the state, 1 the parent pid, 3 the session id, 19 the start time)."""
     out = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -38,10 +39,14 @@ def _procs() -> dict:
         except OSError:
             continue
         fields = stat[stat.rindex(b")") + 2:].split()
-        if fields[0] == b"Z":
-            continue
-        out[int(d)] = (int(fields[1]), int(fields[19]))
+        if fields[0] != b"Z":
+            out[int(d)] = fields
     return out
+
+
+def _procs() -> dict:
+    """{pid: (ppid, start time)} of the live, non-zombie processes."""
+    return {pid: (int(f[1]), int(f[19])) for pid, f in proc_stats().items()}
 
 
 def _is_ray(pid: int) -> bool:

@@ -89,19 +89,9 @@ def diff(a: dict, b: dict) -> list[str]:
 
 def session_pids(sid: int) -> list[int]:
     """Live (non-zombie) processes of session ``sid``."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2:].split()
-        if int(fields[3]) == sid and fields[0] != b"Z":
-            out.append(int(d))
-    return out
+    from packloader._ray_reaper import proc_stats
+
+    return [pid for pid, f in proc_stats().items() if int(f[3]) == sid]
 
 
 #: process titles of Ray workers running a pack task
