@@ -11,6 +11,7 @@ and are written to JSON with the ratios against the targets.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -44,6 +45,15 @@ def bench_reps(fn, reps, warmup=5, iters=20):
     return bench(lambda: [fn() for _ in range(reps)], warmup, iters) / reps
 
 
+@contextlib.contextmanager
+def deterministic_mode():
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def packed_position_ids(batch, seqlen, lo=10, hi=20, seed=0):
     rng = random.Random(seed)
     rows = []
@@ -72,10 +82,9 @@ def main(argv=None):
                          "training); the sample is divided by this")
     ap.add_argument("--out", default=None)
     ap.add_argument("--deterministic", action="store_true",
-                    help="torch.use_deterministic_algorithms(True): the scan adds dB/dC in a fixed block order")
+                    help="also time ours under torch.use_deterministic_algorithms(True) (the scan adds dB/dC in a "
+                         "fixed block order), in the same run as the default mode")
     args = ap.parse_args(argv)
-    if args.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
 
     import ops  # noqa: F401  (registers torch.ops.packloader.*)
     from ops import _cuda
@@ -124,6 +133,11 @@ def main(argv=None):
     add("selective_scan", "ours (packed, position_ids)", "bwd", ours_b)
     ours_fb = bench(ours_fwdbwd, args.warmup, args.iters)
     add("selective_scan", "ours (packed, position_ids)", "fwd+bwd", ours_fb)
+    ours_det_fb = None
+    if args.deterministic:
+        with deterministic_mode():
+            ours_det_fb = bench(ours_fwdbwd, args.warmup, args.iters)
+        add("selective_scan", "ours, deterministic mode", "fwd+bwd", ours_det_fb)
     del state["f"], out, saved
 
     # through the ops-python helper's autograd Function, when present
@@ -186,6 +200,11 @@ def main(argv=None):
         fbt = bench_reps(fb, args.conv_reps, args.warmup, args.conv_iters)
         add("causal_conv1d", f"ours {name} (position_ids)", "fwd+bwd", fbt)
         conv[("ours", name)] = (f, fbt)
+        if args.deterministic:
+            with deterministic_mode():
+                det = bench_reps(fb, args.conv_reps, args.warmup, args.conv_iters)
+            add("causal_conv1d", f"ours {name}, deterministic mode", "fwd+bwd", det)
+            conv[("ours_det", name)] = (None, det)
     try:
         from causal_conv1d import causal_conv1d_fn
 
@@ -217,6 +236,12 @@ def main(argv=None):
         summary["scan_fwdbwd_ratio_vs_upstream"] = round(ours_fb / up_fb, 3)
         summary["scan_fwd_ratio_vs_upstream"] = round(ours_f / up_f, 3)
         summary["scan_target"] = "fwd+bwd <= 1.0x (stretch 0.8x)"
+    if ours_det_fb:
+        summary["scan_fwdbwd_deterministic_over_default"] = round(ours_det_fb / ours_fb, 3)
+        for name in ("channel-first", "channel-last"):
+            summary[f"conv_{name}_fwdbwd_deterministic_over_default"] = round(
+                conv[("ours_det", name)][1] / conv[("ours", name)][1], 3)
+        summary["deterministic_target"] = "<= 1.10x the default mode's fwd+bwd"
     if ("up", "channel-first") in conv:
         summary["conv_fwdbwd_ratio_cf_vs_upstream_cf"] = round(conv[("ours", "channel-first")][1] / conv[("up", "channel-first")][1], 3)
         summary["conv_fwd_ratio_cf_vs_upstream_cf"] = round(conv[("ours", "channel-first")][0] / conv[("up", "channel-first")][0], 3)

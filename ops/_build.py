@@ -41,7 +41,8 @@ def defines() -> list:
     """``-D`` flags carrying :mod:`ops.contract` into the CUDA sources."""
     return [f"-DPACKLOADER_SCAN_CHUNK={contract.SCAN_CHUNK}", f"-DPACKLOADER_SCAN_LANES={contract.SCAN_LANES}",
             f"-DPACKLOADER_CONV_SLOT_STEPS={contract.CONV_SLOT_STEPS}",
-            f"-DPACKLOADER_SCAN_BLOCK_CHANNELS={contract.SCAN_BLOCK_CHANNELS}"]
+            f"-DPACKLOADER_SCAN_BLOCK_CHANNELS={contract.SCAN_BLOCK_CHANNELS}",
+            f"-DPACKLOADER_SCAN_DET_BLOCKS={contract.SCAN_DET_BLOCKS}"]
 
 
 def cxx_flags() -> list:

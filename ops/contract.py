@@ -70,6 +70,9 @@ CONV_MAX_WIDTH = 4
 CONV_SLOT_STEPS = 128  # the conv backward writes one dweight/dbias partial per block; at most one per this many steps
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # activation dtypes the CUDA kernels take
 SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a B/C group (else: group by group)
+# deterministic mode: the scan's channel blocks add their dB / dC sums in a fixed order within groups of this many
+# consecutive blocks (a chain of tickets); the groups' sums are then added in a fixed order by the caller
+SCAN_DET_BLOCKS = 16
 
 # The ops' outputs follow their inputs' strides (the conv) and the CUDA implementations read raw pointers: a compiler
 # (inductor) must hand them their inputs with exactly the strides seen when tracing.

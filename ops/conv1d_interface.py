@@ -194,7 +194,10 @@ def _conv_fwd_cuda(x, weight, bias, position_ids, silu):
     if _backends.implementation("causal_conv1d", "cuda", x.dtype, width=weight.shape[1]) == "reference":
         return _conv_fwd_reference(x, weight, bias, position_ids, silu)
     ext = _backends.load_kernels()
-    out = _like(x)
+    from ._cuda import kernel_outputs
+
+    with kernel_outputs():   # written in full by the kernel
+        out = _like(x)
     if x.numel() > 0:
         ext.conv_fwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
                      position_ids.to(torch.int32).contiguous(), bool(silu), out)
@@ -208,11 +211,14 @@ def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
     ext = _backends.load_kernels()
     dim, width = weight.shape
     dout = _like_layout(dout.to(x.dtype), x)
-    dx = _like(x)
     # per-block partials of [dweight | dbias], summed here in a fixed order (no atomics: the same bits every run)
     batch, _, seqlen = x.shape
     slots = batch * max(1, -(-seqlen // CONV_SLOT_STEPS))
-    dw_part = torch.empty(slots, dim, width + 1, device=x.device, dtype=torch.float32)
+    from ._cuda import kernel_outputs
+
+    with kernel_outputs():   # dx written in full; of dw_part only the slots written are read
+        dx = _like(x)
+        dw_part = torch.empty(slots, dim, width + 1, device=x.device, dtype=torch.float32)
     used = 0
     if x.numel() > 0:
         used = ext.conv_bwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),

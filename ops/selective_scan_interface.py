@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from . import backends as _backends
 from .boundaries import resolve_position_ids, row_positions
-from .contract import OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_chunks
+from .contract import OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_DET_BLOCKS, SCAN_LANES, scan_chunks
 
 __all__ = ["packed_selective_scan", "selective_scan_ref", "linear_scan", "selective_scan_fwd", "selective_scan_bwd"]
 
@@ -302,11 +302,14 @@ def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus):
                                   None if delta_bias is None else delta_bias[a:b], pos, softplus)
                  for g, (a, b) in enumerate(slices)]
         return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+    from ._cuda import kernel_outputs
+
     u, delta = u.contiguous(), delta.contiguous()
     z = None if z is None else z.contiguous()
     batch, dim, seqlen = u.shape
-    out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    saved = torch.empty(batch, dim, scan_chunks(seqlen), SCAN_LANES, device=u.device, dtype=torch.float32)
+    with kernel_outputs():   # written in full by the kernel
+        out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+        saved = torch.empty(batch, dim, scan_chunks(seqlen), SCAN_LANES, device=u.device, dtype=torch.float32)
     if u.numel() > 0:
         ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, saved)
     return out, saved
@@ -340,12 +343,15 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
                 recompute_out))
         cat = lambda i, d: None if parts[0][i] is None else torch.cat([p[i] for p in parts], d)  # noqa: E731
         return (cat(0, 1), cat(1, 1), cat(2, 0), cat(3, 1), cat(4, 1), cat(5, 0), cat(6, 1), cat(7, 0), cat(8, 1))
+    from ._cuda import kernel_outputs
+
     u, delta, dout = u.contiguous(), delta.contiguous(), dout.contiguous()
     z = None if z is None else z.contiguous()
-    du = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    ddelta = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    dz = torch.empty(u.shape, dtype=u.dtype, device=u.device) if z is not None else None
-    out = torch.empty(u.shape, dtype=u.dtype, device=u.device) if recompute_out else None
+    with kernel_outputs():   # written in full by the kernel
+        du = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+        ddelta = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+        dz = torch.empty(u.shape, dtype=u.dtype, device=u.device) if z is not None else None
+        out = torch.empty(u.shape, dtype=u.dtype, device=u.device) if recompute_out else None
     batch, dim = u.shape[:2]
     # dA / dD / ddelta_bias come per batch row and are summed here (no atomics: the same bits every run)
     dA = torch.zeros((batch,) + tuple(A.shape), device=u.device, dtype=torch.float32)
@@ -353,14 +359,21 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     dC = torch.zeros(C.shape, device=u.device, dtype=torch.float32)
     dD = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if D is not None else None
     ddb = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if delta_bias is not None else None
-    # deterministic mode: dB / dC added by the channel blocks in a fixed order (a ticket per row and chunk);
-    # otherwise with atomics (their last bits vary from run to run)
-    det_sem = (torch.zeros(batch, saved.shape[2], device=u.device, dtype=torch.int32)
-               if torch.are_deterministic_algorithms_enabled() else None)
+    # deterministic mode: dB / dC summed by groups of SCAN_DET_BLOCKS channel blocks in block order (a ticket per
+    # row, group and chunk) into per-group partials, which are summed here; otherwise with atomics (their last bits
+    # vary from run to run)
+    det_sem = det_part = None
+    if torch.are_deterministic_algorithms_enabled():
+        groups = -(-(-(-dim // SCAN_BLOCK_CHANNELS)) // SCAN_DET_BLOCKS)
+        det_sem = torch.zeros(batch, groups, saved.shape[2], device=u.device, dtype=torch.int32)
+        det_part = torch.zeros((batch, groups, B.shape[1], 2) + tuple(B.shape[2:]), device=u.device,
+                               dtype=torch.float32)
     if u.numel() > 0:
         # the kernel recomputes the forward output (it needs it for dz) and writes it to out when asked
         ext.scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), saved.contiguous(), dout, out,
-                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_sem)
+                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_sem, det_part)
+    if det_part is not None:
+        dB, dC = det_part[:, :, :, 0].sum(1), det_part[:, :, :, 1].sum(1)
     return (du, ddelta, dA.sum(0), dB, dC, None if dD is None else dD.sum(0), dz,
             None if ddb is None else ddb.sum(0), out)
 

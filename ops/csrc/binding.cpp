@@ -61,7 +61,7 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
 
 void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
               bool softplus, Tensor saved, Tensor dout, OptT out_rec, Tensor du, Tensor ddelta, OptT dz, Tensor dA,
-              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_sem) {
+              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_sem, OptT det_part) {
   c10::cuda::CUDAGuard guard(u.device());
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
   p.saved = saved.data_ptr<float>();
@@ -76,6 +76,8 @@ void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
   p.dD = ptr_or_null<float>(dD);
   p.ddelta_bias = ptr_or_null<float>(ddelta_bias);
   p.det_sem = ptr_or_null<int>(det_sem);
+  p.det_part = ptr_or_null<float>(det_part);
+  p.det_groups = det_sem.has_value() ? det_sem->size(1) : 0;
   po::scan_bwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -28,12 +28,16 @@ struct ScanParams {
   void *du, *ddelta, *dz;
   float *dB, *dC;                    // fp32 accumulators (batch, n_groups, dstate, seqlen), zeroed by the caller
   float *dA, *dD, *ddelta_bias;      // fp32 per batch row: (batch, dim, dstate), (batch, dim); the caller sums rows
-  int *det_sem;                      // deterministic mode: (batch, nchunks) int32 zeros, else null (atomics for dB/dC)
+  // deterministic mode (else both null: atomics for dB / dC): dB / dC are summed per group of SCAN_DET_BLOCKS
+  // consecutive channel blocks, in block order, into det_part, which the caller sums over its groups
+  int *det_sem;                      // (batch, det_groups, nchunks) int32 zeros: the tickets
+  float *det_part;                   // (batch, det_groups, n_groups, 2, dstate, seqlen) fp32 zeros: [dB | dC] per group
+  int det_groups;
 };
 
 // The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.
 #if !defined(PACKLOADER_SCAN_CHUNK) || !defined(PACKLOADER_SCAN_LANES) || !defined(PACKLOADER_CONV_SLOT_STEPS) || \
-    !defined(PACKLOADER_SCAN_BLOCK_CHANNELS)
+    !defined(PACKLOADER_SCAN_BLOCK_CHANNELS) || !defined(PACKLOADER_SCAN_DET_BLOCKS)
 #error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS from ops/contract.py"
 #endif
 constexpr int kScanChunk = PACKLOADER_SCAN_CHUNK;   // timesteps staged in shared memory at a time; one saved state a chunk

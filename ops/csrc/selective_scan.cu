@@ -1,20 +1,22 @@
 // Packed selective scan (Mamba-1), forward and backward, with a state reset where position_ids == 0.
 //
-// Layout: a thread block owns 16 channels of one batch row. In the backward, each channel's dstate (padded to 16)
-// state lanes are 16 consecutive threads, so every thread carries ONE scalar state h[b, d, n] sequentially
-// through time; the forward gives each thread two states (n and n + 8) of one channel, 8 threads a channel.  Timesteps are staged in shared memory 64 at a time (u, delta after softplus, dt*u, masks,
-// B and C shared by the block's 16 channels).  Per timestep a thread does one exp2 and a few FMAs; the sum
-// over the 16 states (y = sum_n C h) is done every 16 timesteps with a butterfly reduce-scatter across the
-// 16 lanes, so lane n ends up owning timestep 16*s + n and writes it.
+// Layout: a thread block owns 16 channels of one batch row, 128 threads: each thread carries TWO scalar states
+// h[b, d, n] and h[b, d, n + 8] of one channel (dstate padded to 16) sequentially through time, 8 threads a channel.
+// Timesteps are staged in shared memory 64 at a time (u, delta after softplus, dt*u, masks, B and C shared by the
+// block's 16 channels). Per timestep and state a thread does one exp2 and a few FMAs; a sum over the 16 states
+// (y = sum_n C h, and in the backward the two sums du and ddelta are made of) is the thread's two states added, then
+// every 16 timesteps a butterfly reduce-scatter across the channel's 8 threads, so thread n ends up owning timesteps
+// 16*s + 2n and 16*s + 2n + 1 and writes them.
 // Reset: where pos_t == 0 the update is h_t = delta_t B_t u_t, a select that drops the carried state instead of
 // multiplying it by zero, and in backward the adjoint handed from t to t-1 and the terms through h_{t-1} are
 // dropped the same way: not even an inf or NaN (0 * inf is NaN) crosses a boundary, forward or backward, nor the
 // chunk carry (the saved chunk-end states feed the same select).
-// Backward recomputes states per 64-step chunk from the forward's saved chunk-end states, keeping the state at
-// each 16-step sub-chunk start in registers, then re-running each sub-chunk (16 states + 16 decays in
-// registers) and walking it in reverse.  dB/dC are summed over the block's channels in shared memory and added
-// to fp32 buffers with one atomic per (block, n, t) (deterministic mode: ordered adds, see det_sem); dA, dD, ddelta_bias are reduced per thread/lane group and
-// stored per batch row (the caller sums the rows: no atomics, the same bits every run).
+// Backward recomputes states per 64-step chunk from the forward's saved chunk-end states, keeping the states at
+// each 16-step sub-chunk start in registers, then re-running each sub-chunk (2 x 16 states + 2 x 16 decays in
+// registers) and walking it in reverse. dB/dC are summed over the warp's channels with shuffles, over the block's
+// warps in shared memory and added to fp32 buffers with one atomic per (block, n, t) (deterministic mode: ordered
+// adds, see det_sem); dA, dD, ddelta_bias are reduced per thread / channel and stored per batch row (the caller sums
+// the rows: no atomics, the same bits every run).
 #include "dispatch.cuh"
 
 #include "ops_common.h"
@@ -27,50 +29,14 @@ namespace {
 
 constexpr int kLanes = kScanLanes;      // 16
 constexpr int kDB = PACKLOADER_SCAN_BLOCK_CHANNELS;   // channels per block (16)
-constexpr int kThreads = kLanes * kDB;  // 256
-constexpr int kSub = 16;                // timesteps per reduce-scatter group (== kLanes)
+constexpr int kDetBlocks = PACKLOADER_SCAN_DET_BLOCKS;   // deterministic mode: blocks a ticket chain orders (16)
+constexpr int kThreads = kLanes / 2 * kDB;   // 128: 8 threads a channel, two states each
+constexpr int kSub = 16;                // timesteps per reduce-scatter group
 constexpr int kChunk = kScanChunk;      // 64
 constexpr int kNSub = kChunk / kSub;    // 4
 static_assert(kNSub == 4, "sub-chunk start selection below assumes 4 sub-chunks");
 constexpr int kPad = kDB + 1;           // padded row length (bank conflicts)
 constexpr float kLog2e = 1.4426950408889634f;
-
-// v[j] (j = 0..15) in each of 16 lanes -> v[0] of lane l holds sum over the 16 lanes of v[l].
-__device__ __forceinline__ void reduce_scatter16(float (&v)[16], int lane16) {
-  {
-    const bool hi = lane16 & 8;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float send = hi ? v[j] : v[j + 8];
-      float keep = hi ? v[j + 8] : v[j];
-      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
-    }
-  }
-  {
-    const bool hi = lane16 & 4;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float send = hi ? v[j] : v[j + 4];
-      float keep = hi ? v[j + 4] : v[j];
-      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
-    }
-  }
-  {
-    const bool hi = lane16 & 2;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      float send = hi ? v[j] : v[j + 2];
-      float keep = hi ? v[j + 2] : v[j];
-      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-    }
-  }
-  {
-    const bool hi = lane16 & 1;
-    float send = hi ? v[0] : v[1];
-    float keep = hi ? v[1] : v[0];
-    v[0] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
-  }
-}
 
 __device__ __forceinline__ float softplus_(float x) { return x <= 20.f ? log1pf(__expf(x)) : x; }
 
@@ -123,7 +89,8 @@ __device__ __forceinline__ void stage_pos(int *dst, const int *pos, int t0, int 
 }
 
 // v[j] (j = 0..15) in each of 8 lanes -> v[0], v[1] of lane l hold the sums over the 8 lanes of v[2l], v[2l+1].
-// The same tree as the last three levels of reduce_scatter16 (the forward's first level is inside each thread).
+// With the sum of a thread's two states (n, n + 8) before it, this is the tree of every sum over the 16 states, in the
+// forward and in the backward's recomputation: the same bits.
 __device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
   {
     const bool hi = lane8 & 4;
@@ -157,7 +124,6 @@ __device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
 // The forward: a thread carries TWO states of one channel (n and n + 8), so what a timestep reads ({dt, dt*u}, one
 // 128-bit {B_n, C_n, B_n+8, C_n+8}, the reset mask) and the sum over states are shared by two states; a block is
 // the 16 channels of the backward, with half its threads.
-constexpr int kFwdThreads = kThreads / 2;   // 128
 struct FwdSmem {
   float2 dt_dtu[kChunk][kPad];
   float skip[kChunk][kPad];
@@ -167,7 +133,7 @@ struct FwdSmem {
 };
 
 template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
-__global__ void __launch_bounds__(kFwdThreads, 4) scan_fwd_kernel(const ScanParams p) {
+__global__ void __launch_bounds__(kThreads, 4) scan_fwd_kernel(const ScanParams p) {
   __shared__ FwdSmem sm;
   __shared__ __align__(16) RawChunk<in_t, w_t, 3> raw;
   const int tid = threadIdx.x;
@@ -192,11 +158,11 @@ __global__ void __launch_bounds__(kFwdThreads, 4) scan_fwd_kernel(const ScanPara
 
   const int rows = p.dim - d0;
   auto stage = [&](int t0) {
-    stage_rows<kAsync, kFwdThreads>(raw.in[0], u + (int64_t)d0 * L, L, rows, t0, L, tid);
-    stage_rows<kAsync, kFwdThreads>(raw.in[1], delta + (int64_t)d0 * L, L, rows, t0, L, tid);
-    if constexpr (kHasZ) stage_rows<kAsync, kFwdThreads>(raw.in[2], z + (int64_t)d0 * L, L, rows, t0, L, tid);
-    stage_rows<kAsync, kFwdThreads>(raw.bc[0], Bp, L, p.dstate, t0, L, tid);
-    stage_rows<kAsync, kFwdThreads>(raw.bc[1], Cp, L, p.dstate, t0, L, tid);
+    stage_rows<kAsync>(raw.in[0], u + (int64_t)d0 * L, L, rows, t0, L, tid);
+    stage_rows<kAsync>(raw.in[1], delta + (int64_t)d0 * L, L, rows, t0, L, tid);
+    if constexpr (kHasZ) stage_rows<kAsync>(raw.in[2], z + (int64_t)d0 * L, L, rows, t0, L, tid);
+    stage_rows<kAsync>(raw.bc[0], Bp, L, p.dstate, t0, L, tid);
+    stage_rows<kAsync>(raw.bc[1], Cp, L, p.dstate, t0, L, tid);
     stage_pos<kAsync>(raw.pos, pos, t0, L, tid);
     if constexpr (kAsync) cp_async_commit();
   };
@@ -207,7 +173,7 @@ __global__ void __launch_bounds__(kFwdThreads, 4) scan_fwd_kernel(const ScanPara
     const int t0 = c * kChunk;
     if constexpr (kAsync) cp_async_wait_all();
     __syncthreads();
-    for (int i = tid; i < kDB * kChunk; i += kFwdThreads) {
+    for (int i = tid; i < kDB * kChunk; i += kThreads) {
       const int dd = i / kChunk, tt = i % kChunk, dg = d0 + dd, t = t0 + tt;
       float dtv = 0.f, uv = 0.f, zs = 0.f, skip = 0.f;
       if (dg < p.dim && t < L) {
@@ -222,7 +188,7 @@ __global__ void __launch_bounds__(kFwdThreads, 4) scan_fwd_kernel(const ScanPara
       sm.skip[tt][dd] = skip;
       if (kHasZ) sm.zs[tt][dd] = zs;
     }
-    for (int i = tid; i < kLanes * kChunk; i += kFwdThreads) {
+    for (int i = tid; i < kLanes * kChunk; i += kThreads) {
       const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
       float bv = 0.f, cv = 0.f;
       if (nn < p.dstate && t < L) { bv = to_f(raw.bc[0][nn][tt]); cv = to_f(raw.bc[1][nn][tt]); }
@@ -266,38 +232,65 @@ __global__ void __launch_bounds__(kFwdThreads, 4) scan_fwd_kernel(const ScanPara
   }
 }
 
+// The backward, laid out as the forward: a thread carries two states of one channel (n and n + 8), 8 threads a
+// channel, 128 threads the block's 16 channels. What a timestep reads ({dt, dt*u}, {dy, u}, one 128-bit
+// {B_n, C_n, B_n+8, C_n+8}, the reset mask) and the sums over states (y, and the two sums du and ddelta are made of)
+// are shared by two states. dB and dC are summed over the warp's 4 channels with two shuffles per timestep as the
+// reverse walk produces them, then over the block's 4 warps in shared memory.
+constexpr int kWarps = kThreads / 32;   // 4
 template <typename in_t, typename w_t>
 struct BwdSmem {
   RawChunk<in_t, w_t, 4> raw;
   float2 dt_dtu[kChunk][kPad];   // {dt, dt*u}; pairs read together: one 64-bit load each
   float2 dy_u[kChunk][kPad];     // {dy, u}
-  float sig[kChunk][kPad];   // d softplus / d x
-  float gz[kChunk][kPad];    // dz = (y + D u) * gz: dout * sigmoid(z) * (1 + z (1 - sigmoid(z)))
-  float zs[kChunk][kPad];    // silu(z), for the recomputed forward output
-  float2 BC[kChunk][kPad];
-  float m[kChunk];
-  float red[2][2][kThreads / 32][kLanes][kSub + 1];   // [buffer][dB|dC][warp][n][j]
-  float chunk_dbc[2][kLanes][kChunk];                 // deterministic mode: the chunk's dB / dC block sums
+  float sig_m[kChunk][kPad];     // d softplus / d x; column kDB (the padding) holds timestep tt's reset mask
+  float gz[kChunk][kPad];        // dz = (y + D u) * gz: dout * sigmoid(z) * (1 + z (1 - sigmoid(z)))
+  float zs[kChunk][kPad];        // silu(z), for the recomputed forward output
+  float4 BC[kChunk][kLanes / 2]; // {B_n, C_n, B_n+8, C_n+8}
+  // [buffer][warp][kind: dB_n, dB_n+8, dC_n, dC_n+8][n][j ^ red_swizzle(kind, n)]: a warp's 32 stores of one
+  // timestep and its 32 loads in the block sum each hit 32 different banks
+  float red[2][kWarps][4][8][kSub];
+  float chunk_dbc[2][kLanes][kChunk];   // deterministic mode: the chunk's dB / dC block sums
 };
+// 75 KiB for 16-bit inputs: three blocks (12 warps) an SM
+static_assert(sizeof(BwdSmem<__nv_bfloat16, __nv_bfloat16>) + 1024 <= 233472 / 3, "three backward blocks per SM");
+
+__device__ __forceinline__ int red_swizzle(int kind, int n) { return ((kind << 2) | (n >> 1)) & 15; }
+
+// arr[i] for a run-time i, as selects (a run-time index would put the array in local memory)
+template <int N>
+__device__ __forceinline__ float pick(const float (&arr)[N], int i) {
+  float v = arr[0];
+#pragma unroll
+  for (int k = 1; k < N; ++k) v = k == i ? arr[k] : v;
+  return v;
+}
+template <int N>
+__device__ __forceinline__ void put(float (&arr)[N], int i, float v) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) arr[k] = k == i ? v : arr[k];
+}
 
 template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
-__global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams p) {
+__global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem<in_t, w_t> &sm = *reinterpret_cast<BwdSmem<in_t, w_t> *>(smem_raw);
   auto &raw = sm.raw;
   const int tid = threadIdx.x;
-  const int n = tid & 15;
-  const int dl = tid >> 4;
+  const int n = tid & 7;        // states n and n + 8
+  const int dl = tid >> 3;
+  const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int half = dl & 1;   // which of the warp's two channels
+  const int kind = lane >> 3;   // which of dB_n, dB_n+8, dC_n, dC_n+8 this lane sums over the warp's channels
   const int b = blockIdx.y;
   const int d0 = blockIdx.x * kDB;
   const int d = d0 + dl;
   const int L = p.seqlen;
   const bool d_ok = d < p.dim;
   const int grp = d0 / p.dim_per_group;
-  const float Anat = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] : 0.f;
-  const float A2 = Anat * kLog2e;
+  const float Aa = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] : 0.f;
+  const float Ab = (d_ok && n + 8 < p.dstate) ? p.A[(int64_t)d * p.dstate + n + 8] : 0.f;
+  const float A2a = Aa * kLog2e, A2b = Ab * kLog2e;
   const float Dd = (d_ok && p.D) ? p.D[d] : 0.f;
 
   const int64_t row = ((int64_t)b * p.dim) * L;
@@ -317,10 +310,10 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
   in_t *out_rec = p.out_rec ? reinterpret_cast<in_t *>(p.out_rec) + row : nullptr;
   const bool want_y = kHasZ || out_rec != nullptr;   // the forward output is recomputed (block-uniform)
 
-  float gc = 0.f;        // adjoint carried from t+1 (already multiplied by a_{t+1})
+  float gca = 0.f, gcb = 0.f;   // adjoints carried from t+1 (already multiplied by a_{t+1})
   // dA, dD, ddelta_bias: summed per chunk, then over the row's chunks (not one running sum of L terms: as accurate as
   // upstream's block reductions, test_scan_bf16_accuracy_no_worse_than_upstream_one_by_one)
-  float dA_acc = 0.f, dD_acc = 0.f, dbias_acc = 0.f;
+  float dAa_acc = 0.f, dAb_acc = 0.f, dD_acc = 0.f, dbias_acc = 0.f;
 
   const int rows = p.dim - d0;
   auto stage = [&](int t0) {
@@ -337,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 
   for (int c = p.nchunks - 1; c >= 0; --c) {
     const int t0 = c * kChunk;
-    float dA_chunk = 0.f, dD_chunk = 0.f, dbias_chunk = 0.f;
+    float dAa_chunk = 0.f, dAb_chunk = 0.f, dD_chunk = 0.f, dbias_chunk = 0.f;
     if constexpr (kAsync) cp_async_wait_all();
     __syncthreads();
     for (int i = tid; i < kDB * kChunk; i += kThreads) {
@@ -361,43 +354,54 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
       }
       sm.dt_dtu[tt][dd] = make_float2(dtv, dtv * uv);
       sm.dy_u[tt][dd] = make_float2(dyv, uv);
-      sm.sig[tt][dd] = sg;
+      sm.sig_m[tt][dd] = sg;
       if (kHasZ) { sm.gz[tt][dd] = gzv; sm.zs[tt][dd] = zsv; }
     }
     for (int i = tid; i < kLanes * kChunk; i += kThreads) {
       const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
       float bv = 0.f, cv = 0.f;
       if (nn < p.dstate && t < L) { bv = to_f(raw.bc[0][nn][tt]); cv = to_f(raw.bc[1][nn][tt]); }
-      sm.BC[tt][nn] = make_float2(bv, cv);
+      float *slot = reinterpret_cast<float *>(&sm.BC[tt][nn & 7]) + (nn >> 3) * 2;
+      slot[0] = bv;
+      slot[1] = cv;
     }
-    if (tid < kChunk) sm.m[tid] = (t0 + tid < L && raw.pos[tid] == 0) ? 0.f : 1.f;
+    if (tid < kChunk) sm.sig_m[tid][kDB] = (t0 + tid < L && raw.pos[tid] == 0) ? 0.f : 1.f;
     __syncthreads();
     if (c > 0) stage(t0 - kChunk);   // overlaps with this chunk's backward
 
     // states at the start of every sub-chunk
-    float hs[kNSub];
+    float hsa[kNSub], hsb[kNSub];
     {
-      float h = (c > 0 && d_ok) ? p.saved[(((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes + n] : 0.f;
+      const float *sv = p.saved + (((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes;
+      float ha = (c > 0 && d_ok) ? sv[n] : 0.f, hb = (c > 0 && d_ok) ? sv[n + 8] : 0.f;
 #pragma unroll 1
       for (int s = 0; s < kNSub; ++s) {
-        hs[s] = h;
+        put(hsa, s, ha);
+        put(hsb, s, hb);
         float yv[kSub];
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
           const int tt = s * kSub + j;
-          h = scan_step(sm.dt_dtu[tt][dl].x * A2, sm.dt_dtu[tt][dl].y * sm.BC[tt][n].x, h, sm.m[tt]);
-          yv[j] = want_y ? __fmul_rn(h, sm.BC[tt][n].y) : 0.f;   // as the forward rounds it
+          const float2 dd = sm.dt_dtu[tt][dl];
+          const float4 bc = sm.BC[tt][n];
+          const float keep = sm.sig_m[tt][kDB];
+          ha = scan_step(dd.x * A2a, dd.y * bc.x, ha, keep);
+          hb = scan_step(dd.x * A2b, dd.y * bc.z, hb, keep);
+          yv[j] = want_y ? __fadd_rn(__fmul_rn(ha, bc.y), __fmul_rn(hb, bc.w)) : 0.f;   // as the forward rounds it
         }
         if (want_y) {
           // dz needs the forward output y + D u in fp32: y = sum_n C h is recomputed here (the same states, the
-          // same reduction and, with no fused multiply-add, the same rounding as the forward, so out_rec is the
+          // same reduction tree and, with no fused multiply-add, the same rounding as the forward, so out_rec is the
           // forward's output bit for bit) and the forward output need not be kept for the backward
-          reduce_scatter16(yv, n);
-          const int tt = s * kSub + n, t = t0 + tt;
-          if (d_ok && t < L) {
-            const float o = p.D ? __fadd_rn(yv[0], __fmul_rn(Dd, sm.dy_u[tt][dl].y)) : yv[0];
-            if (kHasZ) dz[(int64_t)d * L + t] = from_f<in_t>(o * sm.gz[tt][dl]);
-            if (out_rec) out_rec[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
+          reduce_scatter8(yv, n);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int tt = s * kSub + 2 * n + r, t = t0 + tt;
+            if (d_ok && t < L) {
+              const float o = p.D ? __fadd_rn(yv[r], __fmul_rn(Dd, sm.dy_u[tt][dl].y)) : yv[r];
+              if (kHasZ) dz[(int64_t)d * L + t] = from_f<in_t>(o * sm.gz[tt][dl]);
+              if (out_rec) out_rec[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
+            }
           }
         }
       }
@@ -405,104 +409,115 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
 
 #pragma unroll 1
     for (int s = kNSub - 1; s >= 0; --s) {
-      float hv[kSub], av[kSub];
-      // select instead of a run-time register-array index
-      const float hstart = s == 0 ? hs[0] : s == 1 ? hs[1] : s == 2 ? hs[2] : hs[3];
+      const float hsa_s = pick(hsa, s), hsb_s = pick(hsb, s);
+      float hva[kSub], hvb[kSub], ava[kSub], avb[kSub];
       {
-        float h = hstart;
+        float ha = hsa_s, hb = hsb_s;
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
           const int tt = s * kSub + j;
-          av[j] = exp2f(sm.dt_dtu[tt][dl].x * A2);
-          const float bx = sm.dt_dtu[tt][dl].y * sm.BC[tt][n].x;
-          h = sm.m[tt] != 0.f ? fmaf(av[j], h, bx) : bx;
-          hv[j] = h;
+          const float2 dd = sm.dt_dtu[tt][dl];
+          const float4 bc = sm.BC[tt][n];
+          const bool keep = sm.sig_m[tt][kDB] != 0.f;
+          ava[j] = exp2f(dd.x * A2a);
+          avb[j] = exp2f(dd.x * A2b);
+          const float bxa = dd.y * bc.x, bxb = dd.y * bc.z;
+          ha = keep ? fmaf(ava[j], ha, bxa) : bxa;   // scan_step's bits
+          hb = keep ? fmaf(avb[j], hb, bxb) : bxb;
+          hva[j] = ha;
+          hvb[j] = hb;
         }
       }
-      float dBv[kSub], dCv[kSub], duv[kSub], ddv[kSub];
+      float (*red)[4][8][kSub] = sm.red[s & 1];
+      float gsum[kSub], gasum[kSub];   // per timestep, over this thread's two states: g B, and g h[t-1] a A
 #pragma unroll
       for (int j = kSub - 1; j >= 0; --j) {
         const int tt = s * kSub + j;
-        const float dyv = sm.dy_u[tt][dl].x;
-        const float Bn = sm.BC[tt][n].x;
-        const float dtv = sm.dt_dtu[tt][dl].x;
-        const float g = fmaf(sm.BC[tt][n].y, dyv, gc);
-        const float hprev = j > 0 ? hv[j > 0 ? j - 1 : 0] : hstart;
-        dCv[j] = dyv * hv[j];
-        dBv[j] = g * sm.dt_dtu[tt][dl].y;
-        duv[j] = g * dtv * Bn;
+        const float2 dyu = sm.dy_u[tt][dl];
+        const float2 dd = sm.dt_dtu[tt][dl];
+        const float4 bc = sm.BC[tt][n];
+        const bool keep = sm.sig_m[tt][kDB] != 0.f;
+        const float ga = fmaf(bc.y, dyu.x, gca), gb = fmaf(bc.w, dyu.x, gcb);
+        const float hpa = j > 0 ? hva[j > 0 ? j - 1 : 0] : hsa_s;
+        const float hpb = j > 0 ? hvb[j > 0 ? j - 1 : 0] : hsb_s;
+        // dB_n, dB_n+8, dC_n, dC_n+8 of this timestep, summed over the warp's 4 channels: lane keeps `kind`
+        {
+          const bool hi = lane & 16;
+          const float v0 = ga * dd.y, v1 = gb * dd.y, v2 = dyu.x * hva[j], v3 = dyu.x * hvb[j];
+          const float k0 = (hi ? v2 : v0) + __shfl_xor_sync(0xffffffffu, hi ? v0 : v2, 16);
+          const float k1 = (hi ? v3 : v1) + __shfl_xor_sync(0xffffffffu, hi ? v1 : v3, 16);
+          const bool hi2 = lane & 8;
+          red[warp][kind][n][j ^ red_swizzle(kind, n)] =
+              (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, 8);
+        }
+        gsum[j] = fmaf(ga, bc.x, gb * bc.z);
         // at a reset nothing flows to or from the sequence before: the terms through h[t-1] are dropped, not
         // multiplied by zero (an inf or NaN on either side stays on its side)
-        const bool keep = sm.m[tt] != 0.f;
-        const float ga = keep ? g * hprev * av[j] : 0.f;
-        ddv[j] = fmaf(ga, Anat, g * Bn * sm.dy_u[tt][dl].y);
-        dA_chunk = fmaf(ga, dtv, dA_chunk);
-        gc = keep ? g * av[j] : 0.f;
+        const float gaa = keep ? ga * hpa * ava[j] : 0.f;
+        const float gab = keep ? gb * hpb * avb[j] : 0.f;
+        gasum[j] = fmaf(gaa, Aa, gab * Ab);
+        dAa_chunk = fmaf(gaa, dd.x, dAa_chunk);
+        dAb_chunk = fmaf(gab, dd.x, dAb_chunk);
+        gca = keep ? ga * ava[j] : 0.f;
+        gcb = keep ? gb * avb[j] : 0.f;
       }
-      // sums over the 16 states: lane n gets timestep s*16+n
-      reduce_scatter16(duv, n);
-      reduce_scatter16(ddv, n);
-      {
-        const int tt = s * kSub + n, t = t0 + tt;
-        const float dyv = sm.dy_u[tt][dl].x;
-        const float duf = fmaf(dyv, Dd, duv[0]);
-        const float ddf = ddv[0] * sm.sig[tt][dl];
+      // sums over the 16 states: lane n gets timesteps s*16 + 2n and s*16 + 2n + 1
+      // du = dt sum_n g B + D dy;  d(delta before softplus) = (u sum_n g B + sum_n g h[t-1] a A) sigmoid
+      reduce_scatter8(gsum, n);
+      reduce_scatter8(gasum, n);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int tt = s * kSub + 2 * n + r, t = t0 + tt;
+        const float2 dyu = sm.dy_u[tt][dl];
+        const float duf = fmaf(sm.dt_dtu[tt][dl].x, gsum[r], dyu.x * Dd);
+        const float ddf = fmaf(dyu.y, gsum[r], gasum[r]) * sm.sig_m[tt][dl];
         if (d_ok && t < L) {
           const int64_t off = (int64_t)d * L + t;
           du[off] = from_f<in_t>(duf);
           ddelta[off] = from_f<in_t>(ddf);
-          dD_chunk = fmaf(dyv, sm.dy_u[tt][dl].y, dD_chunk);
+          dD_chunk = fmaf(dyu.x, dyu.y, dD_chunk);
           dbias_chunk += ddf;
         }
       }
-      // dB, dC: sum the warp's two channels (reduce-scatter over the half-warp pair), then over the 8 warps
-      float (*red)[kThreads / 32][kLanes][kSub + 1] = sm.red[s & 1];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float sB = half ? dBv[j] : dBv[j + 8];
-        const float kB = half ? dBv[j + 8] : dBv[j];
-        const float sC = half ? dCv[j] : dCv[j + 8];
-        const float kC = half ? dCv[j + 8] : dCv[j];
-        red[0][warp][n][half * 8 + j] = kB + __shfl_xor_sync(0xffffffffu, sB, 16);
-        red[1][warp][n][half * 8 + j] = kC + __shfl_xor_sync(0xffffffffu, sC, 16);
-      }
       __syncthreads();
-      {
-        const int rn = tid >> 4, rj = tid & 15, t = t0 + s * kSub + rj;
-        float sb = 0.f, sc = 0.f;
+      // dB, dC over the block's 4 warps: 512 sums (kind, n, j), four a thread, 16 consecutive timesteps a row
 #pragma unroll
-        for (int w = 0; w < kThreads / 32; ++w) { sb += red[0][w][rn][rj]; sc += red[1][w][rn][rj]; }
-        if (p.det_sem) {
-          sm.chunk_dbc[0][rn][s * kSub + rj] = sb;
-          sm.chunk_dbc[1][rn][s * kSub + rj] = sc;
-        } else if (rn < p.dstate && t < L) {
-          atomicAdd(dBp + (int64_t)rn * L + t, sb);
-          atomicAdd(dCp + (int64_t)rn * L + t, sc);
-        }
+      for (int q = 0; q < 4 * 8 * kSub / kThreads; ++q) {
+        const int o = tid + q * kThreads, kn = o >> 4, rj = o & 15, rk = kn >> 3, rn = kn & 7;
+        const int sj = rj ^ red_swizzle(rk, rn);
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += red[w][rk][rn][sj];
+        const int state = rn + 8 * (rk & 1), t = t0 + s * kSub + rj;
+        if (p.det_sem) sm.chunk_dbc[rk >> 1][state][s * kSub + rj] = v;
+        else if (state < p.dstate && t < L) atomicAdd((rk >> 1 ? dCp : dBp) + (int64_t)state * L + t, v);
       }
     }
-    dA_acc += dA_chunk;
+    dAa_acc += dAa_chunk;
+    dAb_acc += dAb_chunk;
     dD_acc += dD_chunk;
     dbias_acc += dbias_chunk;
     if (p.det_sem) {
-      // Deterministic mode: the blocks of a batch row add their sums for this chunk in the order of blockIdx.x, each
-      // after the one before it (a ticket per (row, chunk)). Blocks start in index order, so the one waited for is
-      // already running or done. Plain adds through L2 (__ldcg / __stcg), published by a fence before the ticket.
-      int *ticket = p.det_sem + (int64_t)b * p.nchunks + c;
+      // Deterministic mode: the chunk's dB / dC sums are added into the partial sums of the block's group of
+      // kDetBlocks consecutive channel blocks, in the order of blockIdx.x, each block after the one before it (a ticket
+      // per (row, group, chunk)): a chain of kDetBlocks blocks, not of the whole row. The caller adds the groups' sums
+      // in a fixed order. Blocks start in index order, so the one waited for is already running or done. The adds are
+      // atomics only so that they are issued back to back without waiting for a load each: at most one block adds to
+      // an element at a time, the order of the blocks is fixed, and the fence before the ticket waits for them, so
+      // every element gets the same sum in the same order every run.
+      const int group = blockIdx.x / kDetBlocks;
+      int *ticket = p.det_sem + ((int64_t)b * p.det_groups + group) * p.nchunks + c;
+      float *part = p.det_part + (((int64_t)b * p.det_groups + group) * p.n_groups + grp) * 2 * p.dstate * L;
       __syncthreads();
       if (tid == 0) {
-        while (atomicAdd(ticket, 0) != (int)blockIdx.x) {
+        while (atomicAdd(ticket, 0) != (int)(blockIdx.x % kDetBlocks)) {
         }
         __threadfence();
       }
       __syncthreads();
-      for (int i = tid; i < kLanes * kChunk; i += kThreads) {
-        const int rn = i / kChunk, tt = i % kChunk, t = t0 + tt;
-        if (rn < p.dstate && t < L) {
-          float *pb = dBp + (int64_t)rn * L + t, *pc = dCp + (int64_t)rn * L + t;
-          __stcg(pb, __ldcg(pb) + sm.chunk_dbc[0][rn][tt]);
-          __stcg(pc, __ldcg(pc) + sm.chunk_dbc[1][rn][tt]);
-        }
+      for (int i = tid; i < 2 * kLanes * kChunk; i += kThreads) {
+        const int bc = i / (kLanes * kChunk), rn = (i / kChunk) % kLanes, tt = i % kChunk, t = t0 + tt;
+        if (rn < p.dstate && t < L) atomicAdd(part + ((int64_t)bc * p.dstate + rn) * L + t, sm.chunk_dbc[bc][rn][tt]);
       }
       __threadfence();
       __syncthreads();
@@ -510,9 +525,10 @@ __global__ void __launch_bounds__(kThreads, 2) scan_bwd_kernel(const ScanParams 
     }
   }
   // per batch row: the caller sums the rows (no atomics: the same bits every run)
-  if (d_ok && n < p.dstate) p.dA[((int64_t)b * p.dim + d) * p.dstate + n] = dA_acc;
+  if (d_ok && n < p.dstate) p.dA[((int64_t)b * p.dim + d) * p.dstate + n] = dAa_acc;
+  if (d_ok && n + 8 < p.dstate) p.dA[((int64_t)b * p.dim + d) * p.dstate + n + 8] = dAb_acc;
 #pragma unroll
-  for (int o = 8; o >= 1; o >>= 1) {
+  for (int o = 4; o >= 1; o >>= 1) {
     dD_acc += __shfl_xor_sync(0xffffffffu, dD_acc, o);
     dbias_acc += __shfl_xor_sync(0xffffffffu, dbias_acc, o);
   }
@@ -534,7 +550,7 @@ void fwd_launch(const ScanParams &p, cudaStream_t st) {
   const dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
   bool_switch(p.z != nullptr, [&](auto has_z) {
     bool_switch(use_async<in_t, w_t>(p), [&](auto async) {
-      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value><<<grid, kFwdThreads, 0, st>>>(p);
+      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value><<<grid, kThreads, 0, st>>>(p);
     });
   });
 }
@@ -547,6 +563,7 @@ void bwd_launch(const ScanParams &p, cudaStream_t st) {
     bool_switch(use_async<in_t, w_t>(p), [&](auto async) {
       auto kernel = scan_bwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value>;
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
       kernel<<<grid, kThreads, smem, st>>>(p);
     });
   });

@@ -298,7 +298,10 @@ def test_check_isolation_on_a_converted_mamba_lm(seed, lm_kind):
             if r.output_change > 0 or (r.grad_change or 0) > 0:
                 trow, tstart, tlen = rep.sequences[r.target]
                 assert r.row == trow and r.start > tstart and r.start // chunk <= (tstart + tlen - 1) // chunk, str(rep)
-        assert rep.max_output_change <= 1e-5 * out_scale, str(rep)
+        # the leak detector itself tells these changes from a leak; their size varies with the random inputs
+        # (1.8e-5 of the logits' scale seen in one run, 2.8e-6 in another)
+        assert rep.ok and rep.classification in ("none", "rounding"), str(rep)
+        assert rep.max_output_change <= 1e-4 * out_scale, str(rep)
         assert rep.max_grad_change <= 1e-2 * scale, str(rep)
     # the same model called without boundaries is caught leaking, far above any of the above
     leaky = check_isolation(lambda b: model(b["input_ids"]), batch, max_targets=2)
