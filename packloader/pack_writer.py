@@ -240,6 +240,7 @@ class _Job:
     rows_per_file: int | None
     allow_empty: bool
     files: list = field(default_factory=list)
+    digests: list = field(default_factory=list)  # the driver's source_digest of each of ``paths``
 
 
 def _check_shard(shard, settings, allow_empty: bool) -> np.ndarray:
@@ -302,6 +303,18 @@ def _open_shards(paths, s: dict) -> list:
     return shards
 
 
+def _check_objects_unchanged(job: _Job, which=None) -> None:
+    """After reading shards named by URI (``which``: their numbers in ``job.paths``; default all): each
+    object is still the one the driver fingerprinted, so the bytes read are those the index's digest
+    names (an object replaced in the bucket mid-run is an error, not a silent mix). Local files: not
+    checked (their digest costs a 1 MiB read)."""
+    for i in range(len(job.paths)) if which is None else which:
+        p = job.paths[i]
+        if _uri.is_uri(p) and i < len(job.digests) and source_digest(p) != job.digests[i]:
+            raise DataError("the object changed while pack was running (its size, modification time or "
+                            "content differs from when pack listed it); run pack again", path=p)
+
+
 def _run_job(job: _Job) -> dict:
     """Pack one shard (a per-shard job); returns its state dict (files + report), also written as its
     record. The unit of work of both engines (a process-pool worker, a Ray task, or inline)."""
@@ -315,6 +328,7 @@ def _run_job(job: _Job) -> dict:
         plan = _make_plan(lengths, s)
         t2 = time.perf_counter()
         batch = shards[0].read_all()  # validates every token (negative ids, nulls, ...)
+        _check_objects_unchanged(job)
         t3 = time.perf_counter()
         source_file = np.full(len(lengths), job.source_ids[0], np.int32)
         source_row = np.arange(len(lengths), dtype=np.int64)
@@ -384,6 +398,7 @@ def _plan_global(job: _Job) -> tuple[list, dict]:
     finally:
         for sh in shards:
             sh.close()
+    _check_objects_unchanged(job)
     t1 = time.perf_counter()
     plan = _make_plan(lengths, s)
     t2 = time.perf_counter()
@@ -420,6 +435,7 @@ def _write_parts(parts: list) -> list:
         finally:
             for sh in shards:
                 sh.close()
+        _check_objects_unchanged(job, need)
         nonempty = [b for b in batches if len(b)]
         batch = concat_batches(nonempty) if nonempty else batches[0]
         read_s = time.perf_counter() - t0
@@ -719,11 +735,11 @@ def pack_dataset(
 
     if global_packing:
         jobs = [_Job(0, paths, list(range(len(paths))), content_hash, out_dir, settings, rows_per_file,
-                     allow_empty)]
+                     allow_empty, digests=digests)]
     else:
         jobs = [
             _Job(i, [p], [i], _hash({"settings": settings, "i": i, "path": _source_id(p), "digest": d}),
-                 out_dir, settings, rows_per_file, allow_empty)
+                 out_dir, settings, rows_per_file, allow_empty, digests=[d])
             for i, (p, d) in enumerate(zip(paths, digests))
         ]
 

@@ -133,3 +133,24 @@ def test_cli_packs_from_s3(s3_store, tmp_path):
     assert main(["pack", pattern, "--capacity", "1024", "--out", str(tmp_path / "o"), "-q"]) == 0
     pack_dataset(local, tmp_path / "local", capacity=1024, quiet=True)
     assert_same_packing(tmp_path / "local", tmp_path / "o", uris)
+
+
+@pytest.mark.parametrize("global_packing", [False, True])
+def test_object_replaced_mid_run_is_an_error(s3_store, tmp_path, monkeypatch, global_packing):
+    """An object replaced after the driver fingerprinted it and before its job read it: the job says so,
+    naming the URI, and nothing is committed (the index would name one version, the rows hold another)."""
+    from packloader import pack_writer
+
+    local, pattern, uris = _shards(s3_store, tmp_path, "arrow", n=2)
+    real = pack_writer._source_digests
+
+    def digests_then_replace(paths):
+        out = real(paths)
+        s3_store.put(uris[1].split(f"{s3_store.bucket}/", 1)[1], open(local[0], "rb").read())
+        return out
+
+    monkeypatch.setattr(pack_writer, "_source_digests", digests_then_replace)
+    with pytest.raises(DataError, match="the object changed while pack was running") as e:
+        pack_dataset([pattern], tmp_path / "o", capacity=1024, global_packing=global_packing, quiet=True)
+    assert uris[1] in str(e.value)
+    assert not (tmp_path / "o" / "index.json").exists()
