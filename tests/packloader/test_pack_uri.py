@@ -154,3 +154,21 @@ def test_object_replaced_mid_run_is_an_error(s3_store, tmp_path, monkeypatch, gl
         pack_dataset([pattern], tmp_path / "o", capacity=1024, global_packing=global_packing, quiet=True)
     assert uris[1] in str(e.value)
     assert not (tmp_path / "o" / "index.json").exists()
+
+
+def test_streaming_loader_reads_s3(s3_store, tmp_path):
+    """PackedDataLoader streaming from an s3:// pattern (its worker re-creates the filesystem) yields the
+    batches it yields from the local copies."""
+    import numpy as np
+
+    from packloader import PackedDataLoader
+
+    local, pattern, uris = _shards(s3_store, tmp_path, "parquet", n=2)
+    kw = dict(capacity=1024, batch_size=3, seed=5, return_ids=True)
+    a = list(PackedDataLoader(local, **kw))
+    b = list(PackedDataLoader([pattern], num_workers=1, **kw))
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert np.array_equal(np.asarray(x[k]), np.asarray(y[k])), k
