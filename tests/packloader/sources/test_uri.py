@@ -27,6 +27,8 @@ WRITERS = {
     "arrow-stream": lambda p, s, l: write_arrow(p + ".arrows", s, l, batch_rows=70, stream=True),
     "parquet": lambda p, s, l: write_parquet(p + ".parquet", s, l, row_group_size=90),
     "tar": lambda p, s, l: write_tar(p + ".tar", s, l),
+    # names > 100 bytes (pax headers): the general indexer, which reads names out of the buffer
+    "tar-long-names": lambda p, s, l: write_tar(p + ".tar", s, l, key_prefix="k" * 120),
 }
 
 
