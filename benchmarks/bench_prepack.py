@@ -22,11 +22,19 @@ one local Ray instance with 2 CPUs, started once, outside the timed runs: its st
 apart) for W = 1 and 2, in one run; both outputs are checked equal byte for byte. Writes
 ``benchmarks/results/prepack_ray.json``.
 
+With ``--s3-moto`` it compares reading the shards from local paths with reading the same shards from
+``s3://`` URIs (pyarrow's S3 filesystem) served by a ``moto`` S3 server on 127.0.0.1, run as a separate
+process (``pip install 'moto[server]' boto3``), one packing process, per format. This is a LOCAL EMULATION:
+moto is a Python web server keeping objects in memory, on the same 2 cores as the packer; its numbers say
+what the URI path costs next to a memory map on this machine, not what S3 delivers (per-connection
+bandwidth, latency, parallel streams). Writes ``benchmarks/results/prepack_s3_moto.json``.
+
 Usage::
 
     python benchmarks/bench_prepack.py                       # ~200 M tokens per format, ~1-2 minutes
     python benchmarks/bench_prepack.py --engine ray          # local vs Ray, 1 and 2 workers
     python benchmarks/bench_prepack.py --quick               # seconds (smoke test)
+    python benchmarks/bench_prepack.py --s3-moto --tokens 5e7 --shards 4 --formats arrow,tar,parquet
     python benchmarks/bench_prepack.py --tokens 4e8 --shards 16 --formats arrow,tar,parquet \\
         --out benchmarks/results/prepack.json
 """
@@ -78,9 +86,12 @@ def parse_args(argv=None):
                         "with --engine ray)")
     p.add_argument("--engine", choices=["local", "ray"], default="local",
                    help="local: one process per format; ray: local vs Ray engine, 1 and 2 workers (Arrow)")
+    p.add_argument("--s3-moto", action="store_true",
+                   help="local paths vs s3:// URIs served by a local moto S3 server (an emulation), 1 process")
     a = p.parse_args(argv)
     if a.out is None:
-        a.out = os.path.join(ROOT, "benchmarks", "results", "prepack_ray.json" if a.engine == "ray" else "prepack.json")
+        name = "prepack_ray.json" if a.engine == "ray" else "prepack_s3_moto.json" if a.s3_moto else "prepack.json"
+        a.out = os.path.join(ROOT, "benchmarks", "results", name)
     if a.engine == "ray":
         a.formats = "arrow"
     if a.quick:
@@ -188,7 +199,7 @@ def warm_up(a, out_root):
 # ---------------------------------------------------------------------------------------------- run
 
 
-def bench_format(a, fmt, paths, n_tok, out_root) -> dict:
+def bench_format(a, fmt, paths, n_tok, out_root, input_bytes: int | None = None) -> dict:
     from packloader.pack_writer import pack_dataset
 
     out = os.path.join(out_root, f"packed-{fmt}")
@@ -209,7 +220,7 @@ def bench_format(a, fmt, paths, n_tok, out_root) -> dict:
     return {
         "format": fmt,
         "tokens": n_tok,
-        "input_bytes": sum(os.path.getsize(p) for p in paths),
+        "input_bytes": sum(os.path.getsize(p) for p in paths) if input_bytes is None else input_bytes,
         "output_bytes": out_bytes,
         "seconds": secs,
         "best_tokens_per_s": n_tok / secs[best],
@@ -311,10 +322,96 @@ def main_engines(a) -> int:
     return 0
 
 
+def _moto_server():
+    """A moto S3 server in its own process on a free port; returns (process, endpoint URL)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc, endpoint
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the moto server did not start (pip install 'moto[server]')")
+            time.sleep(0.2)
+
+
+def main_s3(a) -> int:
+    """Local paths vs s3:// URIs on a local moto server (an emulation), per format, 1 process."""
+    import boto3
+
+    load0 = os.getloadavg()
+    data = ensure_data(a)
+    out_root = a.out_dir or os.path.join(a.data_dir, "out")
+    os.makedirs(out_root, exist_ok=True)
+    proc, endpoint = _moto_server()
+    try:
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                          AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL=endpoint)
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="bench")
+        uris, upload_s = {}, {}
+        for fmt in a.formats:
+            t0 = time.perf_counter()
+            uris[fmt] = []
+            for p in data[fmt][0]:
+                client.upload_file(p, "bench", f"tok/{os.path.basename(p)}")
+                uris[fmt].append(f"s3://bench/tok/{os.path.basename(p)}")
+            upload_s[fmt] = time.perf_counter() - t0
+        warm = warm_up(a, out_root)
+        results = []
+        for fmt in a.formats:
+            paths, n_tok = data[fmt][:2]
+            size = sum(os.path.getsize(p) for p in paths)
+            local = bench_format(a, fmt, paths, n_tok, out_root)
+            remote = bench_format(a, fmt, uris[fmt], n_tok, out_root, input_bytes=size)
+            assert (remote["rows"], remote["efficiency"]) == (local["rows"], local["efficiency"])
+            results += [dict(local, source="local path"), dict(remote, source="s3:// (moto, local emulation)")]
+    finally:
+        proc.terminate()
+        proc.wait()
+    load1 = os.getloadavg()
+    print(f"pre-packing from local paths vs s3:// URIs on a LOCAL moto S3 server (a separate Python process on this "
+          f"machine: an emulation, not S3's bandwidth or latency); 1 process, capacity {a.capacity}, {a.algorithm}, "
+          f"{a.repeats} runs each; load average {load0[0]:.2f} -> {load1[0]:.2f} on {os.cpu_count()} CPUs")
+    head = (f"{'format':<8} {'source':<31} {'tokens':>12} {'MB':>7} {'best s':>7} {'median s':>9} "
+            f"{'best M tok/s':>13} {'read/plan/write s (best)':>25}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        b = r["best_run"]
+        print(f"{r['format']:<8} {r['source']:<31} {r['tokens']:>12,} {r['input_bytes'] / 1e6:>7.0f} "
+              f"{min(r['seconds']):>7.3f} {statistics.median(r['seconds']):>9.3f} {r['best_tokens_per_s'] / 1e6:>13.1f} "
+              f"{b['read_s']:>7.3f} /{b['plan_s']:>6.3f} /{b['write_s']:>7.3f}")
+    doc = {
+        "benchmark": "prepack_s3_moto",
+        "note": "s3:// served by a local moto server (Python, in-memory, same machine): an emulation, not S3",
+        "command": "python benchmarks/bench_prepack.py " + " ".join(sys.argv[1:]),
+        "config": {k: v for k, v in vars(a).items() if k not in ("out",)},
+        "machine": machine_info(load0, load1, moto=__import__("moto").__version__),
+        "warmup_seconds": warm,
+        "upload_seconds": upload_s,
+        "results": results,
+    }
+    write_result(a.out, doc)
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.engine == "ray":
         return main_engines(a)
+    if a.s3_moto:
+        return main_s3(a)
 
     load0 = os.getloadavg()
     data = ensure_data(a)

@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pack", help="pre-pack token shards into fixed-capacity Arrow rows", **fmt,
                        description="Pack token shards (.arrow/.ipc/.feather, .parquet, .tar; globs and "
                                    "{000..127} braces) into uncompressed Arrow IPC files plus index.json.")
-    p.add_argument("sources", nargs="+", help="shard files, patterns or directories")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("sources", nargs="+", help="shard files, patterns or directories, or URIs read through pyarrow "
+                                              "filesystems (s3://bucket/tok/shard-{000..127}.arrow, gs://...)")
+    p.add_argument("--out", required=True, help="output directory (a filesystem path)")
     p.add_argument("--capacity", type=int, default=4096, help="tokens per row (default: %(default)s)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="bfd",
                    help="packing algorithm (default: %(default)s)")

@@ -43,7 +43,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -65,12 +64,11 @@ from packloader.place import place_pieces, row_layout
 from packloader.prepacked import FORMAT, INDEX_NAME, VERSION, check_capacity, check_fits, packed_schema
 from packloader.report import PackingReport
 from packloader.sources import SequenceBatch, concat_batches, open_shard, resolve_sources
+from packloader.sources import uri as _uri
 
 __all__ = ["pack_dataset", "run_tasks", "ENGINES", "scatter_rows", "write_packed_file", "source_digest", "ALGORITHMS",
            "OVERFLOW"]
 
-#: a URI (``s3://``, ``gs://``, ``file://``, ...): pack reads and writes local (or mounted) paths only
-_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 #: where pack's tasks run (see :func:`run_tasks`)
 ENGINES = ("local", "ray")
 #: bytes of input_ids per Arrow record batch written (labels take as much again)
@@ -187,7 +185,10 @@ def write_packed_file(path, batch: SequenceBatch, plan, b0: int, b1: int, *, sou
 def source_digest(path) -> str:
     """A cheap content digest of a file: size, mtime and a blake2b of sampled 64 KiB blocks (all of a
     file up to 1 MiB; else the first, the last and 14 blocks in between: 1 MiB read per file, so hashing
-    costs little next to packing)."""
+    costs little next to packing). An object named by URI: :func:`packloader.sources.uri.object_digest`
+    (size, mtime, its first and last 64 KiB: two round trips)."""
+    if _uri.is_uri(path):
+        return _uri.object_digest(path)
     st = os.stat(path)
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
@@ -200,6 +201,21 @@ def source_digest(path) -> str:
                 f.seek((st.st_size - block) * k // 15)
                 h.update(f.read(block))
     return h.hexdigest()
+
+
+def _source_digests(paths: list) -> list:
+    """:func:`source_digest` of every source; objects named by URI in 16 threads (one round trip each)."""
+    if not any(_uri.is_uri(p) for p in paths):
+        return [source_digest(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=16) as ex:
+        return list(ex.map(source_digest, paths))
+
+
+def _source_id(path: str) -> str:
+    """How a source is named in the index and the hashes: its absolute path, or its URI."""
+    return path if _uri.is_uri(path) else os.path.abspath(path)
 
 
 def _hash(obj) -> str:
@@ -224,6 +240,7 @@ class _Job:
     rows_per_file: int | None
     allow_empty: bool
     files: list = field(default_factory=list)
+    digests: list = field(default_factory=list)  # the driver's source_digest of each of ``paths``
 
 
 def _check_shard(shard, settings, allow_empty: bool) -> np.ndarray:
@@ -286,6 +303,18 @@ def _open_shards(paths, s: dict) -> list:
     return shards
 
 
+def _check_objects_unchanged(job: _Job, which=None) -> None:
+    """After reading shards named by URI (``which``: their numbers in ``job.paths``; default all): each
+    object is still the one the driver fingerprinted, so the bytes read are those the index's digest
+    names (an object replaced in the bucket mid-run is an error, not a silent mix). Local files: not
+    checked (their digest costs a 1 MiB read)."""
+    for i in range(len(job.paths)) if which is None else which:
+        p = job.paths[i]
+        if _uri.is_uri(p) and i < len(job.digests) and source_digest(p) != job.digests[i]:
+            raise DataError("the object changed while pack was running (its size, modification time or "
+                            "content differs from when pack listed it); run pack again", path=p)
+
+
 def _run_job(job: _Job) -> dict:
     """Pack one shard (a per-shard job); returns its state dict (files + report), also written as its
     record. The unit of work of both engines (a process-pool worker, a Ray task, or inline)."""
@@ -299,6 +328,7 @@ def _run_job(job: _Job) -> dict:
         plan = _make_plan(lengths, s)
         t2 = time.perf_counter()
         batch = shards[0].read_all()  # validates every token (negative ids, nulls, ...)
+        _check_objects_unchanged(job)
         t3 = time.perf_counter()
         source_file = np.full(len(lengths), job.source_ids[0], np.int32)
         source_row = np.arange(len(lengths), dtype=np.int64)
@@ -368,6 +398,7 @@ def _plan_global(job: _Job) -> tuple[list, dict]:
     finally:
         for sh in shards:
             sh.close()
+    _check_objects_unchanged(job)
     t1 = time.perf_counter()
     plan = _make_plan(lengths, s)
     t2 = time.perf_counter()
@@ -404,6 +435,7 @@ def _write_parts(parts: list) -> list:
         finally:
             for sh in shards:
                 sh.close()
+        _check_objects_unchanged(job, need)
         nonempty = [b for b in batches if len(b)]
         batch = concat_batches(nonempty) if nonempty else batches[0]
         read_s = time.perf_counter() - t0
@@ -492,15 +524,19 @@ def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> Non
         raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
 
 
-def _refuse_uris(sources, out_dir) -> None:
-    """A URI is refused with what to do instead (the readers and the atomic renames need a filesystem
-    path; object stores have no atomic rename)."""
-    items = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
-    for what, x in [("source", x) for x in items] + [("output directory", out_dir)]:
-        if isinstance(x, str) and _URI_RE.match(x):
-            raise DataError(f"{what} is a URI; pack reads and writes filesystem paths only: mount the bucket "
-                            "(s3fs, gcsfuse, mountpoint-s3) or use a shared filesystem, and give its path "
-                            "(file:// URIs: give the path without the scheme); see docs/cluster.md", path=x)
+def _local_out_dir(out_dir) -> str:
+    """The output directory as a filesystem path (a ``file://`` URI is one); any other URI is refused
+    with what to do instead: the commit protocol (temp file, atomic rename, ``index.json`` last) needs
+    a filesystem, and object stores have no atomic rename."""
+    out_dir = os.fspath(out_dir)
+    if _uri.is_uri(out_dir):
+        local = _uri.local_path(out_dir)
+        if local is None:
+            raise DataError("output directory is a URI; pack writes to a filesystem path only (local, or shared "
+                            "by the nodes: NFS, Lustre, ...): pack there, then upload the finished directory "
+                            "(index.json last); shards may be URIs; see docs/cluster.md", path=out_dir)
+        return local
+    return out_dir
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -596,9 +632,12 @@ def pack_dataset(
     """Pack token shards into fixed-capacity rows, written as Arrow IPC files plus ``index.json``.
 
     Args:
-        sources: shard paths or patterns (globs, braces ``shard-{000..127}.tar``, directories); see
-            :func:`packloader.sources.resolve_sources`.
-        out_dir: the output directory (created if needed).
+        sources: shard paths or patterns (globs, braces ``shard-{000..127}.tar``, directories), or URIs
+            read through pyarrow filesystems (``s3://bucket/tok/shard-{000..127}.arrow``, ``gs://...``;
+            credentials from the filesystem's environment, on every worker); see
+            :func:`packloader.sources.resolve_sources` and :mod:`packloader.sources.uri`.
+        out_dir: the output directory (created if needed): a filesystem path (or ``file://`` URI); other
+            URIs are refused (pack there, then upload the finished directory).
         capacity: tokens per packed row, at most :data:`packloader.prepacked.MAX_CAPACITY` (2**24).
             Default 4096.
         algorithm: ``"bfd"`` (default), ``"ffd"``, ``"first_fit"``, ``"next_fit"`` or ``"online"``
@@ -666,9 +705,8 @@ def pack_dataset(
     _check_int("vocab_size", vocab_size, 1, optional=True)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
-    _refuse_uris(sources, out_dir)
+    out_dir = _local_out_dir(out_dir)
     paths = resolve_sources(sources)
-    out_dir = os.fspath(out_dir)
     settings = {
         "capacity": int(capacity), "algorithm": algorithm, "overflow": overflow, "token_column": token_column,
         "labels_column": labels_column, "global_packing": bool(global_packing),
@@ -677,12 +715,12 @@ def pack_dataset(
     }
     if vocab_size is not None:  # (absent otherwise: directories packed before keep their content hash)
         settings["vocab_size"] = int(vocab_size)
-    digests = [source_digest(p) for p in paths]
-    content_hash = _hash({"settings": settings, "sources": [[os.path.abspath(p), d] for p, d in zip(paths, digests)]})
+    digests = _source_digests(paths)
+    content_hash = _hash({"settings": settings, "sources": [[_source_id(p), d] for p, d in zip(paths, digests)]})
 
     claim_output_dir(out_dir, "pack", allow_nonempty=allow_nonempty, reserved=(INDEX_NAME,))
     old_index = read_index_raw(out_dir)
-    check_sources_not_outputs(paths, out_dir, old_index)
+    check_sources_not_outputs([p for p in paths if not _uri.is_uri(p)], out_dir, old_index)
     existing = read_existing_index(out_dir)
     if existing is not None and existing.get("content_hash") == content_hash and "report" in existing:
         # an earlier run may have been killed after its index swap, before its cleanup: finish that
@@ -697,11 +735,11 @@ def pack_dataset(
 
     if global_packing:
         jobs = [_Job(0, paths, list(range(len(paths))), content_hash, out_dir, settings, rows_per_file,
-                     allow_empty)]
+                     allow_empty, digests=digests)]
     else:
         jobs = [
-            _Job(i, [p], [i], _hash({"settings": settings, "i": i, "path": os.path.abspath(p), "digest": d}),
-                 out_dir, settings, rows_per_file, allow_empty)
+            _Job(i, [p], [i], _hash({"settings": settings, "i": i, "path": _source_id(p), "digest": d}),
+                 out_dir, settings, rows_per_file, allow_empty, digests=[d])
             for i, (p, d) in enumerate(zip(paths, digests))
         ]
 
@@ -766,8 +804,9 @@ def pack_dataset(
         "labels_column": labels_column,
         "settings": settings,
         "files": files,
-        "sources": [os.path.abspath(p) for p in paths],
-        "source_paths": "absolute",  # resolved at pack time (before: as given, relative to pack's directory)
+        "sources": [_source_id(p) for p in paths],
+        # resolved at pack time (before: as given, relative to pack's directory); a shard read by URI: its URI
+        "source_paths": "absolute",
         "source_digests": digests,
         "content_hash": content_hash,
         "job_hashes": [j.job_hash for j in jobs] + part_hashes,

@@ -28,8 +28,10 @@ Where it runs::
     ray_address="ray://head:10001"   a remote cluster (Ray Client)
 
 On a cluster every node must import the same packloader version (install it in the nodes' image, or
-pass a ``runtime_env`` to your own ``ray.init`` before calling ``pack``), and every shard path and the
-output directory must name the same files on every node (a shared filesystem); see docs/cluster.md.
+pass a ``runtime_env`` to your own ``ray.init`` before calling ``pack``); every shard must be readable
+from every node under its name (a path on a shared filesystem, or a URI such as ``s3://bucket/tok/x.arrow``,
+which each task opens with pyarrow and its node's own credentials: :mod:`packloader.sources.uri`), and the
+output directory must be the same directory on every node (a shared filesystem); see docs/cluster.md.
 
 Example::
 
@@ -37,6 +39,8 @@ Example::
     >>> ray.init(address="auto")                                                 # doctest: +SKIP
     >>> from packloader import pack_dataset
     >>> pack_dataset("/shared/tok/*.arrow", "/shared/packed", engine="ray", workers=64)  # doctest: +SKIP
+    >>> pack_dataset("s3://bucket/tok/shard-{000..999}.arrow", "/shared/packed2", engine="ray",
+    ...              workers=64)                                                    # doctest: +SKIP
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 One module per concept: :mod:`~packloader.sources.patterns` (paths, braces, globs, directories),
 :mod:`~packloader.sources.base` (:class:`SequenceBatch`, the :class:`Shard` interface, the id checks),
 :mod:`~packloader.sources.arrow`, :mod:`~packloader.sources.parquet`, :mod:`~packloader.sources.tar` (reader
-and writer; its Numba walk and index in ``_tarindex``; the ``.npy`` header in ``_npy``). This module
-re-exports their public names and picks the reader (:func:`open_shard`).
+and writer; its Numba walk and index in ``_tarindex``; the ``.npy`` header in ``_npy``),
+:mod:`~packloader.sources.uri` (shards named by URI, ``s3://`` / ``gs://`` / ..., read through pyarrow
+filesystems). This module re-exports their public names and picks the reader (:func:`open_shard`).
 
 A *shard* is one file of tokenized sequences. :func:`open_shard` picks a reader by the file's suffix and
 returns a :class:`Shard`, which yields :class:`SequenceBatch` es: flat ``int32`` token arrays plus
@@ -40,8 +41,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pyarrow as pa
 
 from packloader.errors import DataError
+from packloader.sources import uri
 from packloader.sources.arrow import ArrowShard
 from packloader.sources.base import DEFAULT_BATCH_ROWS, SequenceBatch, Shard, concat_batches
 from packloader.sources.parquet import ParquetShard
@@ -79,7 +82,9 @@ def open_shard(
     """Open one shard, choosing the reader by its suffix.
 
     Args:
-        path: the shard file (``.arrow`` / ``.ipc`` / ``.feather``, ``.parquet`` / ``.pq``, ``.tar``).
+        path: the shard file (``.arrow`` / ``.ipc`` / ``.feather``, ``.parquet`` / ``.pq``, ``.tar``), or its
+            URI (``s3://bucket/tok/shard-000.arrow``; read through a pyarrow filesystem, see
+            :mod:`packloader.sources.uri`).
         token_column: the column (or, in a tar, the member ``KEY.<token_column>.npy``; ``KEY.npy`` is
             accepted too) holding the token ids. Default ``"input_ids"``.
         labels_column: the optional labels column / member (``-100`` marks tokens without loss). When
@@ -93,20 +98,29 @@ def open_shard(
         An :class:`ArrowShard`, :class:`ParquetShard` or :class:`TarShard`.
 
     Raises:
-        DataError: unsupported suffix, unreadable or corrupt file, missing token column, wrong type.
+        DataError: unsupported suffix, missing, unreadable or corrupt file (or object), missing token
+            column, wrong type; naming the path or URI.
     """
-    fmt = shard_format(path)
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    remote = uri.is_uri(path) and uri.local_path(path) is None
+    if not remote and uri.is_uri(path):
+        path = uri.local_path(path)
+    fmt = shard_format(path.split("?", 1)[0] if remote else path)
+    if not remote and not os.path.isfile(path):
         raise DataError("no such file", path=path)
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
                                    or vocab_size < 1):
         raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
+    # a URI: the object in memory (Arrow IPC, tar: their readers need every byte) or a random-access
+    # file (Parquet: only the columns read are fetched); a path: memory-mapped (packloader.sources.uri)
     if fmt == "arrow":
-        shard = ArrowShard(path, token_column, labels_column)
+        shard = ArrowShard(path, token_column, labels_column,
+                           source=pa.BufferReader(uri.read_object(path)) if remote else None)
     elif fmt == "parquet":
-        shard = ParquetShard(path, token_column, labels_column, batch_rows=batch_rows)
+        shard = ParquetShard(path, token_column, labels_column, batch_rows=batch_rows,
+                             source=uri.open_random_access(path) if remote else None)
     else:
-        shard = TarShard(path, token_column, labels_column, batch_rows=batch_rows)
+        shard = TarShard(path, token_column, labels_column, batch_rows=batch_rows,
+                         data=uri.read_object(path) if remote else None)
     shard.vocab_size = None if vocab_size is None else int(vocab_size)
     return shard

@@ -82,6 +82,9 @@ class ArrowShard(Shard):
         path: the ``.arrow`` / ``.ipc`` / ``.feather`` file.
         token_column: the ``list<int32>`` / ``large_list<int32>`` token column. Default ``"input_ids"``.
         labels_column: optional labels column (same row lengths); None to ignore.
+        source: optional pyarrow random-access file holding the shard (``path`` then only names it, e.g.
+            the URI of an object read into memory by :func:`~packloader.sources.open_shard`); default:
+            the memory map of ``path``.
 
     Example::
 
@@ -92,12 +95,13 @@ class ArrowShard(Shard):
 
     format = "arrow"
 
-    def __init__(self, path, token_column: str = "input_ids", labels_column: str | None = "labels"):
+    def __init__(self, path, token_column: str = "input_ids", labels_column: str | None = "labels", *,
+                 source=None):
         self.path = os.fspath(path)
         self.token_column = token_column
         self.labels_column = labels_column
         try:
-            self._source = pa.memory_map(self.path, "r")
+            self._source = pa.memory_map(self.path, "r") if source is None else source
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"cannot open Arrow file: {e}", path=self.path) from None
         try:

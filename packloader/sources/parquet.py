@@ -22,6 +22,8 @@ class ParquetShard(Shard):
         token_column: the ``list<int32>`` / ``large_list<int32>`` token column. Default ``"input_ids"``.
         labels_column: optional labels column; None to ignore.
         batch_rows: rows per yielded batch.
+        source: optional pyarrow random-access file of the shard (``path`` then only names it, e.g. an
+            object's URI: see :func:`~packloader.sources.open_shard`); default: the memory map of ``path``.
 
     Example::
 
@@ -31,18 +33,24 @@ class ParquetShard(Shard):
     format = "parquet"
 
     def __init__(self, path, token_column: str = "input_ids", labels_column: str | None = "labels",
-                 *, batch_rows: int = DEFAULT_BATCH_ROWS):
+                 *, batch_rows: int = DEFAULT_BATCH_ROWS, source=None):
         import pyarrow.parquet as pq
 
         self.path = os.fspath(path)
         self.token_column = token_column
         self.labels_column = labels_column
         self.batch_rows = int(batch_rows)
+        self._source = source
         try:
             # page checksums (CRC32), where the writer stored them, are verified on every read
-            self._pf = pq.ParquetFile(self.path, memory_map=True, page_checksum_verification=True)
+            if source is None:
+                self._pf = pq.ParquetFile(self.path, memory_map=True, page_checksum_verification=True)
+            else:  # (a remote file: its column chunks fetched in coalesced reads)
+                self._pf = pq.ParquetFile(source, page_checksum_verification=True, pre_buffer=True)
             schema = self._pf.schema_arrow
         except (pa.ArrowException, OSError, ValueError) as e:
+            if source is not None:
+                source.close()
             raise DataError(f"corrupt or unreadable Parquet file: {type(e).__name__}: {e}", path=self.path) from None
         self.schema = schema
         check_list_type(self.path, schema, token_column, required=True, what="token")
@@ -119,3 +127,5 @@ class ParquetShard(Shard):
             self._pf.close()
         except AttributeError:
             pass
+        if self._source is not None:
+            self._source.close()

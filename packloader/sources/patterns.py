@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from typing import Iterable
 
 from packloader.errors import DataError
@@ -17,6 +18,8 @@ __all__ = ["resolve_sources", "expand_braces", "shard_format", "ARROW_SUFFIXES",
 ARROW_SUFFIXES = (".arrow", ".arrows", ".ipc", ".feather")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 TAR_SUFFIXES = (".tar",)
+#: ``scheme://``: a URI (see :mod:`packloader.sources.uri`)
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 SUPPORTED_SUFFIXES = ARROW_SUFFIXES + PARQUET_SUFFIXES + TAR_SUFFIXES
 
 
@@ -79,6 +82,10 @@ def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -
     ``packloader prepare`` stands for exactly the shards its ``prepare.json`` lists (so shards of another
     output set can never be counted twice). Duplicates are dropped, keeping the first occurrence.
 
+    A URI (``s3://bucket/tok/shard-{000..127}.arrow``, ``gs://bucket/tok/*.parquet``) is resolved on its
+    filesystem's listing, the same way (:func:`packloader.sources.uri.resolve_uri`); a ``file://`` URI is the
+    local path it names.
+
     Args:
         patterns: one pattern or an iterable of patterns (str or path-like).
 
@@ -86,7 +93,7 @@ def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -
         Paths (str), in pattern order.
 
     Raises:
-        DataError: a pattern matches no file, or names a file with an unsupported suffix; a directory
+        DataError: a pattern matches no file (object), or names a file with an unsupported suffix; a directory
             written by ``packloader pack`` (a pre-packed directory, finished or not, is not a set of
             token shards); a ``prepare`` directory whose manifest lists a missing shard.
 
@@ -101,6 +108,17 @@ def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -
     for pattern in patterns:
         pattern = os.fspath(pattern)
         matched: list[str] = []
+        if isinstance(pattern, str) and _URI_RE.match(pattern):
+            from packloader.sources import uri
+
+            local = uri.local_path(pattern)
+            if local is None:
+                for p in uri.resolve_uri(pattern):
+                    if p not in seen:
+                        seen.add(p)
+                        out.append(p)
+                continue
+            pattern = local
         literal = os.path.exists(pattern)
         for expanded in ([pattern] if literal else expand_braces(pattern)):
             if os.path.isdir(expanded):

@@ -43,6 +43,9 @@ class TarShard(Shard):
             ``"input_ids"``.
         labels_column: member extension stem of the labels; None to ignore labels.
         batch_rows: samples per yielded batch.
+        data: optional bytes-like object holding the whole tar (``path`` then only names it, e.g. the URI
+            of an object read by :func:`~packloader.sources.open_shard`); default: the memory map of
+            ``path``.
 
     Raises:
         DataError: corrupt or truncated tar (bad header checksum, member beyond the end of the file),
@@ -59,17 +62,23 @@ class TarShard(Shard):
     format = "tar"
 
     def __init__(self, path, token_column: str = "input_ids", labels_column: str | None = "labels",
-                 *, batch_rows: int = DEFAULT_BATCH_ROWS):
+                 *, batch_rows: int = DEFAULT_BATCH_ROWS, data=None):
         self.path = os.fspath(path)
         self.token_column = token_column
         self.labels_column = labels_column
         self.batch_rows = int(batch_rows)
-        self._file = open(self.path, "rb")
-        size = os.fstat(self._file.fileno()).st_size
+        self._file = None
+        if data is not None:  # the whole tar in memory (an object read by open_shard)
+            self._mm = memoryview(data).cast("B")
+            self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+            size = -1
+        else:
+            self._file = open(self.path, "rb")
+            size = os.fstat(self._file.fileno()).st_size
         if size == 0:
             self._mm = None
             self._buf = np.zeros(0, np.uint8)
-        else:
+        elif size > 0:
             self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
             self._buf = np.frombuffer(self._mm, dtype=np.uint8)
         try:
@@ -120,7 +129,7 @@ class TarShard(Shard):
         if m:
             has_prefix = np.flatnonzero((buf[pos + 345] != 0) & (buf[pos + 257] == ord("u")))
             for i in has_prefix.tolist():
-                prefix = mm[pos[i] + 345:pos[i] + 500].split(b"\0", 1)[0]
+                prefix = bytes(mm[pos[i] + 345:pos[i] + 500]).split(b"\0", 1)[0]
                 names[i] = prefix + b"/" + names[i]
         # GNU long names and pax headers name the member that follows them
         skip = np.zeros(m, bool)
@@ -129,7 +138,7 @@ class TarShard(Shard):
             for i in special.tolist():
                 skip[i] = True
                 data = int(pos[i]) + 512
-                block = mm[data:data + int(sizes[i])]
+                block = bytes(mm[data:data + int(sizes[i])])
                 if i + 1 < m:
                     if flags[i] == ord("L"):
                         names[i + 1] = block.split(b"\0", 1)[0]
@@ -293,12 +302,14 @@ class TarShard(Shard):
     def close(self) -> None:
         self._buf = np.zeros(0, np.uint8)
         mm = getattr(self, "_mm", None)
-        if mm is not None:
+        if isinstance(mm, mmap.mmap):
             try:
                 mm.close()
             except BufferError:  # a batch still views the map; it is released with the last view
                 pass
-        self._file.close()
+        self._mm = None
+        if self._file is not None:
+            self._file.close()
 
 
 # ---- writing ----------------------------------------------------------------------------------------

@@ -222,3 +222,64 @@ def seed():
     s = int(env) if env else int(np.random.SeedSequence().entropy % (2**31))
     print(f"random seed {s} (replay: PACKLOADER_TEST_SEED={s})")
     return s
+
+
+# ----------------------------------------------------------------------------------------------------
+# object storage: a moto S3 server (``pip install 'moto[server]' boto3``; the tests skip without it)
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+          "AWS_EC2_METADATA_DISABLED": "true"}
+S3_BUCKET = "packloader-test"
+
+
+class S3Store:
+    """The session's moto S3 server: ``endpoint`` (``http://127.0.0.1:PORT``), ``bucket``, ``client`` (boto3),
+    ``env`` (the standard AWS variables pointing at it, set in ``os.environ`` while the session runs)."""
+
+    def __init__(self, endpoint: str, client, env: dict):
+        self.endpoint, self.client, self.env, self.bucket = endpoint, client, env, S3_BUCKET
+
+    def upload(self, path, key: str) -> str:
+        """Upload the local file ``path`` as ``key``; returns its ``s3://`` URI."""
+        with open(path, "rb") as f:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=f.read())
+        return f"s3://{self.bucket}/{key}"
+
+    def put(self, key: str, body: bytes) -> str:
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=body)
+        return f"s3://{self.bucket}/{key}"
+
+
+@pytest.fixture(scope="session")
+def s3_store():
+    """A moto S3 server (``ThreadedMotoServer``) on 127.0.0.1 at a free port, with one bucket, and the
+    standard AWS environment variables (credentials, region, ``AWS_ENDPOINT_URL``) pointing at it for the
+    session, so that ``pyarrow.fs.FileSystem.from_uri("s3://...")`` reaches it in this process and in
+    the processes it starts."""
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    boto3 = pytest.importorskip("boto3", reason="boto3 is not installed")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = dict(S3_ENV, AWS_ENDPOINT_URL=endpoint)
+    saved = {k: os.environ.get(k) for k in [*env, "AWS_SESSION_TOKEN", "AWS_PROFILE"]}
+    os.environ.update(env)
+    for k in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        os.environ.pop(k, None)
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                              aws_secret_access_key="testing")
+        client.create_bucket(Bucket=S3_BUCKET)
+        yield S3Store(endpoint, client, env)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
