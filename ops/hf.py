@@ -734,7 +734,8 @@ def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool =
                           + " (whether they isolate packed sequences depends on their attn_implementation)")
         raise NotImplementedError(
             f"enable_packing: {type(model).__name__} is not supported: it converts transformers' Mamba, FalconMamba "
-            f"and Mamba-2 models (*ForCausalLM / *Model, every layer a MambaMixer / FalconMambaMixer / Mamba2Mixer)"
+            f"and Mamba-2 models (*ForCausalLM / *Model, every layer a MambaMixer / FalconMambaMixer / Mamba2Mixer) "
+            f"and the Mamba-2 layers of the hybrids Bamba, NemotronH, GraniteMoeHybrid, FalconH1 and Zamba2"
             + (". Found " + "; ".join(detail) if detail else "")
             + ". Nothing was changed. For such a model, transformers' own padding-free path "
               "(DataCollatorWithFlattening(return_seq_idx=True), attn_implementation='flash_attention_2', mamba-ssm "

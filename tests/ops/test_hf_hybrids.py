@@ -313,5 +313,6 @@ def test_gpu_packed_equals_per_sequence(family, attn, cuda):
     # mamba-ssm's chunk scan rounds across boundaries (~3e-5 relative) and backward kernels add with
     # atomics; check_isolation tells rounding from a leak (a leak here is O(1))
     report = ops.check_isolation(lambda b: model(b["input_ids"], position_ids=b["position_ids"]).logits,
-                                 {"input_ids": ids, "position_ids": pos}, embedding=model.get_input_embeddings())
+                                 {"input_ids": ids, "position_ids": pos}, embedding=model.get_input_embeddings(),
+                                 atol=1e-3)
     assert report.ok, report
