@@ -1,4 +1,4 @@
-"""``enable_packing`` for Hugging Face transformers' Mamba, FalconMamba and Mamba-2 models.
+"""``enable_packing`` for Hugging Face transformers' Mamba, FalconMamba and Mamba-2 models and Mamba-2 hybrids.
 
 :func:`ops.enable_packing` hands a transformers model here (detected by its class's module, never by
 importing transformers). Supported, transformers >= 5.0 (tested: 5.0.0 and 5.23.0):
@@ -16,7 +16,30 @@ model                                        mixers run on packed rows by
                                              ``ops.packed_selective_scan`` (the SSD recurrence as a
                                              scan with one A per head), because transformers' PyTorch
                                              path cannot use ``seq_idx`` (5.23 refuses it, 5.0 drops it)
+hybrids ``BambaForCausalLM``,                the Mamba-2 layers as ``Mamba2ForCausalLM``'s (transformers'
+``NemotronHForCausalLM`` (not in 5.0),       forward with ``seq_idx`` where mamba-ssm serves it, else the
+``GraniteMoeHybrid``,                        packed conv + scan; FalconH1's muP multipliers and optional
+``FalconH1``, ``Zamba2`` (``*ForCausalLM``   norm included); the attention layers stay transformers' own,
+/ ``*Model``)                                fed the boundaries it isolates with (see below)
 ==========================================  ===========================================================
+
+Hybrids: attention. The converted hybrid passes ``position_ids`` on (derived from ``seq_idx`` /
+``cu_seq_lens_q`` when only those are given), drops an all-ones ``attention_mask`` (a mask with zeros
+is refused: transformers' attention would then ignore the packing) and, for flash attention, adds
+``cu_seq_lens_q/k`` + ``max_length_q/k``. Which ``attn_implementation`` then isolates packed rows
+(checked by ``tests/ops/test_hf_hybrids.py`` in 5.0.0 and 5.23.0; flash attention by its GPU test):
+
+=====================================  ==========================  ===============================
+model                                  eager / sdpa                flash_attention_2 / _3
+=====================================  ==========================  ===============================
+Bamba, FalconH1, Zamba2                5.23: yes; 5.0: no          yes (varlen from cu_seq_lens)
+NemotronH                              5.23: yes                   yes
+GraniteMoeHybrid                       no (mask w/o position_ids)  yes
+=====================================  ==========================  ===============================
+
+Where it does not, ``enable_packing`` refuses with the layers and the implementation named, or, with
+``allow_unprotected_attention=True``, converts the SSM layers, warns, and records the attention
+layers in ``model._packloader_conversion["left_unsafe"]``. Any other implementation is refused.
 
 After conversion::
 
@@ -39,9 +62,10 @@ recomputes with the same boundaries::
 
 Without boundaries the converted model runs transformers' own code, unchanged; generation
 (``cache_params``) too. Conversion swaps classes only: parameters, ``state_dict`` keys and
-checkpoints are untouched. Hybrid models (Jamba, Bamba, Zamba2, FalconH1, NemotronH,
-GraniteMoeHybrid...) are refused with the layers named: their SSM mixers are other classes and
-their attention layers would need transformers' own packed attention.
+checkpoints are untouched. Hybrids carry the boundaries the same way (a shared slot set by the
+model's forward, lent to the SSM mixers by every converted layer on the way, as a keyword argument of
+that layer's call so checkpointing replays it, Zamba2's nested layers included). Other hybrids (Jamba,
+whose SSM layers are Mamba-1 mixers of its own class) are refused with the layers named.
 """
 from __future__ import annotations
 
@@ -692,15 +716,19 @@ def _enable_packing_hybrid(model: nn.Module, backbone: nn.Module, validate: bool
 
 def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool = True,
                       allow_unprotected_attention: bool = False) -> nn.Module:
-    """Convert a transformers Mamba / FalconMamba / Mamba-2 model in place (see the module docstring).
+    """Convert a transformers Mamba / FalconMamba / Mamba-2 model or a Mamba-2 hybrid in place (see the
+    module docstring).
 
     Args:
         model: ``MambaForCausalLM``, ``MambaModel``, ``FalconMambaForCausalLM``, ``FalconMambaModel``,
-            ``Mamba2ForCausalLM`` or ``Mamba2Model`` (or subclasses).
-        strict: a transformers model with layers this cannot protect (hybrid SSM / attention
-            models) is refused either way; ``strict`` is accepted for the same signature as
+            ``Mamba2ForCausalLM`` or ``Mamba2Model``, or ``Bamba``, ``NemotronH``, ``GraniteMoeHybrid``,
+            ``FalconH1``, ``Zamba2`` (``*ForCausalLM`` / ``*Model``), or subclasses.
+        strict: a transformers model with layers this cannot protect (SSM layers of other
+            classes) is refused either way; ``strict`` is accepted for the same signature as
             :func:`ops.enable_packing`.
         validate: check the boundaries once per batch (one host sync).
+        allow_unprotected_attention: for a hybrid whose ``attn_implementation`` does not isolate
+            packed sequences (table above): convert the SSM layers and warn instead of refusing.
 
     Returns:
         ``model``, converted: ``model(input_ids, position_ids=...)`` (or ``seq_idx=`` /
@@ -708,7 +736,8 @@ def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool =
         ``model._packloader_conversion``.
 
     Raises:
-        NotImplementedError: an unsupported transformers model, naming its SSM and attention layers.
+        NotImplementedError: an unsupported transformers model, naming its SSM and attention layers; a
+            hybrid whose attention does not isolate packed sequences (without the flag above).
     """
     version = getattr(sys.modules.get("transformers"), "__version__", "0")
     if int(version.split(".")[0]) < 5:
