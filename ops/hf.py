@@ -461,9 +461,10 @@ def _mamba2_forward(self, base_forward, args, kwargs):
 #       the model hands it position_ids, no 2D attention_mask and no cache (5.23: Bamba, NemotronH, FalconH1,
 #       Zamba2; not GraniteMoeHybrid, whose mask gets no position_ids; not 5.0's Bamba / FalconH1 / Zamba2,
 #       whose legacy _update_causal_mask ignores them). Verified by tests/ops/test_hf_hybrids.py.
-#   flash_attention_2 / _3: varlen attention from cu_seq_lens_q/k + max_length_q/k, which the converted
-#       model adds to the kwargs every layer receives (transformers' own detection from position_ids
-#       works for one row per batch only). Verified by the GPU test where flash-attn is installed.
+#   flash_attention_2 / _3: varlen attention from cu_seq_lens_q/k + max_length_q/k, which each converted
+#       attention layer adds to its own keyword arguments (transformers' own detection from position_ids works
+#       for one row per batch only, and 5.0's FalconH1 / Zamba2 pass no kwargs from the model to the layers).
+#       Verified on the CPU with a stand-in for the kernel, and by the GPU test where flash-attn is installed.
 
 _MASK_ATTENTION = ("eager", "sdpa")
 _FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
@@ -519,13 +520,11 @@ def _hybrid_model_forward(self, base_forward, args, kwargs):
     bounds = _resolve(dict(given), batch, seqlen, device, getattr(self, "_packloader_validate", True))
     pos = bounds[0]
     kwargs["position_ids"] = given["position_ids"] if given.get("position_ids") is not None else pos.long()
+    varlen = None
     if _attn_implementation(self) in _FLASH_ATTENTION:
-        flash = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-        if all(given.get(k) is not None for k in flash):
-            kwargs.update({k: given[k] for k in flash})
-        else:
-            cu, max_len = position_ids_to_cu_seqlens(pos)
-            kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+        cu, max_len = position_ids_to_cu_seqlens(pos)
+        varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+    bounds = (bounds[0], bounds[1], varlen)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         if not bool(mask.all()):
@@ -563,6 +562,15 @@ def _hybrid_block_forward(self, base_forward, args, kwargs):
         return base_forward(self, *args, **kwargs)
     finally:
         slot.value = outer
+
+
+def _hybrid_attention_forward(self, base_forward, args, kwargs):
+    """An attention layer of a converted hybrid: under flash attention, the varlen keyword arguments of the
+    batch's boundaries (whatever the layers above passed on)."""
+    bounds = self._packloader_slot.value
+    if bounds is not None and bounds[2] is not None:
+        kwargs.update(bounds[2])
+    return base_forward(self, *args, **kwargs)
 
 
 def _hybrid_mixer_forward(self, base_forward, args, kwargs):
@@ -628,6 +636,8 @@ def _swap(m: nn.Module, role: str) -> None:
             attrs["__call__"] = _wrap(_hybrid_block_call, cls.__call__)
         elif role == "hybrid":
             attrs["forward"] = _wrap(_hybrid_mixer_forward, cls.forward)
+        elif role == "hybrid_attention":
+            attrs["forward"] = _wrap(_hybrid_attention_forward, cls.forward)
         new = type(f"Packed{cls.__name__}", (cls,), attrs)
         _CLASS_CACHE[key] = new
     m.__class__ = new
@@ -654,7 +664,7 @@ def _hybrid_backbone(model: nn.Module) -> Optional[nn.Module]:
 def _enable_packing_hybrid(model: nn.Module, backbone: nn.Module, validate: bool,
                            allow_unprotected_attention: bool) -> nn.Module:
     prefix = "" if backbone is model else next(n for n, m in model.named_children() if m is backbone) + "."
-    mixers, other_ssm, attention = [], [], []
+    mixers, other_ssm, attention, attention_names = [], [], [], []
     for name, m in backbone.named_modules():
         kind = _mixer_kind(m)
         if kind == "hybrid":
@@ -663,6 +673,7 @@ def _enable_packing_hybrid(model: nn.Module, backbone: nn.Module, validate: bool
             other_ssm.append(f"{prefix}{name} ({type(m).__name__})")
         elif _looks_like_attention(m):
             attention.append(f"{prefix}{name} ({type(m).__name__})")
+            attention_names.append(name)
     if other_ssm:
         raise NotImplementedError(
             f"enable_packing: {type(model).__name__} has SSM layers of a class packloader does not convert: "
@@ -699,13 +710,17 @@ def _enable_packing_hybrid(model: nn.Module, backbone: nn.Module, validate: bool
         top.__dict__["_packloader_slot"] = slot
         top.__dict__["_packloader_validate"] = validate
     modules = dict(backbone.named_modules())
-    for name, m in mixers:
-        parts = name.split(".")  # layers.<i>[.<sub>...].<mixer>: every layer on the way lends the boundaries
+    leaves = [(n, m, "hybrid") for n, m in mixers] + [(n, modules[n], "hybrid_attention") for n in attention_names]
+    for layer in backbone.layers:  # every layer (its call carries the boundaries; see _hybrid_block_forward)
+        _swap(layer, "hybrid_block")
+        layer.__dict__["_packloader_slot"] = slot
+    for name, m, role in leaves:
+        parts = name.split(".")  # layers.<i>[.<sub>...].<leaf>: every layer on the way refills the slot
         for depth in range(2, len(parts)):
             block = modules[".".join(parts[:depth])]
             _swap(block, "hybrid_block")
             block.__dict__["_packloader_slot"] = slot
-        _swap(m, "hybrid")
+        _swap(m, role)
         m.__dict__["_packloader_slot"] = slot
     model.__dict__["_packloader_conversion"] = {
         "mamba1": [], "mamba2": [prefix + n for n, _ in mixers], "attention": impl,

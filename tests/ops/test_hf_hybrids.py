@@ -262,6 +262,61 @@ def test_attention_mask_and_cache_errors():
             model(ids, seq_idx=ops.position_ids_to_seq_idx(pos), use_cache=True)
 
 
+def _varlen_attention_double(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                             cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """A CPU stand-in for transformers' flash_attention_2 on an unpadded batch, doing what the kernel does
+    with the keyword arguments it is handed: causal attention within each cu_seq_lens_q segment of the
+    flattened rows when they are given (flash_attn_varlen_func), over each whole row when not (flash_attn_func
+    with batch > 1 ignores position_ids). query (b, heads, l, d); key / value (b, kv_heads, l, d)."""
+    assert attention_mask is None  # no padding: transformers' flash mask is None
+    b, heads, length, _ = query.shape
+    key = key.repeat_interleave(heads // key.shape[1], dim=1)
+    value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    if cu_seq_lens_q is not None:
+        assert max_length_q is not None
+        token = torch.arange(b * length, device=query.device)
+        seg = (torch.searchsorted(cu_seq_lens_q[1:].to(token.dtype), token, right=True)).view(b, length)
+    else:
+        seg = torch.zeros(b, length, dtype=torch.long, device=query.device)
+    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    allowed = causal[None] & (seg[:, :, None] == seg[:, None, :])  # (b, l, l)
+    scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return (scores.softmax(-1) @ value).transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flash_attention_gets_varlen_kwargs(family, monkeypatch):
+    """flash_attention_2 (here a CPU double of the kernel; the real one runs in the GPU test): the converted
+    model hands every attention layer cu_seq_lens_q/k + max_length_q/k, so packed rows are isolated with
+    batch > 1 and in GraniteMoeHybrid (whose attention never sees position_ids); without them they leak."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", _varlen_attention_double)
+    model = make_hybrid(family)
+    model.config._attn_implementation = "flash_attention_2"  # set after init: flash-attn is not installed here
+    assert protected(model)
+    ids, pos = packed_batch(ROWS, 20, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        ops.enable_packing(model)
+    assert not model._packloader_conversion["left_unsafe"]
+    assert isolation(model, ids, pos).ok
+    # checkpointed layers (attention-only ones included) replay the varlen kwargs in the backward pass
+    model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert isolation(model, ids, pos).ok
+    # the kernel without those kwargs (as transformers would call it given position_ids on several rows):
+    # the same converted model leaks through its attention
+    varlen = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+    def without_varlen(*args, **kwargs):
+        return _varlen_attention_double(*args, **{k: v for k, v in kwargs.items() if k not in varlen})
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", without_varlen)
+    leaky = isolation(model, ids, pos)
+    assert not leaky.ok and leaky.max_output_change > 1e-3, leaky
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU: the same on CUDA (mamba-ssm's kernels serve the mixers where installed, packloader's ops otherwise)
 
