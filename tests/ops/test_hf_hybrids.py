@@ -210,7 +210,7 @@ def test_attention_verdict(family, attn):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_names_state_dict_no_boundaries_and_generation_unchanged(family):
+def test_names_state_dict_no_boundaries_and_generation_unchanged(family, tmp_path):
     model = make_hybrid(family).eval()
     original = copy.deepcopy(model)
     params = dict(model.named_parameters())
@@ -227,6 +227,12 @@ def test_names_state_dict_no_boundaries_and_generation_unchanged(family):
         assert torch.equal(model(ids).logits, original(ids).logits)
     assert torch.equal(model.generate(prompt, **kw), expected)
     assert torch.equal(model.generate(prompt, attention_mask=torch.ones_like(prompt), **kw), expected)
+    # a converted model saves a checkpoint the plain class loads
+    model.save_pretrained(tmp_path)
+    reloaded = type(original).from_pretrained(tmp_path, dtype=torch.float64).eval()
+    assert type(reloaded) is type(original)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, original(ids).logits)
 
 
 @pytest.mark.parametrize("family", ["bamba", "zamba2"])
@@ -245,6 +251,26 @@ def test_gradient_checkpointing_and_eval(family, seed):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     out, grads = packed_run(model, ids, weights, position_ids=pos)
     assert_matches(out, ref, grads, ref_grads)
+
+
+def test_cpu_autocast_bf16_and_loss():
+    """Trainer's bf16=True on a CPU runs under CPU autocast: the converted hybrid still isolates; labels give
+    transformers' loss over the packed row."""
+    model = ops.enable_packing(_convertible("bamba").float())
+    ids, pos = packed_batch(ROWS, 20, 5)
+
+    def fn(b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(b["input_ids"], position_ids=b["position_ids"]).logits.float()
+
+    report = ops.check_isolation(fn, {"input_ids": ids, "position_ids": pos}, embedding=model.get_input_embeddings())
+    assert report.ok, report
+    labels = ids.clone()
+    labels[pos == 0] = -100
+    out = model(ids, position_ids=pos, labels=labels)
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB).float(),
+                                                 labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, expected)
 
 
 def test_attention_mask_and_cache_errors():
