@@ -25,9 +25,10 @@ hybrids ``BambaForCausalLM``,                the Mamba-2 layers as ``Mamba2ForCa
 
 Hybrids: attention. The converted hybrid passes ``position_ids`` on (derived from ``seq_idx`` /
 ``cu_seq_lens_q`` when only those are given), drops an all-ones ``attention_mask`` (a mask with zeros
-is refused: transformers' attention would then ignore the packing) and, for flash attention, adds
-``cu_seq_lens_q/k`` + ``max_length_q/k``. Which ``attn_implementation`` then isolates packed rows
-(checked by ``tests/ops/test_hf_hybrids.py`` in 5.0.0 and 5.23.0; flash attention by its GPU test):
+is refused: transformers' attention would then ignore the packing) and, for flash attention, has every
+attention layer add ``cu_seq_lens_q/k`` + ``max_length_q/k`` to its own keyword arguments. Which
+``attn_implementation`` then isolates packed rows (checked by ``tests/ops/test_hf_hybrids.py`` in 5.0.0
+and 5.23.0, flash attention there with a CPU stand-in for the kernel, and on CUDA by its GPU test):
 
 =====================================  ==========================  ===============================
 model                                  eager / sdpa                flash_attention_2 / _3
