@@ -552,9 +552,10 @@ def _hybrid_block_call(self, base_call, args, kwargs):
 
 
 def _hybrid_block_forward(self, base_forward, args, kwargs):
-    """A layer on the way to an SSM mixer: receives the boundaries as a keyword argument of its own call (so
-    gradient checkpointing, which replays the layer's forward in the backward pass, replays them) and puts
-    them in the slot its mixers read while it runs."""
+    """A layer of a converted hybrid (each of ``backbone.layers``, and each module between one and a mixer or
+    attention layer): receives the boundaries as a keyword argument of its own call (so gradient
+    checkpointing, which replays the layer's forward in the backward pass, replays them) and puts them in
+    the slot its mixers and attention layers read while it runs."""
     bounds = kwargs.pop("packloader_boundaries", None)
     slot: _BoundarySlot = self._packloader_slot
     outer = slot.value
