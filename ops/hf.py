@@ -504,11 +504,17 @@ def _hybrid_model_forward(self, base_forward, args, kwargs):
         return base_forward(self, *args, **kwargs)
     packing = [k for k in _PACKING_ONLY_KWARGS if kwargs.get(k) is not None]
     if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        pos = kwargs.get("position_ids")
+        mask = kwargs.get("attention_mask")
+        if (not packing and kwargs.get("past_key_values") is None and isinstance(pos, torch.Tensor)
+                and pos.dim() == 2 and pos.shape[1] > 1 and not (isinstance(mask, torch.Tensor) and not bool(mask.all()))
+                and bool((pos[:, 1:] != pos[:, :-1] + 1).any())):
+            packing = ["position_ids restarting within a row"]  # a packed row, not a prefill
         if packing:
             raise ValueError(
                 f"enable_packing: packed boundaries ({', '.join(packing)}) cannot be combined with past_key_values / "
                 "use_cache=True: a recurrent cache holds one sequence per row. Generate one sequence per row, "
-                "without boundaries."
+                "without boundaries (or pass use_cache=False)."
             )
         return base_forward(self, *args, **kwargs)  # generation / cached inference: transformers' own code
     for k in _PACKING_ONLY_KWARGS:

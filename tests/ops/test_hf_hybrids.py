@@ -286,6 +286,12 @@ def test_attention_mask_and_cache_errors():
             model(ids, position_ids=pos, attention_mask=padded)
         with pytest.raises(ValueError, match="use_cache"):
             model(ids, seq_idx=ops.position_ids_to_seq_idx(pos), use_cache=True)
+        with pytest.raises(ValueError, match="restarting within a row"):
+            model(ids, position_ids=pos, use_cache=True)
+        # one sequence per row with a cache (a prefill): transformers' own path, as unconverted
+        row = torch.arange(20)[None].expand(3, -1)
+        torch.testing.assert_close(model(ids, position_ids=row, use_cache=True).logits,
+                                   model(ids, position_ids=row).logits, rtol=1e-5, atol=1e-5)
 
 
 def _varlen_attention_double(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
