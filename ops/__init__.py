@@ -17,7 +17,8 @@ on a CUDA tensor):
 - ``PackedMamba``: drop-in for ``mamba_ssm.modules.mamba_simple.Mamba`` (same parameters);
   ``forward(hidden_states, position_ids=None, seq_idx=None)``.
 - ``enable_packing(model)``: converts a ``MambaLMHeadModel`` (Mamba-1 / Mamba-2 mixers), or a Hugging
-  Face ``MambaForCausalLM`` / ``FalconMambaForCausalLM`` / ``Mamba2ForCausalLM`` (``ops.hf``), in place.
+  Face ``MambaForCausalLM`` / ``FalconMambaForCausalLM`` / ``Mamba2ForCausalLM`` or the Mamba-2 layers of its
+  hybrids Bamba / NemotronH / GraniteMoeHybrid / FalconH1 / Zamba2 (``ops.hf``), in place.
 - ``check_isolation(model_fn, batch)``: leak detector for any model on a packed batch.
 - boundaries: ``seq_idx_to_position_ids``, ``position_ids_to_seq_idx``, ``cu_seqlens_to_position_ids``,
   ``position_ids_to_cu_seqlens``, ``validate_position_ids``, ``resolve_position_ids``.

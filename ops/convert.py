@@ -199,7 +199,8 @@ def _is_mixer_slot(parent: nn.Module, name: str) -> bool:
     return name == "mixer"
 
 
-def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = True) -> nn.Module:
+def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = True,
+                   allow_unprotected_attention: bool = False) -> nn.Module:
     """Convert ``model`` in place so it trains on packed batches; returns ``model``.
 
     Args:
@@ -209,12 +210,17 @@ def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = Tr
             only the mixers are converted (pass ``position_ids`` or ``seq_idx`` to them yourself).
             A Hugging Face transformers Mamba / FalconMamba / Mamba-2 model is converted by
             :func:`ops.hf.enable_packing_hf` (its forward then takes ``position_ids=`` / ``seq_idx=``
-            / ``cu_seq_lens_q=``); hybrid transformers models are refused, naming their layers.
+            / ``cu_seq_lens_q=``); so are the SSM layers of transformers' Bamba, NemotronH,
+            GraniteMoeHybrid, FalconH1 and Zamba2 (their attention left to transformers).
         strict: raise on mixers that are not packing-safe (attention, Mamba-3, unknown classes
             sitting in a ``.mixer`` slot). With ``strict=False`` they keep their computation and
             are handed only the boundary kwargs their forward accepts (so the model runs, and
             :func:`ops.check_isolation` shows what leaks). A conversion that raises changes nothing.
         validate: validate the boundaries once per batch (one host sync).
+        allow_unprotected_attention: transformers hybrids only (Bamba, NemotronH, GraniteMoeHybrid,
+            FalconH1, Zamba2): when their configured ``attn_implementation`` cannot isolate packed
+            sequences, convert the SSM layers anyway and warn, naming the attention layers left
+            unprotected (default: refuse, changing nothing).
 
     Returns:
         the same model object. Parameters are shared, never copied; ``state_dict`` keys unchanged.
@@ -240,7 +246,8 @@ def enable_packing(model: nn.Module, *, strict: bool = True, validate: bool = Tr
     if is_transformers_model(model):  # Hugging Face Mamba / FalconMamba / Mamba-2: ops/hf.py
         from .hf import enable_packing_hf
 
-        return enable_packing_hf(model, strict=strict, validate=validate)
+        return enable_packing_hf(model, strict=strict, validate=validate,
+                                 allow_unprotected_attention=allow_unprotected_attention)
     if is_mamba1_mixer(model):
         raise TypeError(
             "enable_packing converts a model in place and cannot replace the Mamba mixer it was given "

@@ -1,4 +1,4 @@
-"""``enable_packing`` for Hugging Face transformers' Mamba, FalconMamba and Mamba-2 models.
+"""``enable_packing`` for Hugging Face transformers' Mamba, FalconMamba and Mamba-2 models and Mamba-2 hybrids.
 
 :func:`ops.enable_packing` hands a transformers model here (detected by its class's module, never by
 importing transformers). Supported, transformers >= 5.0 (tested: 5.0.0 and 5.23.0):
@@ -16,7 +16,31 @@ model                                        mixers run on packed rows by
                                              ``ops.packed_selective_scan`` (the SSD recurrence as a
                                              scan with one A per head), because transformers' PyTorch
                                              path cannot use ``seq_idx`` (5.23 refuses it, 5.0 drops it)
+hybrids ``BambaForCausalLM``,                the Mamba-2 layers as ``Mamba2ForCausalLM``'s (transformers'
+``NemotronHForCausalLM`` (not in 5.0),       forward with ``seq_idx`` where mamba-ssm serves it, else the
+``GraniteMoeHybrid``,                        packed conv + scan; FalconH1's muP multipliers and optional
+``FalconH1``, ``Zamba2`` (``*ForCausalLM``   norm included); the attention layers stay transformers' own,
+/ ``*Model``)                                fed the boundaries it isolates with (see below)
 ==========================================  ===========================================================
+
+Hybrids: attention. The converted hybrid passes ``position_ids`` on (derived from ``seq_idx`` /
+``cu_seq_lens_q`` when only those are given), drops an all-ones ``attention_mask`` (a mask with zeros
+is refused: transformers' attention would then ignore the packing) and, for flash attention, has every
+attention layer add ``cu_seq_lens_q/k`` + ``max_length_q/k`` to its own keyword arguments. Which
+``attn_implementation`` then isolates packed rows (checked by ``tests/ops/test_hf_hybrids.py`` in 5.0.0
+and 5.23.0, flash attention there with a CPU stand-in for the kernel, and on CUDA by its GPU test):
+
+=====================================  ==========================  ===============================
+model                                  eager / sdpa                flash_attention_2 / _3
+=====================================  ==========================  ===============================
+Bamba, FalconH1, Zamba2                5.23: yes; 5.0: no          yes (varlen from cu_seq_lens)
+NemotronH                              5.23: yes                   yes
+GraniteMoeHybrid                       no (mask w/o position_ids)  yes
+=====================================  ==========================  ===============================
+
+Where it does not, ``enable_packing`` refuses with the layers and the implementation named, or, with
+``allow_unprotected_attention=True``, converts the SSM layers, warns, and records the attention
+layers in ``model._packloader_conversion["left_unsafe"]``. Any other implementation is refused.
 
 After conversion::
 
@@ -39,22 +63,25 @@ recomputes with the same boundaries::
 
 Without boundaries the converted model runs transformers' own code, unchanged; generation
 (``cache_params``) too. Conversion swaps classes only: parameters, ``state_dict`` keys and
-checkpoints are untouched. Hybrid models (Jamba, Bamba, Zamba2, FalconH1, NemotronH,
-GraniteMoeHybrid...) are refused with the layers named: their SSM mixers are other classes and
-their attention layers would need transformers' own packed attention.
+checkpoints are untouched. Hybrids carry the boundaries the same way (a shared slot set by the
+model's forward, lent to the SSM mixers by every converted layer on the way, as a keyword argument of
+that layer's call so checkpointing replays it, Zamba2's nested layers included). Other hybrids (Jamba,
+whose SSM layers are Mamba-1 mixers of its own class) are refused with the layers named.
 """
 from __future__ import annotations
 
 import importlib.util
 import inspect
 import sys
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .boundaries import cu_seqlens_to_position_ids, position_ids_to_seq_idx, resolve_position_ids
+from .boundaries import (cu_seqlens_to_position_ids, position_ids_to_cu_seqlens, position_ids_to_seq_idx,
+                         resolve_position_ids)
 
 __all__ = ["is_transformers_model", "enable_packing_hf", "BOUNDARY_KWARGS"]
 
@@ -65,6 +92,10 @@ BOUNDARY_KWARGS = ("position_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", 
 
 _MAMBA1_MIXERS = ("MambaMixer", "FalconMambaMixer")
 _MAMBA2_MIXERS = ("Mamba2Mixer",)
+# the Mamba-2 mixers of transformers' hybrid SSM / attention models (same parameters as Mamba2Mixer; FalconH1 adds
+# muP multipliers and an optional gated norm)
+_HYBRID_MIXERS = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "FalconH1Mixer",
+                  "Zamba2MambaMixer")
 _MAMBA1_ATTRS = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj")
 _MAMBA2_ATTRS = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "num_heads", "head_dim",
                  "n_groups", "ssm_state_size", "intermediate_size", "conv_dim")
@@ -91,6 +122,8 @@ def _mixer_kind(m: nn.Module) -> Optional[str]:
         return "mamba1"
     if names & set(_MAMBA2_MIXERS) and all(hasattr(m, a) for a in _MAMBA2_ATTRS):
         return "mamba2"
+    if names & set(_HYBRID_MIXERS) and all(hasattr(m, a) for a in _MAMBA2_ATTRS):
+        return "hybrid"
     return None
 
 
@@ -293,7 +326,11 @@ def _mamba2_packed(mixer, hidden_states, pos, attention_mask):
     batch, seqlen, _ = hidden_states.shape
     dtype = hidden_states.dtype
     hidden_states = _mask(hidden_states, attention_mask)
+    if hasattr(mixer, "ssm_in_multiplier"):  # FalconH1's muP multipliers, before and after in_proj
+        hidden_states = hidden_states * mixer.ssm_in_multiplier
     proj = mixer.in_proj(hidden_states)
+    if getattr(mixer, "mup_vector", None) is not None:
+        proj = proj * mixer.mup_vector
     inner, conv_dim, heads, hd = mixer.intermediate_size, mixer.conv_dim, mixer.num_heads, mixer.head_dim
     groups, dstate = mixer.n_groups, mixer.ssm_state_size
     extra = proj.shape[-1] - (inner + conv_dim + heads)
@@ -309,7 +346,10 @@ def _mamba2_packed(mixer, hidden_states, pos, attention_mask):
     if attention_mask is not None and attention_mask.dim() == 2:
         xBC = xBC * attention_mask[:, None, :].to(xBC.dtype)
     x, B, C = torch.split(xBC, [inner, groups * dstate, groups * dstate], dim=1)
-    lo, hi = mixer.time_step_limit
+    limit = mixer.time_step_limit
+    if limit is None:  # transformers 5.0's Zamba2: its PyTorch path clamps dt at time_step_min
+        limit = (getattr(mixer, "time_step_min", 0.0), float("inf"))
+    lo, hi = limit
     delta = F.softplus(dt.to(torch.promote_types(dt.dtype, torch.float32)) + mixer.dt_bias.float())
     if lo > 0.0 or hi != float("inf"):
         delta = delta.clamp(min=lo, max=hi)
@@ -323,23 +363,28 @@ def _mamba2_packed(mixer, hidden_states, pos, attention_mask):
         C.to(cdt).reshape(batch, groups, dstate, seqlen).contiguous(),
         D=D.to(cdt), position_ids=pos, validate=False,
     )
-    y = mixer.norm(y.transpose(1, 2), gate)
+    if getattr(mixer, "mamba_rms_norm", True):
+        y = mixer.norm(y.transpose(1, 2), gate)
+    else:  # FalconH1 without its gated norm: the gate alone
+        y = y.transpose(1, 2) * F.silu(gate)
     return mixer.out_proj(y.to(dtype))
 
 
 def _hf_mamba2_passes_seq_idx(mixer) -> bool:
-    """Whether this transformers version's Mamba-2 forward hands ``**kwargs`` (``seq_idx``) to its
-    kernels: the kernel-wrapper functions (``mamba2_split_conv1d_scan_combined``, transformers >= 5.x
-    where they exist) do; 5.0's ``cuda_kernels_forward`` passes ``seq_idx=None``."""
+    """Whether this transformers version's Mamba-2 forward hands ``seq_idx`` to its kernels: through
+    ``**kwargs`` to the kernel-wrapper functions (``mamba2_split_conv1d_scan_combined``, in the versions
+    that have them), or as its own ``seq_idx`` argument (5.0's ``BambaMixer`` and
+    ``GraniteMoeHybridMambaLayer``). 5.0's ``Mamba2Mixer``, ``FalconH1Mixer`` and ``Zamba2MambaMixer``
+    pass ``seq_idx=None`` to their kernels."""
     for c in type(mixer).__mro__:
-        if c.__name__ in _MAMBA2_MIXERS and _from_transformers(c):
+        if c.__name__ in _MAMBA2_MIXERS + _HYBRID_MIXERS and _from_transformers(c):
             mod = sys.modules.get(c.__module__)
             try:
-                takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD
-                                   for p in inspect.signature(c.forward).parameters.values())
+                params = inspect.signature(c.forward).parameters
             except (TypeError, ValueError):
-                takes_kwargs = False
-            return takes_kwargs and hasattr(mod, "mamba2_split_conv1d_scan_combined")
+                return False
+            takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+            return (takes_kwargs and hasattr(mod, "mamba2_split_conv1d_scan_combined")) or "seq_idx" in params
     return False
 
 
@@ -409,6 +454,152 @@ def _mamba2_forward(self, base_forward, args, kwargs):
 
 
 # --------------------------------------------------------------------------------------------------
+# hybrid SSM / attention models: Bamba, NemotronH, GraniteMoeHybrid, FalconH1, Zamba2
+#
+# Their Mamba-2 mixers are converted; their attention layers stay transformers' own, which isolates packed
+# sequences only where transformers' packed-attention support sees the boundaries:
+#   eager / sdpa: masking_utils.create_causal_mask builds a per-sequence causal mask from position_ids when
+#       the model hands it position_ids, no 2D attention_mask and no cache (5.23: Bamba, NemotronH, FalconH1,
+#       Zamba2; not GraniteMoeHybrid, whose mask gets no position_ids; not 5.0's Bamba / FalconH1 / Zamba2,
+#       whose legacy _update_causal_mask ignores them). Verified by tests/ops/test_hf_hybrids.py.
+#   flash_attention_2 / _3: varlen attention from cu_seq_lens_q/k + max_length_q/k, which each converted
+#       attention layer adds to its own keyword arguments (transformers' own detection from position_ids works
+#       for one row per batch only, and 5.0's FalconH1 / Zamba2 pass no kwargs from the model to the layers).
+#       Verified on the CPU with a stand-in for the kernel, and by the GPU test where flash-attn is installed.
+
+_MASK_ATTENTION = ("eager", "sdpa")
+_FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
+_MASK_SEES_POSITION_IDS = ("BambaModel", "NemotronHModel", "FalconH1Model", "Zamba2Model")
+_PACKING_ONLY_KWARGS = tuple(k for k in BOUNDARY_KWARGS if k != "position_ids")
+
+
+def _attn_implementation(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
+
+
+def _attention_gap(backbone: nn.Module, impl: str) -> Optional[str]:
+    """None when transformers' attention in ``backbone`` isolates packed sequences under ``impl`` (see
+    above); otherwise the reason it does not."""
+    if impl in _FLASH_ATTENTION:
+        return None
+    if impl in _MASK_ATTENTION:
+        if not _hf_names(backbone) & set(_MASK_SEES_POSITION_IDS):
+            return f"{type(backbone).__name__} builds its attention mask without position_ids"
+        if hasattr(backbone, "_update_causal_mask"):
+            return (f"this transformers version's {type(backbone).__name__} builds a plain causal mask "
+                    "(_update_causal_mask) that ignores packed rows")
+        masking = sys.modules.get("transformers.masking_utils")
+        if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+            return "this transformers version's mask builder does not detect packed rows"
+        return None
+    return "packloader has not verified that it isolates packed sequences"
+
+
+def _hybrid_model_forward(self, base_forward, args, kwargs):
+    """Forward of a converted hybrid ``*ForCausalLM`` / ``*Model``: resolves the boundaries once, lends them
+    to the SSM layers (through the shared slot) and hands transformers the ``position_ids`` (and, for flash
+    attention, ``cu_seq_lens_*``) its attention isolates packed sequences with."""
+    slot: _BoundarySlot = self._packloader_slot
+    if slot.value is not None:  # the converted *ForCausalLM around this backbone resolved the batch
+        return base_forward(self, *args, **kwargs)
+    packing = [k for k in _PACKING_ONLY_KWARGS if kwargs.get(k) is not None]
+    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        pos = kwargs.get("position_ids")
+        mask = kwargs.get("attention_mask")
+        if (not packing and kwargs.get("past_key_values") is None and isinstance(pos, torch.Tensor)
+                and pos.dim() == 2 and pos.shape[1] > 1 and not (isinstance(mask, torch.Tensor) and not bool(mask.all()))
+                and bool((pos[:, 1:] != pos[:, :-1] + 1).any())):
+            packing = ["position_ids restarting within a row"]  # a packed row, not a prefill
+        if packing:
+            raise ValueError(
+                f"enable_packing: packed boundaries ({', '.join(packing)}) cannot be combined with past_key_values / "
+                "use_cache=True: a recurrent cache holds one sequence per row. Generate one sequence per row, "
+                "without boundaries (or pass use_cache=False)."
+            )
+        return base_forward(self, *args, **kwargs)  # generation / cached inference: transformers' own code
+    for k in _PACKING_ONLY_KWARGS:
+        if k in kwargs and kwargs[k] is None:
+            kwargs.pop(k)
+    if not packing and kwargs.get("position_ids") is None:
+        return base_forward(self, *args, **kwargs)
+    batch, seqlen, device = _batch_shape(args, kwargs)
+    given = {k: kwargs.pop(k) for k in BOUNDARY_KWARGS if k in kwargs}
+    bounds = _resolve(dict(given), batch, seqlen, device, getattr(self, "_packloader_validate", True))
+    pos = bounds[0]
+    kwargs["position_ids"] = given["position_ids"] if given.get("position_ids") is not None else pos.long()
+    varlen = None
+    if _attn_implementation(self) in _FLASH_ATTENTION:
+        cu, max_len = position_ids_to_cu_seqlens(pos)
+        varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+    bounds = (bounds[0], bounds[1], varlen)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        if not bool(mask.all()):
+            raise ValueError(
+                "enable_packing: a padding attention_mask (with zeros) cannot be combined with packed boundaries: "
+                "transformers' attention would then mask padding only and let packed sequences see each other. "
+                "Give padding its own segment in position_ids (as PackedDataLoader does) and pass no attention_mask."
+            )
+        kwargs["attention_mask"] = None  # all ones: no padding; None lets the mask builder see the packing
+    kwargs["use_cache"] = False  # an eval forward would otherwise build a cache (and the mask builder skip packing)
+    outer = slot.value
+    slot.value = bounds
+    try:
+        return base_forward(self, *args, **kwargs)
+    finally:
+        slot.value = outer
+
+
+def _hybrid_block_call(self, base_call, args, kwargs):
+    bounds = self._packloader_slot.value
+    if bounds is not None:
+        kwargs["packloader_boundaries"] = bounds
+    return base_call(self, *args, **kwargs)
+
+
+def _hybrid_block_forward(self, base_forward, args, kwargs):
+    """A layer of a converted hybrid (each of ``backbone.layers``, and each module between one and a mixer or
+    attention layer): receives the boundaries as a keyword argument of its own call (so gradient
+    checkpointing, which replays the layer's forward in the backward pass, replays them) and puts them in
+    the slot its mixers and attention layers read while it runs."""
+    bounds = kwargs.pop("packloader_boundaries", None)
+    slot: _BoundarySlot = self._packloader_slot
+    outer = slot.value
+    slot.value = bounds
+    try:
+        return base_forward(self, *args, **kwargs)
+    finally:
+        slot.value = outer
+
+
+def _hybrid_attention_forward(self, base_forward, args, kwargs):
+    """An attention layer of a converted hybrid: under flash attention, the varlen keyword arguments of the
+    batch's boundaries (whatever the layers above passed on)."""
+    bounds = self._packloader_slot.value
+    if bounds is not None and bounds[2] is not None:
+        kwargs.update(bounds[2])
+    return base_forward(self, *args, **kwargs)
+
+
+def _hybrid_mixer_forward(self, base_forward, args, kwargs):
+    bounds = self._packloader_slot.value
+    if bounds is None:
+        return base_forward(self, *args, **kwargs)
+    if "hidden_states" in kwargs:
+        hidden_states, rest = kwargs["hidden_states"], args
+    else:
+        hidden_states, rest = args[0], args[1:]
+    cache, mask = _split_mixer_args(rest, kwargs)
+    if cache is not None:
+        raise ValueError("enable_packing: a packed batch reached a mixer together with a cache")
+    if _mamba2_kernels_serve(self, hidden_states):
+        for k in BOUNDARY_KWARGS:
+            kwargs.pop(k, None)
+        return base_forward(self, *args, seq_idx=bounds[1].contiguous(), **kwargs)
+    return _outside_cpu_autocast(_mamba2_packed, self, hidden_states, bounds[0], mask)
+
+
+# --------------------------------------------------------------------------------------------------
 # class swapping
 
 
@@ -446,6 +637,15 @@ def _swap(m: nn.Module, role: str) -> None:
             attrs["forward"] = _wrap(_mamba1_forward, cls.forward)
         elif role == "mamba2":
             attrs["forward"] = _wrap(_mamba2_forward, cls.forward)
+        elif role == "hybrid_model":
+            attrs["forward"] = _wrap(_hybrid_model_forward, cls.forward)
+        elif role == "hybrid_block":
+            attrs["forward"] = _wrap(_hybrid_block_forward, cls.forward)
+            attrs["__call__"] = _wrap(_hybrid_block_call, cls.__call__)
+        elif role == "hybrid":
+            attrs["forward"] = _wrap(_hybrid_mixer_forward, cls.forward)
+        elif role == "hybrid_attention":
+            attrs["forward"] = _wrap(_hybrid_attention_forward, cls.forward)
         new = type(f"Packed{cls.__name__}", (cls,), attrs)
         _CLASS_CACHE[key] = new
     m.__class__ = new
@@ -460,16 +660,98 @@ def _backbone_of(model: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool = True) -> nn.Module:
-    """Convert a transformers Mamba / FalconMamba / Mamba-2 model in place (see the module docstring).
+def _hybrid_backbone(model: nn.Module) -> Optional[nn.Module]:
+    """The ``*Model`` of a hybrid (its ``layers`` hold at least one hybrid Mamba-2 mixer), or None."""
+    for cand in (model, getattr(model, "model", None), getattr(model, "backbone", None)):
+        layers = getattr(cand, "layers", None) if isinstance(cand, nn.Module) else None
+        if isinstance(layers, nn.ModuleList) and any(_mixer_kind(m) == "hybrid" for m in layers.modules()):
+            return cand
+    return None
+
+
+def _enable_packing_hybrid(model: nn.Module, backbone: nn.Module, validate: bool,
+                           allow_unprotected_attention: bool) -> nn.Module:
+    prefix = "" if backbone is model else next(n for n, m in model.named_children() if m is backbone) + "."
+    mixers, other_ssm, attention, attention_names = [], [], [], []
+    for name, m in backbone.named_modules():
+        kind = _mixer_kind(m)
+        if kind == "hybrid":
+            mixers.append((name, m))
+        elif _looks_like_ssm(m):
+            other_ssm.append(f"{prefix}{name} ({type(m).__name__})")
+        elif _looks_like_attention(m):
+            attention.append(f"{prefix}{name} ({type(m).__name__})")
+            attention_names.append(name)
+    if other_ssm:
+        raise NotImplementedError(
+            f"enable_packing: {type(model).__name__} has SSM layers of a class packloader does not convert: "
+            + ", ".join(other_ssm[:8]) + ". Nothing was changed."
+        )
+    for name, m in mixers:
+        act = getattr(m, "activation", "silu")
+        if act not in ("silu", "swish"):
+            raise NotImplementedError(
+                f"enable_packing: {prefix}{name} ({type(m).__name__}) uses activation {act!r}; the packed conv "
+                "supports silu only. Nothing was changed."
+            )
+    impl = _attn_implementation(model)
+    gap = _attention_gap(backbone, impl) if attention else None
+    if gap is not None:
+        shown = ", ".join(attention[:8]) + (" ..." if len(attention) > 8 else "")
+        good = [i for i in _MASK_ATTENTION + _FLASH_ATTENTION if _attention_gap(backbone, i) is None]
+        if not allow_unprotected_attention:
+            raise NotImplementedError(
+                f"enable_packing: {type(model).__name__}'s attention layers ({shown}) do not isolate packed sequences "
+                f"with attn_implementation={impl!r}: {gap}. Nothing was changed. Load the model with "
+                f"attn_implementation= one of {good} (these isolate packed rows in this transformers version), or "
+                "pass allow_unprotected_attention=True to convert the SSM layers only (the attention layers then mix "
+                "packed sequences; ops.check_isolation measures it)."
+            )
+        warnings.warn(
+            f"enable_packing: converted the SSM layers of {type(model).__name__}; its attention layers ({shown}) "
+            f"remain unprotected with attn_implementation={impl!r} ({gap}): packed sequences see each other there",
+            stacklevel=3,
+        )
+    slot = _BoundarySlot()
+    for top in ([model] if backbone is model else [model, backbone]):
+        _swap(top, "hybrid_model")
+        top.__dict__["_packloader_slot"] = slot
+        top.__dict__["_packloader_validate"] = validate
+    modules = dict(backbone.named_modules())
+    leaves = [(n, m, "hybrid") for n, m in mixers] + [(n, modules[n], "hybrid_attention") for n in attention_names]
+    for layer in backbone.layers:  # every layer (its call carries the boundaries; see _hybrid_block_forward)
+        _swap(layer, "hybrid_block")
+        layer.__dict__["_packloader_slot"] = slot
+    for name, m, role in leaves:
+        parts = name.split(".")  # layers.<i>[.<sub>...].<leaf>: every layer on the way refills the slot
+        for depth in range(2, len(parts)):
+            block = modules[".".join(parts[:depth])]
+            _swap(block, "hybrid_block")
+            block.__dict__["_packloader_slot"] = slot
+        _swap(m, role)
+        m.__dict__["_packloader_slot"] = slot
+    model.__dict__["_packloader_conversion"] = {
+        "mamba1": [], "mamba2": [prefix + n for n, _ in mixers], "attention": impl,
+        "left_unsafe": attention if gap is not None else [],
+    }
+    return model
+
+
+def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool = True,
+                      allow_unprotected_attention: bool = False) -> nn.Module:
+    """Convert a transformers Mamba / FalconMamba / Mamba-2 model or a Mamba-2 hybrid in place (see the
+    module docstring).
 
     Args:
         model: ``MambaForCausalLM``, ``MambaModel``, ``FalconMambaForCausalLM``, ``FalconMambaModel``,
-            ``Mamba2ForCausalLM`` or ``Mamba2Model`` (or subclasses).
-        strict: a transformers model with layers this cannot protect (hybrid SSM / attention
-            models) is refused either way; ``strict`` is accepted for the same signature as
+            ``Mamba2ForCausalLM`` or ``Mamba2Model``, or ``Bamba``, ``NemotronH``, ``GraniteMoeHybrid``,
+            ``FalconH1``, ``Zamba2`` (``*ForCausalLM`` / ``*Model``), or subclasses.
+        strict: a transformers model with layers this cannot protect (SSM layers of other
+            classes) is refused either way; ``strict`` is accepted for the same signature as
             :func:`ops.enable_packing`.
         validate: check the boundaries once per batch (one host sync).
+        allow_unprotected_attention: for a hybrid whose ``attn_implementation`` does not isolate
+            packed sequences (table above): convert the SSM layers and warn instead of refusing.
 
     Returns:
         ``model``, converted: ``model(input_ids, position_ids=...)`` (or ``seq_idx=`` /
@@ -477,7 +759,8 @@ def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool =
         ``model._packloader_conversion``.
 
     Raises:
-        NotImplementedError: an unsupported transformers model, naming its SSM and attention layers.
+        NotImplementedError: an unsupported transformers model, naming its SSM and attention layers; a
+            hybrid whose attention does not isolate packed sequences (without the flag above).
     """
     version = getattr(sys.modules.get("transformers"), "__version__", "0")
     if int(version.split(".")[0]) < 5:
@@ -485,6 +768,9 @@ def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool =
             f"enable_packing: transformers {version} is too old; packing Hugging Face Mamba models needs "
             "transformers >= 5.0 (tested with 5.0.0 and 5.23.0)"
         )
+    hybrid = _hybrid_backbone(model)
+    if hybrid is not None:
+        return _enable_packing_hybrid(model, hybrid, validate, allow_unprotected_attention)
     backbone = _backbone_of(model)
     layers = list(backbone.layers) if backbone is not None else []
     kinds = [_mixer_kind(b.mixer) for b in layers]
@@ -500,7 +786,8 @@ def enable_packing_hf(model: nn.Module, *, strict: bool = True, validate: bool =
                           + " (whether they isolate packed sequences depends on their attn_implementation)")
         raise NotImplementedError(
             f"enable_packing: {type(model).__name__} is not supported: it converts transformers' Mamba, FalconMamba "
-            f"and Mamba-2 models (*ForCausalLM / *Model, every layer a MambaMixer / FalconMambaMixer / Mamba2Mixer)"
+            f"and Mamba-2 models (*ForCausalLM / *Model, every layer a MambaMixer / FalconMambaMixer / Mamba2Mixer) "
+            f"and the Mamba-2 layers of the hybrids Bamba, NemotronH, GraniteMoeHybrid, FalconH1 and Zamba2"
             + (". Found " + "; ".join(detail) if detail else "")
             + ". Nothing was changed. For such a model, transformers' own padding-free path "
               "(DataCollatorWithFlattening(return_seq_idx=True), attn_implementation='flash_attention_2', mamba-ssm "

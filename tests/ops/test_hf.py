@@ -2,7 +2,7 @@
 Mamba2ForCausalLM (tiny random configs, float64): a packed row gives every sequence the logits and
 every parameter the gradient that running each sequence alone through the unconverted model gives;
 check_isolation passes on the converted model and catches the unconverted one; no boundaries, state_dict,
-generation and gradient checkpointing behave; hybrids are refused."""
+generation and gradient checkpointing behave; unsupported hybrids (Jamba) are refused."""
 from __future__ import annotations
 
 import copy
@@ -278,14 +278,16 @@ def test_errors_are_clear():
         model(ids, position_ids=good, use_cache=True)
 
 
-def test_hybrid_model_refused_unchanged():
-    cfg = transformers.BambaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, attn_layer_indices=[1],
-                                   mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
-                                   mamba_chunk_size=8, mamba_expand=2)
-    model = transformers.BambaForCausalLM(cfg)
+def test_unsupported_hybrid_refused_unchanged():
+    """Jamba's SSM layers are Mamba-1 mixers of its own class: refused, naming them (the Mamba-2 hybrids are
+    converted: tests/ops/test_hf_hybrids.py)."""
+    cfg = transformers.JambaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, attn_layer_period=2,
+                                   attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=1,
+                                   mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4)
+    model = transformers.JambaForCausalLM(cfg)
     cls_before = {n: type(m) for n, m in model.named_modules()}
-    with pytest.raises(NotImplementedError, match=r"BambaForCausalLM is not supported.*mamba.*attention"):
+    with pytest.raises(NotImplementedError, match=r"JambaForCausalLM is not supported.*JambaMambaMixer.*attention"):
         ops.enable_packing(model)
     assert {n: type(m) for n, m in model.named_modules()} == cls_before
 
