@@ -150,6 +150,16 @@ class _BoundarySlot:
     def __deepcopy__(self, memo):  # a copied model gets its own, empty slot
         return _BoundarySlot()
 
+    def run(self, bounds, fn, /, *args, **kwargs):
+        """``fn(*args, **kwargs)`` with these boundaries in the slot; the outer ones (a nested call's caller) again
+        after."""
+        outer = self.value
+        self.value = bounds
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.value = outer
+
 
 def _batch_shape(args, kwargs) -> Tuple[int, int, torch.device]:
     x = kwargs.get("input_ids", args[0] if args else None)
@@ -194,13 +204,7 @@ def _model_forward(self, base_forward, args, kwargs):
             "per row, without boundaries."
         )
     kwargs["use_cache"] = False  # an eval forward would otherwise build a cache and take the cache path
-    slot: _BoundarySlot = self._packloader_slot
-    outer = slot.value
-    slot.value = bounds
-    try:
-        return base_forward(self, *args, **kwargs)
-    finally:
-        slot.value = outer
+    return self._packloader_slot.run(bounds, base_forward, self, *args, **kwargs)
 
 
 def _block_call(self, base_call, args, kwargs):
@@ -542,19 +546,7 @@ def _hybrid_model_forward(self, base_forward, args, kwargs):
             )
         kwargs["attention_mask"] = None  # all ones: no padding; None lets the mask builder see the packing
     kwargs["use_cache"] = False  # an eval forward would otherwise build a cache (and the mask builder skip packing)
-    outer = slot.value
-    slot.value = bounds
-    try:
-        return base_forward(self, *args, **kwargs)
-    finally:
-        slot.value = outer
-
-
-def _hybrid_block_call(self, base_call, args, kwargs):
-    bounds = self._packloader_slot.value
-    if bounds is not None:
-        kwargs["packloader_boundaries"] = bounds
-    return base_call(self, *args, **kwargs)
+    return slot.run(bounds, base_forward, self, *args, **kwargs)
 
 
 def _hybrid_block_forward(self, base_forward, args, kwargs):
@@ -563,13 +555,7 @@ def _hybrid_block_forward(self, base_forward, args, kwargs):
     checkpointing, which replays the layer's forward in the backward pass, replays them) and puts them in
     the slot its mixers and attention layers read while it runs."""
     bounds = kwargs.pop("packloader_boundaries", None)
-    slot: _BoundarySlot = self._packloader_slot
-    outer = slot.value
-    slot.value = bounds
-    try:
-        return base_forward(self, *args, **kwargs)
-    finally:
-        slot.value = outer
+    return self._packloader_slot.run(bounds, base_forward, self, *args, **kwargs)
 
 
 def _hybrid_attention_forward(self, base_forward, args, kwargs):
@@ -641,7 +627,7 @@ def _swap(m: nn.Module, role: str) -> None:
             attrs["forward"] = _wrap(_hybrid_model_forward, cls.forward)
         elif role == "hybrid_block":
             attrs["forward"] = _wrap(_hybrid_block_forward, cls.forward)
-            attrs["__call__"] = _wrap(_hybrid_block_call, cls.__call__)
+            attrs["__call__"] = _wrap(_block_call, cls.__call__)
         elif role == "hybrid":
             attrs["forward"] = _wrap(_hybrid_mixer_forward, cls.forward)
         elif role == "hybrid_attention":
