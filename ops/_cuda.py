@@ -33,6 +33,8 @@ def kernel_outputs() -> Iterator[None]:
     (``torch.utils.deterministic.fill_uninitialized_memory``), so that uninitialised memory reads the same every run.
     For a buffer the kernel overwrites entirely that fill is a wasted pass over memory (about 5 % of the scan's
     forward and backward in deterministic mode); the buffers are still written the same bits every run.
+    The setting is torch's process-wide flag: another thread allocating inside this short block (allocations only,
+    no kernel runs in it) would get its tensor unfilled too.
     """
     det = torch.utils.deterministic
     prev = det.fill_uninitialized_memory

@@ -82,3 +82,10 @@ OP_TAGS = (getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fi
 def scan_chunks(seqlen: int) -> int:
     """Number of chunks of ``SCAN_CHUNK`` timesteps (the third dim of the scan's ``saved``)."""
     return (seqlen + SCAN_CHUNK - 1) // SCAN_CHUNK
+
+
+def scan_det_groups(dim: int) -> int:
+    """Groups of ``SCAN_DET_BLOCKS`` channel blocks of ``SCAN_BLOCK_CHANNELS`` channels (the deterministic mode's
+    ticket chains, and the second dim of its ``det_sem`` / ``det_part`` buffers)."""
+    blocks = -(-dim // SCAN_BLOCK_CHANNELS)
+    return -(-blocks // SCAN_DET_BLOCKS)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from . import backends as _backends
 from .boundaries import resolve_position_ids, row_positions
-from .contract import OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_DET_BLOCKS, SCAN_LANES, scan_chunks
+from .contract import OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_chunks, scan_det_groups
 
 __all__ = ["packed_selective_scan", "selective_scan_ref", "linear_scan", "selective_scan_fwd", "selective_scan_bwd"]
 
@@ -364,7 +364,7 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     # vary from run to run)
     det_sem = det_part = None
     if torch.are_deterministic_algorithms_enabled():
-        groups = -(-(-(-dim // SCAN_BLOCK_CHANNELS)) // SCAN_DET_BLOCKS)
+        groups = scan_det_groups(dim)
         det_sem = torch.zeros(batch, groups, saved.shape[2], device=u.device, dtype=torch.int32)
         det_part = torch.zeros((batch, groups, B.shape[1], 2) + tuple(B.shape[2:]), device=u.device,
                                dtype=torch.float32)

@@ -75,6 +75,19 @@ void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
   p.dC = dC.data_ptr<float>();
   p.dD = ptr_or_null<float>(dD);
   p.ddelta_bias = ptr_or_null<float>(ddelta_bias);
+  // deterministic mode: tickets (batch, groups, nchunks) int32 and [dB | dC] per group (batch, groups, n_groups, 2,
+  // dstate, seqlen) float32, both zeroed, or neither
+  TORCH_CHECK(det_sem.has_value() == det_part.has_value(), "scan_bwd: det_sem and det_part come together or not at all");
+  if (det_sem.has_value()) {
+    const int64_t groups = ((u.size(1) + PACKLOADER_SCAN_BLOCK_CHANNELS - 1) / PACKLOADER_SCAN_BLOCK_CHANNELS +
+                            PACKLOADER_SCAN_DET_BLOCKS - 1) / PACKLOADER_SCAN_DET_BLOCKS;
+    TORCH_CHECK(det_sem->scalar_type() == at::kInt && det_sem->is_contiguous() && det_sem->device() == u.device() &&
+                    det_sem->sizes() == at::IntArrayRef({u.size(0), groups, saved.size(2)}),
+                "scan_bwd: det_sem must be int32 (batch, groups, nchunks), contiguous, on u's device");
+    TORCH_CHECK(det_part->scalar_type() == at::kFloat && det_part->is_contiguous() && det_part->device() == u.device() &&
+                    det_part->sizes() == at::IntArrayRef({u.size(0), groups, B.size(1), 2, B.size(2), u.size(2)}),
+                "scan_bwd: det_part must be float32 (batch, groups, n_groups, 2, dstate, seqlen), contiguous, on u's device");
+  }
   p.det_sem = ptr_or_null<int>(det_sem);
   p.det_part = ptr_or_null<float>(det_part);
   p.det_groups = det_sem.has_value() ? det_sem->size(1) : 0;

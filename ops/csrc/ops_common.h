@@ -38,7 +38,7 @@ struct ScanParams {
 // The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.
 #if !defined(PACKLOADER_SCAN_CHUNK) || !defined(PACKLOADER_SCAN_LANES) || !defined(PACKLOADER_CONV_SLOT_STEPS) || \
     !defined(PACKLOADER_SCAN_BLOCK_CHANNELS) || !defined(PACKLOADER_SCAN_DET_BLOCKS)
-#error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS from ops/contract.py"
+#error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS, _SCAN_BLOCK_CHANNELS, _SCAN_DET_BLOCKS from ops/contract.py"
 #endif
 constexpr int kScanChunk = PACKLOADER_SCAN_CHUNK;   // timesteps staged in shared memory at a time; one saved state a chunk
 constexpr int kScanLanes = PACKLOADER_SCAN_LANES;   // state lanes per channel (dstate padded up to this)

@@ -370,10 +370,14 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
     if (c > 0) stage(t0 - kChunk);   // overlaps with this chunk's backward
 
     // states at the start of every sub-chunk
-    float hsa[kNSub], hsb[kNSub];
+    float hsa[kNSub] = {}, hsb[kNSub] = {};
     {
-      const float *sv = p.saved + (((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes;
-      float ha = (c > 0 && d_ok) ? sv[n] : 0.f, hb = (c > 0 && d_ok) ? sv[n + 8] : 0.f;
+      float ha = 0.f, hb = 0.f;
+      if (c > 0 && d_ok) {
+        const float *sv = p.saved + (((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes;
+        ha = sv[n];
+        hb = sv[n + 8];
+      }
 #pragma unroll 1
       for (int s = 0; s < kNSub; ++s) {
         put(hsa, s, ha);

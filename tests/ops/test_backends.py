@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ops
-from ops.contract import CONV_SLOT_STEPS, SCAN_BLOCK_CHANNELS, SCAN_DET_BLOCKS
+from ops.contract import CONV_SLOT_STEPS, SCAN_BLOCK_CHANNELS, SCAN_DET_BLOCKS, scan_det_groups
 from ops import backends
 from ops import conv1d_interface as conv_mod
 from ops import selective_scan_interface as scan_mod
@@ -203,7 +203,7 @@ class FakeExt:
         # blocks, chunk), and the groups' zeroed [dB | dC] partial sums, which the caller adds up
         det = torch.are_deterministic_algorithms_enabled()
         if det:
-            groups = -(-(-(-dim // SCAN_BLOCK_CHANNELS)) // SCAN_DET_BLOCKS)
+            groups = scan_det_groups(dim)
             assert det_sem.dtype == torch.int32 and det_sem.shape == (batch, groups, saved.shape[2])
             assert det_part.dtype == F32 and det_part.shape == (batch, groups, B.shape[1], 2) + tuple(B.shape[2:])
             assert int(det_sem.abs().sum()) == 0 and float(det_part.abs().sum()) == 0
@@ -218,7 +218,8 @@ class FakeExt:
                 continue
             if buf is dA or buf is dD or buf is ddb:   # the whole sum in row 0, as if the other rows gave 0
                 buf[0].copy_(g)
-            elif det and (buf is dB or buf is dC):   # split over the first two groups, as if the rest gave 0
+            elif det and (buf is dB or buf is dC):   # split over the first and the last group (one and the same
+                # when there is one group), as if the others gave 0
                 k = 0 if buf is dB else 1
                 det_part[:, 0, :, k].copy_(g / 4)
                 det_part[:, -1, :, k].add_(g * 3 / 4)

@@ -11,7 +11,9 @@ import torch
 
 import ops
 
-from .test_cuda_kernels import lengths_mix, position_ids_for
+from ops.contract import SCAN_BLOCK_CHANNELS, SCAN_DET_BLOCKS
+
+from .test_cuda_kernels import GRAD_NAMES, check_scan, cuda_ops, lengths_mix, position_ids_for  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -84,6 +86,26 @@ def test_scan_deterministic_mode_bits_repeat(deterministic, dtype):
         tol = 2.0 ** -7 if a.dtype == torch.bfloat16 else 1e-4   # one rounding of the result's dtype
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.float().abs().max().item(),
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scan_deterministic_mode_ragged_shapes(deterministic, cuda_ops, dtype):
+    """Deterministic mode where its ticket groups are ragged: 33 channel blocks (ticket groups of 16, 16 and 1),
+    three B/C groups of 11 blocks (the first ticket group spans two of them), odd L (16-bit rows then stage without
+    cp.async), dstate 12. Within tolerance of float64, and the same bits on 5 runs."""
+    dim = SCAN_BLOCK_CHANNELS * (2 * SCAN_DET_BLOCKS + 1)
+    inputs, pos, _, softplus, _, _, dout, _ = check_scan(cuda_ops, 2, dim, 12, 333, dtype, ("mixed", "tiny"),
+                                                         groups=3)
+    u, delta, A, Bm, Cm, D, z, db = inputs
+    first = None
+    for _ in range(5):
+        out, saved, _ = cuda_ops.selective_scan_fwd(u, delta, A, Bm, Cm, D, z, db, pos.int(), softplus)
+        grads = cuda_ops.selective_scan_bwd(u, delta, A, Bm, Cm, D, z, db, dout, saved, out, pos.int(), softplus)
+        if first is None:
+            first = grads
+            continue
+        for name, a, b in zip(GRAD_NAMES, first, grads):
+            assert torch.equal(a, b), f"{name} differs between two runs"
 
 
 @pytest.mark.parametrize("channel_last", [False, True])
