@@ -606,6 +606,19 @@ def _wrap(impl, base):
     return method
 
 
+# what each converted module's forward becomes, by its role in the model
+_ROLE_FORWARD = {
+    "model": _model_forward,
+    "block": _block_forward,
+    "mamba1": _mamba1_forward,
+    "mamba2": _mamba2_forward,
+    "hybrid_model": _hybrid_model_forward,
+    "hybrid_block": _hybrid_block_forward,
+    "hybrid": _hybrid_mixer_forward,
+    "hybrid_attention": _hybrid_attention_forward,
+}
+
+
 def _swap(m: nn.Module, role: str) -> None:
     cls = type(m)
     if getattr(cls, "_packloader_packed", False):
@@ -613,25 +626,10 @@ def _swap(m: nn.Module, role: str) -> None:
     key = (cls, role)
     new = _CLASS_CACHE.get(key)
     if new is None:
-        attrs = {"_packloader_packed": True, "__module__": __name__}
-        if role == "model":
-            attrs["forward"] = _wrap(_model_forward, cls.forward)
-        elif role == "block":
-            attrs["forward"] = _wrap(_block_forward, cls.forward)
+        attrs = {"_packloader_packed": True, "__module__": __name__,
+                 "forward": _wrap(_ROLE_FORWARD[role], cls.forward)}
+        if role in ("block", "hybrid_block"):   # blocks also pass the boundaries into their own call
             attrs["__call__"] = _wrap(_block_call, cls.__call__)
-        elif role == "mamba1":
-            attrs["forward"] = _wrap(_mamba1_forward, cls.forward)
-        elif role == "mamba2":
-            attrs["forward"] = _wrap(_mamba2_forward, cls.forward)
-        elif role == "hybrid_model":
-            attrs["forward"] = _wrap(_hybrid_model_forward, cls.forward)
-        elif role == "hybrid_block":
-            attrs["forward"] = _wrap(_hybrid_block_forward, cls.forward)
-            attrs["__call__"] = _wrap(_block_call, cls.__call__)
-        elif role == "hybrid":
-            attrs["forward"] = _wrap(_hybrid_mixer_forward, cls.forward)
-        elif role == "hybrid_attention":
-            attrs["forward"] = _wrap(_hybrid_attention_forward, cls.forward)
         new = type(f"Packed{cls.__name__}", (cls,), attrs)
         _CLASS_CACHE[key] = new
     m.__class__ = new

@@ -91,34 +91,22 @@ __device__ __forceinline__ void stage_pos(int *dst, const int *pos, int t0, int 
 // v[j] (j = 0..15) in each of 8 lanes -> v[0], v[1] of lane l hold the sums over the 8 lanes of v[2l], v[2l+1].
 // With the sum of a thread's two states (n, n + 8) before it, this is the tree of every sum over the 16 states, in the
 // forward and in the backward's recomputation: the same bits.
+// one level of it: lanes kDist apart swap halves of their first 2 * kDist values and add what they receive
+template <int kDist>
+__device__ __forceinline__ void reduce_scatter_level(float (&v)[16], int lane8) {
+  constexpr int kHalf = 2 * kDist;
+  const bool hi = lane8 & kDist;
+#pragma unroll
+  for (int j = 0; j < kHalf; ++j) {
+    const float send = hi ? v[j] : v[j + kHalf];
+    const float keep = hi ? v[j + kHalf] : v[j];
+    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, kDist);
+  }
+}
 __device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
-  {
-    const bool hi = lane8 & 4;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float send = hi ? v[j] : v[j + 8];
-      const float keep = hi ? v[j + 8] : v[j];
-      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
-    }
-  }
-  {
-    const bool hi = lane8 & 2;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float send = hi ? v[j] : v[j + 4];
-      const float keep = hi ? v[j + 4] : v[j];
-      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-    }
-  }
-  {
-    const bool hi = lane8 & 1;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float send = hi ? v[j] : v[j + 2];
-      const float keep = hi ? v[j + 2] : v[j];
-      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
-    }
-  }
+  reduce_scatter_level<4>(v, lane8);
+  reduce_scatter_level<2>(v, lane8);
+  reduce_scatter_level<1>(v, lane8);
 }
 
 // The forward: a thread carries TWO states of one channel (n and n + 8), so what a timestep reads ({dt, dt*u}, one
