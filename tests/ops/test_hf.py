@@ -225,8 +225,10 @@ def test_backbone_alone_and_loss_with_labels(seed):
     h = model.backbone(ids, position_ids=pos).last_hidden_state
     s = 0
     for n in rows[0]:
+        # transformers' own slow path runs parts of the scan in float32 (5.0 casts the scan inputs), so the float64
+        # model is compared at float32 tolerance, as everywhere in this file
         torch.testing.assert_close(h[0, s:s + n], original.backbone(ids[:1, s:s + n]).last_hidden_state[0],
-                                   rtol=1e-6, atol=1e-8)
+                                   rtol=1e-5, atol=1e-6)
         s += n
     # the whole model: labels work and no label crosses a boundary (the loader's -100 at every start)
     ops.enable_packing(model)
