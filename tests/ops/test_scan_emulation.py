@@ -1,0 +1,231 @@
+"""The CUDA selective scan (``ops/csrc/selective_scan.cu``) run on the CPU: the kernels' own source, spliced into
+``tests/ops/emulation/scan_host.cpp`` and built by the host C++ compiler, each block's threads run as threads that
+meet at the warp and block barriers. The forward is compared with a float64 scan (its output and the chunk-end
+states the backward starts from) on ragged rows (length 1, padding tails, one sequence per row), odd and aligned
+lengths (staging with cp.async and with plain loads), B/C groups, dstate below 16, every dtype pair, with and
+without z / D / bias / softplus; the backward's gradients with float64 autograd, and its recomputed output with the
+forward's, bit for bit. The GPU's own arithmetic (MUFU exp2, flush to zero) and timing are not emulated: the GPU tests
+(``test_cuda_kernels.py``) cover those. Skips without a C++20 compiler or CUDA headers."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ops import _build
+from ops.contract import SCAN_CHUNK, SCAN_LANES
+
+from .test_cuda_kernels import GRAD_NAMES, kernel_err, lengths_mix, position_ids_for, rel_err, scan_ref_grads
+
+HERE = pathlib.Path(__file__).parent
+KERNEL = _build.CSRC / "selective_scan.cu"
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def cuda_include() -> "pathlib.Path | None":
+    nvcc = _build.nvcc()
+    for base in ([pathlib.Path(nvcc).resolve().parent.parent] if nvcc else []) + [pathlib.Path("/usr/local/cuda")]:
+        if (base / "include" / "cuda_bf16.h").exists():
+            return base / "include"
+    return None
+
+
+def kernel_source() -> str:
+    """selective_scan.cu up to its CUDA launchers, the namespaces closed; cp.async (PTX) left to the host file, the
+    backward's dynamic shared memory made a static array of its size."""
+    text = KERNEL.read_text()
+    text = text[:text.index("template <typename in_t, typename w_t>\nvoid fwd_launch")]
+    for old, new in [('#include "cp_async.cuh"', ""),
+                     ("extern __shared__ __align__(16) unsigned char smem_raw[];",
+                      "__shared__ __align__(16) unsigned char smem_raw[sizeof(BwdSmem<in_t, w_t>)];")]:
+        assert text.count(old) == 1, f"selective_scan.cu changed: {old!r} not found once"
+        text = text.replace(old, new)
+    return text + "}  // namespace\n}  // namespace packloader_ops\n"
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    inc = cuda_include()
+    if cxx is None or inc is None:
+        pytest.skip(f"needs a C++20 compiler ({cxx}) and CUDA headers ({inc}) to build the emulated kernel")
+    src = kernel_source()
+    host = (HERE / "emulation" / "scan_host.cpp").read_text()
+    key = hashlib.sha256((src + host + " ".join(_build.defines())).encode()).hexdigest()[:16]
+    out = tmp_path_factory.getbasetemp() / f"scan_emu_{key}"
+    lib = out / "emu.so"
+    if not lib.exists():
+        out.mkdir(exist_ok=True)
+        (out / "kernels.cuh").write_text(src)
+        cmd = [cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing",
+               "-w", f"-I{_build.CSRC}", f"-I{inc}", *_build.defines(), f'-DKERNEL_SOURCE="{out / "kernels.cuh"}"',
+               str(HERE / "emulation" / "scan_host.cpp"), "-o", str(lib)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-4000:]
+    so = ctypes.CDLL(str(lib))
+    so.emu_scan_fwd.restype = ctypes.c_int
+    return so
+
+
+def ptr(t):
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def run_emulated(so, u, delta, A, B, C, D, z, delta_bias, pos, softplus):
+    batch, dim, L = u.shape
+    groups, dstate = B.shape[1], B.shape[2]
+    out = torch.full_like(u, float("nan"))
+    saved = torch.full((batch, dim, -(-L // SCAN_CHUNK), SCAN_LANES), float("nan"))
+    staged = so.emu_scan_fwd(DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), batch, dim, L, dstate, groups,
+                             int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
+                             ptr(delta_bias), ptr(pos), ptr(out), ptr(saved))
+    return out, saved, bool(staged)
+
+
+def ref64(u, delta, A, B, C, D, z, delta_bias, pos, softplus):
+    """The output and the state after the last timestep of every chunk of SCAN_CHUNK, in float64."""
+    u, delta, A = u.double(), delta.double(), A.double()
+    batch, dim, L = u.shape
+    G = B.shape[1]
+    B = B.double().repeat_interleave(dim // G, dim=1)   # (batch, dim, N, L)
+    C = C.double().repeat_interleave(dim // G, dim=1)
+    if delta_bias is not None:
+        delta = delta + delta_bias.double()[:, None]
+    if softplus:
+        delta = F.softplus(delta)
+    keep = (pos != 0).double()
+    h = torch.zeros(batch, dim, A.shape[1], dtype=torch.float64)
+    ys, states = [], []
+    for t in range(L):
+        h = torch.exp(delta[:, :, t, None] * A) * keep[:, t, None, None] * h \
+            + delta[:, :, t, None] * B[:, :, :, t] * u[:, :, t, None]
+        ys.append((h * C[:, :, :, t]).sum(-1))
+        if (t + 1) % SCAN_CHUNK == 0 or t == L - 1:
+            states.append(h)
+    out = torch.stack(ys, -1)
+    if D is not None:
+        out = out + D.double()[:, None] * u
+    if z is not None:
+        out = out * F.silu(z.double())
+    return out, torch.stack(states, 2)
+
+
+CASES = [  # batch, dim, dstate, L, groups, kinds
+    (2, 48, 16, 200, 1, ("mixed", "padded")),
+    (3, 40, 8, 70, 1, ("tiny", "one", "mixed")),   # dstate 8, dim not a multiple of 16
+    (2, 96, 16, 160, 6, ("mixed",)),             # 16 channels a group
+    (2, 80, 12, 151, 5, ("tiny", "one")),        # odd L (plain loads for 16-bit inputs), dstate 12
+    (1, 32, 16, 1, 1, ("one",)),                 # one timestep
+    (1, 33, 16, 64, 1, ("padded",)),             # one chunk exactly; a last block of one channel
+    (2, 32, 16, 136, 2, ("mixed", "tiny")),      # two groups of 16
+]
+
+
+@pytest.mark.parametrize("dtype,bc_fp32", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                           (torch.bfloat16, True)], ids=["fp32", "bf16", "fp16", "bf16-Bfp32"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}d{c[1]}n{c[2]}L{c[3]}g{c[4]}")
+def test_emulated_forward_matches_float64(emulator, seed, dtype, bc_fp32, case):
+    batch, dim, dstate, L, groups, kinds = case
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    wdt = torch.float32 if bc_fp32 else dtype
+    B = torch.randn(batch, groups, dstate, L).to(wdt)
+    C = torch.randn(batch, groups, dstate, L).to(wdt)
+    D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
+    rows = [lengths_mix(L, kinds[i % len(kinds)]) for i in range(batch)]
+    pos = position_ids_for(rows, "cpu").int().contiguous()
+    out, saved, staged_async = run_emulated(emulator, u, delta, A, B, C, D, z, db, pos, True)
+    ref_out, ref_saved = ref64(u, delta, A, B, C, D, z, db, pos, True)
+    assert staged_async == (L % 2 == 0 or dtype == torch.float32)   # cp.async moves 4-byte units
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 1e-3}[dtype]
+    assert not out.isnan().any() and not saved[..., :dstate].isnan().any()
+    assert kernel_err(out, ref_out) <= tol, kernel_err(out, ref_out)
+    assert rel_err(saved[..., :dstate], ref_saved) <= 1e-5, rel_err(saved[..., :dstate], ref_saved)
+    assert (saved[..., dstate:] == 0).all()   # padded state lanes stay zero
+
+
+@pytest.mark.parametrize("has_z,has_D,has_bias,softplus", [(False, False, False, False), (True, False, True, False),
+                                                           (False, True, False, True)])
+def test_emulated_forward_optional_inputs(emulator, seed, has_z, has_D, has_bias, softplus):
+    batch, dim, dstate, L = 2, 40, 16, 96
+    u = torch.randn(batch, dim, L)
+    delta = torch.rand(batch, dim, L) if not softplus else torch.randn(batch, dim, L) - 1.0
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, 1, dstate, L), torch.randn(batch, 1, dstate, L)
+    D = torch.randn(dim) if has_D else None
+    z = torch.randn(batch, dim, L) if has_z else None
+    db = 0.5 * torch.rand(dim) if has_bias else None
+    pos = position_ids_for([lengths_mix(L, "mixed"), lengths_mix(L, "padded")], "cpu").int().contiguous()
+    out, saved, _ = run_emulated(emulator, u, delta, A, B, C, D, z, db, pos, softplus)
+    ref_out, ref_saved = ref64(u, delta, A, B, C, D, z, db, pos, softplus)
+    assert rel_err(out, ref_out) <= 1e-5 and rel_err(saved, ref_saved) <= 1e-5
+
+
+def test_emulated_forward_keeps_inf_in_its_sequence(emulator):
+    """A state that overflows to inf in one sequence must not reach the next (the reset is a select)."""
+    dim, L = 32, 64
+    u = torch.randn(1, dim, L)
+    u[:, :, 10] = float("inf")
+    delta, A = torch.rand(1, dim, L), -torch.ones(dim, 16)
+    B, C = torch.randn(1, 1, 16, L), torch.randn(1, 1, 16, L)
+    pos = position_ids_for([[20, 44]], "cpu").int().contiguous()
+    out, saved, _ = run_emulated(emulator, u, delta, A, B, C, None, None, None, pos, False)
+    assert not out[..., :10].isnan().any() and out[..., 10:20].isinf().logical_or(out[..., 10:20].isnan()).any()
+    assert torch.isfinite(out[..., 20:]).all() and torch.isfinite(saved).all()
+
+
+def run_emulated_bwd(so, inputs, pos, softplus, saved, dout):
+    u, delta, A, B, C, D, z, db = inputs
+    batch, dim, L = u.shape
+    groups, dstate = B.shape[1], B.shape[2]
+    nan = float("nan")
+    out_rec, du, ddelta = torch.full_like(u, nan), torch.full_like(u, nan), torch.full_like(u, nan)
+    dz = torch.full_like(u, nan) if z is not None else None
+    dA = torch.full((batch, dim, dstate), nan)
+    dB, dC = torch.zeros(batch, groups, dstate, L), torch.zeros(batch, groups, dstate, L)
+    dD = torch.full((batch, dim), nan) if D is not None else None
+    ddb = torch.full((batch, dim), nan) if db is not None else None
+    so.emu_scan_bwd(DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), batch, dim, L, dstate, groups, int(softplus),
+                    ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z), ptr(db), ptr(pos), ptr(saved),
+                    ptr(dout), ptr(out_rec), ptr(du), ptr(ddelta), ptr(dz), ptr(dA), ptr(dB), ptr(dC), ptr(dD),
+                    ptr(ddb))
+    grads = (du, ddelta, dA.sum(0), dB.to(B.dtype), dC.to(C.dtype), None if dD is None else dD.sum(0), dz,
+             None if ddb is None else ddb.sum(0))
+    return out_rec, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=lambda c: f"b{c[0]}d{c[1]}n{c[2]}L{c[3]}g{c[4]}")
+@pytest.mark.parametrize("has_z", [True, False], ids=["z", "noz"])
+def test_emulated_backward_gradients_and_recomputed_output(emulator, seed, dtype, case, has_z):
+    """The backward starts from the forward's saved states: its gradients match float64 autograd, and the output
+    it recomputes (recompute_out) is the forward's, bit for bit (the two sum over states in the same tree)."""
+    batch, dim, dstate, L, groups, kinds = case
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, groups, dstate, L).to(dtype), torch.randn(batch, groups, dstate, L).to(dtype)
+    z = torch.randn(batch, dim, L).to(dtype) if has_z else None
+    inputs = (u, delta, A, B, C, torch.randn(dim), z, 0.5 * torch.randn(dim))
+    rows = [lengths_mix(L, kinds[i % len(kinds)]) for i in range(batch)]
+    pos = position_ids_for(rows, "cpu").int().contiguous()
+    out, saved, _ = run_emulated(emulator, *inputs, pos, True)
+    dout = torch.randn_like(out)
+    out_rec, grads = run_emulated_bwd(emulator, inputs, pos, True, saved, dout)
+    assert torch.equal(out_rec, out)
+    _, _, ref_grads = scan_ref_grads(inputs, pos, True, dout)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-3}[dtype]
+    for name, g, rg in zip(GRAD_NAMES, grads, ref_grads):
+        if rg is None:
+            assert g is None, name
+            continue
+        assert not g.isnan().any(), name
+        assert kernel_err(g, rg) <= tol, (name, kernel_err(g, rg))
