@@ -530,11 +530,14 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   }
 }
 
-// cp.async moves 4-byte units: rows of 16-bit tensors must start 4-byte aligned (seqlen even); the rare odd
-// seqlen stages with plain loads instead.
+// cp.async moves 4-byte units: every row it reads must start 4-byte aligned (for 16-bit tensors: seqlen even and the
+// tensor's data 4-byte aligned, which a contiguous view at an odd element offset is not); else the kernels stage
+// with plain loads (tests/ops/test_scan_emulation.py: a misaligned cp.async faults the GPU).
 template <typename in_t, typename w_t>
 bool use_async(const ScanParams &p) {
-  return (sizeof(in_t) == 4 || p.seqlen % 2 == 0) && (sizeof(w_t) == 4 || p.seqlen % 2 == 0);
+  auto aligned4 = [](const void *q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 4 == 0; };
+  return (sizeof(in_t) == 4 || p.seqlen % 2 == 0) && (sizeof(w_t) == 4 || p.seqlen % 2 == 0) && aligned4(p.u) &&
+         aligned4(p.delta) && aligned4(p.z) && aligned4(p.dout) && aligned4(p.B) && aligned4(p.C) && aligned4(p.pos);
 }
 
 template <typename in_t, typename w_t>

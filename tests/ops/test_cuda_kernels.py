@@ -327,6 +327,35 @@ def test_scan_backward_recomputes_the_forward_output_bit_for_bit(cuda_ops, dtype
         assert torch.equal(a, b)
 
 
+def test_scan_misaligned_contiguous_inputs(cuda_ops):
+    """Contiguous bf16 inputs whose data starts 2 bytes past a 4-byte boundary (views at an odd element offset), even
+    L: the kernels stage them with plain loads, not cp.async (which faults: misaligned address), and give the
+    aligned copies' results. (Found by tests/ops/test_scan_emulation.py on the CPU.)"""
+    L = 96
+    rows = [lengths_mix(L, kind) for kind in ("mixed", "tiny")]
+    pos = position_ids_for(rows, "cuda").int()
+    inputs = make_scan_inputs(len(rows), 32, 16, L, torch.bfloat16)
+    dout = torch.randn_like(inputs[0])
+
+    def misaligned(t):
+        if t is None or t.dtype != torch.bfloat16:
+            return t
+        out = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+        out.copy_(t)
+        assert out.is_contiguous() and out.data_ptr() % 4 != 0
+        return out
+
+    out, saved = torch.ops.packloader.selective_scan_fwd(*inputs, pos, True)
+    grads = torch.ops.packloader.selective_scan_bwd(*inputs, pos, True, saved, dout, True)
+    m = [misaligned(t) for t in inputs]
+    out_m, saved_m = torch.ops.packloader.selective_scan_fwd(*m, pos, True)
+    grads_m = torch.ops.packloader.selective_scan_bwd(*m, pos, True, saved_m, misaligned(dout), True)
+    torch.cuda.synchronize()
+    assert torch.equal(out_m, out) and torch.equal(saved_m, saved)
+    for name, a, b in zip(GRAD_NAMES + ["out"], grads_m, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)   # dB / dC: float atomics
+
+
 def test_scan_bf16_accuracy_no_worse_than_upstream_one_by_one(cuda_ops, seed):
     """Issue 13, part 5: on a random packed bf16 row pair, the packed scan's output and gradients are at least as
     close to a float64 computation as mamba-ssm's own bf16 selective_scan_fn run on each sequence alone. Both errors

@@ -71,7 +71,14 @@ def emulator(tmp_path_factory):
         assert res.returncode == 0, res.stderr[-4000:]
     so = ctypes.CDLL(str(lib))
     so.emu_scan_fwd.restype = ctypes.c_int
+    so.emu_first_fault.restype = ctypes.c_char_p
     return so
+
+
+def assert_no_fault(so):
+    """No access the GPU would fault on (a misaligned cp.async) happened in the last emulated launch."""
+    n = so.emu_fault_count()
+    assert n == 0, f"{n} accesses would fault on the GPU; the first: {so.emu_first_fault().decode()}"
 
 
 def ptr(t):
@@ -86,6 +93,7 @@ def run_emulated(so, u, delta, A, B, C, D, z, delta_bias, pos, softplus):
     staged = so.emu_scan_fwd(DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), batch, dim, L, dstate, groups,
                              int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
                              ptr(delta_bias), ptr(pos), ptr(out), ptr(saved))
+    assert_no_fault(so)
     return out, saved, bool(staged)
 
 
@@ -182,6 +190,29 @@ def test_emulated_forward_keeps_inf_in_its_sequence(emulator):
     assert torch.isfinite(out[..., 20:]).all() and torch.isfinite(saved).all()
 
 
+class EmulatedExt:
+    """The compiled extension's scan entry points (ops/csrc/binding.cpp's signatures) on the emulated kernels, so that
+    the Python side of the CUDA path (ops.selective_scan_interface) runs on CPU tensors."""
+
+    def __init__(self, so):
+        self.so = so
+
+    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved):
+        self.so.emu_scan_fwd(DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2], u.shape[2], A.shape[1],
+                             B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
+                             ptr(delta_bias), ptr(pos), ptr(out), ptr(saved))
+        assert_no_fault(self.so)
+
+    def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
+                 dB, dC, dD, ddelta_bias, det_sem, det_part):
+        self.so.emu_scan_bwd(DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2], u.shape[2],
+                             A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
+                             ptr(z), ptr(delta_bias), ptr(pos), ptr(saved), ptr(dout), ptr(out_rec), ptr(du),
+                             ptr(ddelta), ptr(dz), ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_sem),
+                             ptr(det_part), 0 if det_sem is None else det_sem.shape[1])
+        assert_no_fault(self.so)
+
+
 def run_emulated_bwd(so, inputs, pos, softplus, saved, dout):
     u, delta, A, B, C, D, z, db = inputs
     batch, dim, L = u.shape
@@ -193,10 +224,8 @@ def run_emulated_bwd(so, inputs, pos, softplus, saved, dout):
     dB, dC = torch.zeros(batch, groups, dstate, L), torch.zeros(batch, groups, dstate, L)
     dD = torch.full((batch, dim), nan) if D is not None else None
     ddb = torch.full((batch, dim), nan) if db is not None else None
-    so.emu_scan_bwd(DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), batch, dim, L, dstate, groups, int(softplus),
-                    ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z), ptr(db), ptr(pos), ptr(saved),
-                    ptr(dout), ptr(out_rec), ptr(du), ptr(ddelta), ptr(dz), ptr(dA), ptr(dB), ptr(dC), ptr(dD),
-                    ptr(ddb))
+    EmulatedExt(so).scan_bwd(u, delta, A, B, C, D, z, db, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
+                             dB, dC, dD, ddb, None, None)
     grads = (du, ddelta, dA.sum(0), dB.to(B.dtype), dC.to(C.dtype), None if dD is None else dD.sum(0), dz,
              None if ddb is None else ddb.sum(0))
     return out_rec, grads
@@ -229,3 +258,77 @@ def test_emulated_backward_gradients_and_recomputed_output(emulator, seed, dtype
             continue
         assert not g.isnan().any(), name
         assert kernel_err(g, rg) <= tol, (name, kernel_err(g, rg))
+
+
+@pytest.fixture
+def cuda_path_on_cpu(emulator, monkeypatch):
+    """ops.selective_scan_interface's CUDA functions (_scan_fwd_cuda / _scan_bwd_cuda) on CPU tensors, with the
+    emulated kernels as the extension."""
+    from ops import selective_scan_interface as ssi
+
+    monkeypatch.setattr(ssi._backends, "implementation", lambda *a, **k: "cuda")
+    monkeypatch.setattr(ssi._backends, "load_kernels", lambda: EmulatedExt(emulator))
+    return ssi
+
+
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a contiguous tensor whose data starts one element past an aligned address (what a slice of a
+    flat buffer, or of a batch-1 tensor along dim 1, can give)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    assert out.is_contiguous() and out.data_ptr() % 4 != 0
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_misaligned_inputs_are_not_staged_with_cp_async(cuda_path_on_cpu, seed, dtype):
+    """Contiguous 16-bit inputs that start 2 bytes past a 4-byte boundary (even L) must not reach cp.async, whose
+    4-byte copies would fault on the GPU ("misaligned address"): the kernels take them with plain loads."""
+    ssi = cuda_path_on_cpu
+    batch, dim, dstate, L = 2, 32, 16, 96
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, dstate, L).to(dtype), torch.randn(batch, dstate, L).to(dtype)
+    D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
+    pos = position_ids_for([lengths_mix(L, "mixed"), lengths_mix(L, "tiny")], "cpu")
+    dout = torch.randn(batch, dim, L).to(dtype)
+    want_out, want_saved = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    want_grads = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, want_saved, dout)
+    m = [misaligned(t) for t in (u, delta, B, C, z, dout)]
+    out, saved = ssi._scan_fwd_cuda(m[0], m[1], A, m[2], m[3], D, m[4], db, pos, True)
+    grads = ssi._scan_bwd_cuda(m[0], m[1], A, m[2], m[3], D, m[4], db, pos, True, saved, m[5])
+    assert torch.equal(out, want_out) and torch.equal(saved, want_saved)
+    for name, g, w in zip(GRAD_NAMES, grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)   # dB / dC: float atomics, any order
+
+
+@pytest.mark.parametrize("groups,dim", [(2, 40), (2, 64), (1, 48)], ids=["20-per-group", "32-per-group", "one-group"])
+def test_cuda_path_on_emulated_kernels(cuda_path_on_cpu, seed, groups, dim):
+    """The Python side of the CUDA path with the kernels' own code: group-by-group launches (groups that are not
+    whole blocks), B/C without a group dim, fp32 B/C with bf16 activations, and the deterministic mode (its ticket
+    chains and per-group partials: the same bits twice, and the default mode's values)."""
+    ssi = cuda_path_on_cpu
+    batch, dstate, L, dtype = 2, 16, 150, torch.bfloat16
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    shape = (batch, dstate, L) if groups == 1 else (batch, groups, dstate, L)
+    B, C = torch.randn(shape), torch.randn(shape)   # float32 B / C
+    D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
+    pos = position_ids_for([lengths_mix(L, "mixed"), lengths_mix(L, "padded")], "cpu")
+    out, saved = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    ref_out, _ = ssi._scan_fwd_reference(u.float(), delta.float(), A, B, C, D, z.float(), db, pos, True)
+    assert kernel_err(out, ref_out.double()) <= 2e-3
+    dout = torch.randn(batch, dim, L).to(dtype)
+    default = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        det = [ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(default[8], out)   # the recomputed output
+    for name, a, b, c in zip(GRAD_NAMES + ["out"], default, det[0], det[1]):
+        assert torch.equal(b, c), name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)

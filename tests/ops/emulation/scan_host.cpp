@@ -18,6 +18,7 @@
 #include <memory>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <thread>
 #include <vector>
 
@@ -76,10 +77,23 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __expf(float x) { return std::exp(x); }
 using std::min;
 
+// accesses the GPU would fault on (misaligned address), counted instead; the first one described
+static std::atomic<int> emu_faults{0};
+static char emu_fault_text[256];
+inline void emu_fault(const char *what, const void *addr, int align) {
+  if (emu_faults.fetch_add(1) == 0)
+    std::snprintf(emu_fault_text, sizeof(emu_fault_text), "%s at %p: not %d-byte aligned (block %u,%u thread %u)",
+                  what, addr, align, blockIdx.x, blockIdx.y, threadIdx.x);
+}
+extern "C" int emu_fault_count() { return emu_faults.exchange(0); }
+extern "C" const char *emu_first_fault() { return emu_fault_text; }
+
 namespace packloader_ops {   // cp_async.cuh's copies, done at once (the kernels wait for them before reading anyway)
 inline void cp_async4(void *dst, const void *src, int src_bytes) {
+  if (reinterpret_cast<uintptr_t>(src) % 4) emu_fault("cp.async source", src, 4);
+  if (reinterpret_cast<uintptr_t>(dst) % 4) emu_fault("cp.async destination", dst, 4);
   std::memset(dst, 0, 4);
-  std::memcpy(dst, src, src_bytes);
+  if (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0) std::memcpy(dst, src, src_bytes);
 }
 inline void cp_async_commit() {}
 inline void cp_async_wait_all() {}
@@ -153,16 +167,19 @@ extern "C" int emu_scan_fwd(int in_dtype, int w_f32, int batch, int dim, int seq
   return async_;
 }
 
-// the backward (bwd_launch's choices), default mode: dB / dC fp32 zeros, dA / dD / ddelta_bias per batch row
+// the backward (bwd_launch's choices): dB / dC fp32 zeros, dA / dD / ddelta_bias per batch row; deterministic mode
+// when det_sem / det_part (zeros, scan_bwd's shapes) are given
 extern "C" void emu_scan_bwd(int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate, int n_groups,
                              int softplus, const void *u, const void *delta, const float *A, const void *B,
                              const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
                              float *saved, const void *dout, void *out_rec, void *du, void *ddelta, void *dz,
-                             float *dA, float *dB, float *dC, float *dD, float *ddelta_bias) {
+                             float *dA, float *dB, float *dC, float *dD, float *ddelta_bias, int *det_sem,
+                             float *det_part, int det_groups) {
   ScanParams p = params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D, z,
                         delta_bias, pos, saved);
   p.dout = dout; p.out_rec = out_rec; p.du = du; p.ddelta = ddelta; p.dz = dz;
   p.dA = dA; p.dB = dB; p.dC = dC; p.dD = dD; p.ddelta_bias = ddelta_bias;
+  p.det_sem = det_sem; p.det_part = det_part; p.det_groups = det_groups;
   for_types(p, [&](auto in_tag, auto w_tag) {
     using in_t = decltype(in_tag);
     using w_t = decltype(w_tag);
