@@ -532,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
 
 // cp.async moves 4-byte units: every row it reads must start 4-byte aligned (for 16-bit tensors: seqlen even and the
 // tensor's data 4-byte aligned, which a contiguous view at an odd element offset is not); else the kernels stage
-// with plain loads (tests/ops/test_scan_emulation.py: a misaligned cp.async faults the GPU).
+// with plain loads (tests/ops/test_kernel_emulation.py: a misaligned cp.async faults the GPU).
 template <typename in_t, typename w_t>
 bool use_async(const ScanParams &p) {
   auto aligned4 = [](const void *q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 4 == 0; };

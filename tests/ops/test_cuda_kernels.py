@@ -330,7 +330,7 @@ def test_scan_backward_recomputes_the_forward_output_bit_for_bit(cuda_ops, dtype
 def test_scan_misaligned_contiguous_inputs(cuda_ops):
     """Contiguous bf16 inputs whose data starts 2 bytes past a 4-byte boundary (views at an odd element offset), even
     L: the kernels stage them with plain loads, not cp.async (which faults: misaligned address), and give the
-    aligned copies' results. (Found by tests/ops/test_scan_emulation.py on the CPU.)"""
+    aligned copies' results. (Found by tests/ops/test_kernel_emulation.py on the CPU.)"""
     L = 96
     rows = [lengths_mix(L, kind) for kind in ("mixed", "tiny")]
     pos = position_ids_for(rows, "cuda").int()

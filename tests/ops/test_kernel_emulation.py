@@ -1,19 +1,24 @@
-"""The CUDA selective scan (``ops/csrc/selective_scan.cu``) run on the CPU: the kernels' own source, spliced into
-``tests/ops/emulation/scan_host.cpp`` and built by the host C++ compiler, each block's threads run as threads that
-meet at the warp and block barriers. The forward is compared with a float64 scan (its output and the chunk-end
-states the backward starts from) on ragged rows (length 1, padding tails, one sequence per row), odd and aligned
-lengths (staging with cp.async and with plain loads), B/C groups, dstate below 16, every dtype pair, with and
+"""The CUDA kernels of ``ops/csrc`` run on the CPU: each .cu compiled by the host C++ compiler after
+``tests/ops/emulation/cuda_host.h`` (its launches rewritten to run the blocks one at a time, each block's threads as
+host threads meeting at the warp and block barriers), with the alignment sanitizer. The scan forward is compared with
+a float64 scan (its output and the chunk-end states the backward starts from) on ragged rows (length 1, padding
+tails, one sequence per row), odd and aligned lengths, B/C groups, dstate below 16, every dtype pair, with and
 without z / D / bias / softplus; the backward's gradients with float64 autograd, and its recomputed output with the
-forward's, bit for bit. The GPU's own arithmetic (MUFU exp2, flush to zero) and timing are not emulated: the GPU tests
-(``test_cuda_kernels.py``) cover those. Skips without a C++20 compiler or CUDA headers."""
+forward's, bit for bit; the conv over the layouts and dtypes the ops take. The Python side of the CUDA path runs on
+these kernels too (``EmulatedExt``). Every launch is checked for accesses the GPU would fault on (a misaligned
+cp.async or vector access). The GPU's own arithmetic (MUFU exp2, flush to zero) and timing are not emulated: the GPU
+tests (``test_cuda_kernels.py``) cover those. Skips without a C++20 compiler or CUDA headers."""
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
 import pathlib
+import re
 import shutil
 import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -22,11 +27,12 @@ import torch.nn.functional as F
 from ops import _build
 from ops.contract import SCAN_CHUNK, SCAN_LANES
 
-from .test_cuda_kernels import GRAD_NAMES, kernel_err, lengths_mix, position_ids_for, rel_err, scan_ref_grads
+from .test_cuda_kernels import (GRAD_NAMES, TOL, conv_ref64, kernel_err, lengths_mix, position_ids_for, rel_err,
+                                scan_ref_grads)
 
-HERE = pathlib.Path(__file__).parent
-KERNEL = _build.CSRC / "selective_scan.cu"
+HERE = pathlib.Path(__file__).parent / "emulation"
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^;{}]*?>)?)<<<")
 
 
 def cuda_include() -> "pathlib.Path | None":
@@ -37,17 +43,44 @@ def cuda_include() -> "pathlib.Path | None":
     return None
 
 
-def kernel_source() -> str:
-    """selective_scan.cu up to its CUDA launchers, the namespaces closed; cp.async (PTX) left to the host file, the
-    backward's dynamic shared memory made a static array of its size."""
-    text = KERNEL.read_text()
-    text = text[:text.index("template <typename in_t, typename w_t>\nvoid fwd_launch")]
-    for old, new in [('#include "cp_async.cuh"', ""),
-                     ("extern __shared__ __align__(16) unsigned char smem_raw[];",
-                      "__shared__ __align__(16) unsigned char smem_raw[sizeof(BwdSmem<in_t, w_t>)];")]:
-        assert text.count(old) == 1, f"selective_scan.cu changed: {old!r} not found once"
-        text = text.replace(old, new)
-    return text + "}  // namespace\n}  // namespace packloader_ops\n"
+def _split_top(s: str) -> list:
+    """s split at the commas outside parentheses."""
+    parts, depth, cur = [], 0, ""
+    for ch in s:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur.strip()]
+
+
+def host_source(text: str, name: str) -> str:
+    """A .cu made host C++ for cuda_host.h: launches `k<<<grid, block, ...>>>(args);` become
+    `emu_launch(dim3(grid), dim3(block), [&] { k(args); });`; cp.async comes from cuda_host.h; the scan backward's
+    dynamic shared memory becomes a static array of its size."""
+    text = text.replace('#include "cp_async.cuh"', "")
+    text = text.replace("extern __shared__ __align__(16) unsigned char smem_raw[];",
+                        "__shared__ __align__(16) unsigned char smem_raw[sizeof(BwdSmem<in_t, w_t>)];")
+    out, i = [], 0
+    while (m := LAUNCH.search(text, i)) is not None:
+        j = text.index(">>>", m.end())
+        grid, block = _split_top(text[m.end():j])[:2]
+        assert text[j + 3] == "(", f"{name}: a launch without arguments at {text[m.start():j + 10]!r}"
+        depth, k = 0, j + 3
+        while True:
+            depth += text[k] == "("
+            depth -= text[k] == ")"
+            if depth == 0:
+                break
+            k += 1
+        args = text[j + 4:k]
+        out.append(text[i:m.start()] + f"emu_launch(dim3({grid}), dim3({block}), [&] {{ {m.group(1)}({args}); }})")
+        i = k + 1
+    out.append(text[i:])
+    return f'#include "cuda_host.h"\n#line 1 "{name}"\n' + "".join(out)
 
 
 @pytest.fixture(scope="module")
@@ -55,37 +88,56 @@ def emulator(tmp_path_factory):
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     inc = cuda_include()
     if cxx is None or inc is None:
-        pytest.skip(f"needs a C++20 compiler ({cxx}) and CUDA headers ({inc}) to build the emulated kernel")
-    src = kernel_source()
-    host = (HERE / "emulation" / "scan_host.cpp").read_text()
-    key = hashlib.sha256((src + host + " ".join(_build.defines())).encode()).hexdigest()[:16]
-    out = tmp_path_factory.getbasetemp() / f"scan_emu_{key}"
+        pytest.skip(f"needs a C++20 compiler ({cxx}) and CUDA headers ({inc}) to build the emulated kernels")
+    sources = {name: host_source((_build.CSRC / name).read_text(), name) for name in _build.SOURCES
+               if name.endswith(".cu")}
+    harness = [HERE / "cuda_host.h", HERE / "entry.cpp"]
+    key = hashlib.sha256("".join(list(sources.values()) + [p.read_text() for p in harness] +
+                                 _build.defines()).encode()).hexdigest()[:16]
+    out = tmp_path_factory.getbasetemp() / f"kernel_emu_{key}"
     lib = out / "emu.so"
     if not lib.exists():
         out.mkdir(exist_ok=True)
-        (out / "kernels.cuh").write_text(src)
-        cmd = [cxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing",
-               "-fsanitize=alignment", "-w", f"-I{_build.CSRC}", f"-I{inc}", *_build.defines(), f'-DKERNEL_SOURCE="{out / "kernels.cuh"}"',
-               str(HERE / "emulation" / "scan_host.cpp"), "-o", str(lib)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        flags = [cxx, "-std=c++20", "-O1", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing",
+                 "-fsanitize=alignment", "-w", f"-I{HERE}", f"-I{_build.CSRC}", f"-I{inc}", *_build.defines()]
+        units = []
+        for name, text in sources.items():
+            (out / f"{name}.cpp").write_text(text)
+            units.append(out / f"{name}.cpp")
+        units.append(HERE / "entry.cpp")
+        procs = [(u, subprocess.Popen(flags + ["-c", str(u), "-o", str(out / (u.name + ".o"))],
+                                      stderr=subprocess.PIPE, text=True)) for u in units]
+        for u, proc in procs:
+            err = proc.communicate()[1]
+            assert proc.returncode == 0, f"{u.name}:\n{err[-4000:]}"
+        res = subprocess.run([cxx, "-shared", "-pthread", "-fsanitize=alignment", "-o", str(lib),
+                              *[str(out / (u.name + ".o")) for u in units]], capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-4000:]
-    # the sanitizer reports a vector access (uint4, float4, ...) at an address its type's alignment forbids to
-    # files here; it reads this when the library loads it
-    os.environ["UBSAN_OPTIONS"] = f"log_path={out / 'misaligned'}:halt_on_error=0"
     so = ctypes.CDLL(str(lib))
-    so.emu_scan_fwd.restype = ctypes.c_int
     so.emu_first_fault.restype = ctypes.c_char_p
-    so.sanitizer_logs = out
+    so.emu_conv_bwd.restype = ctypes.c_int
     return so
 
 
-def assert_no_fault(so):
-    """No access the GPU would fault on happened in the last emulated launch: a misaligned cp.async (counted by
-    scan_host.cpp) or a vector access at an address its type's alignment forbids (the sanitizer's report)."""
+def emu_call(so, name: str, *args):
+    """so.name(*args), checked for accesses the GPU would fault on: a misaligned cp.async (counted by cuda_host.h) or
+    a vector access at an address its type's alignment forbids (the sanitizer's "runtime error" on stderr, read
+    from the file descriptor: the sanitizer writes there directly)."""
+    with tempfile.TemporaryFile() as err:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            ret = getattr(so, name)(*args)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+    assert "runtime error" not in text, f"{name}: an access the GPU would fault on:\n{text[:2000]}"
     n = so.emu_fault_count()
-    assert n == 0, f"{n} accesses would fault on the GPU; the first: {so.emu_first_fault().decode()}"
-    logs = sorted(so.sanitizer_logs.glob("misaligned.*"))
-    assert not logs, logs[0].read_text()[:2000]
+    assert n == 0, f"{name}: {n} accesses would fault on the GPU; the first: {so.emu_first_fault().decode()}"
+    return ret
 
 
 def ptr(t):
@@ -97,11 +149,10 @@ def run_emulated(so, u, delta, A, B, C, D, z, delta_bias, pos, softplus):
     groups, dstate = B.shape[1], B.shape[2]
     out = torch.full_like(u, float("nan"))
     saved = torch.full((batch, dim, -(-L // SCAN_CHUNK), SCAN_LANES), float("nan"))
-    staged = so.emu_scan_fwd(DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), batch, dim, L, dstate, groups,
-                             int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
-                             ptr(delta_bias), ptr(pos), ptr(out), ptr(saved))
-    assert_no_fault(so)
-    return out, saved, bool(staged)
+    emu_call(so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), batch, dim, L, dstate, groups,
+             int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z), ptr(delta_bias), ptr(pos),
+             ptr(out), ptr(saved))
+    return out, saved
 
 
 def ref64(u, delta, A, B, C, D, z, delta_bias, pos, softplus):
@@ -157,9 +208,8 @@ def test_emulated_forward_matches_float64(emulator, seed, dtype, bc_fp32, case):
     D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
     rows = [lengths_mix(L, kinds[i % len(kinds)]) for i in range(batch)]
     pos = position_ids_for(rows, "cpu").int().contiguous()
-    out, saved, staged_async = run_emulated(emulator, u, delta, A, B, C, D, z, db, pos, True)
+    out, saved = run_emulated(emulator, u, delta, A, B, C, D, z, db, pos, True)
     ref_out, ref_saved = ref64(u, delta, A, B, C, D, z, db, pos, True)
-    assert staged_async == (L % 2 == 0 or dtype == torch.float32)   # cp.async moves 4-byte units
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 1e-3}[dtype]
     assert not out.isnan().any() and not saved[..., :dstate].isnan().any()
     assert kernel_err(out, ref_out) <= tol, kernel_err(out, ref_out)
@@ -179,7 +229,7 @@ def test_emulated_forward_optional_inputs(emulator, seed, has_z, has_D, has_bias
     z = torch.randn(batch, dim, L) if has_z else None
     db = 0.5 * torch.rand(dim) if has_bias else None
     pos = position_ids_for([lengths_mix(L, "mixed"), lengths_mix(L, "padded")], "cpu").int().contiguous()
-    out, saved, _ = run_emulated(emulator, u, delta, A, B, C, D, z, db, pos, softplus)
+    out, saved = run_emulated(emulator, u, delta, A, B, C, D, z, db, pos, softplus)
     ref_out, ref_saved = ref64(u, delta, A, B, C, D, z, db, pos, softplus)
     assert rel_err(out, ref_out) <= 1e-5 and rel_err(saved, ref_saved) <= 1e-5
 
@@ -192,7 +242,7 @@ def test_emulated_forward_keeps_inf_in_its_sequence(emulator):
     delta, A = torch.rand(1, dim, L), -torch.ones(dim, 16)
     B, C = torch.randn(1, 1, 16, L), torch.randn(1, 1, 16, L)
     pos = position_ids_for([[20, 44]], "cpu").int().contiguous()
-    out, saved, _ = run_emulated(emulator, u, delta, A, B, C, None, None, None, pos, False)
+    out, saved = run_emulated(emulator, u, delta, A, B, C, None, None, None, pos, False)
     assert not out[..., :10].isnan().any() and out[..., 10:20].isinf().logical_or(out[..., 10:20].isnan()).any()
     assert torch.isfinite(out[..., 20:]).all() and torch.isfinite(saved).all()
 
@@ -205,19 +255,39 @@ class EmulatedExt:
         self.so = so
 
     def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved):
-        self.so.emu_scan_fwd(DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2], u.shape[2], A.shape[1],
-                             B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
-                             ptr(delta_bias), ptr(pos), ptr(out), ptr(saved))
-        assert_no_fault(self.so)
+        emu_call(self.so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
+                 u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
+                 ptr(z), ptr(delta_bias), ptr(pos), ptr(out), ptr(saved))
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
                  dB, dC, dD, ddelta_bias, det_sem, det_part):
-        self.so.emu_scan_bwd(DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2], u.shape[2],
-                             A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
-                             ptr(z), ptr(delta_bias), ptr(pos), ptr(saved), ptr(dout), ptr(out_rec), ptr(du),
-                             ptr(ddelta), ptr(dz), ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_sem),
-                             ptr(det_part), 0 if det_sem is None else det_sem.shape[1])
-        assert_no_fault(self.so)
+        emu_call(self.so, "emu_scan_bwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
+                 u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
+                 ptr(z), ptr(delta_bias), ptr(pos), ptr(saved), ptr(dout), ptr(out_rec), ptr(du), ptr(ddelta), ptr(dz),
+                 ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_sem), ptr(det_part),
+                 0 if det_sem is None else det_sem.shape[1])
+
+
+    @staticmethod
+    def _conv_args(x, weight, bias, pos, silu):
+        batch, dim, L = x.shape
+        xs = (ctypes.c_int64 * 3)(*x.stride())
+        channel_last = x.stride(1) == 1 and dim > 1
+        # binding.cpp's conv_runmask: scratch for the channel-first kernels' boundary masks
+        runmask = None if channel_last else torch.empty(batch, ((L + 7) // 8 + 7) // 8 * 8, dtype=torch.int16)
+        return (DTYPE_CODE[x.dtype], batch, dim, L, weight.shape[1], int(silu), ptr(x), xs, ptr(weight), ptr(bias),
+                ptr(pos), ptr(runmask)), runmask
+
+    def conv_fwd(self, x, weight, bias, pos, silu, out):
+        assert out.stride() == x.stride(), "out must have x's layout"
+        args, keep = self._conv_args(x, weight, bias, pos, silu)
+        emu_call(self.so, "emu_conv_fwd", *args, ptr(out))
+
+    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dw_part):
+        assert dx.stride() == x.stride(), "dx must have x's layout"
+        args, keep = self._conv_args(x, weight, bias, pos, silu)
+        return emu_call(self.so, "emu_conv_bwd", *args, ptr(dout), (ctypes.c_int64 * 3)(*dout.stride()), ptr(dx),
+                        ptr(dw_part))
 
 
 def run_emulated_bwd(so, inputs, pos, softplus, saved, dout):
@@ -253,7 +323,7 @@ def test_emulated_backward_gradients_and_recomputed_output(emulator, seed, dtype
     inputs = (u, delta, A, B, C, torch.randn(dim), z, 0.5 * torch.randn(dim))
     rows = [lengths_mix(L, kinds[i % len(kinds)]) for i in range(batch)]
     pos = position_ids_for(rows, "cpu").int().contiguous()
-    out, saved, _ = run_emulated(emulator, *inputs, pos, True)
+    out, saved = run_emulated(emulator, *inputs, pos, True)
     dout = torch.randn_like(out)
     out_rec, grads = run_emulated_bwd(emulator, inputs, pos, True, saved, dout)
     assert torch.equal(out_rec, out)
@@ -271,10 +341,10 @@ def test_emulated_backward_gradients_and_recomputed_output(emulator, seed, dtype
 def cuda_path_on_cpu(emulator, monkeypatch):
     """ops.selective_scan_interface's CUDA functions (_scan_fwd_cuda / _scan_bwd_cuda) on CPU tensors, with the
     emulated kernels as the extension."""
-    from ops import selective_scan_interface as ssi
+    from ops import backends, selective_scan_interface as ssi
 
-    monkeypatch.setattr(ssi._backends, "implementation", lambda *a, **k: "cuda")
-    monkeypatch.setattr(ssi._backends, "load_kernels", lambda: EmulatedExt(emulator))
+    monkeypatch.setattr(backends, "implementation", lambda *a, **k: "cuda")
+    monkeypatch.setattr(backends, "load_kernels", lambda: EmulatedExt(emulator))
     return ssi
 
 
@@ -339,3 +409,72 @@ def test_cuda_path_on_emulated_kernels(cuda_path_on_cpu, seed, groups, dim):
     for name, a, b, c in zip(GRAD_NAMES + ["out"], default, det[0], det[1]):
         assert torch.equal(b, c), name
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# causal conv1d: the layouts and dtypes ops.packed_causal_conv1d takes (issue: "every combination causal-conv1d
+# accepts"), through ops.conv1d_interface's CUDA path on the emulated kernels
+
+def conv_input(layout: str, batch: int, dim: int, L: int, dtype) -> torch.Tensor:
+    """x (batch, dim, L) in a memory layout: channel-first "cf", channel-last "cl", "padded" (a slice of a wider
+    channel-last buffer: strides the kernels do not take, copied by the op), "cl-slice" (timesteps 2 .. L + 1 of longer
+    channel-last rows), "misaligned-cf" / "misaligned-cl" (dense, data starting one element past an aligned address)."""
+    v = torch.randn(batch, dim, L).to(dtype)
+    if layout == "cf":
+        return v
+    if layout == "cl":
+        return v.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "padded":
+        buf = torch.zeros(batch, L, dim + 64, dtype=dtype)
+        buf[..., :dim] = v.transpose(1, 2)
+        return buf[..., :dim].transpose(1, 2)
+    if layout == "cl-slice":   # dense channel-last for batch 1 (any batch stride), copied for more rows
+        buf = torch.zeros(batch, L + 5, dim, dtype=dtype)
+        buf[:, 2:2 + L] = v.transpose(1, 2)
+        return buf[:, 2:2 + L].transpose(1, 2)
+    buf = torch.zeros(v.numel() + 1, dtype=dtype)
+    if layout == "misaligned-cf":
+        out = buf[1:].view(batch, dim, L)
+        out.copy_(v)
+    else:
+        out = buf[1:].view(batch, L, dim).transpose(1, 2)
+        out.copy_(v)
+    assert out.data_ptr() % 16 != 0
+    return out
+
+
+CONV_LAYOUTS = ["cf", "cl", "padded", "cl-slice", "misaligned-cf", "misaligned-cl"]
+CONV_SHAPES = [(2, 37, 67), (2, 64, 256), (1, 24, 136)]   # odd dim and L; the vector kernels' sizes; batch 1
+CONV_CASES = [(dtype, layout, CONV_SHAPES[i % 3], 2 + i % 3, ["cf", "cl", "padded"][i % 3 - 1],
+               torch.float32 if i % 2 else dtype)
+              for i, (dtype, layout) in enumerate((d, lay) for d in (torch.float32, torch.float16, torch.bfloat16)
+                                                  for lay in CONV_LAYOUTS)]
+
+
+@pytest.mark.parametrize("dtype,layout,shape,width,dout_layout,wdtype", CONV_CASES,
+                         ids=[f"{str(c[0])[6:]}-{c[1]}-{'x'.join(map(str, c[2]))}-w{c[3]}-g{c[4]}-{str(c[5])[6:]}"
+                              for c in CONV_CASES])
+def test_conv_layouts_on_emulated_kernels(cuda_path_on_cpu, seed, dtype, layout, shape, width, dout_layout, wdtype):
+    """Every layout of x and of the incoming gradient, every dtype of x with fp32 or x-dtype weights, widths 2-4,
+    sequences shorter than the width, batch 1, odd dim and L: the CUDA path (its copies to a layout a kernel takes,
+    the kernel each picks) against float64, and no access the GPU would fault on."""
+    from ops import conv1d_interface as ci
+
+    batch, dim, L = shape
+    x = conv_input(layout, batch, dim, L, dtype)
+    weight, bias = (0.5 * torch.randn(dim, width)).to(wdtype), torch.randn(dim).to(wdtype)
+    rows = [lengths_mix(L, kind) for kind in ("tiny", "padded", "mixed")[:batch]]
+    pos = position_ids_for(rows, "cpu")
+    xk = ci.kernel_layout(x)
+    out = ci._conv_fwd_cuda(xk, weight, bias, pos, True)
+    assert out.stride() == xk.stride()
+    dout = conv_input(dout_layout, batch, dim, L, dtype)
+    dx, dweight, dbias = ci._conv_bwd_cuda(xk, weight, bias, pos, True, dout)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, weight, bias)]
+    ref = conv_ref64(leaves[0], leaves[1], leaves[2], pos, "silu")
+    ref.backward(dout.double())
+    tol = TOL[dtype]
+    assert kernel_err(out, ref) <= tol, kernel_err(out, ref)
+    assert kernel_err(dx, leaves[0].grad) <= tol, kernel_err(dx, leaves[0].grad)
+    wtol = TOL[wdtype]   # dweight / dbias come in the weights' dtype
+    assert kernel_err(dweight, leaves[1].grad) <= wtol and kernel_err(dbias, leaves[2].grad) <= wtol

@@ -1,0 +1,77 @@
+// Entry points of the emulated kernels (cuda_host.h), called through ctypes by tests/ops/test_kernel_emulation.py:
+// the parameters ops/csrc/binding.cpp fills, then the real launchers.
+#include "cuda_host.h"
+#include "ops_common.h"
+
+using namespace packloader_ops;
+
+extern "C" int emu_fault_count() { return emu_faults.exchange(0); }
+extern "C" const char *emu_first_fault() { return emu_fault_text; }
+
+static ScanParams scan_params(int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate, int n_groups,
+                              int softplus, const void *u, const void *delta, const float *A, const void *B,
+                              const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
+                              float *saved) {
+  ScanParams p{};
+  p.batch = batch; p.dim = dim; p.seqlen = seqlen; p.dstate = dstate; p.n_groups = n_groups;
+  p.dim_per_group = dim / n_groups; p.nchunks = (seqlen + kScanChunk - 1) / kScanChunk; p.softplus = softplus;
+  p.in_dtype = in_dtype; p.w_f32 = w_f32;
+  p.u = u; p.delta = delta; p.B = B; p.C = C; p.z = z; p.A = A; p.D = D; p.delta_bias = delta_bias; p.pos = pos;
+  p.saved = saved;
+  return p;
+}
+
+extern "C" void emu_scan_fwd(int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate, int n_groups,
+                             int softplus, const void *u, const void *delta, const float *A, const void *B,
+                             const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
+                             void *out, float *saved) {
+  ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
+                             z, delta_bias, pos, saved);
+  p.out = out;
+  scan_fwd_launch(p, nullptr);
+}
+
+// deterministic mode when det_sem / det_part (zeros, scan_bwd's shapes) are given
+extern "C" void emu_scan_bwd(int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate, int n_groups,
+                             int softplus, const void *u, const void *delta, const float *A, const void *B,
+                             const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
+                             float *saved, const void *dout, void *out_rec, void *du, void *ddelta, void *dz,
+                             float *dA, float *dB, float *dC, float *dD, float *ddelta_bias, int *det_sem,
+                             float *det_part, int det_groups) {
+  ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
+                             z, delta_bias, pos, saved);
+  p.dout = dout; p.out_rec = out_rec; p.du = du; p.ddelta = ddelta; p.dz = dz;
+  p.dA = dA; p.dB = dB; p.dC = dC; p.dD = dD; p.ddelta_bias = ddelta_bias;
+  p.det_sem = det_sem; p.det_part = det_part; p.det_groups = det_groups;
+  scan_bwd_launch(p, nullptr);
+}
+
+// x_strides / g_strides: (batch, dim, seqlen) strides in elements; runmask: (batch, conv_mask_stride(seqlen)) int16
+// scratch for channel-first x (binding.cpp's conv_runmask), else null
+static ConvParams conv_params(int dtype, int batch, int dim, int seqlen, int width, int silu, const void *x,
+                              const int64_t *xs, const float *weight, const float *bias, const int *pos,
+                              uint16_t *runmask) {
+  ConvParams p{};
+  p.batch = batch; p.dim = dim; p.seqlen = seqlen; p.width = width; p.silu = silu; p.dtype = dtype;
+  p.x_bs = xs[0]; p.x_cs = xs[1]; p.x_ls = xs[2];
+  p.channel_last = xs[1] == 1 && dim > 1;
+  p.x = x; p.weight = weight; p.bias = bias; p.pos = pos; p.runmask = runmask;
+  return p;
+}
+
+extern "C" void emu_conv_fwd(int dtype, int batch, int dim, int seqlen, int width, int silu, const void *x,
+                             const int64_t *xs, const float *weight, const float *bias, const int *pos,
+                             uint16_t *runmask, void *out) {
+  ConvParams p = conv_params(dtype, batch, dim, seqlen, width, silu, x, xs, weight, bias, pos, runmask);
+  p.out = out;
+  conv_fwd_launch(p, nullptr);
+}
+
+extern "C" int emu_conv_bwd(int dtype, int batch, int dim, int seqlen, int width, int silu, const void *x,
+                            const int64_t *xs, const float *weight, const float *bias, const int *pos,
+                            uint16_t *runmask, const void *dout, const int64_t *gs, void *dx, float *dw_part) {
+  ConvParams p = conv_params(dtype, batch, dim, seqlen, width, silu, x, xs, weight, bias, pos, runmask);
+  p.g_bs = gs[0]; p.g_cs = gs[1]; p.g_ls = gs[2];
+  p.dout = dout; p.dx = dx; p.dw_part = dw_part;
+  return conv_bwd_launch(p, nullptr);
+}
