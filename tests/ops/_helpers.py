@@ -81,6 +81,20 @@ def spans(rows):
     return out
 
 
+def misaligned_copy(t: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """t's values in a dense tensor whose data starts one element past an aligned address (what a slice of a flat
+    buffer, or of a batch-1 tensor along dim 1, gives): contiguous, or with ``transpose`` channel-last (the last two
+    dims swapped in memory)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    if transpose:
+        out = buf[1:].view(*t.shape[:-2], t.shape[-1], t.shape[-2]).transpose(-1, -2)
+    else:
+        out = buf[1:].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % (2 * t.element_size()) != 0
+    return out
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     den = b.norm().item()

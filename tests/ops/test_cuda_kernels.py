@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ops
+from ._helpers import misaligned_copy
 
 pytestmark = pytest.mark.gpu
 
@@ -338,12 +339,7 @@ def test_scan_misaligned_contiguous_inputs(cuda_ops):
     dout = torch.randn_like(inputs[0])
 
     def misaligned(t):
-        if t is None or t.dtype != torch.bfloat16:
-            return t
-        out = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
-        out.copy_(t)
-        assert out.is_contiguous() and out.data_ptr() % 4 != 0
-        return out
+        return t if t is None or t.dtype != torch.bfloat16 else misaligned_copy(t)
 
     out, saved = torch.ops.packloader.selective_scan_fwd(*inputs, pos, True)
     grads = torch.ops.packloader.selective_scan_bwd(*inputs, pos, True, saved, dout, True)

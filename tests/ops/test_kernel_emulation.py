@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ops import _build
 from ops.contract import SCAN_CHUNK, SCAN_LANES
 
+from ._helpers import misaligned_copy
 from .test_cuda_kernels import (GRAD_NAMES, TOL, conv_ref64, kernel_err, lengths_mix, position_ids_for, rel_err,
                                 scan_ref_grads)
 
@@ -348,16 +349,6 @@ def cuda_path_on_cpu(emulator, monkeypatch):
     return ssi
 
 
-def misaligned(t: torch.Tensor) -> torch.Tensor:
-    """t's values in a contiguous tensor whose data starts one element past an aligned address (what a slice of a
-    flat buffer, or of a batch-1 tensor along dim 1, can give)."""
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype)
-    out = buf[1:].view(t.shape)
-    out.copy_(t)
-    assert out.is_contiguous() and out.data_ptr() % 4 != 0
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_misaligned_inputs_are_not_staged_with_cp_async(cuda_path_on_cpu, seed, dtype):
     """Contiguous 16-bit inputs that start 2 bytes past a 4-byte boundary (even L) must not reach cp.async, whose
@@ -373,7 +364,7 @@ def test_misaligned_inputs_are_not_staged_with_cp_async(cuda_path_on_cpu, seed, 
     dout = torch.randn(batch, dim, L).to(dtype)
     want_out, want_saved = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
     want_grads = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, want_saved, dout)
-    m = [misaligned(t) for t in (u, delta, B, C, z, dout)]
+    m = [misaligned_copy(t) for t in (u, delta, B, C, z, dout)]
     out, saved = ssi._scan_fwd_cuda(m[0], m[1], A, m[2], m[3], D, m[4], db, pos, True)
     grads = ssi._scan_bwd_cuda(m[0], m[1], A, m[2], m[3], D, m[4], db, pos, True, saved, m[5])
     assert torch.equal(out, want_out) and torch.equal(saved, want_saved)
@@ -432,15 +423,7 @@ def conv_input(layout: str, batch: int, dim: int, L: int, dtype) -> torch.Tensor
         buf = torch.zeros(batch, L + 5, dim, dtype=dtype)
         buf[:, 2:2 + L] = v.transpose(1, 2)
         return buf[:, 2:2 + L].transpose(1, 2)
-    buf = torch.zeros(v.numel() + 1, dtype=dtype)
-    if layout == "misaligned-cf":
-        out = buf[1:].view(batch, dim, L)
-        out.copy_(v)
-    else:
-        out = buf[1:].view(batch, L, dim).transpose(1, 2)
-        out.copy_(v)
-    assert out.data_ptr() % 16 != 0
-    return out
+    return misaligned_copy(v, transpose=layout == "misaligned-cl")
 
 
 CONV_LAYOUTS = ["cf", "cl", "padded", "cl-slice", "misaligned-cf", "misaligned-cl"]
