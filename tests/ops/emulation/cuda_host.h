@@ -5,7 +5,9 @@
 // threads that meet at __syncwarp / warp votes / __shfl_xor_sync (per warp of 32) and __syncthreads (per block)
 // through barriers. Accesses the GPU would fault on are counted: a cp.async whose address is not 4-byte aligned
 // here, a vector load or store at an address its type's alignment forbids by the alignment sanitizer the library is
-// built with. The GPU's own arithmetic (MUFU exp2, flush to zero), its memory model beyond barriers, and timing are
+// built with. A cp.async lands only at the thread's wait (garbage before). Not seen: races the barriers do not order
+// (host threads run freely), reads past an allocation that land in other memory, shared memory never written in a
+// block (it keeps the last block's values). The GPU's own arithmetic (MUFU exp2, flush to zero), its memory model beyond barriers, and timing are
 // not emulated.
 #pragma once
 #include <cuda_bf16.h>
@@ -129,13 +131,27 @@ inline void emu_fault(const char *what, const void *addr, int align) {
                   what, addr, align, blockIdx.x, blockIdx.y, blockIdx.z, emu_tid);
 }
 
-namespace packloader_ops {   // cp_async.cuh's copies, done at once (the kernels wait for them before reading anyway)
+// cp_async.cuh's copies: the destination holds garbage (0xff bytes: NaN for float) until the thread waits for its
+// copies, as on the GPU, where they land at some time before the wait; so a read before the wait shows
+struct EmuCopy {
+  void *dst;
+  const void *src;
+  int bytes;
+};
+inline thread_local std::vector<EmuCopy> emu_pending;
+namespace packloader_ops {
 inline void cp_async4(void *dst, const void *src, int src_bytes) {
   if (reinterpret_cast<uintptr_t>(src) % 4) emu_fault("cp.async source", src, 4);
   if (reinterpret_cast<uintptr_t>(dst) % 4) emu_fault("cp.async destination", dst, 4);
-  std::memset(dst, 0, 4);
-  if (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0) std::memcpy(dst, src, src_bytes);
+  std::memset(dst, 0xff, 4);
+  emu_pending.push_back({dst, src, src_bytes});
 }
 inline void cp_async_commit() {}
-inline void cp_async_wait_all() {}
+inline void cp_async_wait_all() {
+  for (const EmuCopy &c : emu_pending) {
+    std::memset(c.dst, 0, 4);   // zero-filled past src_bytes
+    if (c.bytes > 0 && reinterpret_cast<uintptr_t>(c.src) % 4 == 0) std::memcpy(c.dst, c.src, c.bytes);
+  }
+  emu_pending.clear();
+}
 }  // namespace packloader_ops
