@@ -85,25 +85,26 @@ def boundary_kwargs(pos, form):
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
 
 
-def per_sequence_reference(model, ids, rows, weights):
-    """Logits of each sequence run alone, and the parameter gradients of sum(logits * weights)."""
+def per_sequence_reference(model, ids, rows, weights, dtype=torch.float32, **fwd_kw):
+    """Logits of each sequence run alone (as ``dtype``: transformers returns float32 logits from these models), and
+    the parameter gradients of sum(logits * weights); ``fwd_kw`` go to the model's forward."""
     model.zero_grad(set_to_none=True)
-    out = torch.zeros(ids.shape + (VOCAB,), dtype=torch.float32)  # transformers returns float32 logits
+    out = torch.zeros(ids.shape + weights.shape[-1:], dtype=dtype)
     for r, lens in enumerate(rows):
         s = 0
         for n in lens:
-            logits = model(ids[r:r + 1, s:s + n]).logits
+            logits = model(ids[r:r + 1, s:s + n], **fwd_kw).logits
             (logits * weights[r:r + 1, s:s + n]).sum().backward()
-            out[r, s:s + n] = logits[0].detach()
+            out[r, s:s + n] = logits[0].detach().to(dtype)
             s += n
     return out, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def packed_run(model, ids, weights, **kw):
+def packed_run(model, ids, weights, dtype=torch.float32, **kw):
     model.zero_grad(set_to_none=True)
     logits = model(ids, **kw).logits
     (logits * weights).sum().backward()
-    return logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return logits.detach().to(dtype), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_close_all(out, ref, grads, ref_grads, grad_rtol=1e-5):

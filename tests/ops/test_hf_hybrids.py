@@ -29,6 +29,8 @@ import ops  # noqa: E402
 from ops import hf as ops_hf  # noqa: E402
 from ops.boundaries import position_ids_to_cu_seqlens  # noqa: E402
 
+from .test_hf import packed_run, per_sequence_reference  # noqa: E402
+
 transformers.logging.set_verbosity_error()
 
 VOCAB = 48
@@ -104,26 +106,6 @@ def packed_batch(rows, capacity, seed):
 ROWS = [[1, 2, 4, 10, 3], [20], [7, 9, 4]]
 
 
-def per_sequence_reference(model, ids, rows, weights):
-    model.zero_grad(set_to_none=True)
-    out = torch.zeros(ids.shape + (VOCAB,), dtype=torch.float64)
-    for r, lens in enumerate(rows):
-        s = 0
-        for n in lens:
-            logits = model(ids[r:r + 1, s:s + n], use_cache=False).logits
-            (logits * weights[r:r + 1, s:s + n]).sum().backward()
-            out[r, s:s + n] = logits[0].detach().double()
-            s += n
-    return out, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-
-
-def packed_run(model, ids, weights, **kw):
-    model.zero_grad(set_to_none=True)
-    logits = model(ids, **kw).logits
-    (logits * weights).sum().backward()
-    return logits.detach().double(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-
-
 def assert_matches(out, ref, grads, ref_grads):
     # transformers' chunked Mamba-2 scan computes in float32 even in a float64 model: float32 tolerances
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -163,10 +145,10 @@ def test_packed_rows_equal_per_sequence_runs(family, form, seed):
     original = copy.deepcopy(model)
     ids, pos = packed_batch(ROWS, 20, seed)
     weights = torch.randn(ids.shape + (VOCAB,), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    ref, ref_grads = per_sequence_reference(original, ids, ROWS, weights)
+    ref, ref_grads = per_sequence_reference(original, ids, ROWS, weights, torch.float64, use_cache=False)
     assert ops.enable_packing(model) is model
     assert model._packloader_conversion["mamba2"] and not model._packloader_conversion["left_unsafe"]
-    out, grads = packed_run(model, ids, weights, **boundary_kwargs(pos, form))
+    out, grads = packed_run(model, ids, weights, torch.float64, **boundary_kwargs(pos, form))
     assert_matches(out, ref, grads, ref_grads)
 
 
@@ -243,13 +225,14 @@ def test_gradient_checkpointing_and_eval(family, seed):
     original = copy.deepcopy(model)
     ids, pos = packed_batch(ROWS[:2], 20, seed)
     weights = torch.randn(ids.shape + (VOCAB,), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    ref, ref_grads = per_sequence_reference(original.train(), ids, ROWS[:2], weights)
+    ref, ref_grads = per_sequence_reference(original.train(), ids, ROWS[:2], weights, torch.float64,
+                                             use_cache=False)
     ops.enable_packing(model)
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(ids, position_ids=pos).logits.double(), ref, rtol=1e-5, atol=1e-5)
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    out, grads = packed_run(model, ids, weights, position_ids=pos)
+    out, grads = packed_run(model, ids, weights, torch.float64, position_ids=pos)
     assert_matches(out, ref, grads, ref_grads)
 
 
