@@ -213,6 +213,11 @@ rank = int(os.environ["RANK"])
 checksum = float(sum(p.double().sum() for p in trainer.model.parameters()))
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"seen": seen, "checksum": checksum, "world": trainer.args.world_size}, f)
+# shut the process group down before exit (left to the interpreter's teardown, gloo's threads can abort the process:
+# "terminate called without an active exception", seen once in CI)
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 '''
 
 
