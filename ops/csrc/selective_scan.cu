@@ -1,12 +1,15 @@
 // Packed selective scan (Mamba-1), forward and backward, with a state reset where position_ids == 0.
 //
-// Layout: a thread block owns 16 channels of one batch row, 128 threads: each thread carries TWO scalar states
-// h[b, d, n] and h[b, d, n + 8] of one channel (dstate padded to 16) sequentially through time, 8 threads a channel.
-// Timesteps are staged in shared memory 64 at a time (u, delta after softplus, dt*u, masks, B and C shared by the
-// block's 16 channels). Per timestep and state a thread does one exp2 and a few FMAs; a sum over the 16 states
-// (y = sum_n C h, and in the backward the two sums du and ddelta are made of) is the thread's two states added, then
-// every 16 timesteps a butterfly reduce-scatter across the channel's 8 threads, so thread n ends up owning timesteps
-// 16*s + 2n and 16*s + 2n + 1 and writes them.
+// Forward: a thread carries all 16 states h[b, d, 0..15] of one channel (dstate padded to 16) sequentially through
+// time, a warp the 32 channels of one block; per timestep and state one exp2 and a few FMAs, and the sum over states
+// y = sum_n C h in the thread's registers (scan_fwd_kernel).
+// Backward: a thread block owns 16 channels of one batch row, 128 threads: each thread carries TWO scalar states
+// h[b, d, n] and h[b, d, n + 8] of one channel, 8 threads a channel. Timesteps are staged in shared memory 64 at a
+// time (u, delta after softplus, dt*u, masks, B and C shared by the block's 16 channels); a sum over the 16 states
+// (y, and the two sums du and ddelta are made of) is the thread's two states added, then every 16 timesteps a
+// butterfly reduce-scatter across the channel's 8 threads, so thread n ends up owning timesteps 16*s + 2n and
+// 16*s + 2n + 1. Both sum over states in the same tree (sum_states), so the backward's recomputed output is the
+// forward's, bit for bit.
 // Reset: where pos_t == 0 the update is h_t = delta_t B_t u_t, a select that drops the carried state instead of
 // multiplying it by zero, and in backward the adjoint handed from t to t-1 and the terms through h_{t-1} are
 // dropped the same way: not even an inf or NaN (0 * inf is NaN) crosses a boundary, forward or backward, nor the
@@ -43,9 +46,9 @@ __device__ __forceinline__ float softplus_(float x) { return x <= 20.f ? log1pf(
 // One step of the recurrence, h <- exp2(dA2) h + bx, or h <- bx at a sequence start (keep == 0): a select that drops
 // the carried state (not a multiply by zero: an inf or NaN state stays in its sequence). The decay is computed either
 // way, so the select needs no branch. The forward and both backward recomputations call this: the same bits.
-__device__ __forceinline__ float scan_step(float dA2, float bx, float h, float keep) {
+__device__ __forceinline__ float scan_step(float dA2, float bx, float h, bool keep) {
   const float carried = fmaf(exp2f(dA2), h, bx);
-  return keep != 0.f ? carried : bx;
+  return keep ? carried : bx;
 }
 
 // ---- raw staging: the next chunk's inputs are copied into shared memory with cp.async (cp_async.cuh; 4-byte units,
@@ -109,119 +112,209 @@ __device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
   reduce_scatter_level<1>(v, lane8);
 }
 
-// The forward: a thread carries TWO states of one channel (n and n + 8), so what a timestep reads ({dt, dt*u}, one
-// 128-bit {B_n, C_n, B_n+8, C_n+8}, the reset mask) and the sum over states are shared by two states; a block is
-// the 16 channels of the backward, with half its threads.
-struct FwdSmem {
-  float2 dt_dtu[kChunk][kPad];
-  float skip[kChunk][kPad];
-  float zs[kChunk][kPad];
-  float4 BC[kChunk][kLanes / 2];   // {B_n, C_n, B_n+8, C_n+8}
-  float m[kChunk];
-};
+// The forward: a thread carries all 16 states of one channel through time, a warp the 32 channels of one block, so
+// what belongs to a (channel, timestep) (the softplus, dt * u, the D skip, silu(z), the sum over states and the
+// output) is done once, not once per state lane, and the sum y = sum_n C h needs no shuffles. Each thread reads
+// its own rows of u / delta / z kFwdRun timesteps at a time into registers, one run ahead of the one it computes;
+// the warp stages B and C (shared by its channels) of the run through shared memory as fp32 pairs and its reset
+// mask as one ballot (bit j: timestep j starts a sequence). Warps are independent (one warp a block), so a small
+// batch still spreads over every SM; ~200 registers, 8 warps an SM.
+constexpr int kFwdRun = 8;    // timesteps a thread loads and computes at a time
+static_assert(kChunk % kFwdRun == 0, "saved states fall on run ends");
 
-template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
-__global__ void __launch_bounds__(kThreads, 4) scan_fwd_kernel(const ScanParams p) {
-  __shared__ FwdSmem sm;
-  __shared__ __align__(16) RawChunk<in_t, w_t, 3> raw;
-  const int tid = threadIdx.x;
-  const int n = tid & 7;    // states n and n + 8
-  const int dl = tid >> 3;
-  const int b = blockIdx.y;
-  const int d0 = blockIdx.x * kDB;
-  const int d = d0 + dl;
-  const int L = p.seqlen;
-  const bool d_ok = d < p.dim;
-  const int grp = d0 / p.dim_per_group;
-  const float A2a = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
-  const float A2b = (d_ok && n + 8 < p.dstate) ? p.A[(int64_t)d * p.dstate + n + 8] * kLog2e : 0.f;
-
-  const in_t *u = reinterpret_cast<const in_t *>(p.u) + ((int64_t)b * p.dim) * L;
-  const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + ((int64_t)b * p.dim) * L;
-  const in_t *z = kHasZ ? reinterpret_cast<const in_t *>(p.z) + ((int64_t)b * p.dim) * L : nullptr;
-  const w_t *Bp = reinterpret_cast<const w_t *>(p.B) + ((int64_t)b * p.n_groups + grp) * p.dstate * L;
-  const w_t *Cp = reinterpret_cast<const w_t *>(p.C) + ((int64_t)b * p.n_groups + grp) * p.dstate * L;
-  const int *pos = p.pos + (int64_t)b * L;
-  in_t *out = reinterpret_cast<in_t *>(p.out) + ((int64_t)b * p.dim) * L;
-
-  const int rows = p.dim - d0;
-  auto stage = [&](int t0) {
-    stage_rows<kAsync>(raw.in[0], u + (int64_t)d0 * L, L, rows, t0, L, tid);
-    stage_rows<kAsync>(raw.in[1], delta + (int64_t)d0 * L, L, rows, t0, L, tid);
-    if constexpr (kHasZ) stage_rows<kAsync>(raw.in[2], z + (int64_t)d0 * L, L, rows, t0, L, tid);
-    stage_rows<kAsync>(raw.bc[0], Bp, L, p.dstate, t0, L, tid);
-    stage_rows<kAsync>(raw.bc[1], Cp, L, p.dstate, t0, L, tid);
-    stage_pos<kAsync>(raw.pos, pos, t0, L, tid);
-    if constexpr (kAsync) cp_async_commit();
-  };
-  stage(0);
-
-  float ha = 0.f, hb = 0.f;
-  for (int c = 0; c < p.nchunks; ++c) {
-    const int t0 = c * kChunk;
-    if constexpr (kAsync) cp_async_wait_all();
-    __syncthreads();
-    for (int i = tid; i < kDB * kChunk; i += kThreads) {
-      const int dd = i / kChunk, tt = i % kChunk, dg = d0 + dd, t = t0 + tt;
-      float dtv = 0.f, uv = 0.f, zs = 0.f, skip = 0.f;
-      if (dg < p.dim && t < L) {
-        uv = to_f(raw.in[0][dd][tt]);
-        dtv = to_f(raw.in[1][dd][tt]);
-        if (p.delta_bias) dtv += p.delta_bias[dg];
-        if (p.softplus) dtv = softplus_(dtv);
-        if (p.D) skip = __fmul_rn(p.D[dg], uv);
-        if (kHasZ) { const float zv = to_f(raw.in[2][dd][tt]); zs = zv * sigmoidf_(zv); }
-      }
-      sm.dt_dtu[tt][dd] = make_float2(dtv, dtv * uv);
-      sm.skip[tt][dd] = skip;
-      if (kHasZ) sm.zs[tt][dd] = zs;
-    }
-    for (int i = tid; i < kLanes * kChunk; i += kThreads) {
-      const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
-      float bv = 0.f, cv = 0.f;
-      if (nn < p.dstate && t < L) { bv = to_f(raw.bc[0][nn][tt]); cv = to_f(raw.bc[1][nn][tt]); }
-      float *slot = reinterpret_cast<float *>(&sm.BC[tt][nn & 7]) + (nn >> 3) * 2;
-      slot[0] = bv;
-      slot[1] = cv;
-    }
-    if (tid < kChunk) sm.m[tid] = (t0 + tid < L && raw.pos[tid] == 0) ? 0.f : 1.f;
-    __syncthreads();
-    if (c + 1 < p.nchunks) stage(t0 + kChunk);   // overlaps with this chunk's scan
-
-#pragma unroll 1
-    for (int s = 0; s < kNSub; ++s) {
-      float yv[kSub];
+// n (compile-time 0..15) -> the forward's and backward's tree over states: q_l = C_l h_l + C_{l+8} h_{l+8}, summed
+// ((q0 + q4) + (q2 + q6)) + ((q1 + q5) + (q3 + q7)), as reduce_scatter8 sums the 8 lanes of the backward (float
+// addition commutes, so the order within each pair does not matter): the backward recomputes these bits
+__device__ __forceinline__ float sum_states(const float (&h)[16], const float (&c)[16]) {
+  float q[8];
 #pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        const int tt = s * kSub + j;
-        const float2 dd = sm.dt_dtu[tt][dl];
-        const float4 bc = sm.BC[tt][n];
-        const float keep = sm.m[tt];
-        ha = scan_step(dd.x * A2a, dd.y * bc.x, ha, keep);
-        hb = scan_step(dd.x * A2b, dd.y * bc.z, hb, keep);
-        // no fused multiply-add: the backward recomputes y = sum_n C h with these exact roundings
-        yv[j] = __fadd_rn(__fmul_rn(ha, bc.y), __fmul_rn(hb, bc.w));
-      }
-      reduce_scatter8(yv, n);
+  for (int l = 0; l < 8; ++l) q[l] = __fadd_rn(__fmul_rn(h[l], c[l]), __fmul_rn(h[l + 8], c[l + 8]));
+  return __fadd_rn(__fadd_rn(__fadd_rn(q[0], q[4]), __fadd_rn(q[2], q[6])),
+                   __fadd_rn(__fadd_rn(q[1], q[5]), __fadd_rn(q[3], q[7])));
+}
+
+// n bytes from src to dst (both aligned to n), in the widest vector moves
+template <int kBytes>
+__device__ __forceinline__ void copy_vec(void *dst, const void *src) {
+  if constexpr (kBytes % 16 == 0) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int tt = s * kSub + 2 * n + r, t = t0 + tt;
-        if (d_ok && t < L) {
-          const float o = p.D ? __fadd_rn(yv[r], sm.skip[tt][dl]) : yv[r];   // as the backward recomputes it
-          out[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
-        }
-      }
-    }
-    if (d_ok) {
-      float *sv = p.saved + (((int64_t)b * p.dim + d) * p.nchunks + c) * kLanes;
-      sv[n] = ha;
-      sv[n + 8] = hb;
-    }
+    for (int k = 0; k < kBytes / 16; ++k) static_cast<uint4 *>(dst)[k] = static_cast<const uint4 *>(src)[k];
+  } else if constexpr (kBytes % 8 == 0) {
+#pragma unroll
+    for (int k = 0; k < kBytes / 8; ++k) static_cast<uint2 *>(dst)[k] = static_cast<const uint2 *>(src)[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < kBytes / 4; ++k) static_cast<unsigned *>(dst)[k] = static_cast<const unsigned *>(src)[k];
   }
 }
 
-// The backward, laid out as the forward: a thread carries two states of one channel (n and n + 8), 8 threads a
-// channel, 128 threads the block's 16 channels. What a timestep reads ({dt, dt*u}, {dy, u}, one 128-bit
+// kN raw values of one row (timesteps t0 .. t0 + kN - 1), kept unconverted until used so that the loads of the
+// next run overlap the current one; zeros past L or where !ok. kVec: the row is 16-byte aligned (fwd_vectorized).
+template <typename T, int kN>
+struct alignas(16) Run {
+  T v[kN];
+};
+template <bool kVec, typename T, int kN>
+__device__ __forceinline__ void load_run(Run<T, kN> &r, const T *row, int t0, int L, bool ok) {
+  if (kVec && ok && t0 + kN <= L) {
+    copy_vec<kN * sizeof(T)>(r.v, row + t0);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) r.v[j] = (ok && t0 + j < L) ? row[t0 + j] : from_f<T>(0.f);
+  }
+}
+template <bool kVec, typename T, int kN>
+__device__ __forceinline__ void store_run(T *row, const Run<T, kN> &r, int t0, int L, bool ok) {
+  if (kVec && ok && t0 + kN <= L) {
+    copy_vec<kN * sizeof(T)>(row + t0, r.v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) if (ok && t0 + j < L) row[t0 + j] = r.v[j];
+  }
+}
+
+// A lane's share of the warp's B and C for one run: state n = lane / 2, timesteps t0 + kFwdRun / 2 * (lane % 2) + k
+template <typename w_t>
+struct RunBC {
+  Run<w_t, kFwdRun / 2> B, C;
+};
+template <bool kVec, typename w_t>
+__device__ __forceinline__ void load_bc(RunBC<w_t> &r, const w_t *Bp, const w_t *Cp, int t0, int L, int lane,
+                                        int dstate) {
+  const int n = lane >> 1, tb = t0 + (lane & 1) * (kFwdRun / 2);
+  load_run<kVec>(r.B, Bp + (int64_t)n * L, tb, L, n < dstate);
+  load_run<kVec>(r.C, Cp + (int64_t)n * L, tb, L, n < dstate);
+}
+// ... stored as fp32 {B_n, C_n} pairs at bc[t][n]
+template <typename w_t>
+__device__ __forceinline__ void put_bc(float2 (*bc)[16], const RunBC<w_t> &r, int lane) {
+  const int n = lane >> 1, tb = (lane & 1) * (kFwdRun / 2);
+#pragma unroll
+  for (int k = 0; k < kFwdRun / 2; ++k) bc[tb + k][n] = make_float2(to_f(r.B.v[k]), to_f(r.C.v[k]));
+}
+
+// What a thread loads for one run: its channel's u, delta (and z), its share of B / C and, lanes < kFwdRun, the
+// position id of timestep t0 + lane.
+template <typename in_t, typename w_t, bool kHasZ>
+struct FwdRunIn {
+  Run<in_t, kFwdRun> u, delta, z;
+  RunBC<w_t> bc;
+  int pos;
+};
+
+template <typename in_t, typename w_t, bool kHasZ, bool kVec>
+__global__ void __launch_bounds__(32, 8) scan_fwd_kernel(const ScanParams p) {
+  // [half of the warp][timestep of the run][state]: the second half is used only when the warp's two halves of 16
+  // channels fall in different B/C groups (groups are whole multiples of 16 channels, _group_slices)
+  __shared__ float2 bc[2][kFwdRun][16];
+  __shared__ float4 pre[kFwdRun][32];   // [timestep][lane]: {dt, dt u, D u, silu(z)}
+  __shared__ float outv[kFwdRun][32];   // [timestep][lane]: the output before rounding to in_t
+  const int lane = threadIdx.x;
+  const int b = blockIdx.y;
+  const int d0 = blockIdx.x * 32;
+  const int d = d0 + lane;
+  const int L = p.seqlen;
+  const bool d_ok = d < p.dim;
+  const int grp_lo = d0 / p.dim_per_group;
+  const int grp_hi = min(d0 + 16, p.dim - 1) / p.dim_per_group;
+  const bool split = grp_hi != grp_lo;   // warp-uniform
+  const int half = split ? (lane >> 4) : 0;
+
+  float A2[16];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) A2[n] = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
+  const bool has_bias = p.delta_bias != nullptr, has_D = p.D != nullptr;
+  const float bias = (d_ok && has_bias) ? p.delta_bias[d] : 0.f;
+  const float Dd = (d_ok && has_D) ? p.D[d] : 0.f;
+
+  const int64_t row = ((int64_t)b * p.dim + (d_ok ? d : 0)) * L;
+  const in_t *u = reinterpret_cast<const in_t *>(p.u) + row;
+  const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
+  const in_t *z = kHasZ ? reinterpret_cast<const in_t *>(p.z) + row : nullptr;
+  in_t *out = reinterpret_cast<in_t *>(p.out) + row;
+  const w_t *Bp = reinterpret_cast<const w_t *>(p.B) + ((int64_t)b * p.n_groups + grp_lo) * p.dstate * L;
+  const w_t *Cp = reinterpret_cast<const w_t *>(p.C) + ((int64_t)b * p.n_groups + grp_lo) * p.dstate * L;
+  const int64_t hi_off = (int64_t)(grp_hi - grp_lo) * p.dstate * L;
+  const int *pos = p.pos + (int64_t)b * L;
+  float *saved = p.saved + ((int64_t)b * p.dim + d) * p.nchunks * kLanes;
+
+  float h[16];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) h[n] = 0.f;
+
+  auto load = [&](FwdRunIn<in_t, w_t, kHasZ> &r, int t0) {
+    load_run<kVec>(r.u, u, t0, L, d_ok);
+    load_run<kVec>(r.delta, delta, t0, L, d_ok);
+    if constexpr (kHasZ) load_run<kVec>(r.z, z, t0, L, d_ok);
+    load_bc<kVec>(r.bc, Bp, Cp, t0, L, lane, p.dstate);
+    r.pos = (lane < kFwdRun && t0 + lane < L) ? pos[t0 + lane] : 1;
+  };
+  // one run: stage what `cur` holds, start loading the next run into `nxt`, compute this one
+  auto run = [&](int t0, FwdRunIn<in_t, w_t, kHasZ> &cur, FwdRunIn<in_t, w_t, kHasZ> &nxt) {
+    __syncwarp();   // the last run's reads of bc are done
+    put_bc(bc[0], cur.bc, lane);
+    if (split) {    // rare: the second half's group, loaded now
+      RunBC<w_t> hi;
+      load_bc<kVec>(hi, Bp + hi_off, Cp + hi_off, t0, L, lane, p.dstate);
+      put_bc(bc[1], hi, lane);
+    }
+    const unsigned starts = __ballot_sync(0xffffffffu, cur.pos == 0);   // bit j: timestep t0 + j starts a sequence
+    __syncwarp();
+    if (t0 + kFwdRun < L) load(nxt, t0 + kFwdRun);
+    // per (channel, timestep): {dt, dt u, D u, silu(z)} into the lane's column of pre (no state needed: fully
+    // unrolled), then the recurrence over the run's timesteps reads them back (a rolled loop: unrolled, the compiler
+    // would hoist every timestep's exponentials and run out of registers)
+#pragma unroll
+    for (int j = 0; j < kFwdRun; ++j) {
+      const float uv = to_f(cur.u.v[j]);
+      float dtv = to_f(cur.delta.v[j]);
+      dtv = has_bias ? dtv + bias : dtv;
+      dtv = p.softplus ? softplus_(dtv) : dtv;
+      dtv = t0 + j < L ? dtv : 0.f;   // past L: the state passes through unchanged
+      float zs = 1.f;
+      if constexpr (kHasZ) { const float zv = to_f(cur.z.v[j]); zs = zv * sigmoidf_(zv); }
+      pre[j][lane] = make_float4(dtv, dtv * uv, __fmul_rn(Dd, uv), zs);
+    }
+#pragma unroll 2
+    for (int j = 0; j < kFwdRun; ++j) {
+      const float4 pr = pre[j][lane];
+      const bool keep = !((starts >> j) & 1u);
+      float c[16];
+      const float4 *bcj = reinterpret_cast<const float4 *>(bc[half][j]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float4 v = bcj[k];   // {B, C} of states 2k and 2k + 1
+        h[2 * k] = scan_step(pr.x * A2[2 * k], pr.y * v.x, h[2 * k], keep);
+        h[2 * k + 1] = scan_step(pr.x * A2[2 * k + 1], pr.y * v.z, h[2 * k + 1], keep);
+        c[2 * k] = v.y;
+        c[2 * k + 1] = v.w;
+      }
+      const float y = sum_states(h, c);
+      const float ov = has_D ? __fadd_rn(y, pr.z) : y;   // as the backward recomputes it
+      outv[j][lane] = kHasZ ? ov * pr.w : ov;
+    }
+    Run<in_t, kFwdRun> o;
+#pragma unroll
+    for (int j = 0; j < kFwdRun; ++j) o.v[j] = from_f<in_t>(outv[j][lane]);
+    store_run<kVec>(out, o, t0, L, d_ok);
+    const int t_end = t0 + kFwdRun;
+    if (d_ok && (t_end % kChunk == 0 || t_end >= L)) {   // the state at the end of chunk t0 / 64
+      float4 *sv = reinterpret_cast<float4 *>(saved + (t0 / kChunk) * kLanes);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sv[k] = make_float4(h[4 * k], h[4 * k + 1], h[4 * k + 2], h[4 * k + 3]);
+    }
+  };
+
+  FwdRunIn<in_t, w_t, kHasZ> ra, rb;
+  load(ra, 0);
+  for (int t0 = 0; t0 < L; t0 += 2 * kFwdRun) {
+    run(t0, ra, rb);
+    if (t0 + kFwdRun < L) run(t0 + kFwdRun, rb, ra);
+  }
+}
+
+// The backward: a thread carries two states of one channel (n and n + 8), 8 threads a channel, 128 threads the
+// block's 16 channels. What a timestep reads ({dt, dt*u}, {dy, u}, one 128-bit
 // {B_n, C_n, B_n+8, C_n+8}, the reset mask) and the sums over states (y, and the two sums du and ddelta are made of)
 // are shared by two states. dB and dC are summed over the warp's 4 channels with two shuffles per timestep as the
 // reverse walk produces them, then over the block's 4 warps in shared memory.
@@ -540,12 +633,20 @@ bool use_async(const ScanParams &p) {
          aligned4(p.delta) && aligned4(p.z) && aligned4(p.dout) && aligned4(p.B) && aligned4(p.C) && aligned4(p.pos);
 }
 
+// the forward's 16-byte loads and stores: every row of u / delta / z / out and of B / C starts 16-byte aligned
+template <typename in_t, typename w_t>
+bool fwd_vectorized(const ScanParams &p) {
+  auto aligned = [](const void *q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  return (int64_t)p.seqlen * sizeof(in_t) % 16 == 0 && (int64_t)p.seqlen * sizeof(w_t) % 16 == 0 && aligned(p.u) &&
+         aligned(p.delta) && aligned(p.z) && aligned(p.out) && aligned(p.B) && aligned(p.C);
+}
+
 template <typename in_t, typename w_t>
 void fwd_launch(const ScanParams &p, cudaStream_t st) {
-  const dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
+  const dim3 grid((p.dim + 31) / 32, p.batch);
   bool_switch(p.z != nullptr, [&](auto has_z) {
-    bool_switch(use_async<in_t, w_t>(p), [&](auto async) {
-      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value><<<grid, kThreads, 0, st>>>(p);
+    bool_switch(fwd_vectorized<in_t, w_t>(p), [&](auto vec) {
+      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(vec)::value><<<grid, 32, 0, st>>>(p);
     });
   });
 }

@@ -263,6 +263,9 @@ def test_scan_variants(cuda_ops, dtype):
 def test_scan_groups_and_fp32_bc(cuda_ops, dtype):
     check_scan(cuda_ops, 2, 64, 16, 150, dtype, ("mixed",), groups=2)           # 32 channels per group
     check_scan(cuda_ops, 2, 40, 16, 90, dtype, ("padded",), groups=2)           # 20 per group: group-by-group path
+    # 16 per group: the forward's warps of 32 channels span two groups (16-byte loads; then scalar, odd L)
+    check_scan(cuda_ops, 2, 96, 16, 160, dtype, ("mixed",), groups=6)
+    check_scan(cuda_ops, 2, 80, 16, 151, dtype, ("tiny", "one"), groups=5)     # and a last warp half empty
     check_scan(cuda_ops, 2, 32, 16, 130, dtype, ("mixed",), bc_fp32=True)
 
 
@@ -306,11 +309,11 @@ def test_scan_reset_blocks_gradient(cuda_ops):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("has_z,has_D", [(True, True), (True, False), (False, True)], ids=["zD", "z", "D"])
-def test_scan_backward_recomputes_the_forward_output_bit_for_bit(cuda_ops, dtype, has_z, has_D):
+@pytest.mark.parametrize("L", [300, 256])   # the forward's scalar and 16-byte loads
+def test_scan_backward_recomputes_the_forward_output_bit_for_bit(cuda_ops, dtype, has_z, has_D, L):
     """The fused mixer keeps no copy of the scan's output: it takes it from the backward (recompute_out=True),
     which must give the forward's bits exactly (the same states, reduction and rounding), so out_proj's weight
     gradient is what it would be from a kept copy. Gradients are unchanged by asking for it."""
-    L = 300
     rows = [lengths_mix(L, kind) for kind in ("mixed", "tiny", "padded")]
     pos = position_ids_for(rows, "cuda").int()
     inputs = make_scan_inputs(len(rows), 48, 16, L, dtype, has_z=has_z, has_D=has_D)
