@@ -117,8 +117,11 @@ __device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
 // output) is done once, not once per state lane, and the sum y = sum_n C h needs no shuffles. Each thread reads
 // its own rows of u / delta / z kFwdRun timesteps at a time into registers, one run ahead of the one it computes;
 // the warp stages B and C (shared by its channels) of the run through shared memory as fp32 pairs and its reset
-// mask as one ballot (bit j: timestep j starts a sequence). Warps are independent (one warp a block), so a small
-// batch still spreads over every SM; ~200 registers, 8 warps an SM.
+// mask as one ballot (bit j: timestep j starts a sequence). Warps are independent (one warp a block); ~200
+// registers, 8 warps an SM. A warp needs roughly 130-150 cycles a timestep (16 exp2 on its scheduler's MUFU), so
+// with fewer warps than schedulers (batch x dim below ~17k channels on 132 SMs) the time stops falling with size:
+// about L x 150 cycles (0.3 ms at L = 4096), where the 8-threads-a-channel layout was faster (unmeasured: see
+// RESULTS.md).
 constexpr int kFwdRun = 8;    // timesteps a thread loads and computes at a time
 static_assert(kChunk % kFwdRun == 0, "saved states fall on run ends");
 
@@ -206,7 +209,7 @@ template <typename in_t, typename w_t, bool kHasZ, bool kVec>
 __global__ void __launch_bounds__(32, 8) scan_fwd_kernel(const ScanParams p) {
   // [half of the warp][timestep of the run][state]: the second half is used only when the warp's two halves of 16
   // channels fall in different B/C groups (groups are whole multiples of 16 channels, _group_slices)
-  __shared__ float2 bc[2][kFwdRun][16];
+  __shared__ __align__(16) float2 bc[2][kFwdRun][16];   // read as float4
   __shared__ float4 pre[kFwdRun][32];   // [timestep][lane]: {dt, dt u, D u, silu(z)}
   __shared__ float outv[kFwdRun][32];   // [timestep][lane]: the output before rounding to in_t
   const int lane = threadIdx.x;
@@ -299,9 +302,15 @@ __global__ void __launch_bounds__(32, 8) scan_fwd_kernel(const ScanParams p) {
     store_run<kVec>(out, o, t0, L, d_ok);
     const int t_end = t0 + kFwdRun;
     if (d_ok && (t_end % kChunk == 0 || t_end >= L)) {   // the state at the end of chunk t0 / 64
-      float4 *sv = reinterpret_cast<float4 *>(saved + (t0 / kChunk) * kLanes);
+      float *sv = saved + (t0 / kChunk) * kLanes;
+      if constexpr (kVec) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) sv[k] = make_float4(h[4 * k], h[4 * k + 1], h[4 * k + 2], h[4 * k + 3]);
+        for (int k = 0; k < 4; ++k)
+          reinterpret_cast<float4 *>(sv)[k] = make_float4(h[4 * k], h[4 * k + 1], h[4 * k + 2], h[4 * k + 3]);
+      } else {
+#pragma unroll
+        for (int n = 0; n < 16; ++n) sv[n] = h[n];
+      }
     }
   };
 
@@ -633,12 +642,13 @@ bool use_async(const ScanParams &p) {
          aligned4(p.delta) && aligned4(p.z) && aligned4(p.dout) && aligned4(p.B) && aligned4(p.C) && aligned4(p.pos);
 }
 
-// the forward's 16-byte loads and stores: every row of u / delta / z / out and of B / C starts 16-byte aligned
+// the forward's 16-byte loads and stores: every row of u / delta / z / out and of B / C, and saved, starts 16-byte
+// aligned
 template <typename in_t, typename w_t>
 bool fwd_vectorized(const ScanParams &p) {
   auto aligned = [](const void *q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   return (int64_t)p.seqlen * sizeof(in_t) % 16 == 0 && (int64_t)p.seqlen * sizeof(w_t) % 16 == 0 && aligned(p.u) &&
-         aligned(p.delta) && aligned(p.z) && aligned(p.out) && aligned(p.B) && aligned(p.C);
+         aligned(p.delta) && aligned(p.z) && aligned(p.out) && aligned(p.B) && aligned(p.C) && aligned(p.saved);
 }
 
 template <typename in_t, typename w_t>
