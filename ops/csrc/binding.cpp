@@ -34,6 +34,7 @@ static po::ScanParams scan_params(const Tensor &u, const Tensor &delta, const Te
   p.n_groups = B.size(1);
   p.dim_per_group = p.dim / p.n_groups;
   p.nchunks = nchunks;
+  p.sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   p.softplus = softplus;
   p.in_dtype = dtype_code(u);
   p.w_f32 = B.scalar_type() == torch::kFloat32;

@@ -12,6 +12,8 @@ enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 // position_ids (batch, seqlen) int32 contiguous. Channels of one thread block always share one group.
 struct ScanParams {
   int batch, dim, seqlen, dstate, n_groups, dim_per_group, nchunks;
+  int sm_count;     // the GPU's multiprocessors: the forward's layout depends on how many warps fill them
+  int fwd_lanes;    // threads a channel in the forward (1, 2, 4, 8); 0 (what the binding passes): scan_fwd_lanes
   bool softplus;
   int in_dtype;     // u, delta, z, dout, out, du, ddelta, dz
   bool w_f32;       // B, C are float32 (else in_dtype)
@@ -37,13 +39,17 @@ struct ScanParams {
 
 // The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.
 #if !defined(PACKLOADER_SCAN_CHUNK) || !defined(PACKLOADER_SCAN_LANES) || !defined(PACKLOADER_CONV_SLOT_STEPS) || \
-    !defined(PACKLOADER_SCAN_BLOCK_CHANNELS) || !defined(PACKLOADER_SCAN_DET_BLOCKS)
+    !defined(PACKLOADER_SCAN_BLOCK_CHANNELS) || !defined(PACKLOADER_SCAN_DET_BLOCKS) || \
+    !defined(PACKLOADER_SCAN_FWD_WARPS_PER_SM)
 #error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS, _SCAN_BLOCK_CHANNELS, _SCAN_DET_BLOCKS from ops/contract.py"
 #endif
 constexpr int kScanChunk = PACKLOADER_SCAN_CHUNK;   // timesteps staged in shared memory at a time; one saved state a chunk
 constexpr int kScanLanes = PACKLOADER_SCAN_LANES;   // state lanes per channel (dstate padded up to this)
+constexpr int kScanFwdWarpsPerSM = PACKLOADER_SCAN_FWD_WARPS_PER_SM;   // the forward's layout choice (scan_fwd_lanes)
 
 void scan_fwd_launch(const ScanParams &p, cudaStream_t stream);
+// threads a channel (1, 2, 4 or 8) the forward takes for this many channels on this many multiprocessors
+int scan_fwd_lanes(int batch, int dim, int sm_count);
 void scan_bwd_launch(const ScanParams &p, cudaStream_t stream);
 
 // Causal conv1d. x/out/dout/dx share one layout given by strides (elements); weight (dim, width) fp32.

@@ -112,31 +112,54 @@ __device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
   reduce_scatter_level<1>(v, lane8);
 }
 
-// The forward: a thread carries all 16 states of one channel through time, a warp the 32 channels of one block, so
-// what belongs to a (channel, timestep) (the softplus, dt * u, the D skip, silu(z), the sum over states and the
-// output) is done once, not once per state lane, and the sum y = sum_n C h needs no shuffles. Each thread reads
-// its own rows of u / delta / z kFwdRun timesteps at a time into registers, one run ahead of the one it computes;
-// the warp stages B and C (shared by its channels) of the run through shared memory as fp32 pairs and its reset
-// mask as one ballot (bit j: timestep j starts a sequence). Warps are independent (one warp a block); ~200
-// registers, 8 warps an SM. A warp needs roughly 130-150 cycles a timestep (16 exp2 on its scheduler's MUFU), so
-// with fewer warps than schedulers (batch x dim below ~17k channels on 132 SMs) the time stops falling with size:
-// about L x 150 cycles (0.3 ms at L = 4096), where the 8-threads-a-channel layout was faster (unmeasured: see
-// RESULTS.md).
-constexpr int kFwdRun = 8;    // timesteps a thread loads and computes at a time
+// The forward: kP threads a channel (kP = 1, 2, 4 or 8, chosen per launch: fwd_lanes), each carrying kS = 16 / kP
+// of its states (lane sub of the channel: states sub, sub + kP, sub + 2 kP, ...), a warp the 32 / kP channels of one
+// block. With kP = 1 what belongs to a (channel, timestep) (the softplus, dt * u, the D skip, silu(z), the output)
+// is done once, not once per state lane, and the sum y = sum_n C h needs no shuffles; but a warp then needs about
+// 150 cycles a timestep (16 exp2 on its scheduler's MUFU), so with few channels (fewer warps than the SMs'
+// schedulers) the time stops falling with size. More lanes a channel split that per-timestep chain kP ways (kP times
+// the warps, kS exp2 each) at the price of log2(kP) shuffles a timestep and the per-(channel, timestep) work shared
+// out over the channel's lanes. Each lane reads its share (kR = kFwdRun / kP timesteps) of its channel's rows of u /
+// delta / z one run of kFwdRun timesteps ahead of the run it computes; the warp stages B and C (shared by its
+// channels) of the run through shared memory as fp32 pairs and its reset mask as one ballot (bit j: timestep j
+// starts a sequence). Warps are independent (one warp a block).
+constexpr int kFwdRun = 8;    // timesteps a warp loads and computes at a time
 static_assert(kChunk % kFwdRun == 0, "saved states fall on run ends");
 
-// n (compile-time 0..15) -> the forward's and backward's tree over states: q_l = C_l h_l + C_{l+8} h_{l+8}, summed
+template <int kP>
+struct FwdLayout {
+  static_assert(kP == 1 || kP == 2 || kP == 4 || kP == 8, "lanes a channel");
+  static constexpr int kS = kLanes / kP;    // states a thread
+  static constexpr int kQ = kS / 2;         // its pairs (n, n + 8): local j and j + kQ
+  static constexpr int kCh = 32 / kP;       // channels a warp
+  static constexpr int kR = kFwdRun / kP;   // timesteps of a run a lane loads, prepares and stores
+  static constexpr int kHalves = kCh > 16 ? 2 : 1;   // B/C groups a warp can span (groups: multiples of 16 channels)
+  static constexpr int kMinBlocks = kP == 1 ? 8 : kP == 2 ? 12 : kP == 4 ? 20 : 32;   // no spills (but 4-44 bytes in fp32 variants)
+};
+
+// The forward's and backward's tree over the 16 states: q_l = C_l h_l + C_{l+8} h_{l+8}, summed
 // ((q0 + q4) + (q2 + q6)) + ((q1 + q5) + (q3 + q7)), as reduce_scatter8 sums the 8 lanes of the backward (float
-// addition commutes, so the order within each pair does not matter): the backward recomputes these bits
-__device__ __forceinline__ float sum_states(const float (&h)[16], const float (&c)[16]) {
-  float q[8];
+// addition commutes, so the order within each pair does not matter): the backward recomputes these bits. A thread
+// holds q_l for l = sub + kP j; the levels of the tree whose pairs lie in one thread are summed there, the rest
+// (distance < kP) across the channel's lanes; every lane ends with the whole sum.
+template <int kP>
+__device__ __forceinline__ float sum_states(const float (&h)[kLanes / kP], const float (&c)[kLanes / kP]) {
+  constexpr int kQ = FwdLayout<kP>::kQ;
+  float q[kQ];
 #pragma unroll
-  for (int l = 0; l < 8; ++l) q[l] = __fadd_rn(__fmul_rn(h[l], c[l]), __fmul_rn(h[l + 8], c[l + 8]));
-  return __fadd_rn(__fadd_rn(__fadd_rn(q[0], q[4]), __fadd_rn(q[2], q[6])),
-                   __fadd_rn(__fadd_rn(q[1], q[5]), __fadd_rn(q[3], q[7])));
+  for (int l = 0; l < kQ; ++l) q[l] = __fadd_rn(__fmul_rn(h[l], c[l]), __fmul_rn(h[l + kQ], c[l + kQ]));
+#pragma unroll
+  for (int gd = 4; gd >= kP; gd /= 2) {   // pairs at distance gd in state index: gd / kP apart in the thread
+#pragma unroll
+    for (int l = 0; l < gd / kP; ++l) q[l] = __fadd_rn(q[l], q[l + gd / kP]);
+  }
+  float y = q[0];
+#pragma unroll
+  for (int gd = kP / 2; gd >= 1; gd /= 2) y = __fadd_rn(y, __shfl_xor_sync(0xffffffffu, y, gd));
+  return y;
 }
 
-// n bytes from src to dst (both aligned to n), in the widest vector moves
+// kBytes from src to dst (both aligned to kBytes), in the widest moves
 template <int kBytes>
 __device__ __forceinline__ void copy_vec(void *dst, const void *src) {
   if constexpr (kBytes % 16 == 0) {
@@ -145,16 +168,20 @@ __device__ __forceinline__ void copy_vec(void *dst, const void *src) {
   } else if constexpr (kBytes % 8 == 0) {
 #pragma unroll
     for (int k = 0; k < kBytes / 8; ++k) static_cast<uint2 *>(dst)[k] = static_cast<const uint2 *>(src)[k];
-  } else {
+  } else if constexpr (kBytes % 4 == 0) {
 #pragma unroll
     for (int k = 0; k < kBytes / 4; ++k) static_cast<unsigned *>(dst)[k] = static_cast<const unsigned *>(src)[k];
+  } else {
+    static_assert(kBytes == 2, "whole 16-bit elements");
+    *static_cast<unsigned short *>(dst) = *static_cast<const unsigned short *>(src);
   }
 }
 
 // kN raw values of one row (timesteps t0 .. t0 + kN - 1), kept unconverted until used so that the loads of the
-// next run overlap the current one; zeros past L or where !ok. kVec: the row is 16-byte aligned (fwd_vectorized).
+// next run overlap the current one; zeros past L or where !ok. kVec: the row is 16-byte aligned (fwd_vectorized),
+// t0 a multiple of kN.
 template <typename T, int kN>
-struct alignas(16) Run {
+struct alignas(kN * sizeof(T) >= 16 ? 16 : kN * sizeof(T)) Run {
   T v[kN];
 };
 template <bool kVec, typename T, int kN>
@@ -196,36 +223,42 @@ __device__ __forceinline__ void put_bc(float2 (*bc)[16], const RunBC<w_t> &r, in
   for (int k = 0; k < kFwdRun / 2; ++k) bc[tb + k][n] = make_float2(to_f(r.B.v[k]), to_f(r.C.v[k]));
 }
 
-// What a thread loads for one run: its channel's u, delta (and z), its share of B / C and, lanes < kFwdRun, the
-// position id of timestep t0 + lane.
-template <typename in_t, typename w_t, bool kHasZ>
+// What a lane loads for one run: its share of its channel's u, delta (and z), its share of B / C and, lanes <
+// kFwdRun, the position id of timestep t0 + lane.
+template <typename in_t, typename w_t, int kR>
 struct FwdRunIn {
-  Run<in_t, kFwdRun> u, delta, z;
+  Run<in_t, kR> u, delta, z;
   RunBC<w_t> bc;
   int pos;
 };
 
-template <typename in_t, typename w_t, bool kHasZ, bool kVec>
-__global__ void __launch_bounds__(32, 8) scan_fwd_kernel(const ScanParams p) {
-  // [half of the warp][timestep of the run][state]: the second half is used only when the warp's two halves of 16
-  // channels fall in different B/C groups (groups are whole multiples of 16 channels, _group_slices)
-  __shared__ __align__(16) float2 bc[2][kFwdRun][16];   // read as float4
-  __shared__ float4 pre[kFwdRun][32];   // [timestep][lane]: {dt, dt u, D u, silu(z)}
-  __shared__ float outv[kFwdRun][32];   // [timestep][lane]: the output before rounding to in_t
+template <typename in_t, typename w_t, bool kHasZ, bool kVec, int kP>
+__global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel(const ScanParams p) {
+  using Lay = FwdLayout<kP>;
+  constexpr int kS = Lay::kS, kCh = Lay::kCh, kR = Lay::kR;
+  // [half of the warp][timestep of the run][state]: a second half only where a warp has 32 channels, used only when
+  // its two halves of 16 channels fall in different B/C groups (_group_slices)
+  __shared__ __align__(16) float2 bc[Lay::kHalves][kFwdRun][16];   // read as float4 where kP == 1
+  __shared__ float4 pre[kFwdRun][kCh];   // [timestep][channel]: {dt, dt u, D u, silu(z)}
+  __shared__ float outv[kFwdRun][kCh];   // [timestep][channel]: the output before rounding to in_t
   const int lane = threadIdx.x;
+  const int ch = lane / kP, sub = lane % kP;
   const int b = blockIdx.y;
-  const int d0 = blockIdx.x * 32;
-  const int d = d0 + lane;
+  const int d0 = blockIdx.x * kCh;
+  const int d = d0 + ch;
   const int L = p.seqlen;
   const bool d_ok = d < p.dim;
   const int grp_lo = d0 / p.dim_per_group;
-  const int grp_hi = min(d0 + 16, p.dim - 1) / p.dim_per_group;
+  const int grp_hi = Lay::kHalves == 2 ? min(d0 + 16, p.dim - 1) / p.dim_per_group : grp_lo;
   const bool split = grp_hi != grp_lo;   // warp-uniform
-  const int half = split ? (lane >> 4) : 0;
+  const int half = split ? (ch >> 4) : 0;
 
-  float A2[16];
+  float A2[kS];
 #pragma unroll
-  for (int n = 0; n < 16; ++n) A2[n] = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
+  for (int j = 0; j < kS; ++j) {
+    const int n = sub + kP * j;
+    A2[j] = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
+  }
   const bool has_bias = p.delta_bias != nullptr, has_D = p.D != nullptr;
   const float bias = (d_ok && has_bias) ? p.delta_bias[d] : 0.f;
   const float Dd = (d_ok && has_D) ? p.D[d] : 0.f;
@@ -241,80 +274,94 @@ __global__ void __launch_bounds__(32, 8) scan_fwd_kernel(const ScanParams p) {
   const int *pos = p.pos + (int64_t)b * L;
   float *saved = p.saved + ((int64_t)b * p.dim + d) * p.nchunks * kLanes;
 
-  float h[16];
+  float h[kS];
 #pragma unroll
-  for (int n = 0; n < 16; ++n) h[n] = 0.f;
+  for (int j = 0; j < kS; ++j) h[j] = 0.f;
 
-  auto load = [&](FwdRunIn<in_t, w_t, kHasZ> &r, int t0) {
-    load_run<kVec>(r.u, u, t0, L, d_ok);
-    load_run<kVec>(r.delta, delta, t0, L, d_ok);
-    if constexpr (kHasZ) load_run<kVec>(r.z, z, t0, L, d_ok);
+  using In = FwdRunIn<in_t, w_t, kR>;
+  auto load = [&](In &r, int t0) {
+    const int ts = t0 + sub * kR;   // this lane's share of the channel's run
+    load_run<kVec>(r.u, u, ts, L, d_ok);
+    load_run<kVec>(r.delta, delta, ts, L, d_ok);
+    if constexpr (kHasZ) load_run<kVec>(r.z, z, ts, L, d_ok);
     load_bc<kVec>(r.bc, Bp, Cp, t0, L, lane, p.dstate);
     r.pos = (lane < kFwdRun && t0 + lane < L) ? pos[t0 + lane] : 1;
   };
   // one run: stage what `cur` holds, start loading the next run into `nxt`, compute this one
-  auto run = [&](int t0, FwdRunIn<in_t, w_t, kHasZ> &cur, FwdRunIn<in_t, w_t, kHasZ> &nxt) {
-    __syncwarp();   // the last run's reads of bc are done
+  auto run = [&](int t0, In &cur, In &nxt) {
+    __syncwarp();   // the last run's reads of bc / pre / outv are done
     put_bc(bc[0], cur.bc, lane);
-    if (split) {    // rare: the second half's group, loaded now
+    if (Lay::kHalves == 2 && split) {    // rare: the second half's group, loaded now
       RunBC<w_t> hi;
       load_bc<kVec>(hi, Bp + hi_off, Cp + hi_off, t0, L, lane, p.dstate);
-      put_bc(bc[1], hi, lane);
+      put_bc(bc[Lay::kHalves - 1], hi, lane);
     }
-    const unsigned starts = __ballot_sync(0xffffffffu, cur.pos == 0);   // bit j: timestep t0 + j starts a sequence
-    __syncwarp();
-    if (t0 + kFwdRun < L) load(nxt, t0 + kFwdRun);
-    // per (channel, timestep): {dt, dt u, D u, silu(z)} into the lane's column of pre (no state needed: fully
-    // unrolled), then the recurrence over the run's timesteps reads them back (a rolled loop: unrolled, the compiler
-    // would hoist every timestep's exponentials and run out of registers)
+    // per (channel, timestep), this lane's kR timesteps: {dt, dt u, D u, silu(z)} into the channel's column of pre
+    // (no state needed: fully unrolled)
 #pragma unroll
-    for (int j = 0; j < kFwdRun; ++j) {
-      const float uv = to_f(cur.u.v[j]);
-      float dtv = to_f(cur.delta.v[j]);
+    for (int k = 0; k < kR; ++k) {
+      const int j = sub * kR + k;
+      const float uv = to_f(cur.u.v[k]);
+      float dtv = to_f(cur.delta.v[k]);
       dtv = has_bias ? dtv + bias : dtv;
       dtv = p.softplus ? softplus_(dtv) : dtv;
       dtv = t0 + j < L ? dtv : 0.f;   // past L: the state passes through unchanged
       float zs = 1.f;
-      if constexpr (kHasZ) { const float zv = to_f(cur.z.v[j]); zs = zv * sigmoidf_(zv); }
-      pre[j][lane] = make_float4(dtv, dtv * uv, __fmul_rn(Dd, uv), zs);
+      if constexpr (kHasZ) { const float zv = to_f(cur.z.v[k]); zs = zv * sigmoidf_(zv); }
+      pre[j][ch] = make_float4(dtv, dtv * uv, __fmul_rn(Dd, uv), zs);
     }
+    const unsigned starts = __ballot_sync(0xffffffffu, cur.pos == 0);   // bit j: timestep t0 + j starts a sequence
+    __syncwarp();   // bc and pre written
+    if (t0 + kFwdRun < L) load(nxt, t0 + kFwdRun);
+    // the recurrence over the run's timesteps (a rolled loop: unrolled, the compiler would hoist every timestep's
+    // exponentials and run out of registers)
 #pragma unroll 2
     for (int j = 0; j < kFwdRun; ++j) {
-      const float4 pr = pre[j][lane];
+      const float4 pr = pre[j][ch];
       const bool keep = !((starts >> j) & 1u);
-      float c[16];
-      const float4 *bcj = reinterpret_cast<const float4 *>(bc[half][j]);
+      float c[kS];
+      if constexpr (kP == 1) {
+        const float4 *bcj = reinterpret_cast<const float4 *>(bc[half][j]);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float4 v = bcj[k];   // {B, C} of states 2k and 2k + 1
-        h[2 * k] = scan_step(pr.x * A2[2 * k], pr.y * v.x, h[2 * k], keep);
-        h[2 * k + 1] = scan_step(pr.x * A2[2 * k + 1], pr.y * v.z, h[2 * k + 1], keep);
-        c[2 * k] = v.y;
-        c[2 * k + 1] = v.w;
+        for (int k = 0; k < 8; ++k) {
+          const float4 v = bcj[k];   // {B, C} of states 2k and 2k + 1
+          h[2 * k] = scan_step(pr.x * A2[2 * k], pr.y * v.x, h[2 * k], keep);
+          h[2 * k + 1] = scan_step(pr.x * A2[2 * k + 1], pr.y * v.z, h[2 * k + 1], keep);
+          c[2 * k] = v.y;
+          c[2 * k + 1] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kS; ++k) {
+          const float2 v = bc[0][j][sub + kP * k];   // {B, C} of state sub + kP k
+          h[k] = scan_step(pr.x * A2[k], pr.y * v.x, h[k], keep);
+          c[k] = v.y;
+        }
       }
-      const float y = sum_states(h, c);
+      const float y = sum_states<kP>(h, c);
       const float ov = has_D ? __fadd_rn(y, pr.z) : y;   // as the backward recomputes it
-      outv[j][lane] = kHasZ ? ov * pr.w : ov;
+      if (sub == 0) outv[j][ch] = kHasZ ? ov * pr.w : ov;
     }
-    Run<in_t, kFwdRun> o;
+    if constexpr (kP > 1) __syncwarp();   // outv written by the channel's first lane
+    Run<in_t, kR> o;
 #pragma unroll
-    for (int j = 0; j < kFwdRun; ++j) o.v[j] = from_f<in_t>(outv[j][lane]);
-    store_run<kVec>(out, o, t0, L, d_ok);
+    for (int k = 0; k < kR; ++k) o.v[k] = from_f<in_t>(outv[sub * kR + k][ch]);
+    store_run<kVec>(out, o, t0 + sub * kR, L, d_ok);
     const int t_end = t0 + kFwdRun;
     if (d_ok && (t_end % kChunk == 0 || t_end >= L)) {   // the state at the end of chunk t0 / 64
       float *sv = saved + (t0 / kChunk) * kLanes;
-      if constexpr (kVec) {
+      if constexpr (kVec && kP == 1) {
 #pragma unroll
         for (int k = 0; k < 4; ++k)
           reinterpret_cast<float4 *>(sv)[k] = make_float4(h[4 * k], h[4 * k + 1], h[4 * k + 2], h[4 * k + 3]);
       } else {
 #pragma unroll
-        for (int n = 0; n < 16; ++n) sv[n] = h[n];
+        for (int j = 0; j < kS; ++j) sv[sub + kP * j] = h[j];
       }
     }
   };
 
-  FwdRunIn<in_t, w_t, kHasZ> ra, rb;
+  In ra, rb;
   load(ra, 0);
   for (int t0 = 0; t0 < L; t0 += 2 * kFwdRun) {
     run(t0, ra, rb);
@@ -651,14 +698,25 @@ bool fwd_vectorized(const ScanParams &p) {
          aligned(p.delta) && aligned(p.z) && aligned(p.out) && aligned(p.B) && aligned(p.C) && aligned(p.saved);
 }
 
-template <typename in_t, typename w_t>
-void fwd_launch(const ScanParams &p, cudaStream_t st) {
-  const dim3 grid((p.dim + 31) / 32, p.batch);
+template <typename in_t, typename w_t, int kP>
+void fwd_launch_lanes(const ScanParams &p, cudaStream_t st) {
+  constexpr int kCh = FwdLayout<kP>::kCh;
+  const dim3 grid((p.dim + kCh - 1) / kCh, p.batch);
   bool_switch(p.z != nullptr, [&](auto has_z) {
     bool_switch(fwd_vectorized<in_t, w_t>(p), [&](auto vec) {
-      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(vec)::value><<<grid, 32, 0, st>>>(p);
+      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(vec)::value, kP><<<grid, 32, 0, st>>>(p);
     });
   });
+}
+
+template <typename in_t, typename w_t>
+void fwd_launch(const ScanParams &p, cudaStream_t st) {
+  switch (p.fwd_lanes ? p.fwd_lanes : scan_fwd_lanes(p.batch, p.dim, p.sm_count)) {
+    case 1: fwd_launch_lanes<in_t, w_t, 1>(p, st); break;
+    case 2: fwd_launch_lanes<in_t, w_t, 2>(p, st); break;
+    case 4: fwd_launch_lanes<in_t, w_t, 4>(p, st); break;
+    default: fwd_launch_lanes<in_t, w_t, 8>(p, st); break;
+  }
 }
 
 template <typename in_t, typename w_t>
@@ -677,6 +735,16 @@ void bwd_launch(const ScanParams &p, cudaStream_t st) {
 
 // u / delta / z in one dtype; B / C in that dtype or float32
 }  // namespace
+
+// The forward takes the fewest threads a channel (the least work repeated per (channel, timestep)) that still give
+// each multiprocessor SCAN_FWD_WARPS_PER_SM warps: fewer, and a warp's chain of timesteps sets the time (see
+// scan_fwd_kernel; measured in RESULTS.md).
+int scan_fwd_lanes(int batch, int dim, int sm_count) {
+  for (int lanes = 1; lanes < 8; lanes *= 2)
+    if ((int64_t)batch * ((dim + 32 / lanes - 1) / (32 / lanes)) >= (int64_t)kScanFwdWarpsPerSM * sm_count)
+      return lanes;
+  return 8;
+}
 
 void scan_fwd_launch(const ScanParams &p, cudaStream_t st) {
   dtype_switch(p.in_dtype, [&](auto tag) {

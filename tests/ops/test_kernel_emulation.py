@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ops import _build
-from ops.contract import SCAN_CHUNK, SCAN_LANES
+from ops.contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES
 
 from ._helpers import misaligned_copy
 from .test_cuda_kernels import (GRAD_NAMES, TOL, conv_ref64, kernel_err, lengths_mix, position_ids_for, rel_err,
@@ -141,6 +141,17 @@ def emu_call(so, name: str, *args):
     return ret
 
 
+FWD_LANES = (1, 2, 4, 8)   # the scan forward's layouts: threads a channel
+
+
+@pytest.fixture(params=FWD_LANES, ids=lambda k: f"lanes{k}")
+def fwd_lanes(emulator, request):
+    """Runs the test with the scan forward in each of its layouts (at these sizes it would always take 8 lanes)."""
+    emulator.emu_set_fwd_lanes(request.param)
+    yield request.param
+    emulator.emu_set_fwd_lanes(0)
+
+
 # One element may be off by the rounding of its own dtype (the host computes in fp32 like the kernel, but not in the
 # same order as float64), plus a floor of fp32 error over the tensor's scale: a single wrong element (a bad reset bit,
 # a wrong last timestep) fails where a norm over the tensor would hide it.
@@ -216,7 +227,7 @@ CASES = [  # batch, dim, dstate, L, groups, kinds
 @pytest.mark.parametrize("dtype,bc_fp32", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
                                            (torch.bfloat16, True)], ids=["fp32", "bf16", "fp16", "bf16-Bfp32"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}d{c[1]}n{c[2]}L{c[3]}g{c[4]}")
-def test_emulated_forward_matches_float64(emulator, seed, dtype, bc_fp32, case):
+def test_emulated_forward_matches_float64(emulator, fwd_lanes, seed, dtype, bc_fp32, case):
     batch, dim, dstate, L, groups, kinds = case
     u = torch.randn(batch, dim, L).to(dtype)
     delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
@@ -240,7 +251,7 @@ def test_emulated_forward_matches_float64(emulator, seed, dtype, bc_fp32, case):
 
 @pytest.mark.parametrize("has_z,has_D,has_bias,softplus", [(False, False, False, False), (True, False, True, False),
                                                            (False, True, False, True)])
-def test_emulated_forward_optional_inputs(emulator, seed, has_z, has_D, has_bias, softplus):
+def test_emulated_forward_optional_inputs(emulator, fwd_lanes, seed, has_z, has_D, has_bias, softplus):
     batch, dim, dstate, L = 2, 40, 16, 96
     u = torch.randn(batch, dim, L)
     delta = torch.rand(batch, dim, L) if not softplus else torch.randn(batch, dim, L) - 1.0
@@ -257,7 +268,7 @@ def test_emulated_forward_optional_inputs(emulator, seed, has_z, has_D, has_bias
     assert_elementwise(saved, ref_saved, "saved")
 
 
-def test_emulated_forward_keeps_inf_in_its_sequence(emulator):
+def test_emulated_forward_keeps_inf_in_its_sequence(emulator, fwd_lanes):
     """A state that overflows to inf in one sequence must not reach the next (the reset is a select)."""
     dim, L = 32, 64
     u = torch.randn(1, dim, L)
@@ -268,6 +279,27 @@ def test_emulated_forward_keeps_inf_in_its_sequence(emulator):
     out, saved = run_emulated(emulator, u, delta, A, B, C, None, None, None, pos, False)
     assert not out[..., :10].isnan().any() and out[..., 10:20].isinf().logical_or(out[..., 10:20].isnan()).any()
     assert torch.isfinite(out[..., 20:]).all() and torch.isfinite(saved).all()
+
+
+def scan_fwd_lanes_twin(batch: int, dim: int, sm_count: int) -> int:
+    """selective_scan.cu's scan_fwd_lanes in Python: the fewest threads a channel that make SCAN_FWD_WARPS_PER_SM
+    warps a multiprocessor."""
+    for lanes in (1, 2, 4):
+        if batch * -(-dim // (32 // lanes)) >= SCAN_FWD_WARPS_PER_SM * sm_count:
+            return lanes
+    return 8
+
+
+@pytest.mark.parametrize("sm_count", [1, 78, 114, 132])
+def test_scan_forward_layout_choice(emulator, sm_count):
+    """The forward's layout follows the warps a grid makes per multiprocessor: fewer threads a channel as channels
+    grow, 8 for a handful; the launcher and its Python twin agree everywhere."""
+    for dim in (1, 16, 33, 768, 1536, 2048, 2560, 4096, 5120, 8192):
+        lanes = [emulator.emu_scan_fwd_lanes(batch, dim, sm_count) for batch in (1, 2, 3, 4, 8, 16, 64, 256)]
+        assert lanes == [scan_fwd_lanes_twin(batch, dim, sm_count) for batch in (1, 2, 3, 4, 8, 16, 64, 256)]
+        assert lanes == sorted(lanes, reverse=True) and set(lanes) <= set(FWD_LANES)
+    assert emulator.emu_scan_fwd_lanes(1, 32, sm_count) == 8
+    assert emulator.emu_scan_fwd_lanes(256, 8192, sm_count) == 1
 
 
 class EmulatedExt:
@@ -334,9 +366,10 @@ def run_emulated_bwd(so, inputs, pos, softplus, saved, dout):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=lambda c: f"b{c[0]}d{c[1]}n{c[2]}L{c[3]}g{c[4]}")
 @pytest.mark.parametrize("has_z", [True, False], ids=["z", "noz"])
-def test_emulated_backward_gradients_and_recomputed_output(emulator, seed, dtype, case, has_z):
+def test_emulated_backward_gradients_and_recomputed_output(emulator, fwd_lanes, seed, dtype, case, has_z):
     """The backward starts from the forward's saved states: its gradients match float64 autograd, and the output
-    it recomputes (recompute_out) is the forward's, bit for bit (the two sum over states in the same tree)."""
+    it recomputes (recompute_out) is the forward's, bit for bit, whatever the forward's layout (the two sum over
+    states in the same tree)."""
     batch, dim, dstate, L, groups, kinds = case
     u = torch.randn(batch, dim, L).to(dtype)
     delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)

@@ -5,6 +5,12 @@
 
 using namespace packloader_ops;
 
+// The scan forward's threads a channel (ScanParams::fwd_lanes; 0: chosen by scan_fwd_lanes for an H200's 132
+// multiprocessors), so that the tests run every layout at small sizes
+static int emu_fwd_lanes = 0;
+extern "C" void emu_set_fwd_lanes(int lanes) { emu_fwd_lanes = lanes; }
+extern "C" int emu_scan_fwd_lanes(int batch, int dim, int sm_count) { return scan_fwd_lanes(batch, dim, sm_count); }
+
 extern "C" int emu_fault_count() { return emu_faults.exchange(0); }
 extern "C" const char *emu_first_fault() { return emu_fault_text; }
 
@@ -14,6 +20,8 @@ static ScanParams scan_params(int in_dtype, int w_f32, int batch, int dim, int s
                               float *saved) {
   ScanParams p{};
   p.batch = batch; p.dim = dim; p.seqlen = seqlen; p.dstate = dstate; p.n_groups = n_groups;
+  p.sm_count = 132;
+  p.fwd_lanes = emu_fwd_lanes;
   p.dim_per_group = dim / n_groups; p.nchunks = (seqlen + kScanChunk - 1) / kScanChunk; p.softplus = softplus;
   p.in_dtype = in_dtype; p.w_f32 = w_f32;
   p.u = u; p.delta = delta; p.B = B; p.C = C; p.z = z; p.A = A; p.D = D; p.delta_bias = delta_bias; p.pos = pos;
