@@ -8,7 +8,7 @@
 // time (u, delta after softplus, dt*u, masks, B and C shared by the block's 16 channels); a sum over the 16 states
 // (y, and the two sums du and ddelta are made of) is the thread's two states added, then every 16 timesteps a
 // butterfly reduce-scatter across the channel's 8 threads, so thread n ends up owning timesteps 16*s + 2n and
-// 16*s + 2n + 1. Both sum over states in the same tree (sum_states), so the backward's recomputed output is the
+// 16*s + 2n + 1. Both sum over states in the same tree (sum_states_thread / _lanes), so the backward's recomputed output is the
 // forward's, bit for bit.
 // Reset: where pos_t == 0 the update is h_t = delta_t B_t u_t, a select that drops the carried state instead of
 // multiplying it by zero, and in backward the adjoint handed from t to t-1 and the terms through h_{t-1} are
@@ -134,7 +134,7 @@ struct FwdLayout {
   static constexpr int kCh = 32 / kP;       // channels a warp
   static constexpr int kR = kFwdRun / kP;   // timesteps of a run a lane loads, prepares and stores
   static constexpr int kHalves = kCh > 16 ? 2 : 1;   // B/C groups a warp can span (groups: multiples of 16 channels)
-  static constexpr int kMinBlocks = kP == 1 ? 8 : kP == 2 ? 12 : kP == 4 ? 20 : 32;   // no spills (but 4-44 bytes in fp32 variants)
+  static constexpr int kMinBlocks = kP == 1 ? 8 : kP == 2 ? 12 : kP == 4 ? 20 : 24;
 };
 
 // The forward's and backward's tree over the 16 states: q_l = C_l h_l + C_{l+8} h_{l+8}, summed
@@ -143,7 +143,7 @@ struct FwdLayout {
 // holds q_l for l = sub + kP j; the levels of the tree whose pairs lie in one thread are summed there, the rest
 // (distance < kP) across the channel's lanes; every lane ends with the whole sum.
 template <int kP>
-__device__ __forceinline__ float sum_states(const float (&h)[kLanes / kP], const float (&c)[kLanes / kP]) {
+__device__ __forceinline__ float sum_states_thread(const float (&h)[kLanes / kP], const float (&c)[kLanes / kP]) {
   constexpr int kQ = FwdLayout<kP>::kQ;
   float q[kQ];
 #pragma unroll
@@ -153,7 +153,10 @@ __device__ __forceinline__ float sum_states(const float (&h)[kLanes / kP], const
 #pragma unroll
     for (int l = 0; l < gd / kP; ++l) q[l] = __fadd_rn(q[l], q[l + gd / kP]);
   }
-  float y = q[0];
+  return q[0];
+}
+template <int kP>
+__device__ __forceinline__ float sum_states_lanes(float y) {
 #pragma unroll
   for (int gd = kP / 2; gd >= 1; gd /= 2) y = __fadd_rn(y, __shfl_xor_sync(0xffffffffu, y, gd));
   return y;
@@ -313,9 +316,13 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     const unsigned starts = __ballot_sync(0xffffffffu, cur.pos == 0);   // bit j: timestep t0 + j starts a sequence
     __syncwarp();   // bc and pre written
     if (t0 + kFwdRun < L) load(nxt, t0 + kFwdRun);
-    // the recurrence over the run's timesteps (a rolled loop: unrolled, the compiler would hoist every timestep's
-    // exponentials and run out of registers)
-#pragma unroll 2
+    // the recurrence over the run's timesteps. With 8 or 16 states a thread the loop stays rolled (unrolled, the
+    // compiler would hoist every timestep's exponentials and run out of registers); with 2 or 4 (few channels, where
+    // a warp's latency sets the time) it is unrolled, and the sums across the channel's lanes wait for the run's
+    // end, so that its 8 timesteps' shuffles overlap instead of each stalling the chain.
+    constexpr bool kDeferLanes = kP >= 4;
+    float yq[kFwdRun];
+#pragma unroll(kDeferLanes ? kFwdRun : 2)
     for (int j = 0; j < kFwdRun; ++j) {
       const float4 pr = pre[j][ch];
       const bool keep = !((starts >> j) & 1u);
@@ -338,9 +345,23 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
           c[k] = v.y;
         }
       }
-      const float y = sum_states<kP>(h, c);
-      const float ov = has_D ? __fadd_rn(y, pr.z) : y;   // as the backward recomputes it
-      if (sub == 0) outv[j][ch] = kHasZ ? ov * pr.w : ov;
+      const float yt = sum_states_thread<kP>(h, c);
+      if constexpr (kDeferLanes) {
+        yq[j] = yt;
+      } else {
+        const float y = sum_states_lanes<kP>(yt);
+        const float ov = has_D ? __fadd_rn(y, pr.z) : y;   // as the backward recomputes it
+        if (sub == 0) outv[j][ch] = kHasZ ? ov * pr.w : ov;
+      }
+    }
+    if constexpr (kDeferLanes) {
+#pragma unroll
+      for (int j = 0; j < kFwdRun; ++j) {
+        const float4 pr = pre[j][ch];
+        const float y = sum_states_lanes<kP>(yq[j]);
+        const float ov = has_D ? __fadd_rn(y, pr.z) : y;
+        if (sub == 0) outv[j][ch] = kHasZ ? ov * pr.w : ov;
+      }
     }
     if constexpr (kP > 1) __syncwarp();   // outv written by the channel's first lane
     Run<in_t, kR> o;
