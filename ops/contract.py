@@ -75,7 +75,7 @@ SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a 
 SCAN_DET_BLOCKS = 16
 # the scan forward gives a channel the fewest threads (1, 2, 4 or 8) that still make at least this many warps per
 # multiprocessor (with fewer, one warp's chain of timesteps sets the time): ops/csrc/selective_scan.cu, scan_fwd_lanes
-SCAN_FWD_WARPS_PER_SM = 8
+SCAN_FWD_WARPS_PER_SM = 7
 
 # The ops' outputs follow their inputs' strides (the conv) and the CUDA implementations read raw pointers: a compiler
 # (inductor) must hand them their inputs with exactly the strides seen when tracing.
