@@ -120,9 +120,9 @@ __device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
 // schedulers) the time stops falling with size. More lanes a channel split that per-timestep chain kP ways (kP times
 // the warps, kS exp2 each) at the price of log2(kP) shuffles a timestep and the per-(channel, timestep) work shared
 // out over the channel's lanes. Each lane reads its share (kR = kFwdRun / kP timesteps) of its channel's rows of u /
-// delta / z kDepth runs of kFwdRun timesteps ahead of the run it computes; the warp stages B and C (shared by its
-// channels) of the run through shared memory as fp32 pairs and its reset mask as one ballot (bit j: timestep j
-// starts a sequence). Warps are independent (one warp a block).
+// delta / z one run of kFwdRun timesteps ahead of the run it computes (2 or 3 runs ahead measured no faster:
+// RESULTS.md); the warp stages B and C (shared by its channels) of the run through shared memory as fp32 pairs and
+// its reset mask as one ballot (bit j: timestep j starts a sequence). Warps are independent (one warp a block).
 constexpr int kFwdRun = 8;    // timesteps a warp loads and computes at a time
 static_assert(kChunk % kFwdRun == 0, "saved states fall on run ends");
 
@@ -135,9 +135,6 @@ struct FwdLayout {
   static constexpr int kR = kFwdRun / kP;   // timesteps of a run a lane loads, prepares and stores
   static constexpr int kHalves = kCh > 16 ? 2 : 1;   // B/C groups a warp can span (groups: multiples of 16 channels)
   static constexpr int kMinBlocks = kP == 8 ? 16 : 12;   // register caps that do not spill
-  // runs loaded ahead of the one computed: with few channels a run takes less than a load's latency, and the loads
-  // of a lane with 4 or 8 lanes a channel are few registers
-  static constexpr int kDepth = kP == 1 ? 1 : kP == 2 ? 2 : kP == 4 ? 2 : 3;
 };
 
 // The forward's and backward's tree over the 16 states: q_l = C_l h_l + C_{l+8} h_{l+8}, summed
@@ -293,7 +290,7 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     load_bc<kVec>(r.bc, Bp, Cp, t0, L, lane, p.dstate);
     r.pos = (lane < kFwdRun && t0 + lane < L) ? pos[t0 + lane] : 1;
   };
-  // one run: stage what `cur` holds, start loading the run kDepth ahead into it, compute this one
+  // one run: stage what `cur` holds, start loading the next run into it, compute this one
   auto run = [&](int t0, In &cur) {
     __syncwarp();   // the last run's reads of bc / pre / outv are done
     put_bc(bc[0], cur.bc, lane);
@@ -318,8 +315,7 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     }
     const unsigned starts = __ballot_sync(0xffffffffu, cur.pos == 0);   // bit j: timestep t0 + j starts a sequence
     __syncwarp();   // bc and pre written
-    const int t_next = t0 + Lay::kDepth * kFwdRun;
-    if (t_next < L) load(cur, t_next);   // cur is consumed: it takes the run kDepth ahead
+    if (t0 + kFwdRun < L) load(cur, t0 + kFwdRun);   // cur is consumed: it takes the next run
     // the recurrence over the run's timesteps. With 8 or 16 states a thread the loop stays rolled (unrolled, the
     // compiler would hoist every timestep's exponentials and run out of registers); with 2 or 4 (few channels, where
     // a warp's latency sets the time) it is unrolled, and the sums across the channel's lanes wait for the run's
@@ -386,15 +382,9 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     }
   };
 
-  In buf[Lay::kDepth];
-#pragma unroll
-  for (int i = 0; i < Lay::kDepth; ++i)
-    if (i * kFwdRun < L) load(buf[i], i * kFwdRun);
-  for (int t0 = 0; t0 < L; t0 += Lay::kDepth * kFwdRun) {
-#pragma unroll
-    for (int i = 0; i < Lay::kDepth; ++i)
-      if (t0 + i * kFwdRun < L) run(t0 + i * kFwdRun, buf[i]);
-  }
+  In buf;
+  load(buf, 0);
+  for (int t0 = 0; t0 < L; t0 += kFwdRun) run(t0, buf);
 }
 
 // The backward: a thread carries two states of one channel (n and n + 8), 8 threads a channel, 128 threads the
