@@ -24,6 +24,10 @@ lognormal(5.5, 0.9) clipped to [8, 2048].
 
     python benchmarks/bench_train.py --out benchmarks/results/train_h200.json --plot benchmarks/results/train_h200.png
 
+``--profile-steps N`` runs N more steps of each mode under ``torch.profiler`` and adds, per mode, the GPU time per step
+by kernel and by kind (GEMM, scan forward/backward, conv, norm, loss, optimizer, elementwise): where packed and dense
+differ.
+
 ``--saved-tensors`` adds, per width, what one training step keeps for the backward pass (tensors saved by
 autograd, unique storages) in the packed and dense modes, largest first: where a memory difference comes from.
 """
@@ -235,7 +239,9 @@ def run_mode(mode, width, lengths, args, device):
                 torch.cuda.empty_cache()
                 if not m.shrink():
                     return {"mode": mode, "oom": True}
-        return {"mode": mode, "tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec,
+        prof = (profile_mode(m, args, args.warmup + n_steps)
+                if args.profile_steps and mode in ("packed", "dense") else None)
+        return {"mode": mode, "profile": prof, "tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec,
                 "ms_per_step": 1e3 * sec / n_steps, "steps": n_steps,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "rows_per_step": m.rows if mode in ("packed", "dense") else None,
@@ -245,6 +251,70 @@ def run_mode(mode, width, lengths, args, device):
         del m
         gc.collect()
         torch.cuda.empty_cache()
+
+
+KERNEL_KINDS = (  # (kind, substrings of a kernel's name, lower case); the first match wins
+    ("scan fwd", ("scan_fwd", "selective_scan_fwd")),
+    ("scan bwd", ("scan_bwd", "selective_scan_bwd")),
+    ("conv", ("conv1d", "conv_cf", "conv_cl", "causal_conv")),
+    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "sm90_xmma", "nvjet", "xmma")),
+    ("norm", ("rms", "layer_norm", "layernorm", "_norm_")),
+    ("loss", ("cross_entropy", "nll_loss", "log_softmax", "softmax")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("reduce", ("reduce_kernel",)),
+    ("copy / cast", ("copy", "cat", "fill", "memset")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "elementwise / other"
+
+
+def profile_mode(m, args, first_step):
+    """GPU time per step by kernel and by kind, over ``args.profile_steps`` steps under ``torch.profiler``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(first_step, first_step + args.profile_steps):
+            m.step(i)
+        torch.cuda.synchronize()
+    kernels, kinds = {}, {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        k = kernels.setdefault(e.name, [0.0, 0])
+        k[0] += us
+        k[1] += 1
+    n = args.profile_steps
+    table = sorted(([name, us / n / 1e3, calls // n] for name, (us, calls) in kernels.items()), key=lambda r: -r[1])
+    for name, ms, _ in table:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    return {"kernel_ms_per_step": sum(kinds.values()), "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "kernels": [{"name": name[:160], "ms": ms, "calls": c} for name, ms, c in table[:40]]}
+
+
+def print_profiles(results):
+    rows = [r for r in results if r.get("profile")]
+    if not rows:
+        return
+    kinds = sorted({k for r in rows for k in r["profile"]["kinds_ms"]},
+                   key=lambda k: -max(r["profile"]["kinds_ms"].get(k, 0) for r in rows))
+    print("\nGPU ms per step by kernel kind (torch.profiler)")
+    print(f"{'kind':20s}" + "".join(f" {r['width'] + ' ' + r['lengths'][:4] + ' ' + r['mode']:>20s}" for r in rows))
+    for k in kinds + ["total"]:
+        vals = [r["profile"]["kernel_ms_per_step"] if k == "total" else r["profile"]["kinds_ms"].get(k, 0.0)
+                for r in rows]
+        print(f"{k:20s}" + "".join(f" {v:20.2f}" for v in vals))
+    for r in rows:
+        print(f"\nlargest kernels, {r['width']} {r['lengths']} {r['mode']} (ms/step, calls/step)")
+        for e in r["profile"]["kernels"][:20]:
+            print(f"  {e['ms']:8.2f} {e['calls']:5d}  {e['name'][:110]}")
 
 
 def saved_tensors(mode, width, lengths, args, device):
@@ -363,6 +433,8 @@ def main(argv=None):
     ap.add_argument("--gsm8k-lengths", default=None, help=".npy of GSM8K lengths (else tokenized from ../shared)")
     ap.add_argument("--write-gsm8k-lengths", default=None, help="tokenize GSM8K, write the lengths here, exit")
     ap.add_argument("--saved-tensors", action="store_true", help="also list what packed/dense keep for backward")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="then profile this many steps of packed and dense: GPU time by kernel and kind")
     ap.add_argument("--seed", type=int, default=0, help="data and init seed")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, help="draw the table as a bar chart (PNG) here")
@@ -378,6 +450,7 @@ def main(argv=None):
                    saved_tensors=[s for p in parts for s in p.get("saved_tensors", [])], merged_from=args.merge)
         print(f"{out['device_name']}, torch {out['torch']}, {out['date']}")
         print_table(out["results"])
+        print_profiles(out["results"])
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=2)
@@ -425,6 +498,7 @@ def main(argv=None):
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, capacity {args.capacity}, "
           f"padded batches of {args.pad_batch}; 'packed is' = packed tok/s / this mode's tok/s")
     print_table(results)
+    print_profiles(results)
     lens_info = {k: {"n": int(len(v)), "tokens": int(v.sum()), "mean": float(v.mean()), "max": int(v.max())}
                  for k, v in all_lengths.items()}
     out = {"bench": "bench_train", "args": vars(args), "device_name": torch.cuda.get_device_name(),

@@ -40,11 +40,28 @@ def _bmm_w(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.bmm(w.unsqueeze(0).expand(x.shape[0], *w.shape), x)
 
 
-def _wgrad(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """sum over the batch of a[i] @ b[i]: (b, m, k) x (b, k, n) -> (m, n)."""
-    if a.shape[0] == 1:
-        return (a[0] @ b[0]).to(out_dtype)
-    return torch.bmm(a, b).sum(0, dtype=torch.float32 if a.dtype != torch.float64 else None).to(out_dtype)
+def _wgrad(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None):
+    """sum over the batch of a[i] @ b[i]: (b, m, k) x (b, k, n) -> (m, n) in ``out_dtype`` (into ``out`` if given).
+
+    16-bit CUDA inputs: one GEMM per batch row, each adding into one float32 sum in its epilogue (``out_dtype``
+    GEMMs): no (b, m, n) product, no reduction kernel, no cast when the weight is float32 (autocast with float32
+    master weights), and no rounding to 16 bits in between. Elsewhere: a batched product summed in float32."""
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+        f32 = out_dtype == torch.float32
+        acc = out if (out is not None and f32) else torch.empty(a.shape[1], b.shape[2], dtype=torch.float32,
+                                                                device=a.device)
+        torch.mm(a[0], b[0], out_dtype=torch.float32, out=acc)
+        for i in range(1, a.shape[0]):
+            torch.addmm(acc, a[i], b[i], out_dtype=torch.float32, out=acc)
+    elif a.shape[0] == 1:
+        acc = a[0] @ b[0]
+    else:
+        acc = torch.bmm(a, b).sum(0, dtype=torch.float32 if a.dtype != torch.float64 else None)
+    if out is None:
+        return acc.to(out_dtype)
+    if acc is not out:
+        out.copy_(acc)
+    return out
 
 
 class PackedMambaInnerFn(torch.autograd.Function):
@@ -68,6 +85,9 @@ class PackedMambaInnerFn(torch.autograd.Function):
         checkpoint_lvl,
     ):
         dev = hidden_states.device.type
+        # the gradients' dtypes: the parameters' own (float32 master weights under autocast), not the compute dtype
+        ctx.dtypes = (in_proj_weight.dtype, conv1d_weight.dtype, x_proj_weight.dtype, delta_proj_weight.dtype,
+                      out_proj_weight.dtype, hidden_states.dtype)
         if torch.is_autocast_enabled(dev):   # CUDA autocast (training) and CPU autocast alike: one compute dtype
             dt_ = torch.get_autocast_dtype(dev)
             cast = lambda t: None if t is None else t.to(dt_)  # noqa: E731
@@ -105,8 +125,6 @@ class PackedMambaInnerFn(torch.autograd.Function):
         ctx.has_in_bias, ctx.has_out_bias, ctx.has_conv_bias = (
             in_proj_bias is not None, out_proj_bias is not None, conv1d_bias is not None)
         ctx.has_D, ctx.has_db = D is not None, delta_bias is not None
-        ctx.dtypes = (in_proj_weight.dtype, conv1d_weight.dtype, x_proj_weight.dtype, delta_proj_weight.dtype,
-                      out_proj_weight.dtype, hidden_states.dtype)
         ctx.conv_shape = conv1d_weight.shape
         if checkpoint_lvl >= 1:
             xc_saved, delta_saved = None, None
@@ -149,18 +167,19 @@ class PackedMambaInnerFn(torch.autograd.Function):
         dx_dbl[..., :dt_rank] = torch.bmm(
             ddelta.transpose(1, 2), delta_proj_weight.unsqueeze(0).expand(batch, -1, -1))
         dx_proj_weight = _wgrad(dx_dbl.transpose(1, 2), xc.transpose(1, 2), w_dtype_xp)  # (r+2n, d_inner)
+        # in place (the out-of-place form copies its input first): dxc and dhidden are this backward's own tensors
         dxc = dxc.to(xc.dtype)
-        dxc = torch.baddbmm(dxc, x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1), dx_dbl.transpose(1, 2))
+        dxc.baddbmm_(x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1), dx_dbl.transpose(1, 2))
         # conv
         dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc)
         dx = dx.contiguous()
         dz = dz.contiguous().to(z.dtype)
         # in_proj
         din_proj_weight = torch.empty(in_proj_weight.shape, dtype=w_dtype_in, device=dx.device)
-        din_proj_weight[:d_inner] = _wgrad(dx, hidden_states, w_dtype_in)
-        din_proj_weight[d_inner:] = _wgrad(dz, hidden_states, w_dtype_in)
+        _wgrad(dx, hidden_states, w_dtype_in, out=din_proj_weight[:d_inner])
+        _wgrad(dz, hidden_states, w_dtype_in, out=din_proj_weight[d_inner:])
         dhidden = torch.bmm(dx.transpose(1, 2), in_proj_weight[:d_inner].unsqueeze(0).expand(batch, -1, -1))
-        dhidden = torch.baddbmm(dhidden, dz.transpose(1, 2), in_proj_weight[d_inner:].unsqueeze(0).expand(batch, -1, -1))
+        dhidden.baddbmm_(dz.transpose(1, 2), in_proj_weight[d_inner:].unsqueeze(0).expand(batch, -1, -1))
         din_proj_bias = None
         if ctx.has_in_bias:
             din_proj_bias = torch.cat([dx.sum(dim=(0, 2)), dz.sum(dim=(0, 2))]).to(w_dtype_in)

@@ -215,3 +215,30 @@ def test_the_forward_keeps_no_copy_of_the_scan_output(seed, checkpoint_lvl):
     ref = torch.autograd.grad(ref_fn(h, position_ids=pos), [h, *ref_params], g)
     for a, b in zip(grads, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_sum_over_rows_on_cuda(seed, batch, dtype, out_dtype):
+    """_wgrad on CUDA (16-bit inputs: one GEMM per batch row into a float32 sum) against float64, returned and
+    written into a slice of a larger tensor (the in_proj gradient's halves)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from ops.mamba_inner import _wgrad
+
+    m, k, n = 96, 200, 72
+    a = torch.randn(batch, m, k, device="cuda").to(dtype)
+    b = torch.randn(batch, k, n, device="cuda").to(dtype)
+    ref = torch.einsum("imk,ikn->mn", a.double(), b.double())
+    got = _wgrad(a, b, out_dtype)
+    big = torch.full((2 * m, n), float("nan"), dtype=out_dtype, device="cuda")
+    _wgrad(a, b, out_dtype, out=big[m:])
+    assert got.dtype == out_dtype and got.shape == (m, n)
+    assert torch.isnan(big[:m]).all(), "wrote outside its slice"
+    # the float32 sum of exact products (16-bit inputs), rounded once to out_dtype
+    tol = (1e-5 if out_dtype == torch.float32 else 8e-3) * ref.abs().max().item()
+    for res in (got, big[m:]):
+        err = (res.double() - ref).abs().max().item()
+        assert err <= tol, (err, tol)
