@@ -45,8 +45,10 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, out: Option
 
     16-bit CUDA inputs: one GEMM per batch row, each adding into one float32 sum in its epilogue (``out_dtype``
     GEMMs): no (b, m, n) product, no reduction kernel, no cast when the weight is float32 (autocast with float32
-    master weights), and no rounding to 16 bits in between. Elsewhere: a batched product summed in float32."""
-    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+    master weights), and no rounding to 16 bits in between. Elsewhere, and under ``torch.compile`` (torch 2.11's
+    fake-tensor rule for ``addmm`` with ``out_dtype`` raises a TypeError in Dynamo): a batched product summed in
+    float32."""
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling():
         f32 = out_dtype == torch.float32
         acc = out if (out is not None and f32) else torch.empty(a.shape[1], b.shape[2], dtype=torch.float32,
                                                                 device=a.device)
