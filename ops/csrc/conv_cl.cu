@@ -1,8 +1,7 @@
 // Packed causal conv1d, channel-last kernels (x is (batch, seqlen, dim) memory): each thread owns consecutive
 // channels (one vector load per timestep) and a run of timesteps, sliding a window of the last W inputs (forward)
 // or the last W gradients (backward) through registers; position_ids[t] is one broadcast load per timestep. On rows
-// aligned to the vectors the loads of 8 timesteps are issued together (0.31 + 0.78 ms -> 0.23 + 0.45 ms on the
-// H200 at B=8, D=4096, L=4096 bf16).
+// aligned to the vectors the loads of a few timesteps are issued together (see kGroupClFwd / kGroupClBwd).
 #include "conv_common.cuh"
 #include "dispatch.cuh"
 
@@ -12,9 +11,17 @@ namespace {
 // channel-last
 
 constexpr int kBXCL = 32, kBYCL = 4;   // 32 threads over channels x 4 over time
-constexpr int kRunCL = 32;             // timesteps per thread
-constexpr int kGroupCL = 8;
-static_assert(kBYCL * kRunCL >= PACKLOADER_CONV_SLOT_STEPS, "one dweight slot per block row of timesteps");            // timesteps whose loads are issued together (cl_vec rows)
+// Each thread runs over kRunCl* consecutive timesteps of its channels; on vector-aligned rows it issues the loads of
+// kGroupCl* timesteps before using the first. Measured on the H200 (B=8, D=4096, L=4096 bf16, fwd / fwd+bwd ms):
+// runs of 32 and groups of 8 in both passes 0.231 / 0.764; forward runs of 64: 0.205 / 0.727 (128: 0.193 forward, but
+// 1.4x slower at 2 x 2048 x 4096 for want of blocks); and backward runs of 64 in groups of 4: 0.203 / 0.619
+// (causal-conv1d 0.164 / 0.676). Groups of 16, the next group's loads issued before this one's are used, or 8-byte
+// loads: all slower (RESULTS.md).
+constexpr int kRunClFwd = 64;
+constexpr int kGroupClFwd = 8;
+constexpr int kRunClBwd = 64;
+constexpr int kGroupClBwd = 4;
+static_assert(kBYCL * kRunClBwd >= PACKLOADER_CONV_SLOT_STEPS, "one dweight slot per block row of timesteps");
 
 template <typename T>
 struct ClVec { static constexpr int kFwd = 16 / sizeof(T) > 8 ? 8 : 16 / sizeof(T); static constexpr int kBwd = 4; };
@@ -39,7 +46,7 @@ __global__ void __launch_bounds__(kBXCL * kBYCL, 4) conv_fwd_cl(const ConvParams
   const int b = blockIdx.z;
   const int L = p.seqlen;
   const int d0 = (blockIdx.x * kBXCL + threadIdx.x) * kV;
-  const int t0 = (blockIdx.y * kBYCL + threadIdx.y) * kRunCL;
+  const int t0 = (blockIdx.y * kBYCL + threadIdx.y) * kRunClFwd;
   if (d0 >= p.dim || t0 >= L) return;
   const int nv = min(kV, p.dim - d0);
   const T *x = reinterpret_cast<const T *>(p.x) + b * p.x_bs + d0;
@@ -57,7 +64,7 @@ __global__ void __launch_bounds__(kBXCL * kBYCL, 4) conv_fwd_cl(const ConvParams
       for (int c = 0; c < kV; ++c) win[j + 1][c] = 0.f;
     }
   }
-  const int tend = min(t0 + kRunCL, L);
+  const int tend = min(t0 + kRunClFwd, L);
   auto step = [&](int t, int r) {   // window already holds x[t]; out[t]
     float o[kV];
 #pragma unroll
@@ -77,19 +84,19 @@ __global__ void __launch_bounds__(kBXCL * kBYCL, 4) conv_fwd_cl(const ConvParams
       for (int c = 0; c < kV; ++c) win[j][c] = win[j + 1][c];
   };
   if (p.cl_vec) {
-    // groups of kGroupCL timesteps, every load of a group issued before the first is used
+    // groups of kGroupClFwd timesteps, every load of a group issued before the first is used
 #pragma unroll 1
-    for (int tg = t0; tg < tend; tg += kGroupCL) {
-      GVec<T, kV> raw[kGroupCL];
-      int rr[kGroupCL];
+    for (int tg = t0; tg < tend; tg += kGroupClFwd) {
+      GVec<T, kV> raw[kGroupClFwd];
+      int rr[kGroupClFwd];
 #pragma unroll
-      for (int i = 0; i < kGroupCL; ++i) {
+      for (int i = 0; i < kGroupClFwd; ++i) {
         const int t = tg + i;
         raw[i].load(x + (int64_t)t * p.x_ls, t < tend ? kV : 0);
         rr[i] = t < tend ? pos[t] : 0;
       }
 #pragma unroll
-      for (int i = 0; i < kGroupCL; ++i) {
+      for (int i = 0; i < kGroupClFwd; ++i) {
         if (tg + i >= tend) break;
         shift();
         raw[i].to_float(win[kW - 1]);
@@ -113,7 +120,7 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
   const int b = blockIdx.z;
   const int L = p.seqlen;
   const int d0 = (blockIdx.x * kBXCL + threadIdx.x) * kV;
-  const int t0 = (blockIdx.y * kBYCL + threadIdx.y) * kRunCL;
+  const int t0 = (blockIdx.y * kBYCL + threadIdx.y) * kRunClBwd;
   const bool active = d0 < p.dim && t0 < L;
   float dw[kW + 1][kV];
 #pragma unroll
@@ -143,8 +150,8 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
       for (int c = 0; c < kV; ++c) gw[j + 1][c] = 0.f;
       rw[j + 1] = 0;
     }
-    const int tend = min(t0 + kRunCL, L);
-    const int tlast = min(t0 + kRunCL + kW - 1, L + kW - 1);
+    const int tend = min(t0 + kRunClBwd, L);
+    const int tlast = min(t0 + kRunClBwd + kW - 1, L + kW - 1);
     // One timestep: x[t] / dout[t] / position id come in xt / gt / pt (t < L); dw, then dx[t - (W-1)].
     auto step = [&](int t, float (&xt)[kV], float (&gt)[kV], int pt) {
 #pragma unroll
@@ -200,13 +207,13 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
       }
     };
     if (p.cl_vec) {
-      // groups of kGroupCL timesteps, every load of a group issued before the first is used
+      // groups of kGroupClBwd timesteps, every load of a group issued before the first is used
 #pragma unroll 1
-      for (int tg = t0; tg < tlast; tg += kGroupCL) {
-        GVec<T, kV> rx[kGroupCL], rg[kGroupCL];
-        int rp[kGroupCL];
+      for (int tg = t0; tg < tlast; tg += kGroupClBwd) {
+        GVec<T, kV> rx[kGroupClBwd], rg[kGroupClBwd];
+        int rp[kGroupClBwd];
 #pragma unroll
-        for (int i = 0; i < kGroupCL; ++i) {
+        for (int i = 0; i < kGroupClBwd; ++i) {
           const int t = tg + i;
           const int in = t < L && t < tlast ? kV : 0;
           rx[i].load(x + (int64_t)t * p.x_ls, in);
@@ -214,7 +221,7 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
           rp[i] = in ? pos[t] : 0;
         }
 #pragma unroll
-        for (int i = 0; i < kGroupCL; ++i) {
+        for (int i = 0; i < kGroupClBwd; ++i) {
           if (tg + i >= tlast) break;
           float xt[kV], gt[kV];
           rx[i].to_float(xt);
@@ -259,7 +266,8 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
 template <typename T, int kW>
 int launch_cl(const ConvParams &p, cudaStream_t st, bool bwd) {
   const int kV = bwd ? ClVec<T>::kBwd : ClVec<T>::kFwd;
-  const dim3 grid((p.dim + kBXCL * kV - 1) / (kBXCL * kV), (p.seqlen + kBYCL * kRunCL - 1) / (kBYCL * kRunCL), p.batch);
+  const int run = bwd ? kRunClBwd : kRunClFwd;
+  const dim3 grid((p.dim + kBXCL * kV - 1) / (kBXCL * kV), (p.seqlen + kBYCL * run - 1) / (kBYCL * run), p.batch);
   const dim3 block(kBXCL, kBYCL);
   // whole vectors of kV channels at aligned addresses: the grouped loads
   const int vb = kV * (int)sizeof(T);

@@ -483,7 +483,8 @@ def conv_input(layout: str, batch: int, dim: int, L: int, dtype) -> torch.Tensor
 
 
 CONV_LAYOUTS = ["cf", "cl", "padded", "cl-slice", "misaligned-cf", "misaligned-cl"]
-CONV_SHAPES = [(2, 37, 67), (2, 64, 256), (1, 24, 136)]   # odd dim and L; the vector kernels' sizes; batch 1
+# odd dim and L; the vector kernels' sizes (two channel-last blocks along time, the second part full); batch 1
+CONV_SHAPES = [(2, 37, 67), (2, 64, 320), (1, 24, 136)]
 CONV_CASES = [(dtype, layout, CONV_SHAPES[i % 3], 2 + i % 3, ["cf", "cl", "padded"][i % 3 - 1],
                torch.float32 if i % 2 else dtype)
               for i, (dtype, layout) in enumerate((d, lay) for d in (torch.float32, torch.float16, torch.bfloat16)
