@@ -116,3 +116,30 @@ def test_gsm8k_lengths_from_the_shared_corpus(bench, tmp_path):
     out = tmp_path / "lens.npy"
     bench.main(["--write-gsm8k-lengths", os.fspath(out)])
     assert np.array_equal(np.load(out), lengths)
+
+
+def test_profile_kinds_and_table(bench, capsys):
+    """--profile-steps: kernel names from the real profiles (H200, 2026-11-23) land in their kind, and the table sums
+    them per mode."""
+    names = {
+        "void packloader_ops::(anonymous namespace)::scan_bwd_kernel<__nv_bfloat16, __nv_bfloat16, true, true>": "scan bwd",
+        "void selective_scan_fwd_kernel<Selective_Scan_fwd_kernel_traits<128, 16, 1, true>>": "scan fwd",
+        "void packloader_ops::conv::(anonymous namespace)::conv_bwd_cf_vec<__nv_bfloat16, 4, 2>": "conv",
+        "void causal_conv1d_fwd_kernel<Causal_conv1d_fwd_kernel_traits<128, 4, true>>": "conv",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TTT": "gemm",
+        "_layer_norm_bwd_kernel": "norm",
+        "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<c10::BFloat16>>": "reduce",
+        "Memcpy DtoD (Device -> Device)": "copy / cast",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::neg_kernel_cuda>": "elementwise / other",
+    }
+    for name, kind in names.items():
+        assert bench.kernel_kind(name) == kind, name
+    rows = [{"width": "2.8b", "lengths": "gsm8k", "mode": m,
+             "profile": {"kernel_ms_per_step": t, "kinds_ms": {"gemm": t - 1.0, "conv": 1.0},
+                         "kernels": [{"name": "nvjet_x", "ms": t - 1.0, "calls": 3}]}}
+            for m, t in (("packed", 10.0), ("dense", 12.5))]
+    bench.print_profiles(rows)
+    out = capsys.readouterr().out
+    total = next(line for line in out.splitlines() if line.startswith("total"))
+    assert total.split()[1:] == ["10.00", "12.50"]
+    assert "largest kernels, 2.8b gsm8k dense" in out
