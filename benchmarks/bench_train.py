@@ -262,7 +262,7 @@ KERNEL_KINDS = (  # (kind, substrings of a kernel's name, lower case); the first
     ("loss", ("cross_entropy", "nll_loss", "log_softmax", "softmax")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("reduce", ("reduce_kernel",)),
-    ("copy / cast", ("copy", "cat", "fill", "memset")),
+    ("copy / cast", ("copy", "cat", "fill", "memset", "memcpy")),
 )
 
 
