@@ -8,7 +8,7 @@
 #   BASELINE=1 bash benchmarks/gpu/upstream_suites.sh OUTDIR    # upstream's own kernels on the same (widened) tests
 #   SUITES=scan bash benchmarks/gpu/upstream_suites.sh OUTDIR   # one of the two suites (conv or scan)
 #
-# The scan suite runs twice: as it is, and with its reference evaluated in float64 (tests/ops/upstream_ref64.py:
+# The scan suite runs twice: as it is, and with its reference given z in float32 (tests/ops/upstream_gate32.py:
 # mamba-ssm's float32 reference rounds the gate silu(z) to fp16 / bf16, which alone fails the widened cases).
 #
 # Needs causal-conv1d and mamba-ssm importable (benchmarks/gpu/run.sh installs them), causal-conv1d's source archive
@@ -45,20 +45,20 @@ if [[ $suites == *" conv "* ]]; then
 fi
 if [[ $suites == *" scan "* ]]; then
   # twice: against mamba-ssm's own selective_scan_ref as it is (float32, the gate silu(z) rounded to z's dtype), and
-  # against the same function evaluated in float64 (tests/ops/upstream_ref64.py)
+  # against it with the gate in float32 (tests/ops/upstream_gate32.py)
   timeout ${SUITE_TIMEOUT:-300} python3 -m pytest $common "$work/test_selective_scan.py" \
     -k "test_selective_scan and not mamba_inner" > "$out/scan_suite$tag.log" 2>&1
   echo "selective-scan suite rc=$?: $(tail -1 "$out/scan_suite$tag.log")"
-  timeout ${SUITE_TIMEOUT:-300} python3 -m pytest -p tests.ops.upstream_ref64 $common "$work/test_selective_scan.py" \
-    -k "test_selective_scan and not mamba_inner" > "$out/scan_suite_ref64$tag.log" 2>&1
-  echo "selective-scan suite, float64 reference rc=$?: $(tail -1 "$out/scan_suite_ref64$tag.log")"
+  timeout ${SUITE_TIMEOUT:-300} python3 -m pytest -p tests.ops.upstream_gate32 $common "$work/test_selective_scan.py" \
+    -k "test_selective_scan and not mamba_inner" > "$out/scan_suite_gate32$tag.log" 2>&1
+  echo "selective-scan suite, reference gated in float32 rc=$?: $(tail -1 "$out/scan_suite_gate32$tag.log")"
 fi
 python3 - "$out" "$tag" <<'PY'
 import json, re, sys
 out, tag = sys.argv[1], sys.argv[2]
 res = {}
 import os
-for name in ("conv_suite" + tag, "scan_suite" + tag, "scan_suite_ref64" + tag):
+for name in ("conv_suite" + tag, "scan_suite" + tag, "scan_suite_gate32" + tag):
     if not os.path.exists(f"{out}/{name}.log"):
         continue
     last = open(f"{out}/{name}.log").read().strip().splitlines()[-1]
