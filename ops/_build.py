@@ -42,7 +42,6 @@ def defines() -> list:
     return [f"-DPACKLOADER_SCAN_CHUNK={contract.SCAN_CHUNK}", f"-DPACKLOADER_SCAN_LANES={contract.SCAN_LANES}",
             f"-DPACKLOADER_CONV_SLOT_STEPS={contract.CONV_SLOT_STEPS}",
             f"-DPACKLOADER_SCAN_BLOCK_CHANNELS={contract.SCAN_BLOCK_CHANNELS}",
-            f"-DPACKLOADER_SCAN_DET_BLOCKS={contract.SCAN_DET_BLOCKS}",
             f"-DPACKLOADER_SCAN_FWD_WARPS_PER_SM={contract.SCAN_FWD_WARPS_PER_SM}"]
 
 

@@ -70,9 +70,6 @@ CONV_MAX_WIDTH = 4
 CONV_SLOT_STEPS = 128  # the conv backward writes one dweight/dbias partial per block; at most one per this many steps
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # activation dtypes the CUDA kernels take
 SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a B/C group (else: group by group)
-# deterministic mode: the scan's channel blocks add their dB / dC sums in a fixed order within groups of this many
-# consecutive blocks (a chain of tickets); the groups' sums are then added in a fixed order by the caller
-SCAN_DET_BLOCKS = 16
 # the scan forward gives a channel the fewest threads (1, 2, 4 or 8) that still make at least this many warps per
 # multiprocessor (with fewer, one warp's chain of timesteps sets the time): ops/csrc/selective_scan.cu, scan_fwd_lanes
 SCAN_FWD_WARPS_PER_SM = 7
@@ -87,8 +84,7 @@ def scan_chunks(seqlen: int) -> int:
     return (seqlen + SCAN_CHUNK - 1) // SCAN_CHUNK
 
 
-def scan_det_groups(dim: int) -> int:
-    """Groups of ``SCAN_DET_BLOCKS`` channel blocks of ``SCAN_BLOCK_CHANNELS`` channels (the deterministic mode's
-    ticket chains, and the second dim of its ``det_sem`` / ``det_part`` buffers)."""
-    blocks = -(-dim // SCAN_BLOCK_CHANNELS)
-    return -(-blocks // SCAN_DET_BLOCKS)
+def scan_blocks(dim: int) -> int:
+    """Channel blocks of ``SCAN_BLOCK_CHANNELS`` channels per batch row in the CUDA scan's backward (the second dim of
+    the deterministic mode's ``det_part``: one [dB | dC] slot per block)."""
+    return -(-dim // SCAN_BLOCK_CHANNELS)

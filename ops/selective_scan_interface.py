@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from . import backends as _backends
 from .boundaries import resolve_position_ids, row_positions
-from .contract import OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_chunks, scan_det_groups
+from .contract import OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_chunks
 
 __all__ = ["packed_selective_scan", "selective_scan_ref", "linear_scan", "selective_scan_fwd", "selective_scan_bwd"]
 
@@ -355,25 +355,30 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     batch, dim = u.shape[:2]
     # dA / dD / ddelta_bias come per batch row and are summed here (no atomics: the same bits every run)
     dA = torch.zeros((batch,) + tuple(A.shape), device=u.device, dtype=torch.float32)
-    dB = torch.zeros(B.shape, device=u.device, dtype=torch.float32)
-    dC = torch.zeros(C.shape, device=u.device, dtype=torch.float32)
     dD = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if D is not None else None
     ddb = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if delta_bias is not None else None
-    # deterministic mode: dB / dC summed by groups of SCAN_DET_BLOCKS channel blocks in block order (a ticket per
-    # row, group and chunk) into per-group partials, which are summed here; otherwise with atomics (their last bits
-    # vary from run to run)
-    det_sem = det_part = None
-    if torch.are_deterministic_algorithms_enabled():
-        groups = scan_det_groups(dim)
-        det_sem = torch.zeros(batch, groups, saved.shape[2], device=u.device, dtype=torch.int32)
-        det_part = torch.zeros((batch, groups, B.shape[1], 2) + tuple(B.shape[2:]), device=u.device,
-                               dtype=torch.float32)
+    # dB / dC: added into zeros with float atomics (their last bits vary from run to run), or in deterministic mode
+    # stored per channel block (the blocks of a B/C group are consecutive: _group_slices) and summed here over the
+    # group's blocks in a fixed order. The slots cost 2 * dstate * seqlen floats per block of SCAN_BLOCK_CHANNELS
+    # channels (for bf16 u and dstate 16: 4x the size of u), for the length of this call.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    det_part = None
+    if deterministic:
+        with kernel_outputs():
+            det_part = torch.empty(batch, scan_blocks(dim), 2, B.shape[2], u.shape[2], device=u.device,
+                                   dtype=torch.float32)
+        dB, dC = (torch.empty(0, device=u.device, dtype=torch.float32) for _ in range(2))   # not written
+    else:
+        dB = torch.zeros(B.shape, device=u.device, dtype=torch.float32)
+        dC = torch.zeros(C.shape, device=u.device, dtype=torch.float32)
     if u.numel() > 0:
         # the kernel recomputes the forward output (it needs it for dz) and writes it to out when asked
         ext.scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), saved.contiguous(), dout, out,
-                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_sem, det_part)
-    if det_part is not None:
-        dB, dC = det_part[:, :, :, 0].sum(1), det_part[:, :, :, 1].sum(1)
+                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_part)
+    if deterministic:
+        n_groups = B.shape[1]
+        slots = det_part.view(batch, n_groups, det_part.shape[1] // n_groups, 2, *det_part.shape[3:])
+        dB, dC = slots[:, :, :, 0].sum(2), slots[:, :, :, 1].sum(2)   # two tensors: a custom op's outputs never alias
     return (du, ddelta, dA.sum(0), dB, dC, None if dD is None else dD.sum(0), dz,
             None if ddb is None else ddb.sum(0), out)
 

@@ -62,7 +62,7 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
 
 void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
               bool softplus, Tensor saved, Tensor dout, OptT out_rec, Tensor du, Tensor ddelta, OptT dz, Tensor dA,
-              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_sem, OptT det_part) {
+              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_part) {
   c10::cuda::CUDAGuard guard(u.device());
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
   p.saved = saved.data_ptr<float>();
@@ -76,22 +76,14 @@ void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
   p.dC = dC.data_ptr<float>();
   p.dD = ptr_or_null<float>(dD);
   p.ddelta_bias = ptr_or_null<float>(ddelta_bias);
-  // deterministic mode: tickets (batch, groups, nchunks) int32 and [dB | dC] per group (batch, groups, n_groups, 2,
-  // dstate, seqlen) float32, both zeroed, or neither
-  TORCH_CHECK(det_sem.has_value() == det_part.has_value(), "scan_bwd: det_sem and det_part come together or not at all");
-  if (det_sem.has_value()) {
-    const int64_t groups = ((u.size(1) + PACKLOADER_SCAN_BLOCK_CHANNELS - 1) / PACKLOADER_SCAN_BLOCK_CHANNELS +
-                            PACKLOADER_SCAN_DET_BLOCKS - 1) / PACKLOADER_SCAN_DET_BLOCKS;
-    TORCH_CHECK(det_sem->scalar_type() == at::kInt && det_sem->is_contiguous() && det_sem->device() == u.device() &&
-                    det_sem->sizes() == at::IntArrayRef({u.size(0), groups, saved.size(2)}),
-                "scan_bwd: det_sem must be int32 (batch, groups, nchunks), contiguous, on u's device");
+  // deterministic mode: [dB | dC] per channel block, (batch, blocks, 2, dstate, seqlen) float32, written in full
+  if (det_part.has_value()) {
+    const int64_t blocks = (u.size(1) + PACKLOADER_SCAN_BLOCK_CHANNELS - 1) / PACKLOADER_SCAN_BLOCK_CHANNELS;
     TORCH_CHECK(det_part->scalar_type() == at::kFloat && det_part->is_contiguous() && det_part->device() == u.device() &&
-                    det_part->sizes() == at::IntArrayRef({u.size(0), groups, B.size(1), 2, B.size(2), u.size(2)}),
-                "scan_bwd: det_part must be float32 (batch, groups, n_groups, 2, dstate, seqlen), contiguous, on u's device");
+                    det_part->sizes() == at::IntArrayRef({u.size(0), blocks, 2, B.size(2), u.size(2)}),
+                "scan_bwd: det_part must be float32 (batch, blocks, 2, dstate, seqlen), contiguous, on u's device");
   }
-  p.det_sem = ptr_or_null<int>(det_sem);
   p.det_part = ptr_or_null<float>(det_part);
-  p.det_groups = det_sem.has_value() ? det_sem->size(1) : 0;
   po::scan_bwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -30,18 +30,16 @@ struct ScanParams {
   void *du, *ddelta, *dz;
   float *dB, *dC;                    // fp32 accumulators (batch, n_groups, dstate, seqlen), zeroed by the caller
   float *dA, *dD, *ddelta_bias;      // fp32 per batch row: (batch, dim, dstate), (batch, dim); the caller sums rows
-  // deterministic mode (else both null: atomics for dB / dC): dB / dC are summed per group of SCAN_DET_BLOCKS
-  // consecutive channel blocks, in block order, into det_part, which the caller sums over its groups
-  int *det_sem;                      // (batch, det_groups, nchunks) int32 zeros: the tickets
-  float *det_part;                   // (batch, det_groups, n_groups, 2, dstate, seqlen) fp32 zeros: [dB | dC] per group
-  int det_groups;
+  // deterministic mode (else null: atomics for dB / dC): each channel block stores its own [dB | dC] sums, which the
+  // caller adds in a fixed order (no float atomics: the same bits every run)
+  float *det_part;                   // (batch, blocks, 2, dstate, seqlen) fp32, written in full; blocks = the grid's x
 };
 
 // The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.
 #if !defined(PACKLOADER_SCAN_CHUNK) || !defined(PACKLOADER_SCAN_LANES) || !defined(PACKLOADER_CONV_SLOT_STEPS) || \
-    !defined(PACKLOADER_SCAN_BLOCK_CHANNELS) || !defined(PACKLOADER_SCAN_DET_BLOCKS) || \
+    !defined(PACKLOADER_SCAN_BLOCK_CHANNELS) || \
     !defined(PACKLOADER_SCAN_FWD_WARPS_PER_SM)
-#error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS, _SCAN_BLOCK_CHANNELS, _SCAN_DET_BLOCKS from ops/contract.py"
+#error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS, _SCAN_BLOCK_CHANNELS, _SCAN_FWD_WARPS_PER_SM from ops/contract.py"
 #endif
 constexpr int kScanChunk = PACKLOADER_SCAN_CHUNK;   // timesteps staged in shared memory at a time; one saved state a chunk
 constexpr int kScanLanes = PACKLOADER_SCAN_LANES;   // state lanes per channel (dstate padded up to this)

@@ -17,9 +17,9 @@
 // Backward recomputes states per 64-step chunk from the forward's saved chunk-end states, keeping the states at
 // each 16-step sub-chunk start in registers, then re-running each sub-chunk (2 x 16 states + 2 x 16 decays in
 // registers) and walking it in reverse. dB/dC are summed over the warp's channels with shuffles, over the block's
-// warps in shared memory and added to fp32 buffers with one atomic per (block, n, t) (deterministic mode: ordered
-// adds, see det_sem); dA, dD, ddelta_bias are reduced per thread / channel and stored per batch row (the caller sums
-// the rows: no atomics, the same bits every run).
+// warps in shared memory and added to fp32 buffers with one atomic per (block, n, t) (deterministic mode: stored to
+// the block's own slot of det_part, which the caller sums in a fixed order); dA, dD, ddelta_bias are reduced per
+// thread / channel and stored per batch row (the caller sums the rows: no atomics, the same bits every run).
 #include "dispatch.cuh"
 
 #include "ops_common.h"
@@ -32,7 +32,6 @@ namespace {
 
 constexpr int kLanes = kScanLanes;      // 16
 constexpr int kDB = PACKLOADER_SCAN_BLOCK_CHANNELS;   // channels per block (16)
-constexpr int kDetBlocks = PACKLOADER_SCAN_DET_BLOCKS;   // deterministic mode: blocks a ticket chain orders (16)
 constexpr int kThreads = kLanes / 2 * kDB;   // 128: 8 threads a channel, two states each
 constexpr int kSub = 16;                // timesteps per reduce-scatter group
 constexpr int kChunk = kScanChunk;      // 64
@@ -405,7 +404,6 @@ struct BwdSmem {
   // [buffer][warp][kind: dB_n, dB_n+8, dC_n, dC_n+8][n][j ^ red_swizzle(kind, n)]: a warp's 32 stores of one
   // timestep and its 32 loads in the block sum each hit 32 different banks
   float red[2][kWarps][4][8][kSub];
-  float chunk_dbc[2][kLanes][kChunk];   // deterministic mode: the chunk's dB / dC block sums
 };
 // 75 KiB for 16-bit inputs: three blocks (12 warps) an SM
 static_assert(sizeof(BwdSmem<__nv_bfloat16, __nv_bfloat16>) + 1024 <= 233472 / 3, "three backward blocks per SM");
@@ -458,6 +456,8 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   const w_t *Cp = reinterpret_cast<const w_t *>(p.C) + bc_off;
   float *dBp = p.dB + bc_off;
   float *dCp = p.dC + bc_off;
+  // deterministic mode: this block's [dB | dC] (2, dstate, L), stored (every element, once), not added
+  float *det_slot = p.det_part ? p.det_part + ((int64_t)b * gridDim.x + blockIdx.x) * 2 * p.dstate * L : nullptr;
   const int *pos = p.pos + (int64_t)b * L;
   in_t *du = reinterpret_cast<in_t *>(p.du) + row;
   in_t *ddelta = reinterpret_cast<in_t *>(p.ddelta) + row;
@@ -648,40 +648,16 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) v += red[w][rk][rn][sj];
         const int state = rn + 8 * (rk & 1), t = t0 + s * kSub + rj;
-        if (p.det_sem) sm.chunk_dbc[rk >> 1][state][s * kSub + rj] = v;
-        else if (state < p.dstate && t < L) atomicAdd((rk >> 1 ? dCp : dBp) + (int64_t)state * L + t, v);
+        if (state < p.dstate && t < L) {
+          if (det_slot) det_slot[((int64_t)(rk >> 1) * p.dstate + state) * L + t] = v;
+          else atomicAdd((rk >> 1 ? dCp : dBp) + (int64_t)state * L + t, v);
+        }
       }
     }
     dAa_acc += dAa_chunk;
     dAb_acc += dAb_chunk;
     dD_acc += dD_chunk;
     dbias_acc += dbias_chunk;
-    if (p.det_sem) {
-      // Deterministic mode: the chunk's dB / dC sums are added into the partial sums of the block's group of
-      // kDetBlocks consecutive channel blocks, in the order of blockIdx.x, each block after the one before it (a ticket
-      // per (row, group, chunk)): a chain of kDetBlocks blocks, not of the whole row. The caller adds the groups' sums
-      // in a fixed order. Blocks start in index order, so the one waited for is already running or done. The adds are
-      // atomics only so that they are issued back to back without waiting for a load each: at most one block adds to
-      // an element at a time, the order of the blocks is fixed, and the fence before the ticket waits for them, so
-      // every element gets the same sum in the same order every run.
-      const int group = blockIdx.x / kDetBlocks;
-      int *ticket = p.det_sem + ((int64_t)b * p.det_groups + group) * p.nchunks + c;
-      float *part = p.det_part + (((int64_t)b * p.det_groups + group) * p.n_groups + grp) * 2 * p.dstate * L;
-      __syncthreads();
-      if (tid == 0) {
-        while (atomicAdd(ticket, 0) != (int)(blockIdx.x % kDetBlocks)) {
-        }
-        __threadfence();
-      }
-      __syncthreads();
-      for (int i = tid; i < 2 * kLanes * kChunk; i += kThreads) {
-        const int bc = i / (kLanes * kChunk), rn = (i / kChunk) % kLanes, tt = i % kChunk, t = t0 + tt;
-        if (rn < p.dstate && t < L) atomicAdd(part + ((int64_t)bc * p.dstate + rn) * L + t, sm.chunk_dbc[bc][rn][tt]);
-      }
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) atomicAdd(ticket, 1);
-    }
   }
   // per batch row: the caller sums the rows (no atomics: the same bits every run)
   if (d_ok && n < p.dstate) p.dA[((int64_t)b * p.dim + d) * p.dstate + n] = dAa_acc;

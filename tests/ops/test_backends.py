@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ops
-from ops.contract import CONV_SLOT_STEPS, SCAN_BLOCK_CHANNELS, SCAN_DET_BLOCKS, scan_det_groups
+from ops.contract import CONV_SLOT_STEPS, SCAN_BLOCK_CHANNELS, scan_blocks
 from ops import backends
 from ops import conv1d_interface as conv_mod
 from ops import selective_scan_interface as scan_mod
@@ -189,27 +189,27 @@ class FakeExt:
         saved.copy_(s)
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz,
-                 dA, dB, dC, dD, ddb, det_sem, det_part):
+                 dA, dB, dC, dD, ddb, det_part):
         self._check_scan(u, delta, A, B, C, D, z, delta_bias, pos)
         self.calls.append(("scan_bwd", u.shape[1], B.shape[1]))
         batch, dim = u.shape[:2]
         assert dout.dtype == u.dtype and dout.is_contiguous() and saved.is_contiguous()
-        assert dB.dtype == dC.dtype == F32 and dB.shape == B.shape and dA.dtype == F32
+        assert dA.dtype == F32 and dA.shape == (batch,) + tuple(A.shape)
         # dA / dD / ddelta_bias: one row of partials per batch row, summed by the caller
-        assert dA.shape == (batch,) + tuple(A.shape)
         assert all(t.shape == (batch, dim) and t.dtype == F32 for t in (dD, ddb) if t is not None)
-        assert all(float(t.abs().sum()) == 0 for t in (dA, dB, dC, dD, ddb) if t is not None), "zeroed"
-        # deterministic mode hands the kernel its zeroed tickets, one per (row, group of SCAN_DET_BLOCKS channel
-        # blocks, chunk), and the groups' zeroed [dB | dC] partial sums, which the caller adds up
+        assert all(float(t.abs().sum()) == 0 for t in (dA, dD, ddb) if t is not None), "zeroed"
+        # deterministic mode hands the kernel one [dB | dC] slot per channel block (to be written in full), which the
+        # caller sums over each B/C group's blocks; otherwise zeroed dB / dC to add into
         det = torch.are_deterministic_algorithms_enabled()
         if det:
-            groups = scan_det_groups(dim)
-            assert det_sem.dtype == torch.int32 and det_sem.shape == (batch, groups, saved.shape[2])
-            assert det_part.dtype == F32 and det_part.shape == (batch, groups, B.shape[1], 2) + tuple(B.shape[2:])
-            assert int(det_sem.abs().sum()) == 0 and float(det_part.abs().sum()) == 0
-            self.calls.append(("det", groups))
+            blocks = scan_blocks(dim)
+            assert det_part.dtype == F32 and det_part.shape == (batch, blocks, 2) + tuple(B.shape[2:])
+            assert det_part.is_contiguous() and blocks % B.shape[1] == 0
+            self.calls.append(("det", blocks))
         else:
-            assert det_sem is None and det_part is None
+            assert det_part is None
+            assert dB.dtype == dC.dtype == F32 and dB.shape == B.shape and dC.shape == C.shape
+            assert float(dB.abs().sum()) == 0 and float(dC.abs().sum()) == 0, "zeroed"
         assert out_rec is None or (out_rec.shape == u.shape and out_rec.dtype == u.dtype and out_rec.is_contiguous())
         grads = scan_mod._scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout,
                                              out_rec is not None)
@@ -218,11 +218,15 @@ class FakeExt:
                 continue
             if buf is dA or buf is dD or buf is ddb:   # the whole sum in row 0, as if the other rows gave 0
                 buf[0].copy_(g)
-            elif det and (buf is dB or buf is dC):   # split over the first and the last group (one and the same
-                # when there is one group), as if the others gave 0
+            elif det and (buf is dB or buf is dC):   # split over the first and the last block of each group
+                # (one and the same when a group has one block), as if the others gave 0
                 k = 0 if buf is dB else 1
-                det_part[:, 0, :, k].copy_(g / 4)
-                det_part[:, -1, :, k].add_(g * 3 / 4)
+                n_groups = B.shape[1]
+                slots = det_part.view(batch, n_groups, det_part.shape[1] // n_groups, *det_part.shape[2:])
+                if k == 0:
+                    det_part.fill_(0.0)
+                slots[:, :, 0, k].copy_(g / 4)
+                slots[:, :, -1, k].add_(g * 3 / 4)
             else:
                 buf.copy_(g)
 
@@ -309,10 +313,11 @@ def test_scan_cuda_glue_against_a_stand_in_extension(seed, fake_ext, dtype, layo
         assert all(c[1:] == (20, 1) for c in fake_ext.calls)
 
 
-@pytest.mark.parametrize("dim", [32, SCAN_BLOCK_CHANNELS * SCAN_DET_BLOCKS + 16])   # one group of blocks; two
-def test_scan_cuda_glue_in_deterministic_mode(seed, fake_ext, dim):
-    """Deterministic mode: the kernel gets tickets and per-group [dB | dC] partials; dB / dC are their sums."""
-    args = scan_case(F32, dim=dim)
+@pytest.mark.parametrize("dim,groups", [(16, 1), (48, 1), (64, 2)])   # one block; three; two groups of two
+def test_scan_cuda_glue_in_deterministic_mode(seed, fake_ext, dim, groups):
+    """Deterministic mode: the kernel gets one [dB | dC] slot per channel block; dB / dC are the sums over each B/C
+    group's blocks."""
+    args = scan_case(F32, dim=dim, groups=groups)
     out, saved = scan_mod._scan_fwd_cuda(*args)
     dout = torch.randn(out.shape)
     torch.use_deterministic_algorithms(True)
@@ -324,8 +329,9 @@ def test_scan_cuda_glue_in_deterministic_mode(seed, fake_ext, dim):
     for name, g, r in zip(["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"], got, ref):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    assert ("det", 1 if dim == 32 else 2) in fake_ext.calls
-    assert got[3].data_ptr() != got[4].data_ptr()   # dB and dC are separate tensors
+    assert ("det", dim // SCAN_BLOCK_CHANNELS) in fake_ext.calls
+    # dB and dC are separate tensors (a custom op's outputs must not share storage)
+    assert got[3].untyped_storage().data_ptr() != got[4].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("channel_last", [False, True])

@@ -2,7 +2,7 @@
 
 - The conv's dweight / dbias and the scan's dA / dD / ddelta_bias are per-block / per-row partials summed in a fixed
   order: bit-identical in every mode. The scan's dB / dC are summed over channel blocks with atomics by default and in
-  a fixed block order (tickets) under ``torch.use_deterministic_algorithms(True)``: bit-identical there.
+  a fixed order (each block stores its own sums, the caller adds them) under ``torch.use_deterministic_algorithms(True)``: bit-identical there.
 - The scan resets with a select: an inf state at the end of one sequence, or a NaN gradient in a later one, stays on
   its side of the boundary (the former multiply-by-zero made it NaN across).
 """
@@ -11,7 +11,7 @@ import torch
 
 import ops
 
-from ops.contract import SCAN_BLOCK_CHANNELS, SCAN_DET_BLOCKS
+from ops.contract import SCAN_BLOCK_CHANNELS
 
 from .test_cuda_kernels import GRAD_NAMES, check_scan, cuda_ops, lengths_mix, position_ids_for  # noqa: F401
 
@@ -90,10 +90,10 @@ def test_scan_deterministic_mode_bits_repeat(deterministic, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_scan_deterministic_mode_ragged_shapes(deterministic, cuda_ops, dtype):
-    """Deterministic mode where its ticket groups are ragged: 33 channel blocks (ticket groups of 16, 16 and 1),
-    three B/C groups of 11 blocks (the first ticket group spans two of them), odd L (16-bit rows then stage without
-    cp.async), dstate 12. Within tolerance of float64, and the same bits on 5 runs."""
-    dim = SCAN_BLOCK_CHANNELS * (2 * SCAN_DET_BLOCKS + 1)
+    """Deterministic mode on ragged shapes: 33 channel blocks in three B/C groups of 11 blocks (each group's block
+    slots summed on their own), odd L (16-bit rows then stage without cp.async), dstate 12. Within tolerance of
+    float64, and the same bits on 5 runs."""
+    dim = SCAN_BLOCK_CHANNELS * 33
     inputs, pos, _, softplus, _, _, dout, _ = check_scan(cuda_ops, 2, dim, 12, 333, dtype, ("mixed", "tiny"),
                                                          groups=3)
     u, delta, A, Bm, Cm, D, z, db = inputs

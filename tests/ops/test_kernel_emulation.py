@@ -315,12 +315,11 @@ class EmulatedExt:
                  ptr(z), ptr(delta_bias), ptr(pos), ptr(out), ptr(saved))
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
-                 dB, dC, dD, ddelta_bias, det_sem, det_part):
+                 dB, dC, dD, ddelta_bias, det_part):
         emu_call(self.so, "emu_scan_bwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
                  u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
                  ptr(z), ptr(delta_bias), ptr(pos), ptr(saved), ptr(dout), ptr(out_rec), ptr(du), ptr(ddelta), ptr(dz),
-                 ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_sem), ptr(det_part),
-                 0 if det_sem is None else det_sem.shape[1])
+                 ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_part))
 
 
     @staticmethod
@@ -357,7 +356,7 @@ def run_emulated_bwd(so, inputs, pos, softplus, saved, dout):
     dD = torch.full((batch, dim), nan) if D is not None else None
     ddb = torch.full((batch, dim), nan) if db is not None else None
     EmulatedExt(so).scan_bwd(u, delta, A, B, C, D, z, db, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
-                             dB, dC, dD, ddb, None, None)
+                             dB, dC, dD, ddb, None)
     grads = (du, ddelta, dA.sum(0), dB.to(B.dtype), dC.to(C.dtype), None if dD is None else dD.sum(0), dz,
              None if ddb is None else ddb.sum(0))
     return out_rec, grads
@@ -431,8 +430,8 @@ def test_misaligned_inputs_are_not_staged_with_cp_async(cuda_path_on_cpu, seed, 
 @pytest.mark.parametrize("groups,dim", [(2, 40), (2, 64), (1, 48)], ids=["20-per-group", "32-per-group", "one-group"])
 def test_cuda_path_on_emulated_kernels(cuda_path_on_cpu, seed, groups, dim):
     """The Python side of the CUDA path with the kernels' own code: group-by-group launches (groups that are not
-    whole blocks), B/C without a group dim, fp32 B/C with bf16 activations, and the deterministic mode (its ticket
-    chains and per-group partials: the same bits twice, and the default mode's values)."""
+    whole blocks), B/C without a group dim, fp32 B/C with bf16 activations, and the deterministic mode (its
+    per-block partials summed over each group's blocks: the same bits twice, and the default mode's values)."""
     ssi = cuda_path_on_cpu
     batch, dstate, L, dtype = 2, 16, 150, torch.bfloat16
     u = torch.randn(batch, dim, L).to(dtype)

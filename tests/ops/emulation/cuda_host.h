@@ -1,7 +1,7 @@
 // CUDA on the host, for running ops/csrc's kernels and launchers on a CPU (tests/ops/test_kernel_emulation.py).
 // Each .cu is compiled by the host C++ compiler after this header, with its launches `k<<<grid, block, ...>>>(args)`
 // rewritten to emu_launch(grid, block, [&] { k(args); }): the blocks run one at a time (so a static local is the
-// block's shared memory, and the deterministic mode's tickets come in block order), each block's threads as host
+// block's shared memory), each block's threads as host
 // threads that meet at __syncwarp / warp votes / __shfl_xor_sync (per warp of 32) and __syncthreads (per block)
 // through barriers. Accesses the GPU would fault on are counted: a cp.async whose address is not 4-byte aligned
 // here, a vector load or store at an address its type's alignment forbids by the alignment sanitizer the library is

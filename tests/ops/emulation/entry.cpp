@@ -39,18 +39,17 @@ extern "C" void emu_scan_fwd(int in_dtype, int w_f32, int batch, int dim, int se
   scan_fwd_launch(p, nullptr);
 }
 
-// deterministic mode when det_sem / det_part (zeros, scan_bwd's shapes) are given
+// deterministic mode when det_part (scan_bwd's shape) is given
 extern "C" void emu_scan_bwd(int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate, int n_groups,
                              int softplus, const void *u, const void *delta, const float *A, const void *B,
                              const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
                              float *saved, const void *dout, void *out_rec, void *du, void *ddelta, void *dz,
-                             float *dA, float *dB, float *dC, float *dD, float *ddelta_bias, int *det_sem,
-                             float *det_part, int det_groups) {
+                             float *dA, float *dB, float *dC, float *dD, float *ddelta_bias, float *det_part) {
   ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
                              z, delta_bias, pos, saved);
   p.dout = dout; p.out_rec = out_rec; p.du = du; p.ddelta = ddelta; p.dz = dz;
   p.dA = dA; p.dB = dB; p.dC = dC; p.dD = dD; p.ddelta_bias = ddelta_bias;
-  p.det_sem = det_sem; p.det_part = det_part; p.det_groups = det_groups;
+  p.det_part = det_part;
   scan_bwd_launch(p, nullptr);
 }
 
