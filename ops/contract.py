@@ -73,6 +73,11 @@ SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a 
 # the scan forward gives a channel the fewest threads (1, 2, 4 or 8) that still make at least this many warps per
 # multiprocessor (with fewer, one warp's chain of timesteps sets the time): ops/csrc/selective_scan.cu, scan_fwd_lanes
 SCAN_FWD_WARPS_PER_SM = 7
+# A packed row's sequences are independent: where a grid is too small to fill the GPU, the scan cuts each row at
+# sequence starts into segments that run side by side (scan_segments). The backward aims at this many blocks of 128
+# threads per multiprocessor (it runs 3 at a time), and no segment is planned shorter than SCAN_MIN_SEGMENT timesteps.
+SCAN_BWD_BLOCKS_PER_SM = 6
+SCAN_MIN_SEGMENT = 256
 
 # The ops' outputs follow their inputs' strides (the conv) and the CUDA implementations read raw pointers: a compiler
 # (inductor) must hand them their inputs with exactly the strides seen when tracing.
@@ -88,3 +93,28 @@ def scan_blocks(dim: int) -> int:
     """Channel blocks of ``SCAN_BLOCK_CHANNELS`` channels per batch row in the CUDA scan's backward (the second dim of
     the deterministic mode's ``det_part``: one [dB | dC] slot per block)."""
     return -(-dim // SCAN_BLOCK_CHANNELS)
+
+
+def scan_segments(units: int, seqlen: int, target: int) -> int:
+    """Segments (a power of two) each row of the scan is cut into: the fewest that make ``units`` (the grid's warps or
+    blocks for whole rows) times the segments reach ``target``, none planned shorter than ``SCAN_MIN_SEGMENT``.
+
+    Segment ``k`` of ``K`` runs from the first sequence start at or after ``k * seqlen / K`` to the next segment's
+    start (``ops/csrc/selective_scan.cu``, ``segment_bound``): rows with fewer, longer sequences get empty segments
+    and are no faster, but never wrong; the bits are those of one pass over the row."""
+    k = 1
+    while units * k < target and seqlen >= 2 * k * SCAN_MIN_SEGMENT:
+        k *= 2
+    return k
+
+
+def scan_fwd_segments(batch: int, dim: int, seqlen: int, sm_count: int) -> int:
+    """Segments of the forward: warps of one thread a channel (32 channels a warp) against
+    ``SCAN_FWD_WARPS_PER_SM`` warps per multiprocessor."""
+    return scan_segments(batch * -(-dim // 32), seqlen, SCAN_FWD_WARPS_PER_SM * sm_count)
+
+
+def scan_bwd_segments(batch: int, dim: int, seqlen: int, sm_count: int) -> int:
+    """Segments of the backward: blocks of ``SCAN_BLOCK_CHANNELS`` channels against ``SCAN_BWD_BLOCKS_PER_SM`` blocks
+    per multiprocessor. dA / dD / ddelta_bias come per (row, segment)."""
+    return scan_segments(batch * scan_blocks(dim), seqlen, SCAN_BWD_BLOCKS_PER_SM * sm_count)

@@ -27,6 +27,7 @@ implementation (``ops._cuda``), the fake implementation and the autograd formula
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -34,7 +35,8 @@ import torch.nn.functional as F
 
 from . import backends as _backends
 from .boundaries import resolve_position_ids, row_positions
-from .contract import OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_chunks
+from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
+                       scan_chunks, scan_fwd_segments)
 
 __all__ = ["packed_selective_scan", "selective_scan_ref", "linear_scan", "selective_scan_fwd", "selective_scan_bwd"]
 
@@ -283,6 +285,19 @@ def _bc(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of the GPU the kernels run on (how many segments a small grid gets: ops/contract.py); the
+    132 of an H100 / H200 for tensors elsewhere (the CPU tests of this glue)."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _group_slices(dim: int, n_groups: int):
     """A kernel block owns SCAN_BLOCK_CHANNELS channels that must share a group; otherwise the kernel runs group
     by group."""
@@ -311,7 +326,8 @@ def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus):
         out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
         saved = torch.empty(batch, dim, scan_chunks(seqlen), SCAN_LANES, device=u.device, dtype=torch.float32)
     if u.numel() > 0:
-        ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, saved)
+        segments = scan_fwd_segments(batch, dim, seqlen, _sm_count(u.device))
+        ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, saved, segments, 0)
     return out, saved
 
 
@@ -352,11 +368,13 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
         ddelta = torch.empty(u.shape, dtype=u.dtype, device=u.device)
         dz = torch.empty(u.shape, dtype=u.dtype, device=u.device) if z is not None else None
         out = torch.empty(u.shape, dtype=u.dtype, device=u.device) if recompute_out else None
-    batch, dim = u.shape[:2]
-    # dA / dD / ddelta_bias come per batch row and are summed here (no atomics: the same bits every run)
-    dA = torch.zeros((batch,) + tuple(A.shape), device=u.device, dtype=torch.float32)
-    dD = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if D is not None else None
-    ddb = torch.zeros(batch, dim, device=u.device, dtype=torch.float32) if delta_bias is not None else None
+    batch, dim, seqlen = u.shape
+    # dA / dD / ddelta_bias come per (batch row, segment) and are summed here (no atomics: the same bits every run)
+    segments = scan_bwd_segments(batch, dim, seqlen, _sm_count(u.device))
+    rows = batch * segments
+    dA = torch.zeros((rows,) + tuple(A.shape), device=u.device, dtype=torch.float32)
+    dD = torch.zeros(rows, dim, device=u.device, dtype=torch.float32) if D is not None else None
+    ddb = torch.zeros(rows, dim, device=u.device, dtype=torch.float32) if delta_bias is not None else None
     # dB / dC: added into zeros with float atomics (their last bits vary from run to run), or in deterministic mode
     # stored per channel block (the blocks of a B/C group are consecutive: _group_slices) and summed here over the
     # group's blocks in a fixed order. The slots cost 2 * dstate * seqlen floats per block of SCAN_BLOCK_CHANNELS
@@ -374,7 +392,7 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     if u.numel() > 0:
         # the kernel recomputes the forward output (it needs it for dz) and writes it to out when asked
         ext.scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), saved.contiguous(), dout, out,
-                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_part)
+                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_part, segments)
     if deterministic:
         n_groups = B.shape[1]
         slots = det_part.view(batch, n_groups, det_part.shape[1] // n_groups, 2, *det_part.shape[3:])

@@ -51,9 +51,14 @@ static po::ScanParams scan_params(const Tensor &u, const Tensor &delta, const Te
 }
 
 void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
-              bool softplus, Tensor out, Tensor saved) {
+              bool softplus, Tensor out, Tensor saved, int64_t segments, int64_t lanes) {
   c10::cuda::CUDAGuard guard(u.device());
+  TORCH_CHECK(segments >= 1 && segments <= 65535, "scan_fwd: segments must be in [1, 65535], got ", segments);
+  TORCH_CHECK(lanes == 0 || lanes == 1 || lanes == 2 || lanes == 4 || lanes == 8,
+              "scan_fwd: lanes must be 0 (chosen), 1, 2, 4 or 8, got ", lanes);
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
+  p.fwd_segments = segments;
+  p.fwd_lanes = lanes;
   p.out = out.data_ptr();
   p.saved = saved.data_ptr<float>();
   po::scan_fwd_launch(p, at::cuda::getCurrentCUDAStream());
@@ -62,9 +67,14 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
 
 void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
               bool softplus, Tensor saved, Tensor dout, OptT out_rec, Tensor du, Tensor ddelta, OptT dz, Tensor dA,
-              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_part) {
+              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_part, int64_t segments) {
   c10::cuda::CUDAGuard guard(u.device());
+  TORCH_CHECK(segments >= 1 && segments <= 65535 && dA.size(0) == u.size(0) * segments &&
+                  (!dD.has_value() || dD->size(0) == dA.size(0)) &&
+                  (!ddelta_bias.has_value() || ddelta_bias->size(0) == dA.size(0)),
+              "scan_bwd: dA / dD / ddelta_bias need batch * segments rows (segments = ", segments, ")");
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
+  p.bwd_segments = segments;
   p.saved = saved.data_ptr<float>();
   p.dout = dout.data_ptr();
   p.out_rec = ptr_or_null<void>(out_rec);

@@ -14,6 +14,9 @@ struct ScanParams {
   int batch, dim, seqlen, dstate, n_groups, dim_per_group, nchunks;
   int sm_count;     // the GPU's multiprocessors: the forward's layout depends on how many warps fill them
   int fwd_lanes;    // threads a channel in the forward (1, 2, 4, 8); 0 (what the binding passes): scan_fwd_lanes
+  // segments a row is cut into at sequence starts, run side by side (grid z; 0 or 1: none), chosen by the caller
+  // (ops/contract.py, scan_segments); the backward writes dA / dD / ddelta_bias per (row, segment)
+  int fwd_segments, bwd_segments;
   bool softplus;
   int in_dtype;     // u, delta, z, dout, out, du, ddelta, dz
   bool w_f32;       // B, C are float32 (else in_dtype)
@@ -29,7 +32,8 @@ struct ScanParams {
                                      // recomputes it for dz anyway; a caller that needs it then need not keep it)
   void *du, *ddelta, *dz;
   float *dB, *dC;                    // fp32 accumulators (batch, n_groups, dstate, seqlen), zeroed by the caller
-  float *dA, *dD, *ddelta_bias;      // fp32 per batch row: (batch, dim, dstate), (batch, dim); the caller sums rows
+  float *dA, *dD, *ddelta_bias;      // fp32 per (batch row, segment): (batch * bwd_segments, dim, dstate),
+                                     // (batch * bwd_segments, dim); the caller sums them
   // deterministic mode (else null: atomics for dB / dC): each channel block stores its own [dB | dC] sums, which the
   // caller adds in a fixed order (no float atomics: the same bits every run)
   float *det_part;                   // (batch, blocks, 2, dstate, seqlen) fp32, written in full; blocks = the grid's x

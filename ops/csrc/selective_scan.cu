@@ -111,6 +111,31 @@ __device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
   reduce_scatter_level<1>(v, lane8);
 }
 
+// ---- segments: a packed row's sequences are independent, so a row can be cut at sequence starts into segments that
+// run side by side (grid z), each from a zero state, with the same bits as one pass over the row (the state at a
+// start is dropped by scan_step's select either way). Segment k of K is [bound(k), bound(k + 1)): bound(0) = 0,
+// bound(K) = L, else the first sequence start (position id 0) at or after k L / K; a stretch with no start in it
+// stays in one segment (its later segments are empty). Used where a grid has too few warps to fill the GPU.
+constexpr int kSearchLoads = 8;   // position ids a lane reads per round trip of the search (8 x 32 timesteps)
+__device__ __forceinline__ int segment_bound(const int *pos, int k, int K, int L, int lane) {
+  if (k <= 0) return 0;
+  if (k >= K) return L;
+  for (int t = (int)((int64_t)k * L / K); t < L; t += 32 * kSearchLoads) {
+    int v[kSearchLoads];
+#pragma unroll
+    for (int i = 0; i < kSearchLoads; ++i) {
+      const int ti = t + 32 * i + lane;
+      v[i] = ti < L ? pos[ti] : 1;
+    }
+#pragma unroll
+    for (int i = 0; i < kSearchLoads; ++i) {
+      const unsigned m = __ballot_sync(0xffffffffu, v[i] == 0);
+      if (m) return t + 32 * i + __ffs(m) - 1;
+    }
+  }
+  return L;
+}
+
 // The forward: kP threads a channel (kP = 1, 2, 4 or 8, chosen per launch: fwd_lanes), each carrying kS = 16 / kP
 // of its states (lane sub of the channel: states sub, sub + kP, sub + 2 kP, ...), a warp the 32 / kP channels of one
 // block. With kP = 1 what belongs to a (channel, timestep) (the softplus, dt * u, the D skip, silu(z), the output)
@@ -195,13 +220,14 @@ __device__ __forceinline__ void load_run(Run<T, kN> &r, const T *row, int t0, in
     for (int j = 0; j < kN; ++j) r.v[j] = (ok && t0 + j < L) ? row[t0 + j] : from_f<T>(0.f);
   }
 }
+// ... stored where lo <= t < hi (a segment's timesteps)
 template <bool kVec, typename T, int kN>
-__device__ __forceinline__ void store_run(T *row, const Run<T, kN> &r, int t0, int L, bool ok) {
-  if (kVec && ok && t0 + kN <= L) {
+__device__ __forceinline__ void store_run(T *row, const Run<T, kN> &r, int t0, int lo, int hi, bool ok) {
+  if (kVec && ok && t0 >= lo && t0 + kN <= hi) {
     copy_vec<kN * sizeof(T)>(row + t0, r.v);
   } else {
 #pragma unroll
-    for (int j = 0; j < kN; ++j) if (ok && t0 + j < L) row[t0 + j] = r.v[j];
+    for (int j = 0; j < kN; ++j) if (ok && t0 + j >= lo && t0 + j < hi) row[t0 + j] = r.v[j];
   }
 }
 
@@ -249,6 +275,11 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   const int d0 = blockIdx.x * kCh;
   const int d = d0 + ch;
   const int L = p.seqlen;
+  const int *pos = p.pos + (int64_t)b * L;
+  // this warp's segment of the row (grid z): timesteps [seg_lo, seg_hi), from the run holding seg_lo
+  const int seg_lo = segment_bound(pos, blockIdx.z, gridDim.z, L, lane);
+  const int seg_hi = segment_bound(pos, blockIdx.z + 1, gridDim.z, L, lane);
+  if (seg_lo >= seg_hi) return;   // warp-uniform: an empty segment
   const bool d_ok = d < p.dim;
   const int grp_lo = d0 / p.dim_per_group;
   const int grp_hi = Lay::kHalves == 2 ? min(d0 + 16, p.dim - 1) / p.dim_per_group : grp_lo;
@@ -273,7 +304,6 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   const w_t *Bp = reinterpret_cast<const w_t *>(p.B) + ((int64_t)b * p.n_groups + grp_lo) * p.dstate * L;
   const w_t *Cp = reinterpret_cast<const w_t *>(p.C) + ((int64_t)b * p.n_groups + grp_lo) * p.dstate * L;
   const int64_t hi_off = (int64_t)(grp_hi - grp_lo) * p.dstate * L;
-  const int *pos = p.pos + (int64_t)b * L;
   float *saved = p.saved + ((int64_t)b * p.dim + d) * p.nchunks * kLanes;
 
   float h[kS];
@@ -314,7 +344,7 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     }
     const unsigned starts = __ballot_sync(0xffffffffu, cur.pos == 0);   // bit j: timestep t0 + j starts a sequence
     __syncwarp();   // bc and pre written
-    if (t0 + kFwdRun < L) load(cur, t0 + kFwdRun);   // cur is consumed: it takes the next run
+    if (t0 + kFwdRun < seg_hi) load(cur, t0 + kFwdRun);   // cur is consumed: it takes the next run
     // the recurrence over the run's timesteps. With 8 or 16 states a thread the loop stays rolled (unrolled, the
     // compiler would hoist every timestep's exponentials and run out of registers); with 2 or 4 (few channels, where
     // a warp's latency sets the time) it is unrolled, and the sums across the channel's lanes wait for the run's
@@ -366,9 +396,10 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     Run<in_t, kR> o;
 #pragma unroll
     for (int k = 0; k < kR; ++k) o.v[k] = from_f<in_t>(outv[sub * kR + k][ch]);
-    store_run<kVec>(out, o, t0 + sub * kR, L, d_ok);
-    const int t_end = t0 + kFwdRun;
-    if (d_ok && (t_end % kChunk == 0 || t_end >= L)) {   // the state at the end of chunk t0 / 64
+    store_run<kVec>(out, o, t0 + sub * kR, seg_lo, seg_hi, d_ok);
+    const int t_end = t0 + kFwdRun, t_last = min(t_end, L) - 1;
+    // the state at the end of chunk t0 / 64, by the segment that holds the chunk's last timestep
+    if (d_ok && (t_end % kChunk == 0 || t_end >= L) && t_last >= seg_lo && t_last < seg_hi) {
       float *sv = saved + (t0 / kChunk) * kLanes;
       if constexpr (kVec && kP == 1) {
 #pragma unroll
@@ -381,9 +412,12 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     }
   };
 
+  // timesteps of the first run before seg_lo belong to the segment before: computed (from a zero state, dropped at
+  // seg_lo, a sequence start) but not stored; so are those of the last run from seg_hi on
+  const int t_first = seg_lo - seg_lo % kFwdRun;
   In buf;
-  load(buf, 0);
-  for (int t0 = 0; t0 < L; t0 += kFwdRun) run(t0, buf);
+  load(buf, t_first);
+  for (int t0 = t_first; t0 < seg_hi; t0 += kFwdRun) run(t0, buf);
 }
 
 // The backward: a thread carries two states of one channel (n and n + 8), 8 threads a channel, 128 threads the
@@ -439,6 +473,14 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   const int d0 = blockIdx.x * kDB;
   const int d = d0 + dl;
   const int L = p.seqlen;
+  const int *pos = p.pos + (int64_t)b * L;
+  // this block's segment of the row (grid z), [seg_lo, seg_hi): its chunks, walked in reverse, see every other
+  // timestep as padding (no input, no output, the state and the adjoint dropped), so nothing crosses seg_lo (a
+  // sequence start: the adjoint it hands back is dropped anyway) or seg_hi (the next segment's start)
+  const int seg_lo = segment_bound(pos, blockIdx.z, gridDim.z, L, lane);
+  const int seg_hi = segment_bound(pos, blockIdx.z + 1, gridDim.z, L, lane);
+  if (seg_lo >= seg_hi) return;   // block-uniform: an empty segment (its dA / dD / ddelta_bias rows stay zero)
+  const int c_lo = seg_lo / kChunk, c_hi = (seg_hi - 1) / kChunk;
   const bool d_ok = d < p.dim;
   const int grp = d0 / p.dim_per_group;
   const float Aa = (d_ok && n < p.dstate) ? p.A[(int64_t)d * p.dstate + n] : 0.f;
@@ -458,7 +500,6 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   float *dCp = p.dC + bc_off;
   // deterministic mode: this block's [dB | dC] (2, dstate, L), stored (every element, once), not added
   float *det_slot = p.det_part ? p.det_part + ((int64_t)b * gridDim.x + blockIdx.x) * 2 * p.dstate * L : nullptr;
-  const int *pos = p.pos + (int64_t)b * L;
   in_t *du = reinterpret_cast<in_t *>(p.du) + row;
   in_t *ddelta = reinterpret_cast<in_t *>(p.ddelta) + row;
   in_t *dz = kHasZ ? reinterpret_cast<in_t *>(p.dz) + row : nullptr;
@@ -481,9 +522,9 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
     stage_pos<kAsync>(raw.pos, pos, t0, L, tid);
     if constexpr (kAsync) cp_async_commit();
   };
-  stage((p.nchunks - 1) * kChunk);
+  stage(c_hi * kChunk);
 
-  for (int c = p.nchunks - 1; c >= 0; --c) {
+  for (int c = c_hi; c >= c_lo; --c) {
     const int t0 = c * kChunk;
     float dAa_chunk = 0.f, dAb_chunk = 0.f, dD_chunk = 0.f, dbias_chunk = 0.f;
     if constexpr (kAsync) cp_async_wait_all();
@@ -491,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
     for (int i = tid; i < kDB * kChunk; i += kThreads) {
       const int dd = i / kChunk, tt = i % kChunk, dg = d0 + dd, t = t0 + tt;
       float dtv = 0.f, uv = 0.f, dyv = 0.f, sg = 0.f, gzv = 0.f, zsv = 0.f;
-      if (dg < p.dim && t < L) {
+      if (dg < p.dim && t >= seg_lo && t < seg_hi) {
         uv = to_f(raw.in[0][dd][tt]);
         dtv = to_f(raw.in[1][dd][tt]);
         if (p.delta_bias) dtv += p.delta_bias[dg];
@@ -515,14 +556,17 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
     for (int i = tid; i < kLanes * kChunk; i += kThreads) {
       const int nn = i / kChunk, tt = i % kChunk, t = t0 + tt;
       float bv = 0.f, cv = 0.f;
-      if (nn < p.dstate && t < L) { bv = to_f(raw.bc[0][nn][tt]); cv = to_f(raw.bc[1][nn][tt]); }
+      if (nn < p.dstate && t >= seg_lo && t < seg_hi) { bv = to_f(raw.bc[0][nn][tt]); cv = to_f(raw.bc[1][nn][tt]); }
       float *slot = reinterpret_cast<float *>(&sm.BC[tt][nn & 7]) + (nn >> 3) * 2;
       slot[0] = bv;
       slot[1] = cv;
     }
-    if (tid < kChunk) sm.sig_m[tid][kDB] = (t0 + tid < L && raw.pos[tid] == 0) ? 0.f : 1.f;
+    if (tid < kChunk) {   // keep the state: not at a sequence start, nor outside the segment
+      const int t = t0 + tid;
+      sm.sig_m[tid][kDB] = (t < seg_lo || t >= seg_hi || raw.pos[tid] == 0) ? 0.f : 1.f;
+    }
     __syncthreads();
-    if (c > 0) stage(t0 - kChunk);   // overlaps with this chunk's backward
+    if (c > c_lo) stage(t0 - kChunk);   // overlaps with this chunk's backward
 
     // states at the start of every sub-chunk
     float hsa[kNSub] = {}, hsb[kNSub] = {};
@@ -556,7 +600,7 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int tt = s * kSub + 2 * n + r, t = t0 + tt;
-            if (d_ok && t < L) {
+            if (d_ok && t >= seg_lo && t < seg_hi) {
               const float o = p.D ? __fadd_rn(yv[r], __fmul_rn(Dd, sm.dy_u[tt][dl].y)) : yv[r];
               if (kHasZ) dz[(int64_t)d * L + t] = from_f<in_t>(o * sm.gz[tt][dl]);
               if (out_rec) out_rec[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
@@ -630,7 +674,7 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
         const float2 dyu = sm.dy_u[tt][dl];
         const float duf = fmaf(sm.dt_dtu[tt][dl].x, gsum[r], dyu.x * Dd);
         const float ddf = fmaf(dyu.y, gsum[r], gasum[r]) * sm.sig_m[tt][dl];
-        if (d_ok && t < L) {
+        if (d_ok && t >= seg_lo && t < seg_hi) {
           const int64_t off = (int64_t)d * L + t;
           du[off] = from_f<in_t>(duf);
           ddelta[off] = from_f<in_t>(ddf);
@@ -648,7 +692,7 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) v += red[w][rk][rn][sj];
         const int state = rn + 8 * (rk & 1), t = t0 + s * kSub + rj;
-        if (state < p.dstate && t < L) {
+        if (state < p.dstate && t >= seg_lo && t < seg_hi) {
           if (det_slot) det_slot[((int64_t)(rk >> 1) * p.dstate + state) * L + t] = v;
           else atomicAdd((rk >> 1 ? dCp : dBp) + (int64_t)state * L + t, v);
         }
@@ -659,17 +703,18 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
     dD_acc += dD_chunk;
     dbias_acc += dbias_chunk;
   }
-  // per batch row: the caller sums the rows (no atomics: the same bits every run)
-  if (d_ok && n < p.dstate) p.dA[((int64_t)b * p.dim + d) * p.dstate + n] = dAa_acc;
-  if (d_ok && n + 8 < p.dstate) p.dA[((int64_t)b * p.dim + d) * p.dstate + n + 8] = dAb_acc;
+  // per (batch row, segment): the caller sums them (no atomics: the same bits every run)
+  const int64_t prow = (int64_t)b * gridDim.z + blockIdx.z;
+  if (d_ok && n < p.dstate) p.dA[(prow * p.dim + d) * p.dstate + n] = dAa_acc;
+  if (d_ok && n + 8 < p.dstate) p.dA[(prow * p.dim + d) * p.dstate + n + 8] = dAb_acc;
 #pragma unroll
   for (int o = 4; o >= 1; o >>= 1) {
     dD_acc += __shfl_xor_sync(0xffffffffu, dD_acc, o);
     dbias_acc += __shfl_xor_sync(0xffffffffu, dbias_acc, o);
   }
   if (d_ok && n == 0) {
-    if (p.dD) p.dD[(int64_t)b * p.dim + d] = dD_acc;
-    if (p.ddelta_bias) p.ddelta_bias[(int64_t)b * p.dim + d] = dbias_acc;
+    if (p.dD) p.dD[prow * p.dim + d] = dD_acc;
+    if (p.ddelta_bias) p.ddelta_bias[prow * p.dim + d] = dbias_acc;
   }
 }
 
@@ -695,7 +740,7 @@ bool fwd_vectorized(const ScanParams &p) {
 template <typename in_t, typename w_t, int kP>
 void fwd_launch_lanes(const ScanParams &p, cudaStream_t st) {
   constexpr int kCh = FwdLayout<kP>::kCh;
-  const dim3 grid((p.dim + kCh - 1) / kCh, p.batch);
+  const dim3 grid((p.dim + kCh - 1) / kCh, p.batch, max(1, p.fwd_segments));
   bool_switch(p.z != nullptr, [&](auto has_z) {
     bool_switch(fwd_vectorized<in_t, w_t>(p), [&](auto vec) {
       scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(vec)::value, kP><<<grid, 32, 0, st>>>(p);
@@ -715,7 +760,7 @@ void fwd_launch(const ScanParams &p, cudaStream_t st) {
 
 template <typename in_t, typename w_t>
 void bwd_launch(const ScanParams &p, cudaStream_t st) {
-  const dim3 grid((p.dim + kDB - 1) / kDB, p.batch);
+  const dim3 grid((p.dim + kDB - 1) / kDB, p.batch, max(1, p.bwd_segments));
   const int smem = sizeof(BwdSmem<in_t, w_t>);
   bool_switch(p.z != nullptr, [&](auto has_z) {
     bool_switch(use_async<in_t, w_t>(p), [&](auto async) {

@@ -20,7 +20,7 @@ from ops import backends
 from ops import conv1d_interface as conv_mod
 from ops import selective_scan_interface as scan_mod
 from ops.backends import KernelUnsupportedError, get_backend, implementation, set_backend, use_backend
-from ops.contract import MAX_DSTATE, SCAN_LANES, scan_chunks
+from ops.contract import MAX_DSTATE, SCAN_LANES, scan_bwd_segments, scan_chunks, scan_fwd_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_ONLY = not torch.cuda.is_available()
@@ -179,9 +179,11 @@ class FakeExt:
         assert groups == 1 or (u.shape[1] // groups) % 16 == 0, "a 16-channel block must not straddle groups"
         assert pos.dtype == torch.int32 and pos.is_contiguous() and pos.shape == (u.shape[0], u.shape[2])
 
-    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved):
+    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved, segments, lanes):
         self._check_scan(u, delta, A, B, C, D, z, delta_bias, pos)
         self.calls.append(("scan_fwd", u.shape[1], B.shape[1]))
+        # segments as ops/contract.py plans them for the GPU (132 multiprocessors off CUDA); the layout is the kernel's
+        assert segments == scan_fwd_segments(u.shape[0], u.shape[1], u.shape[2], 132) and lanes == 0
         assert out.shape == u.shape and out.dtype == u.dtype and out.is_contiguous()
         assert saved.shape == (u.shape[0], u.shape[1], scan_chunks(u.shape[2]), SCAN_LANES) and saved.dtype == F32
         o, s = scan_mod._scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus)
@@ -189,14 +191,16 @@ class FakeExt:
         saved.copy_(s)
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz,
-                 dA, dB, dC, dD, ddb, det_part):
+                 dA, dB, dC, dD, ddb, det_part, segments):
         self._check_scan(u, delta, A, B, C, D, z, delta_bias, pos)
         self.calls.append(("scan_bwd", u.shape[1], B.shape[1]))
         batch, dim = u.shape[:2]
+        assert segments == scan_bwd_segments(batch, dim, u.shape[2], 132)
         assert dout.dtype == u.dtype and dout.is_contiguous() and saved.is_contiguous()
-        assert dA.dtype == F32 and dA.shape == (batch,) + tuple(A.shape)
-        # dA / dD / ddelta_bias: one row of partials per batch row, summed by the caller
-        assert all(t.shape == (batch, dim) and t.dtype == F32 for t in (dD, ddb) if t is not None)
+        rows = batch * segments
+        assert dA.dtype == F32 and dA.shape == (rows,) + tuple(A.shape)
+        # dA / dD / ddelta_bias: one row of partials per (batch row, segment), summed by the caller
+        assert all(t.shape == (rows, dim) and t.dtype == F32 for t in (dD, ddb) if t is not None)
         assert all(float(t.abs().sum()) == 0 for t in (dA, dD, ddb) if t is not None), "zeroed"
         # deterministic mode hands the kernel one [dB | dC] slot per channel block (to be written in full), which the
         # caller sums over each B/C group's blocks; otherwise zeroed dB / dC to add into

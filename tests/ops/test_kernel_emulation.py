@@ -173,14 +173,14 @@ def ptr(t):
     return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
 
-def run_emulated(so, u, delta, A, B, C, D, z, delta_bias, pos, softplus):
+def run_emulated(so, u, delta, A, B, C, D, z, delta_bias, pos, softplus, segments=1):
     batch, dim, L = u.shape
     groups, dstate = B.shape[1], B.shape[2]
     out = torch.full_like(u, float("nan"))
     saved = torch.full((batch, dim, -(-L // SCAN_CHUNK), SCAN_LANES), float("nan"))
     emu_call(so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), batch, dim, L, dstate, groups,
              int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z), ptr(delta_bias), ptr(pos),
-             ptr(out), ptr(saved))
+             ptr(out), ptr(saved), segments, 0)
     return out, saved
 
 
@@ -309,17 +309,21 @@ class EmulatedExt:
     def __init__(self, so):
         self.so = so
 
-    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved):
+    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved, segments, lanes):
+        assert segments >= 1 and lanes in (0, 1, 2, 4, 8)
         emu_call(self.so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
                  u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
-                 ptr(z), ptr(delta_bias), ptr(pos), ptr(out), ptr(saved))
+                 ptr(z), ptr(delta_bias), ptr(pos), ptr(out), ptr(saved), segments, lanes)
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
-                 dB, dC, dD, ddelta_bias, det_part):
+                 dB, dC, dD, ddelta_bias, det_part, segments):
+        # binding.cpp's check: the per-(row, segment) sums have batch * segments rows
+        assert dA.shape[0] == u.shape[0] * segments and all(t is None or t.shape[0] == dA.shape[0]
+                                                             for t in (dD, ddelta_bias))
         emu_call(self.so, "emu_scan_bwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
                  u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
                  ptr(z), ptr(delta_bias), ptr(pos), ptr(saved), ptr(dout), ptr(out_rec), ptr(du), ptr(ddelta), ptr(dz),
-                 ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_part))
+                 ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_part), segments)
 
 
     @staticmethod
@@ -344,19 +348,21 @@ class EmulatedExt:
                         ptr(dw_part))
 
 
-def run_emulated_bwd(so, inputs, pos, softplus, saved, dout):
+def run_emulated_bwd(so, inputs, pos, softplus, saved, dout, segments=1):
     u, delta, A, B, C, D, z, db = inputs
     batch, dim, L = u.shape
     groups, dstate = B.shape[1], B.shape[2]
     nan = float("nan")
     out_rec, du, ddelta = torch.full_like(u, nan), torch.full_like(u, nan), torch.full_like(u, nan)
     dz = torch.full_like(u, nan) if z is not None else None
-    dA = torch.full((batch, dim, dstate), nan)
+    # an empty segment writes nothing: its rows must start at zero (as ops.selective_scan_interface allocates them)
+    rows = batch * segments
+    dA = torch.full((rows, dim, dstate), nan) if segments == 1 else torch.zeros(rows, dim, dstate)
     dB, dC = torch.zeros(batch, groups, dstate, L), torch.zeros(batch, groups, dstate, L)
-    dD = torch.full((batch, dim), nan) if D is not None else None
-    ddb = torch.full((batch, dim), nan) if db is not None else None
+    dD = (torch.full((rows, dim), nan) if segments == 1 else torch.zeros(rows, dim)) if D is not None else None
+    ddb = (torch.full((rows, dim), nan) if segments == 1 else torch.zeros(rows, dim)) if db is not None else None
     EmulatedExt(so).scan_bwd(u, delta, A, B, C, D, z, db, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
-                             dB, dC, dD, ddb, None)
+                             dB, dC, dD, ddb, None, segments)
     grads = (du, ddelta, dA.sum(0), dB.to(B.dtype), dC.to(C.dtype), None if dD is None else dD.sum(0), dz,
              None if ddb is None else ddb.sum(0))
     return out_rec, grads
@@ -455,6 +461,150 @@ def test_cuda_path_on_emulated_kernels(cuda_path_on_cpu, seed, groups, dim):
     for name, a, b, c in zip(GRAD_NAMES + ["out"], default, det[0], det[1]):
         assert torch.equal(b, c), name
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# segments: a row cut at sequence starts into segments run side by side (ops/contract.py, scan_segments)
+
+def segment_bounds_twin(pos_row: list, segments: int) -> list:
+    """selective_scan.cu's segment_bound in Python: segment k of K starts at the first sequence start at or after
+    k L / K (0 for the first; L where there is none) and ends where the next one starts."""
+    L = len(pos_row)
+
+    def bound(k):
+        if k <= 0:
+            return 0
+        if k >= segments:
+            return L
+        return next((t for t in range(k * L // segments, L) if pos_row[t] == 0), L)
+
+    return [(bound(k), bound(k + 1)) for k in range(segments)]
+
+
+def segment_rows(L: int) -> list:
+    """Rows that put sequence starts on, just before and just after the places a row is cut (L / K), one long
+    sequence (later segments empty), padding, length 1 and runs of length-1 sequences."""
+    quarter = L // 4
+    return [
+        lengths_mix(L, "mixed"),
+        [L],                                            # one sequence: one segment does it all
+        [quarter, quarter - 1, 1, L - 2 * quarter],     # starts on a cut, one before a cut, one after it
+        lengths_mix(L, "tiny"),
+        [3, L - 3],                                     # a cut inside a long sequence: the next segments are empty
+        lengths_mix(L, "padded"),
+    ]
+
+
+@pytest.mark.parametrize("lanes", [1, 8], ids=lambda k: f"lanes{k}")
+@pytest.mark.parametrize("segments", [2, 3, 8], ids=lambda k: f"seg{k}")
+@pytest.mark.parametrize("dtype,L", [(torch.float32, 203), (torch.bfloat16, 256)], ids=["fp32-L203", "bf16-L256"])
+def test_emulated_segments_give_the_bits_of_one_pass(emulator, seed, lanes, segments, dtype, L):
+    """Cut at sequence starts into segments that run side by side, the forward gives one pass's output and saved
+    states bit for bit, and so does the backward for everything per timestep (du, ddelta, dz, the recomputed output,
+    dB / dC); dA / dD / ddelta_bias, summed per segment, match float64. Rows: starts on and beside the cuts, one long
+    sequence (later segments empty), length 1, padding; L not a multiple of the runs (8) or chunks (64)."""
+    dim, dstate = 40, 16
+    rows = segment_rows(L)
+    batch = len(rows)
+    pos = position_ids_for(rows, "cpu").int().contiguous()
+    for r in range(batch):   # the twin's cuts fall where the rows were built to put them
+        bounds = segment_bounds_twin(pos[r].tolist(), segments)
+        assert bounds[0][0] == 0 and bounds[-1][1] == L
+        assert all(a[1] == b[0] for a, b in zip(bounds[:-1], bounds[1:]))
+        assert all(lo == hi or pos[r, lo] == 0 for lo, hi in bounds)
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, 1, dstate, L).to(dtype), torch.randn(batch, 1, dstate, L).to(dtype)
+    z = torch.randn(batch, dim, L).to(dtype)
+    inputs = (u, delta, A, B, C, torch.randn(dim), z, 0.5 * torch.randn(dim))
+    emulator.emu_set_fwd_lanes(lanes)
+    try:
+        out1, saved1 = run_emulated(emulator, *inputs, pos, True)
+        out, saved = run_emulated(emulator, *inputs, pos, True, segments=segments)
+    finally:
+        emulator.emu_set_fwd_lanes(0)
+    assert torch.equal(out, out1) and torch.equal(saved, saved1)
+    dout = torch.randn_like(out)
+    rec1, grads1 = run_emulated_bwd(emulator, inputs, pos, True, saved1, dout)
+    rec, grads = run_emulated_bwd(emulator, inputs, pos, True, saved, dout, segments=segments)
+    assert torch.equal(rec, out1)
+    _, _, ref_grads = scan_ref_grads(inputs, pos, True, dout)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-3}[dtype]
+    for name, g, g1, rg in zip(GRAD_NAMES, grads, grads1, ref_grads):
+        if name in ("du", "ddelta", "dz"):
+            assert torch.equal(g, g1), name
+        elif name in ("dB", "dC"):   # float atomics over the channel blocks: any order
+            torch.testing.assert_close(g, g1, rtol=1e-5, atol=1e-5, msg=name)
+        assert not g.isnan().any(), name
+        assert kernel_err(g, rg) <= tol, (name, kernel_err(g, rg))
+
+
+def test_emulated_segments_keep_inf_in_its_sequence(emulator):
+    """An inf in one sequence stays there when the row runs as segments: a segment starting after it, or computing
+    the tail of the sequence before its own start, sees none of it (forward and backward)."""
+    batch, dim, dstate, L = 1, 32, 16, 128
+    rows = [[40, 30, 58]]
+    pos = position_ids_for(rows, "cpu").int().contiguous()
+    u = torch.randn(batch, dim, L)
+    u[..., 20] = float("inf")   # in the first sequence, [0, 40)
+    delta = 0.5 * torch.randn(batch, dim, L) - 1.0
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, 1, dstate, L), torch.randn(batch, 1, dstate, L)
+    inputs = (u, delta, A, B, C, torch.randn(dim), None, 0.5 * torch.randn(dim))
+    for segments in (2, 4):   # cuts at 64 (inside the third sequence) and at 32, 64, 96
+        out, saved = run_emulated(emulator, *inputs, pos, True, segments=segments)
+        assert torch.isfinite(out[..., 40:]).all(), segments
+        dout = torch.randn_like(out)
+        _, grads = run_emulated_bwd(emulator, inputs, pos, True, saved, dout, segments=segments)
+        du, ddelta, dB = grads[0], grads[1], grads[3]
+        assert torch.isfinite(du[..., 40:]).all() and torch.isfinite(ddelta[..., 40:]).all(), segments
+        assert torch.isfinite(dB[..., 40:]).all(), segments
+
+
+def test_cuda_path_plans_segments_and_sums_their_rows(cuda_path_on_cpu, monkeypatch, seed):
+    """The Python side with segments planned (as on a GPU with few channels): dA / dD / ddelta_bias come in
+    batch x segments rows and are summed, the deterministic mode too; the results are those of one pass."""
+    ssi = cuda_path_on_cpu
+    batch, dim, dstate, L, dtype = 2, 32, 16, 160, torch.float32
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, dstate, L), torch.randn(batch, dstate, L)
+    D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
+    pos = position_ids_for([lengths_mix(L, "mixed"), lengths_mix(L, "tiny")], "cpu")
+    dout = torch.randn(batch, dim, L).to(dtype)
+    out1, saved1 = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    one = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved1, dout, True)
+    monkeypatch.setattr(ssi, "scan_fwd_segments", lambda *a: 4)
+    monkeypatch.setattr(ssi, "scan_bwd_segments", lambda *a: 3)
+    out, saved = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    assert torch.equal(out, out1) and torch.equal(saved, saved1)
+    cut = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        det = [ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b, c, d in zip(GRAD_NAMES + ["out"], one, cut, det[0], det[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+        assert torch.equal(c, d), name
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_scan_segment_plan():
+    """ops.contract's plan: no segments where the grid fills the GPU; powers of two up to the warps (forward) or
+    blocks (backward) it aims at, none planned shorter than SCAN_MIN_SEGMENT."""
+    from ops.contract import SCAN_MIN_SEGMENT, scan_bwd_segments, scan_fwd_segments
+
+    assert scan_fwd_segments(8, 4096, 4096, 132) == 1 and scan_bwd_segments(8, 4096, 4096, 132) == 1
+    assert scan_fwd_segments(2, 5120, 4096, 132) == 4        # 320 warps -> 1280 against 924
+    assert scan_bwd_segments(2, 5120, 4096, 132) == 2        # 640 blocks -> 1280 against 792
+    assert scan_fwd_segments(1, 1024, 2048, 132) == 8        # capped: 8 segments of 256
+    assert scan_fwd_segments(1, 1024, 300, 132) == 1         # too short to cut
+    for batch, dim, L in ((1, 32, 4096), (2, 768, 1024), (4, 1536, 2048), (3, 2560, 511)):
+        for k in (scan_fwd_segments(batch, dim, L, 132), scan_bwd_segments(batch, dim, L, 132)):
+            assert k & (k - 1) == 0 and (k == 1 or L // k >= SCAN_MIN_SEGMENT)
 
 
 # ---------------------------------------------------------------------------------------------------------------

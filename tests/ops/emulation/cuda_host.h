@@ -119,6 +119,7 @@ inline T __ldg(const T *p) { return *p; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __expf(float x) { return std::exp(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 using std::max;
 using std::min;
 

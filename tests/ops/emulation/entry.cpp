@@ -32,24 +32,29 @@ static ScanParams scan_params(int in_dtype, int w_f32, int batch, int dim, int s
 extern "C" void emu_scan_fwd(int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate, int n_groups,
                              int softplus, const void *u, const void *delta, const float *A, const void *B,
                              const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
-                             void *out, float *saved) {
+                             void *out, float *saved, int segments, int lanes) {
   ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
                              z, delta_bias, pos, saved);
+  p.fwd_segments = segments;
+  if (lanes) p.fwd_lanes = lanes;
   p.out = out;
   scan_fwd_launch(p, nullptr);
 }
 
-// deterministic mode when det_part (scan_bwd's shape) is given
+// deterministic mode when det_part (scan_bwd's shape) is given; segments as binding.cpp's scan_fwd / scan_bwd take
+// them (a row cut at sequence starts into that many segments, run side by side)
 extern "C" void emu_scan_bwd(int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate, int n_groups,
                              int softplus, const void *u, const void *delta, const float *A, const void *B,
                              const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
                              float *saved, const void *dout, void *out_rec, void *du, void *ddelta, void *dz,
-                             float *dA, float *dB, float *dC, float *dD, float *ddelta_bias, float *det_part) {
+                             float *dA, float *dB, float *dC, float *dD, float *ddelta_bias, float *det_part,
+                             int segments) {
   ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
                              z, delta_bias, pos, saved);
   p.dout = dout; p.out_rec = out_rec; p.du = du; p.ddelta = ddelta; p.dz = dz;
   p.dA = dA; p.dB = dB; p.dC = dC; p.dD = dD; p.ddelta_bias = ddelta_bias;
   p.det_part = det_part;
+  p.bwd_segments = segments;   // dA / dD / ddelta_bias: batch * segments rows
   scan_bwd_launch(p, nullptr);
 }
 
