@@ -72,6 +72,7 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # activation dt
 SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a B/C group (else: group by group)
 # the scan forward gives a channel the fewest threads (1, 2, 4 or 8) that still make at least this many warps per
 # multiprocessor (with fewer, one warp's chain of timesteps sets the time): ops/csrc/selective_scan.cu, scan_fwd_lanes
+# (a row cut into segments counts as two rows there)
 SCAN_FWD_WARPS_PER_SM = 7
 # A packed row's sequences are independent: where a grid is too small to fill the GPU, the scan cuts each row at
 # sequence starts into segments that run side by side (scan_segments). The backward aims at this many blocks of 128

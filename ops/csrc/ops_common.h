@@ -50,8 +50,9 @@ constexpr int kScanLanes = PACKLOADER_SCAN_LANES;   // state lanes per channel (
 constexpr int kScanFwdWarpsPerSM = PACKLOADER_SCAN_FWD_WARPS_PER_SM;   // the forward's layout choice (scan_fwd_lanes)
 
 void scan_fwd_launch(const ScanParams &p, cudaStream_t stream);
-// threads a channel (1, 2, 4 or 8) the forward takes for this many channels on this many multiprocessors
-int scan_fwd_lanes(int batch, int dim, int sm_count);
+// threads a channel (1, 2, 4 or 8) the forward takes for this many channels (rows cut into this many segments) on
+// this many multiprocessors
+int scan_fwd_lanes(int batch, int dim, int segments, int sm_count);
 void scan_bwd_launch(const ScanParams &p, cudaStream_t stream);
 
 // Causal conv1d. x/out/dout/dx share one layout given by strides (elements); weight (dim, width) fp32.

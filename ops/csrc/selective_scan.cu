@@ -750,7 +750,7 @@ void fwd_launch_lanes(const ScanParams &p, cudaStream_t st) {
 
 template <typename in_t, typename w_t>
 void fwd_launch(const ScanParams &p, cudaStream_t st) {
-  switch (p.fwd_lanes ? p.fwd_lanes : scan_fwd_lanes(p.batch, p.dim, p.sm_count)) {
+  switch (p.fwd_lanes ? p.fwd_lanes : scan_fwd_lanes(p.batch, p.dim, p.fwd_segments, p.sm_count)) {
     case 1: fwd_launch_lanes<in_t, w_t, 1>(p, st); break;
     case 2: fwd_launch_lanes<in_t, w_t, 2>(p, st); break;
     case 4: fwd_launch_lanes<in_t, w_t, 4>(p, st); break;
@@ -777,11 +777,14 @@ void bwd_launch(const ScanParams &p, cudaStream_t st) {
 
 // The forward takes the fewest threads a channel (the least work repeated per (channel, timestep)) that still give
 // each multiprocessor SCAN_FWD_WARPS_PER_SM warps: fewer, and a warp's chain of timesteps sets the time (see
-// scan_fwd_kernel; measured in RESULTS.md).
-int scan_fwd_lanes(int batch, int dim, int sm_count) {
+// scan_fwd_kernel; measured in RESULTS.md). A row cut into segments counts as at most two rows: a row of one long
+// sequence leaves all but its first segment empty, and with the lanes chosen for that many full rows its warps would
+// crawl (bench_scan_segments.py, RESULTS.md: with two, packed rows run within 13 % of their best layout on average,
+// rows of one sequence 15 % slower than without segments).
+int scan_fwd_lanes(int batch, int dim, int segments, int sm_count) {
+  const int64_t rows = (int64_t)batch * min(max(segments, 1), 2);
   for (int lanes = 1; lanes < 8; lanes *= 2)
-    if ((int64_t)batch * ((dim + 32 / lanes - 1) / (32 / lanes)) >= (int64_t)kScanFwdWarpsPerSM * sm_count)
-      return lanes;
+    if (rows * ((dim + 32 / lanes - 1) / (32 / lanes)) >= (int64_t)kScanFwdWarpsPerSM * sm_count) return lanes;
   return 8;
 }
 

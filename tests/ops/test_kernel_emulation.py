@@ -281,11 +281,12 @@ def test_emulated_forward_keeps_inf_in_its_sequence(emulator, fwd_lanes):
     assert torch.isfinite(out[..., 20:]).all() and torch.isfinite(saved).all()
 
 
-def scan_fwd_lanes_twin(batch: int, dim: int, sm_count: int) -> int:
+def scan_fwd_lanes_twin(batch: int, dim: int, segments: int, sm_count: int) -> int:
     """selective_scan.cu's scan_fwd_lanes in Python: the fewest threads a channel that make SCAN_FWD_WARPS_PER_SM
-    warps a multiprocessor."""
+    warps a multiprocessor, a row cut into segments counting as at most two rows."""
+    rows = batch * min(max(segments, 1), 2)
     for lanes in (1, 2, 4):
-        if batch * -(-dim // (32 // lanes)) >= SCAN_FWD_WARPS_PER_SM * sm_count:
+        if rows * -(-dim // (32 // lanes)) >= SCAN_FWD_WARPS_PER_SM * sm_count:
             return lanes
     return 8
 
@@ -293,13 +294,19 @@ def scan_fwd_lanes_twin(batch: int, dim: int, sm_count: int) -> int:
 @pytest.mark.parametrize("sm_count", [1, 78, 114, 132])
 def test_scan_forward_layout_choice(emulator, sm_count):
     """The forward's layout follows the warps a grid makes per multiprocessor: fewer threads a channel as channels
-    grow, 8 for a handful; the launcher and its Python twin agree everywhere."""
+    grow, 8 for a handful, one step fewer where rows are cut into segments; the launcher and its Python twin agree
+    everywhere."""
+    batches = (1, 2, 3, 4, 8, 16, 64, 256)
     for dim in (1, 16, 33, 768, 1536, 2048, 2560, 4096, 5120, 8192):
-        lanes = [emulator.emu_scan_fwd_lanes(batch, dim, sm_count) for batch in (1, 2, 3, 4, 8, 16, 64, 256)]
-        assert lanes == [scan_fwd_lanes_twin(batch, dim, sm_count) for batch in (1, 2, 3, 4, 8, 16, 64, 256)]
-        assert lanes == sorted(lanes, reverse=True) and set(lanes) <= set(FWD_LANES)
-    assert emulator.emu_scan_fwd_lanes(1, 32, sm_count) == 8
-    assert emulator.emu_scan_fwd_lanes(256, 8192, sm_count) == 1
+        for segments in (1, 2, 8):
+            lanes = [emulator.emu_scan_fwd_lanes(batch, dim, segments, sm_count) for batch in batches]
+            assert lanes == [scan_fwd_lanes_twin(batch, dim, segments, sm_count) for batch in batches]
+            assert lanes == sorted(lanes, reverse=True) and set(lanes) <= set(FWD_LANES)
+        assert all(emulator.emu_scan_fwd_lanes(b, dim, 8, sm_count) == emulator.emu_scan_fwd_lanes(2 * b, dim, 1,
+                                                                                                   sm_count)
+                   for b in batches)
+    assert emulator.emu_scan_fwd_lanes(1, 32, 1, sm_count) == 8
+    assert emulator.emu_scan_fwd_lanes(256, 8192, 1, sm_count) == 1
 
 
 class EmulatedExt:

@@ -9,7 +9,9 @@ using namespace packloader_ops;
 // multiprocessors), so that the tests run every layout at small sizes
 static int emu_fwd_lanes = 0;
 extern "C" void emu_set_fwd_lanes(int lanes) { emu_fwd_lanes = lanes; }
-extern "C" int emu_scan_fwd_lanes(int batch, int dim, int sm_count) { return scan_fwd_lanes(batch, dim, sm_count); }
+extern "C" int emu_scan_fwd_lanes(int batch, int dim, int segments, int sm_count) {
+  return scan_fwd_lanes(batch, dim, segments, sm_count);
+}
 
 extern "C" int emu_fault_count() { return emu_faults.exchange(0); }
 extern "C" const char *emu_first_fault() { return emu_fault_text; }
