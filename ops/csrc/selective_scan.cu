@@ -20,6 +20,8 @@
 // warps in shared memory and added to fp32 buffers with one atomic per (block, n, t) (deterministic mode: stored to
 // the block's own slot of det_part, which the caller sums in a fixed order); dA, dD, ddelta_bias are reduced per
 // thread / channel and stored per batch row (the caller sums the rows: no atomics, the same bits every run).
+// Segments (grid z, both kernels): on grids too small to fill the GPU the caller cuts each row at sequence starts into
+// segments that run side by side, the bits of one pass (segment_bound; the plan: ops/contract.py, scan_segments).
 #include "dispatch.cuh"
 
 #include "ops_common.h"
