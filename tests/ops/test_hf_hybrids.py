@@ -209,12 +209,19 @@ def test_names_state_dict_no_boundaries_and_generation_unchanged(family, tmp_pat
         assert torch.equal(model(ids).logits, original(ids).logits)
     assert torch.equal(model.generate(prompt, **kw), expected)
     assert torch.equal(model.generate(prompt, attention_mask=torch.ones_like(prompt), **kw), expected)
-    # a converted model saves a checkpoint the plain class loads
-    model.save_pretrained(tmp_path)
-    reloaded = type(original).from_pretrained(tmp_path, dtype=torch.float64).eval()
+    # a converted model saves a checkpoint the plain class loads: the same tensors as the original's checkpoint, and
+    # the same logits as the original reloaded the same way (a reloaded config carries dtype float64, with which
+    # transformers may round differently, by one float64 ulp, from the model built in memory)
+    model.save_pretrained(tmp_path / "converted")
+    original.save_pretrained(tmp_path / "original")
+    reloaded = type(original).from_pretrained(tmp_path / "converted", dtype=torch.float64).eval()
+    baseline = type(original).from_pretrained(tmp_path / "original", dtype=torch.float64).eval()
     assert type(reloaded) is type(original)
+    got, want = reloaded.state_dict(), original.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, original(ids).logits)
+        assert torch.equal(reloaded(ids).logits, baseline(ids).logits)
+        torch.testing.assert_close(reloaded(ids).logits, original(ids).logits, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("family", ["bamba", "zamba2"])

@@ -440,6 +440,15 @@ def test_misaligned_inputs_are_not_staged_with_cp_async(cuda_path_on_cpu, seed, 
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)   # dB / dC: float atomics, any order
 
 
+def twice_deterministic(run):
+    """run() twice under torch.use_deterministic_algorithms(True)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        return [run() for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.parametrize("groups,dim", [(2, 40), (2, 64), (1, 48)], ids=["20-per-group", "32-per-group", "one-group"])
 def test_cuda_path_on_emulated_kernels(cuda_path_on_cpu, seed, groups, dim):
     """The Python side of the CUDA path with the kernels' own code: group-by-group launches (groups that are not
@@ -459,11 +468,7 @@ def test_cuda_path_on_emulated_kernels(cuda_path_on_cpu, seed, groups, dim):
     assert kernel_err(out, ref_out.double()) <= 2e-3
     dout = torch.randn(batch, dim, L).to(dtype)
     default = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True)
-    torch.use_deterministic_algorithms(True)
-    try:
-        det = [ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True) for _ in range(2)]
-    finally:
-        torch.use_deterministic_algorithms(False)
+    det = twice_deterministic(lambda: ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True))
     assert torch.equal(default[8], out)   # the recomputed output
     for name, a, b, c in zip(GRAD_NAMES + ["out"], default, det[0], det[1]):
         assert torch.equal(b, c), name
@@ -588,11 +593,7 @@ def test_cuda_path_plans_segments_and_sums_their_rows(cuda_path_on_cpu, monkeypa
     out, saved = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
     assert torch.equal(out, out1) and torch.equal(saved, saved1)
     cut = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True)
-    torch.use_deterministic_algorithms(True)
-    try:
-        det = [ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True) for _ in range(2)]
-    finally:
-        torch.use_deterministic_algorithms(False)
+    det = twice_deterministic(lambda: ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True))
     for name, a, b, c, d in zip(GRAD_NAMES + ["out"], one, cut, det[0], det[1]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
         assert torch.equal(c, d), name
