@@ -225,10 +225,15 @@ def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
                             position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dw_part)
     if not 0 <= used <= slots:
         raise RuntimeError(f"packloader ops: the conv backward wrote {used} dweight slots, the buffer holds {slots}")
-    dw = dw_part[:used].sum(0) if used else torch.zeros(dim, width + 1, device=x.device, dtype=torch.float32)
-    # two separate tensors (views of one sum would alias each other: custom ops may not return aliases)
-    dweight = dw[:, :width].to(weight.dtype, copy=True)
-    return dx, dweight, (dw[:, width].to(bias.dtype, copy=True) if bias is not None else _absent(x))
+    if not used:
+        dw_part = torch.zeros(1, dim, width + 1, device=x.device, dtype=torch.float32)
+        used = 1
+    # two sums in float32, two separate tensors (views of one sum would alias each other: custom ops may not return
+    # aliases); for float32 parameters no copy follows
+    dweight = dw_part[:used, :, :width].sum(0).to(weight.dtype)
+    if bias is None:
+        return dx, dweight, _absent(x)
+    return dx, dweight, dw_part[:used, :, width].sum(0).to(bias.dtype)
 
 
 @torch.library.custom_op("packloader::causal_conv1d_fwd", mutates_args=(), device_types=None, tags=OP_TAGS)
