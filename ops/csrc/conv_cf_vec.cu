@@ -96,48 +96,45 @@ __device__ __forceinline__ float conv_pre(const float (&w)[kW], float bias, cons
   return acc;
 }
 
-// Backward of one run (or of the first kTok tokens of a run): g = dout * silu'(pre), then (kept taps only)
-//   dweight[W-1-k] += g[i] x[i-k]
-//   dx[i] = sum_k w[W-1-k] g[i+k]                  (the part with i + k inside this run)
-//   c[e-1] = sum_{k>=e} w[W-1-k] g[k-e]            (what this run adds to dx[kRun - e] of the run before it)
+// Backward of one run (or of the first kTok tokens of a run), token by token: g = dout * silu'(pre), then for each
+// kept tap k of the token (lag k, weight w[W-1-k])
+//   dweight[W-1-k] += g x[i-k]
+//   dx[i-k]        += w[W-1-k] g                   (i - k >= 0: inside this run)
+//   c[k-i-1]       += w[W-1-k] g                   (i - k < 0: what this run adds to dx[kRun - (k - i)] of the run
+//                                                   before it)
+// Each token's three tap predicates are used at once by its pre-activation, its dweight and its dx / c scatter, so
+// they never outlive the token (the predicate registers are few; a form that gathered dx[i] from g[i + k] later
+// kept them alive across the run and spent 56 extra instructions a masked run, against 24 here). The adds into each
+// dx[i] and c[e] come in the same order as that gather form's (lag 0 first), so the bits are the same.
 template <int kW, bool kMasked, int kTok>
 __device__ __forceinline__ void conv_bwd_run(const float (&w)[kW], float bias, bool silu, unsigned m,
                                              const float (&xs)[4 + kRun], const float (&gd)[kRun],
                                              float (&dw)[kW + 1], float (&dx)[kRun], float (&c)[3]) {
   const RunTaps<kMasked> taps(m);
-  float g[kTok];
+  c[0] = c[1] = c[2] = 0.f;
 #pragma unroll
   for (int i = 0; i < kTok; ++i) {
+    const bool kept[4] = {true, taps.template ok<1>(i), taps.template ok<2>(i), taps.template ok<3>(i)};
     float gv = gd[i];
-    if (silu) gv *= silu_grad_factor(conv_pre<kW>(w, bias, xs, i, taps));
-    g[i] = gv;
-    dw[kW - 1] = fmaf(gv, xs[4 + i], dw[kW - 1]);
-    if constexpr (kW > 1) if (taps.template ok<1>(i)) dw[kW - 2] = fmaf(gv, xs[3 + i], dw[kW - 2]);
-    if constexpr (kW > 2) if (taps.template ok<2>(i)) dw[kW - 3] = fmaf(gv, xs[2 + i], dw[kW - 3]);
-    if constexpr (kW > 3) if (taps.template ok<3>(i)) dw[kW - 4] = fmaf(gv, xs[1 + i], dw[kW - 4]);
-    dw[kW] += gv;
-  }
-  if constexpr (kTok == kRun) {
+    if (silu) {
+      // a dropped tap is skipped, not multiplied by zero (an inf or NaN in the sequence before must not leak)
+      float acc = fmaf(w[kW - 1], xs[4 + i], bias);
 #pragma unroll
-    for (int i = 0; i < kRun; ++i) {
-      float acc = w[kW - 1] * g[i];
-      if constexpr (kW > 1) if (i + 1 < kRun && taps.template ok<1>(i + 1)) acc = fmaf(w[kW - 2], g[i + 1], acc);
-      if constexpr (kW > 2) if (i + 2 < kRun && taps.template ok<2>(i + 2)) acc = fmaf(w[kW - 3], g[i + 2], acc);
-      if constexpr (kW > 3) if (i + 3 < kRun && taps.template ok<3>(i + 3)) acc = fmaf(w[kW - 4], g[i + 3], acc);
-      dx[i] = acc;
+      for (int k = 1; k < kW; ++k)
+        if (kept[k]) acc = fmaf(w[kW - 1 - k], xs[4 + i - k], acc);
+      gv *= silu_grad_factor(acc);
     }
-  }
-  // c[0] -> dx[kRun-1]: taps 1, 2, 3 of tokens 0, 1, 2; c[1] -> dx[kRun-2]: taps 2, 3 of tokens 0, 1; c[2]: tap 3 of 0
-  c[0] = c[1] = c[2] = 0.f;
-  if constexpr (kW > 1) if (taps.template ok<1>(0)) c[0] = w[kW - 2] * g[0];
-  if constexpr (kW > 2) {
-    if (taps.template ok<2>(1)) c[0] = fmaf(w[kW - 3], g[1], c[0]);
-    if (taps.template ok<2>(0)) c[1] = w[kW - 3] * g[0];
-  }
-  if constexpr (kW > 3) {
-    if (taps.template ok<3>(2)) c[0] = fmaf(w[kW - 4], g[2], c[0]);
-    if (taps.template ok<3>(1)) c[1] = fmaf(w[kW - 4], g[1], c[1]);
-    if (taps.template ok<3>(0)) c[2] = w[kW - 4] * g[0];
+    dx[i] = w[kW - 1] * gv;
+    dw[kW - 1] = fmaf(gv, xs[4 + i], dw[kW - 1]);
+#pragma unroll
+    for (int k = 1; k < kW; ++k) {
+      if (kept[k]) {
+        dw[kW - 1 - k] = fmaf(gv, xs[4 + i - k], dw[kW - 1 - k]);
+        if (i - k >= 0) dx[i - k] = fmaf(w[kW - 1 - k], gv, dx[i - k]);
+        else c[k - i - 1] = fmaf(w[kW - 1 - k], gv, c[k - i - 1]);
+      }
+    }
+    dw[kW] += gv;
   }
 }
 
