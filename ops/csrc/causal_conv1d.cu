@@ -19,7 +19,8 @@
 // timestep) and a run of timesteps, sliding a window of the last W inputs (forward) or the last W gradients
 // (backward) through registers; position_ids[t] is one broadcast load per timestep. On aligned rows the loads of
 // 8 timesteps are issued together (0.31 + 0.78 ms -> 0.23 + 0.45 ms on the H200 at B=8, D=4096, L=4096 bf16).
-// dweight / dbias are reduced in the block (warp shuffles, then shared memory), one atomic per block.
+// dweight / dbias are reduced in the block (warp shuffles, then shared memory) into the block's own slot of the
+// partials, which ops/conv1d_interface.py sums in a fixed order (no atomics: the same bits every run).
 // Every kernel skips a dropped tap's multiply-add instead of multiplying by zero, so an inf or NaN in one
 // sequence cannot reach another as 0 * inf. position_ids must restart at 0 and count up by 1 (the Python layer
 // validates them): the register and channel-last kernels read reach = min(pos, W-1), the vector kernels a start
