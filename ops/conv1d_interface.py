@@ -211,29 +211,30 @@ def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
     ext = _backends.load_kernels()
     dim, width = weight.shape
     dout = _like_layout(dout.to(x.dtype), x)
-    # per-block partials of [dweight | dbias], summed here in a fixed order (no atomics: the same bits every run)
     batch, _, seqlen = x.shape
-    slots = batch * max(1, -(-seqlen // CONV_SLOT_STEPS))
-    from ._cuda import kernel_outputs
+    f32 = dict(device=x.device, dtype=torch.float32)
+    if x.numel() == 0:
+        dx, dweight = _like(x), torch.zeros(dim, width, **f32)
+        dbias = None if bias is None else torch.zeros(dim, **f32)
+    else:
+        # per-block partials of [dweight | dbias]; the extension adds the slots it wrote in slot order into dweight /
+        # dbias (no atomics: the same bits every run)
+        slots = batch * max(1, -(-seqlen // CONV_SLOT_STEPS))
+        from ._cuda import kernel_outputs
 
-    with kernel_outputs():   # dx written in full; of dw_part only the slots written are read
-        dx = _like(x)
-        dw_part = torch.empty(slots, dim, width + 1, device=x.device, dtype=torch.float32)
-    used = 0
-    if x.numel() > 0:
+        with kernel_outputs():   # dx, dweight, dbias written in full; of dw_part only the slots written are read
+            dx = _like(x)
+            dw_part = torch.empty(slots, dim, width + 1, **f32)
+            dweight = torch.empty(dim, width, **f32)
+            dbias = None if bias is None else torch.empty(dim, **f32)
         used = ext.conv_bwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
-                            position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dw_part)
-    if not 0 <= used <= slots:
-        raise RuntimeError(f"packloader ops: the conv backward wrote {used} dweight slots, the buffer holds {slots}")
-    if not used:
-        dw_part = torch.zeros(1, dim, width + 1, device=x.device, dtype=torch.float32)
-        used = 1
-    # two sums in float32, two separate tensors (views of one sum would alias each other: custom ops may not return
-    # aliases); for float32 parameters no copy follows
-    dweight = dw_part[:used, :, :width].sum(0).to(weight.dtype)
+                            position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dw_part, dweight, dbias)
+        if not 1 <= used <= slots:
+            raise RuntimeError(f"packloader ops: the conv backward wrote {used} dweight slots, the buffer holds {slots}")
+    # float32 parameters need no copy
     if bias is None:
-        return dx, dweight, _absent(x)
-    return dx, dweight, dw_part[:used, :, width].sum(0).to(bias.dtype)
+        return dx, dweight.to(weight.dtype), _absent(x)
+    return dx, dweight.to(weight.dtype), dbias.to(bias.dtype)
 
 
 @torch.library.custom_op("packloader::causal_conv1d_fwd", mutates_args=(), device_types=None, tags=OP_TAGS)

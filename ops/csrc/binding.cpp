@@ -137,7 +137,8 @@ void conv_fwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-int64_t conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor dout, Tensor dx, Tensor dw_part) {
+int64_t conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor dout, Tensor dx, Tensor dw_part,
+                 Tensor dweight, OptT dbias) {
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(dx.strides() == x.strides(), "dx must have x's layout");
   po::ConvParams p = conv_params(x, weight, bias, pos, silu);
@@ -149,6 +150,13 @@ int64_t conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tens
   p.dout = dout.data_ptr();
   p.dx = dx.data_ptr();
   p.dw_part = dw_part.data_ptr<float>();
+  TORCH_CHECK(dweight.scalar_type() == at::kFloat && dweight.is_contiguous() && dweight.numel() == x.size(1) * weight.size(1),
+              "dweight: float32 (dim, width), contiguous");
+  TORCH_CHECK(bias.has_value() == dbias.has_value(), "dbias is given exactly when bias is");
+  if (dbias) TORCH_CHECK(dbias->scalar_type() == at::kFloat && dbias->is_contiguous() && dbias->numel() == x.size(1),
+                         "dbias: float32 (dim,), contiguous");
+  p.dweight = dweight.data_ptr<float>();
+  p.dbias = ptr_or_null<float>(dbias);
   const int slots = po::conv_bwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return slots;

@@ -20,7 +20,9 @@
 // (backward) through registers; position_ids[t] is one broadcast load per timestep. On aligned rows the loads of
 // 8 timesteps are issued together (0.31 + 0.78 ms -> 0.23 + 0.45 ms on the H200 at B=8, D=4096, L=4096 bf16).
 // dweight / dbias are reduced in the block (warp shuffles, then shared memory) into the block's own slot of the
-// partials, which ops/conv1d_interface.py sums in a fixed order (no atomics: the same bits every run).
+// partials; one more small kernel (conv_dw_sum_kernel) adds the slots in slot order into dweight / dbias (no
+// atomics: the same bits every run). It replaced two torch sums over the slots (H200, B=8, D=4096, L=4096: 3.7 us
+// each; see benchmarks/results/RESULTS.md).
 // Every kernel skips a dropped tap's multiply-add instead of multiplying by zero, so an inf or NaN in one
 // sequence cannot reach another as 0 * inf. position_ids must restart at 0 and count up by 1 (the Python layer
 // validates them): the register and channel-last kernels read reach = min(pos, W-1), the vector kernels a start
@@ -53,9 +55,37 @@ int launch(const ConvParams &p, cudaStream_t st, bool bwd) {
   return slots;
 }
 
+// dweight (dim, W) and dbias (dim) from the first `slots` partials (slots, dim, W + 1): one thread an output, adding
+// slot 0, 1, 2, ... in that order. Loads go out kBatch at a time so that their latencies overlap.
+__global__ void conv_dw_sum_kernel(const float *dw_part, int slots, int dim, int W, float *dweight, float *dbias) {
+  constexpr int kBatch = 8;
+  const int n = dim * (W + 1);
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float s = 0.f;
+  for (int k0 = 0; k0 < slots; k0 += kBatch) {
+    float v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) v[k] = k0 + k < slots ? dw_part[(int64_t)(k0 + k) * n + i] : 0.f;
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k)
+      if (k0 + k < slots) s += v[k];
+  }
+  const int d = i / (W + 1), j = i - d * (W + 1);
+  if (j < W) dweight[d * W + j] = s;
+  else if (dbias) dbias[d] = s;
+}
+
 }  // namespace
 
 void conv_fwd_launch(const ConvParams &p, cudaStream_t st) { launch(p, st, false); }
-int conv_bwd_launch(const ConvParams &p, cudaStream_t st) { return launch(p, st, true); }
+
+int conv_bwd_launch(const ConvParams &p, cudaStream_t st) {
+  const int slots = launch(p, st, true);
+  const int n = p.dim * (p.width + 1);
+  if (slots > 0 && n > 0) conv_dw_sum_kernel<<<(n + 255) / 256, 256, 0, st>>>(p.dw_part, slots, p.dim, p.width,
+                                                                             p.dweight, p.dbias);
+  return slots;
+}
 
 }  // namespace packloader_ops

@@ -73,7 +73,8 @@ struct ConvParams {
   void *dx;
   float *dw_part;               // fp32 (slots, dim, width + 1) block partials of [dweight | dbias]: the backward
                                 // fills the first slots (it returns how many; at most batch * ceil(seqlen /
-                                // SLOT_STEPS)) and the caller sums them
+                                // SLOT_STEPS)), then sums them in slot order into dweight / dbias
+  float *dweight, *dbias;       // fp32 (dim, width), (dim); dbias null without bias
 };
 
 // Row stride (in 16-bit words) of the channel-first kernels' boundary masks: one word per run of 8 timesteps,
@@ -84,6 +85,6 @@ __host__ __device__
 inline int conv_mask_stride(int seqlen) { return ((seqlen + 7) / 8 + 7) / 8 * 8; }
 
 void conv_fwd_launch(const ConvParams &p, cudaStream_t stream);
-int conv_bwd_launch(const ConvParams &p, cudaStream_t stream);   // returns the dw_part slots written
+int conv_bwd_launch(const ConvParams &p, cudaStream_t stream);   // returns the dw_part slots written and summed
 
 }  // namespace packloader_ops

@@ -240,7 +240,7 @@ class FakeExt:
         assert out.stride() == x.stride() and out.dtype == x.dtype
         out.copy_(conv_mod._conv_fwd_reference(x, weight, bias, pos, silu))
 
-    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dw_part):
+    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dw_part, dweight, dbias):
         self._check_conv(x, weight, bias, pos)
         self.calls.append(("conv_bwd", x.stride(), dout.stride()))
         batch, dim, seqlen = x.shape
@@ -250,14 +250,15 @@ class FakeExt:
         slots = batch * -(-seqlen // CONV_SLOT_STEPS)
         assert dw_part.shape == (slots, dim, width + 1) and dw_part.dtype == F32
         assert dx.stride() == x.stride()
+        # the kernel sums the slots it wrote into float32 dweight / dbias (given exactly when there is a bias)
+        assert dweight.shape == (dim, width) and dweight.dtype == F32 and dweight.is_contiguous()
+        assert (dbias is None) == (bias is None)
+        assert dbias is None or (dbias.shape == (dim,) and dbias.dtype == F32)
         gx, gw, gb = conv_mod._conv_bwd_reference(x, weight, bias, pos, silu, dout)
         dx.copy_(gx)
-        # the kernel fills the first slots it uses and says how many; the caller sums those
-        dw_part[:2] = 0
-        dw_part[1, :, :width] = gw
-        if gb.numel():
-            dw_part[1, :, width] = gb
-        dw_part[2:] = float("nan")   # never read
+        dweight.copy_(gw)
+        if dbias is not None:
+            dbias.copy_(gb)
         return 2
 
     @staticmethod

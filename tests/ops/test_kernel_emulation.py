@@ -348,11 +348,11 @@ class EmulatedExt:
         args, keep = self._conv_args(x, weight, bias, pos, silu)
         emu_call(self.so, "emu_conv_fwd", *args, ptr(out))
 
-    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dw_part):
+    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dw_part, dweight, dbias):
         assert dx.stride() == x.stride(), "dx must have x's layout"
         args, keep = self._conv_args(x, weight, bias, pos, silu)
         return emu_call(self.so, "emu_conv_bwd", *args, ptr(dout), (ctypes.c_int64 * 3)(*dout.stride()), ptr(dx),
-                        ptr(dw_part))
+                        ptr(dw_part), ptr(dweight), ptr(dbias))
 
 
 def run_emulated_bwd(so, inputs, pos, softplus, saved, dout, segments=1):
@@ -678,3 +678,25 @@ def test_conv_layouts_on_emulated_kernels(cuda_path_on_cpu, seed, dtype, layout,
     for name, got, want in (("out", out, ref), ("dx", dx, leaves[0].grad), ("dweight", dweight, leaves[1].grad),
                             ("dbias", dbias, leaves[2].grad)):
         assert_elementwise(got, want, name)
+
+
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_conv_dweight_sums_many_slots_in_a_fixed_order(cuda_path_on_cpu, seed, layout):
+    """The backward's dweight / dbias: more block slots than the sum kernel loads at once (8), no bias, and the same
+    bits on a second run (the slots are added in slot order, no atomics)."""
+    from ops import conv1d_interface as ci
+    from ops.contract import CONV_SLOT_STEPS
+
+    batch, dim, L, width = 3, 5, 9 * CONV_SLOT_STEPS + 16, 4
+    x = ci.kernel_layout(conv_input(layout, batch, dim, L, torch.float32))
+    weight = 0.5 * torch.randn(dim, width)
+    pos = position_ids_for([lengths_mix(L, "mixed") for _ in range(batch)], "cpu")
+    dout = torch.randn(batch, dim, L)
+    dx, dweight, dbias = ci._conv_bwd_cuda(x, weight, None, pos, True, dout)
+    assert dbias.numel() == 0 and dweight.shape == (dim, width)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, weight)]
+    conv_ref64(leaves[0], leaves[1], None, pos, "silu").backward(dout.double())
+    assert kernel_err(dweight, leaves[1].grad) <= TOL[torch.float32], kernel_err(dweight, leaves[1].grad)
+    assert kernel_err(dx, leaves[0].grad) <= TOL[torch.float32]
+    again = ci._conv_bwd_cuda(x, weight, None, pos, True, dout)
+    assert torch.equal(again[0], dx) and torch.equal(again[1], dweight)

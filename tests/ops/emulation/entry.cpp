@@ -83,9 +83,10 @@ extern "C" void emu_conv_fwd(int dtype, int batch, int dim, int seqlen, int widt
 
 extern "C" int emu_conv_bwd(int dtype, int batch, int dim, int seqlen, int width, int silu, const void *x,
                             const int64_t *xs, const float *weight, const float *bias, const int *pos,
-                            uint16_t *runmask, const void *dout, const int64_t *gs, void *dx, float *dw_part) {
+                            uint16_t *runmask, const void *dout, const int64_t *gs, void *dx, float *dw_part,
+                            float *dweight, float *dbias) {
   ConvParams p = conv_params(dtype, batch, dim, seqlen, width, silu, x, xs, weight, bias, pos, runmask);
   p.g_bs = gs[0]; p.g_cs = gs[1]; p.g_ls = gs[2];
-  p.dout = dout; p.dx = dx; p.dw_part = dw_part;
+  p.dout = dout; p.dx = dx; p.dw_part = dw_part; p.dweight = dweight; p.dbias = dbias;
   return conv_bwd_launch(p, nullptr);
 }
