@@ -6,7 +6,11 @@ Shapes (the issue's): selective scan B=8, D=4096, L=4096, dstate 16, bf16, with 
 delta_softplus (as Mamba calls it), ~10-20 sequences per packed row; causal conv1d B=8, D=4096, L=4096, width 4,
 bf16, silu.  Upstream runs WITHOUT boundaries (the plain op, the target) and, for the conv, also WITH seq_idx.
 Each timing is the median of --iters runs after --warmup runs, measured with CUDA events; rows print as a table
-and are written to JSON with the ratios against the targets.
+and are written to JSON with the ratios against the targets. The conv is also timed replayed from CUDA graphs (rows
+"CUDA graph"): a conv call takes 0.2-1 ms, and eager timings of it include the host wherever Python issues calls more
+slowly than the GPU runs them (causal-conv1d's autograd path moved 0.36-0.55 ms between runs of the same code), so the
+graph rows and the kernels' own durations (rows "kernels alone", torch.profiler) are the GPU-time comparisons.
+--only conv / scan times one op family.
 """
 from __future__ import annotations
 
@@ -45,6 +49,25 @@ def bench_reps(fn, reps, warmup=5, iters=20):
     return bench(lambda: [fn() for _ in range(reps)], warmup, iters) / reps
 
 
+def bench_graph(fn, reps, warmup=3, iters=20):
+    """Median time of one call with the host taken out: `reps` calls captured in one CUDA graph, replayed.
+
+    Eager timings of a call this short (0.2-1 ms) include the host whenever Python issues a call more slowly than the
+    GPU runs it (autograd, custom-op dispatch): they moved by 25 % between runs of the same code. A replayed graph
+    times the GPU's work alone, the gaps between its kernels included."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm up outside the capture (allocator, autograd, lazy init)
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return bench(graph.replay, warmup, iters) / reps
+
+
 @contextlib.contextmanager
 def deterministic_mode():
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -67,40 +90,13 @@ def packed_position_ids(batch, seqlen, lo=10, hi=20, seed=0):
     return pos.int().cuda(), seq_idx.int().cuda()
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=4096)
-    ap.add_argument("--seqlen", type=int, default=4096)
-    ap.add_argument("--dstate", type=int, default=16)
-    ap.add_argument("--width", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--conv-iters", type=int, default=100, help="conv calls are ~0.2-1 ms: more runs per median")
-    ap.add_argument("--conv-reps", type=int, default=10,
-                    help="conv calls per timed sample, back to back (the GPU never waits for Python, as in "
-                         "training); the sample is divided by this")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--deterministic", action="store_true",
-                    help="also time ours under torch.use_deterministic_algorithms(True) (the scan adds dB/dC in a "
-                         "fixed block order), in the same run as the default mode")
-    args = ap.parse_args(argv)
-
-    import ops  # noqa: F401  (registers torch.ops.packloader.*)
-    from ops import _cuda
-
+def time_scan(args, pos, add):
+    """The selective scan: ours (kernel ops, and through packed_selective_scan's autograd) and mamba-ssm's
+    selective_scan_fn. Returns (ours fwd, ours fwd+bwd, ours deterministic fwd+bwd, upstream fwd, upstream
+    fwd+bwd), None where not timed."""
     Bz, D, L, N = args.batch, args.dim, args.seqlen, args.dstate
-    dt = torch.bfloat16
-    dev = "cuda"
-    torch.manual_seed(0)
-    pos, seq_idx = packed_position_ids(Bz, L)
-    rows = []
-
-    def add(op, impl, phase, ms, note=""):
-        rows.append({"op": op, "impl": impl, "phase": phase, "ms": round(ms, 4), "note": note})
-        print(f"  {op:<15} {impl:<34} {phase:<8} {ms:9.3f} ms {note}", flush=True)
-
-    # ---------------- selective scan
+    dt, dev = torch.bfloat16, "cuda"
+    kops = torch.ops.packloader  # the kernel ops (CUDA implementation on these CUDA tensors)
     u = torch.randn(Bz, D, L, device=dev, dtype=dt)
     delta = (0.5 * torch.randn(Bz, D, L, device=dev) - 4.0).to(dt)
     A = -torch.exp(0.5 * torch.randn(D, N, device=dev))
@@ -110,13 +106,7 @@ def main(argv=None):
     z = torch.randn(Bz, D, L, device=dev, dtype=dt)
     dbias = 0.5 * torch.randn(D, device=dev)
     dout = torch.randn(Bz, D, L, device=dev, dtype=dt)
-    t0 = time.time()
-    _cuda.load()
-    print(f"ops._cuda loaded in {time.time() - t0:.1f} s", flush=True)
-
     state = {}
-
-    kops = torch.ops.packloader  # the kernel ops (CUDA implementation on these CUDA tensors)
 
     def ours_fwd():
         state["f"] = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
@@ -152,7 +142,7 @@ def main(argv=None):
             y.backward(dout)
 
         add("selective_scan", "ours via packed_selective_scan", "fwd+bwd", bench(auto_fwdbwd, args.warmup, args.iters))
-        del leaves
+        leaves.clear()
     except Exception as e:  # noqa: BLE001
         print(f"  (packed_selective_scan autograd path skipped: {type(e).__name__}: {e})")
 
@@ -174,13 +164,52 @@ def main(argv=None):
 
         up_fb = bench(up_fwdbwd, args.warmup, args.iters)
         add("selective_scan", "mamba-ssm selective_scan_fn (no bnd)", "fwd+bwd", up_fb)
-        del leaves
+        leaves.clear()
     except Exception as e:  # noqa: BLE001
         print(f"  (upstream selective_scan_fn unavailable: {type(e).__name__}: {e})")
-    del u, delta, Bm, Cm, z, dout
-    torch.cuda.empty_cache()
+    return ours_f, ours_fb, ours_det_fb, up_f, up_fb
 
-    # ---------------- causal conv1d
+
+def kernel_time(fn, reps=20, warmup=3):
+    """GPU time of one call's kernels alone (torch.profiler: the sum of its kernels' durations, no gaps, no host), and
+    the per-kernel breakdown {name: us per call}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per = {e.key: e.device_time_total / reps for e in prof.key_averages() if e.device_time_total > 0}
+    return sum(per.values()) / 1000.0, {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
+
+
+def gpu_rows(conv, key, label, add, args, fwd, fwdbwd):
+    """The conv's GPU-time rows into conv[key] and the table: fwd and fwd+bwd replayed from CUDA graphs
+    (bench_graph), and fwd+bwd's kernels alone (kernel_time, with its breakdown in the row's note). A capture that
+    fails is reported, not fatal."""
+    ktime, kernels = kernel_time(fwdbwd)
+    add("causal_conv1d", label + ", kernels alone", "fwd+bwd", ktime, note=json.dumps(kernels))
+    conv[key + ("kernels",)] = (None, ktime)
+    try:
+        f = bench_graph(fwd, args.graph_reps, iters=args.conv_iters)
+        fb = bench_graph(fwdbwd, args.graph_reps, iters=args.conv_iters)
+    except Exception as e:  # noqa: BLE001
+        print(f"  ({label}: capture failed: {type(e).__name__}: {e})")
+        return
+    add("causal_conv1d", label + ", CUDA graph", "fwd", f)
+    add("causal_conv1d", label + ", CUDA graph", "fwd+bwd", fb)
+    conv[key + ("graph",)] = (f, fb)
+
+
+def time_conv(args, pos, seq_idx, add):
+    """The causal conv1d, channel-first and channel-last: ours (kernel ops) and causal-conv1d's
+    causal_conv1d_fn, eager and replayed from CUDA graphs. Returns {(impl, layout): (fwd, fwd+bwd)}."""
+    Bz, D, L = args.batch, args.dim, args.seqlen
+    dt, dev = torch.bfloat16, "cuda"
+    kops = torch.ops.packloader
     W = args.width
     x_cf = torch.randn(Bz, D, L, device=dev, dtype=dt)
     x_cl = x_cf.transpose(1, 2).contiguous().transpose(1, 2)
@@ -200,6 +229,8 @@ def main(argv=None):
         fbt = bench_reps(fb, args.conv_reps, args.warmup, args.conv_iters)
         add("causal_conv1d", f"ours {name} (position_ids)", "fwd+bwd", fbt)
         conv[("ours", name)] = (f, fbt)
+        gpu_rows(conv, ("ours", name), f"ours {name}", add, args, lambda: kops.causal_conv1d_fwd(x, w, cb, pos, True),
+                 fb)
         if args.deterministic:
             with deterministic_mode():
                 det = bench_reps(fb, args.conv_reps, args.warmup, args.conv_iters)
@@ -228,8 +259,60 @@ def main(argv=None):
             fbt = bench_reps(ufb, args.conv_reps, args.warmup, args.conv_iters)
             add("causal_conv1d", label, "fwd+bwd", fbt)
             conv[("up" + ("_seq" if si is not None else ""), name)] = (f, fbt)
+
+            def ufwd():
+                with torch.no_grad():
+                    causal_conv1d_fn(x, w, cb, seq_idx=si, activation="silu")
+
+            gpu_rows(conv, ("up" + ("_seq" if si is not None else ""), name), label, add, args, ufwd, ufb)
     except Exception as e:  # noqa: BLE001
         print(f"  (upstream causal_conv1d_fn unavailable: {type(e).__name__}: {e})")
+
+    return conv
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--dstate", type=int, default=16)
+    ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--conv-iters", type=int, default=100, help="conv calls are ~0.2-1 ms: more runs per median")
+    ap.add_argument("--conv-reps", type=int, default=10,
+                    help="conv calls per timed sample, back to back (the GPU never waits for Python, as in "
+                         "training); the sample is divided by this")
+    ap.add_argument("--graph-reps", type=int, default=10,
+                    help="conv calls captured per CUDA graph (the graph rows: GPU time without the host)")
+    ap.add_argument("--only", choices=("all", "scan", "conv"), default="all", help="time only these ops")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="also time ours under torch.use_deterministic_algorithms(True) (the scan adds dB/dC in a "
+                         "fixed block order), in the same run as the default mode")
+    args = ap.parse_args(argv)
+
+    import ops  # noqa: F401  (registers torch.ops.packloader.*)
+    from ops import _cuda
+
+    Bz, L = args.batch, args.seqlen
+    torch.manual_seed(0)
+    pos, seq_idx = packed_position_ids(Bz, L)
+    rows = []
+
+    def add(op, impl, phase, ms, note=""):
+        rows.append({"op": op, "impl": impl, "phase": phase, "ms": round(ms, 4), "note": note})
+        print(f"  {op:<15} {impl:<34} {phase:<8} {ms:9.3f} ms {note}", flush=True)
+
+    t0 = time.time()
+    _cuda.load()
+    print(f"ops._cuda loaded in {time.time() - t0:.1f} s", flush=True)
+    ours_f = ours_fb = ours_det_fb = up_f = up_fb = None
+    if args.only != "conv":
+        ours_f, ours_fb, ours_det_fb, up_f, up_fb = time_scan(args, pos, add)
+    torch.cuda.empty_cache()
+    conv = time_conv(args, pos, seq_idx, add) if args.only != "scan" else {}
 
     summary = {}
     if up_fb:
@@ -249,15 +332,24 @@ def main(argv=None):
         summary["conv_fwdbwd_ratio_cl_vs_upstream_cl"] = round(conv[("ours", "channel-last")][1] / conv[("up", "channel-last")][1], 3)
         summary["conv_fwd_ratio_cl_vs_upstream_cl"] = round(conv[("ours", "channel-last")][0] / conv[("up", "channel-last")][0], 3)
         summary["conv_target"] = "fwd+bwd <= 1.1x causal-conv1d without seq_idx"
+    for name, short in (("channel-first", "cf"), ("channel-last", "cl")):
+        for how in ("graph", "kernels"):
+            ours, up = conv.get(("ours", name, how)), conv.get(("up", name, how))
+            if ours and up:
+                summary[f"conv_{how}_fwdbwd_ratio_{short}_vs_upstream_{short}"] = round(ours[1] / up[1], 3)
+                if how == "graph":
+                    summary[f"conv_graph_fwd_ratio_{short}_vs_upstream_{short}"] = round(ours[0] / up[0], 3)
     print("\nsummary:", json.dumps(summary, indent=1))
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "shapes": {"batch": Bz, "dim": D, "seqlen": L, "dstate": N, "width": W, "dtype": "bf16",
+        "shapes": {"batch": Bz, "dim": args.dim, "seqlen": L, "dstate": args.dstate, "width": args.width, "dtype": "bf16",
                    "sequences_per_row": [int((pos[b] == 0).sum()) for b in range(Bz)]},
         "method": f"median of {args.iters} runs (conv: {args.conv_iters} samples of {args.conv_reps} calls issued "
-                  f"back to back, divided by {args.conv_reps}) after warm-up runs, CUDA events",
+                  f"back to back, divided by {args.conv_reps}) after warm-up runs, CUDA events; conv rows 'CUDA graph': "
+                  f"{args.conv_iters} replays of a graph of {args.graph_reps} calls, divided by {args.graph_reps}; "
+                  "'kernels alone': the sum of the kernels' durations under torch.profiler, 20 calls",
         "rows": rows, "summary": summary,
     }
     if args.out:
