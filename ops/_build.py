@@ -41,6 +41,7 @@ def defines() -> list:
     """``-D`` flags carrying :mod:`ops.contract` into the CUDA sources."""
     return [f"-DPACKLOADER_SCAN_CHUNK={contract.SCAN_CHUNK}", f"-DPACKLOADER_SCAN_LANES={contract.SCAN_LANES}",
             f"-DPACKLOADER_CONV_SLOT_STEPS={contract.CONV_SLOT_STEPS}",
+            f"-DPACKLOADER_CONV_MASK_RUN={contract.CONV_MASK_RUN}",
             f"-DPACKLOADER_SCAN_BLOCK_CHANNELS={contract.SCAN_BLOCK_CHANNELS}",
             f"-DPACKLOADER_SCAN_FWD_WARPS_PER_SM={contract.SCAN_FWD_WARPS_PER_SM}"]
 

@@ -3,7 +3,7 @@
 This module is the one home of the constants shared by the Python side and the CUDA sources (the CUDA build
 receives them as ``-D`` definitions; nothing is copied by hand into the headers).
 
-Four ops are registered with ``torch.library.custom_op`` in the ``packloader`` namespace (``torch.ops.packloader``).
+Five ops are registered with ``torch.library.custom_op`` in the ``packloader`` namespace (``torch.ops.packloader``).
 Each has a fake (meta) implementation giving output shapes, dtypes and strides, a reference implementation in
 pure PyTorch (every device but CUDA; any float dtype, float64 included), a CUDA implementation that calls the
 compiled kernels (``ops._cuda``), and, for the two forward ops, an autograd formula that calls the matching
@@ -39,15 +39,25 @@ dout, recompute_out=False) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out)
       CUDA kernel gives the forward's bits exactly), so a caller that needs it in its backward (``out_proj``'s
       weight gradient in the fused mixer) need not keep it from the forward; else an empty ``(0,)`` tensor.
 
-``packloader::causal_conv1d_fwd(x, weight, bias?, position_ids, silu) -> out``
+``packloader::conv_runmask(position_ids) -> runmask``
+    - The channel-first conv kernels' boundaries, one 16-bit word per run of ``CONV_MASK_RUN`` timesteps: bit ``i``
+      of word ``r`` is set when token ``r * CONV_MASK_RUN - 4 + i`` starts a sequence (``position_ids == 0``, or
+      ``t <= 0``) or lies outside the row. ``(b, conv_mask_stride(L))`` int16, words past the last run 0.
+    - A function of ``position_ids`` alone: a caller that runs the conv forward and backward on the same rows
+      computes it once and hands it to both (the ops compute it themselves when it is not given).
+
+``packloader::causal_conv1d_fwd(x, weight, bias?, position_ids, silu, runmask?) -> out``
     - ``x``: ``(b, d, L)``, either channel-first contiguous or dense channel-last (memory ``(b, L, d)``,
       ``x.stride() == (L*d, 1, d)``); the functional entry copies any other layout to channel-first.
     - ``weight``: ``(d, w)`` with ``CONV_MIN_WIDTH <= w <= CONV_MAX_WIDTH`` on the kernel (any ``w`` for the
       reference); ``bias`` (optional): ``(d,)``. Any float dtype (the kernel computes in float32).
     - ``silu``: apply SiLU to the output.
-    - ``out``: ``x``'s shape, dtype and strides. Saved for backward: ``x``, ``weight``, ``bias``, ``position_ids``.
+    - ``runmask`` (optional): ``conv_runmask(position_ids)``, used by the kernels that read boundaries as masks
+      (channel-first rows); never validated against ``position_ids`` (the caller computed it from them).
+    - ``out``: ``x``'s shape, dtype and strides. Saved for backward: ``x``, ``weight``, ``bias``, ``position_ids``,
+      ``runmask``.
 
-``packloader::causal_conv1d_bwd(x, weight, bias?, position_ids, silu, dout) -> (dx, dweight, dbias)``
+``packloader::causal_conv1d_bwd(x, weight, bias?, position_ids, silu, dout, runmask?) -> (dx, dweight, dbias)``
     - ``dout``: ``(b, d, L)``, any strides. ``dx`` has ``x``'s strides; ``dweight``, ``dbias`` their inputs'
       shapes and dtypes; ``dbias`` is an empty float32 ``(0,)`` tensor without a bias.
 
@@ -68,6 +78,7 @@ MAX_DSTATE = 16        # largest d_state the CUDA scan takes
 CONV_MIN_WIDTH = 2     # conv widths the CUDA conv takes
 CONV_MAX_WIDTH = 4
 CONV_SLOT_STEPS = 128  # the conv backward writes one dweight/dbias partial per block; at most one per this many steps
+CONV_MASK_RUN = 8      # timesteps per word of the conv's boundary mask (conv_runmask): a channel-first thread's run
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # activation dtypes the CUDA kernels take
 SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a B/C group (else: group by group)
 # the scan forward gives a channel the fewest threads (1, 2, 4 or 8) that still make at least this many warps per
@@ -83,6 +94,12 @@ SCAN_MIN_SEGMENT = 256
 # The ops' outputs follow their inputs' strides (the conv) and the CUDA implementations read raw pointers: a compiler
 # (inductor) must hand them their inputs with exactly the strides seen when tracing.
 OP_TAGS = (getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fixed_stride_order,)
+
+
+def conv_mask_stride(seqlen: int) -> int:
+    """Words per row of ``conv_runmask``'s mask: one per run of ``CONV_MASK_RUN`` timesteps, padded to a multiple of 8
+    (16 bytes)."""
+    return (-(-seqlen // CONV_MASK_RUN) + 7) // 8 * 8
 
 
 def scan_chunks(seqlen: int) -> int:

@@ -18,9 +18,9 @@ Example::
     >>> y_cl = ops.packed_causal_conv1d(x.transpose(1, 2).contiguous().transpose(1, 2), w,
     ...                                 activation="silu", position_ids=pos)  # channel-last
 
-The kernel ops ``torch.ops.packloader.causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (their contract: see
-:mod:`ops.contract`) are registered here: the reference implementation (every device but CUDA), the CUDA
-implementation (``ops._cuda``), the fake implementation and the autograd formula.
+The kernel ops ``torch.ops.packloader.causal_conv1d_fwd`` / ``causal_conv1d_bwd`` / ``conv_runmask`` (their
+contract: see :mod:`ops.contract`) are registered here: the reference implementation (every device but CUDA), the
+CUDA implementation (``ops._cuda``), the fake implementation and the autograd formula.
 """
 from __future__ import annotations
 
@@ -30,11 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .contract import CONV_SLOT_STEPS
 from .boundaries import resolve_position_ids, row_positions
-from .contract import OP_TAGS
+from .contract import CONV_MASK_RUN, CONV_SLOT_STEPS, OP_TAGS, conv_mask_stride
 
-__all__ = ["packed_causal_conv1d", "causal_conv1d_ref", "causal_conv1d_fwd", "causal_conv1d_bwd"]
+__all__ = ["packed_causal_conv1d", "causal_conv1d_ref", "conv_runmask", "causal_conv1d_fwd", "causal_conv1d_bwd"]
 
 
 def _norm_activation(activation):
@@ -189,7 +188,7 @@ def _like_layout(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _conv_fwd_cuda(x, weight, bias, position_ids, silu):
+def _conv_fwd_cuda(x, weight, bias, position_ids, silu, runmask=None):
     _check_layout(x)
     if _backends.implementation("causal_conv1d", "cuda", x.dtype, width=weight.shape[1]) == "reference":
         return _conv_fwd_reference(x, weight, bias, position_ids, silu)
@@ -200,11 +199,11 @@ def _conv_fwd_cuda(x, weight, bias, position_ids, silu):
         out = _like(x)
     if x.numel() > 0:
         ext.conv_fwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
-                     position_ids.to(torch.int32).contiguous(), bool(silu), out)
+                     position_ids.to(torch.int32).contiguous(), bool(silu), out, runmask)
     return out
 
 
-def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
+def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout, runmask=None):
     _check_layout(x)
     if _backends.implementation("causal_conv1d", "cuda", x.dtype, width=weight.shape[1]) == "reference":
         return _conv_bwd_reference(x, weight, bias, position_ids, silu, dout)
@@ -228,7 +227,8 @@ def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
             dweight = torch.empty(dim, width, **f32)
             dbias = None if bias is None else torch.empty(dim, **f32)
         used = ext.conv_bwd(x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(),
-                            position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dw_part, dweight, dbias)
+                            position_ids.to(torch.int32).contiguous(), bool(silu), dout, dx, dw_part, dweight, dbias,
+                            runmask)
         if not 1 <= used <= slots:
             raise RuntimeError(f"packloader ops: the conv backward wrote {used} dweight slots, the buffer holds {slots}")
     # float32 parameters need no copy
@@ -237,11 +237,45 @@ def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout):
     return dx, dweight.to(weight.dtype), dbias.to(bias.dtype)
 
 
+def _runmask_reference(position_ids: torch.Tensor) -> torch.Tensor:
+    """The boundary words of ``conv_runmask`` in plain PyTorch (any device)."""
+    batch, seqlen = position_ids.shape
+    nruns = -(-seqlen // CONV_MASK_RUN)
+    dev = position_ids.device
+    t = (torch.arange(nruns, device=dev)[:, None] * CONV_MASK_RUN - 4 + torch.arange(16, device=dev)[None, :])
+    inside = (t > 0) & (t < seqlen)
+    starts = ~inside | (position_ids[:, t.clamp(0, max(seqlen - 1, 0))] == 0) if seqlen else ~inside.expand(batch, -1, -1)
+    bits = (starts.to(torch.int32) << torch.arange(16, device=dev, dtype=torch.int32)).sum(-1)
+    out = torch.zeros(batch, conv_mask_stride(seqlen), dtype=torch.int16, device=dev)
+    out[:, :nruns] = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16)
+    return out
+
+
+@torch.library.custom_op("packloader::conv_runmask", mutates_args=(), device_types=None, tags=OP_TAGS)
+def conv_runmask(position_ids: torch.Tensor) -> torch.Tensor:
+    """The channel-first conv kernels' boundary words for these ``position_ids`` -> (batch, conv_mask_stride(seqlen))
+    int16 (format: :mod:`ops.contract`). Hand the result to ``causal_conv1d_fwd`` and ``causal_conv1d_bwd`` of the same
+    rows, and the mask is made once instead of once per op. This body is the reference implementation."""
+    return _runmask_reference(position_ids)
+
+
+@conv_runmask.register_kernel("cuda")
+def _conv_runmask_cuda(position_ids):
+    if position_ids.numel() == 0 or _backends.implementation("causal_conv1d", "cuda", torch.float32) == "reference":
+        return _runmask_reference(position_ids)
+    return _backends.load_kernels().conv_runmask(position_ids.to(torch.int32).contiguous())
+
+
+@conv_runmask.register_fake
+def _conv_runmask_fake(position_ids):
+    return position_ids.new_empty(position_ids.shape[0], conv_mask_stride(position_ids.shape[1]), dtype=torch.int16)
+
+
 @torch.library.custom_op("packloader::causal_conv1d_fwd", mutates_args=(), device_types=None, tags=OP_TAGS)
 def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      position_ids: torch.Tensor, silu: bool) -> torch.Tensor:
+                      position_ids: torch.Tensor, silu: bool, runmask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Packed causal conv1d forward -> out (x's strides); see :mod:`ops.contract`. This body is the reference
-    implementation, used on every device but CUDA."""
+    implementation, used on every device but CUDA (it needs no ``runmask``)."""
     return _conv_fwd_reference(x, weight, bias, position_ids, silu)
 
 
@@ -249,17 +283,17 @@ causal_conv1d_fwd.register_kernel("cuda")(_conv_fwd_cuda)
 
 
 @causal_conv1d_fwd.register_fake
-def _conv_fwd_fake(x, weight, bias, position_ids, silu):
+def _conv_fwd_fake(x, weight, bias, position_ids, silu, runmask=None):
     _check_layout(x)
     return _like(x)
 
 
 @torch.library.custom_op("packloader::causal_conv1d_bwd", mutates_args=(), device_types=None, tags=OP_TAGS)
 def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      position_ids: torch.Tensor, silu: bool, dout: torch.Tensor
-                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      position_ids: torch.Tensor, silu: bool, dout: torch.Tensor,
+                      runmask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed causal conv1d backward -> (dx, dweight, dbias); see :mod:`ops.contract`. This body is the
-    reference implementation, used on every device but CUDA."""
+    reference implementation, used on every device but CUDA (it needs no ``runmask``)."""
     return _conv_bwd_reference(x, weight, bias, position_ids, silu, dout)
 
 
@@ -267,25 +301,37 @@ causal_conv1d_bwd.register_kernel("cuda")(_conv_bwd_cuda)
 
 
 @causal_conv1d_bwd.register_fake
-def _conv_bwd_fake(x, weight, bias, position_ids, silu, dout):
+def _conv_bwd_fake(x, weight, bias, position_ids, silu, dout, runmask=None):
     _check_layout(x)
     dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None else _absent(x)
     return _like(x), torch.empty(weight.shape, dtype=weight.dtype, device=weight.device), dbias
 
 
 def _conv_setup_context(ctx, inputs, output):
-    x, weight, bias, position_ids, silu = inputs
-    ctx.save_for_backward(x, weight, bias, position_ids)
+    x, weight, bias, position_ids, silu, runmask = inputs
+    ctx.save_for_backward(x, weight, bias, position_ids, runmask)
     ctx.silu = silu
 
 
 def _conv_backward(ctx, dout):
-    x, weight, bias, position_ids = ctx.saved_tensors
-    dx, dweight, dbias = causal_conv1d_bwd(x, weight, bias, position_ids, ctx.silu, dout)
-    return dx, dweight, (dbias if bias is not None else None), None, None
+    x, weight, bias, position_ids, runmask = ctx.saved_tensors
+    dx, dweight, dbias = causal_conv1d_bwd(x, weight, bias, position_ids, ctx.silu, dout, runmask)
+    return dx, dweight, (dbias if bias is not None else None), None, None, None
 
 
 causal_conv1d_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
+def runmask_for(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """``conv_runmask(position_ids)`` where the kernels that read it may run (channel-first rows the CUDA kernels
+    take), else None: what a caller computes once and hands to a conv forward and its backward."""
+    if not (x.is_cuda and x.is_contiguous()):
+        return None
+    width = weight.shape[-1]
+    if (_backends.unsupported_reason("causal_conv1d", x.dtype, width=width) is not None
+            or _backends.implementation("causal_conv1d", "cuda", x.dtype, width=width) != "cuda"):
+        return None
+    return conv_runmask(position_ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,12 +393,13 @@ def packed_causal_conv1d(
     pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=x.device, validate=validate)
     if pos is None:
         pos = row_positions(batch, seqlen, x.device)
-    args = (kernel_layout(x), weight, bias, pos, activation == "silu")
+    xk = kernel_layout(x)
+    args = (xk, weight, bias, pos, activation == "silu")
     if backend is None or backend == "auto":
-        out = causal_conv1d_fwd(*args)
+        out = causal_conv1d_fwd(*args, runmask_for(xk, weight, pos))
     else:
         with _backends.use_backend_for_call(backend):
-            out = causal_conv1d_fwd(*args)
+            out = causal_conv1d_fwd(*args, runmask_for(xk, weight, pos))
     return _zero_padding(out, seq_idx)
 
 

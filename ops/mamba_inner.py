@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from . import conv1d_interface as _conv_ops  # noqa: F401  (registers torch.ops.packloader.causal_conv1d_*)
+from . import conv1d_interface as _conv_ops  # registers torch.ops.packloader.causal_conv1d_*
 from . import selective_scan_interface as _scan_ops  # noqa: F401  (registers torch.ops.packloader.selective_scan_*)
 from .boundaries import resolve_position_ids, row_positions
 from .conv1d_interface import packed_causal_conv1d
@@ -111,7 +111,9 @@ class PackedMambaInnerFn(torch.autograd.Function):
             z = z + in_proj_bias[d_inner:, None].to(z.dtype)
         cw = conv1d_weight.reshape(d_inner, width).contiguous()
         cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
-        xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, position_ids, True)  # (b, d_inner, l)
+        # the conv's boundary words, made once for its forward, its recomputation and its backward
+        runmask = _conv_ops.runmask_for(x, cw, position_ids)
+        xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, position_ids, True, runmask)  # (b, d_inner, l)
         x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))  # (b, l, r+2n)
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))  # (b, d_inner, l)
         Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()  # (b, n, l)
@@ -134,14 +136,14 @@ class PackedMambaInnerFn(torch.autograd.Function):
             xc_saved, delta_saved = xc, delta
         ctx.save_for_backward(
             hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-            out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, xc_saved, delta_saved,
+            out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, xc_saved, delta_saved, runmask,
         )
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-         out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, xc, delta) = ctx.saved_tensors
+         out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, xc, delta, runmask) = ctx.saved_tensors
         batch, seqlen, d_model = hidden_states.shape
         d_inner = x.shape[1]
         dt_rank = delta_proj_weight.shape[1]
@@ -149,7 +151,7 @@ class PackedMambaInnerFn(torch.autograd.Function):
         w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)
         if xc is None:
-            xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, position_ids, True)
+            xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, position_ids, True, runmask)
             delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         # out_proj
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))  # (b, d_inner, l)
@@ -173,7 +175,7 @@ class PackedMambaInnerFn(torch.autograd.Function):
         dxc = dxc.to(xc.dtype)
         dxc.baddbmm_(x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1), dx_dbl.transpose(1, 2))
         # conv
-        dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc)
+        dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
         dx = dx.contiguous()
         dz = dz.contiguous().to(z.dtype)
         # in_proj

@@ -118,32 +118,53 @@ static po::ConvParams conv_params(const Tensor &x, const Tensor &weight, const O
   return p;
 }
 
-// scratch for the channel-first kernels' boundary masks: one 16-bit word per run of 8 timesteps (none for
-// channel-last x, whose kernels read position_ids directly)
-static Tensor conv_runmask(const Tensor &x) {
+// the channel-first kernels' boundary words: the caller's (packloader::conv_runmask of these position_ids), else
+// scratch the launch fills (none for channel-last x, whose kernels read position_ids directly)
+static Tensor conv_runmask_for(const Tensor &x, const OptT &given, po::ConvParams &p) {
   const bool channel_last = x.stride(1) == 1 && x.size(1) > 1;
-  return at::empty({channel_last ? 0 : x.size(0), (int64_t)po::conv_mask_stride((int)x.size(2))},
-                   x.options().dtype(at::kShort));
+  const int64_t stride = po::conv_mask_stride((int)x.size(2));
+  if (given && !channel_last) {
+    TORCH_CHECK(given->scalar_type() == at::kShort && given->is_contiguous() && given->device() == x.device() &&
+                    given->dim() == 2 && given->size(0) == x.size(0) && given->size(1) == stride,
+                "runmask must be packloader::conv_runmask(position_ids): int16 (", x.size(0), ", ", stride,
+                ") contiguous on x's device, got ", given->sizes());
+    p.runmask = reinterpret_cast<uint16_t *>(given->data_ptr());
+    p.runmask_given = true;
+    return *given;
+  }
+  Tensor scratch = at::empty({channel_last ? 0 : x.size(0), stride}, x.options().dtype(at::kShort));
+  p.runmask = scratch.numel() ? reinterpret_cast<uint16_t *>(scratch.data_ptr()) : nullptr;
+  p.runmask_given = false;
+  return scratch;
 }
 
-void conv_fwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor out) {
+Tensor conv_runmask(Tensor pos) {
+  c10::cuda::CUDAGuard guard(pos.device());
+  TORCH_CHECK(pos.scalar_type() == at::kInt && pos.is_contiguous() && pos.dim() == 2,
+              "position_ids must be int32 (batch, seqlen) contiguous");
+  Tensor mask = at::empty({pos.size(0), (int64_t)po::conv_mask_stride((int)pos.size(1))}, pos.options().dtype(at::kShort));
+  po::conv_runmask_launch(pos.data_ptr<int>(), reinterpret_cast<uint16_t *>(mask.data_ptr()), (int)pos.size(0),
+                          (int)pos.size(1), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return mask;
+}
+
+void conv_fwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor out, OptT runmask) {
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(out.strides() == x.strides(), "out must have x's layout");
   po::ConvParams p = conv_params(x, weight, bias, pos, silu);
-  Tensor runmask = conv_runmask(x);
-  p.runmask = runmask.numel() ? reinterpret_cast<uint16_t *>(runmask.data_ptr()) : nullptr;
+  Tensor mask = conv_runmask_for(x, runmask, p);
   p.out = out.data_ptr();
   po::conv_fwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 int64_t conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tensor dout, Tensor dx, Tensor dw_part,
-                 Tensor dweight, OptT dbias) {
+                 Tensor dweight, OptT dbias, OptT runmask) {
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(dx.strides() == x.strides(), "dx must have x's layout");
   po::ConvParams p = conv_params(x, weight, bias, pos, silu);
-  Tensor runmask = conv_runmask(x);
-  p.runmask = runmask.numel() ? reinterpret_cast<uint16_t *>(runmask.data_ptr()) : nullptr;
+  Tensor mask = conv_runmask_for(x, runmask, p);
   p.g_bs = dout.stride(0);
   p.g_cs = dout.stride(1);
   p.g_ls = dout.stride(2);
@@ -165,6 +186,7 @@ int64_t conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan_fwd", &scan_fwd, "packed selective scan forward");
   m.def("scan_bwd", &scan_bwd, "packed selective scan backward");
+  m.def("conv_runmask", &conv_runmask, "boundary words of the channel-first conv kernels");
   m.def("conv_fwd", &conv_fwd, "packed causal conv1d forward");
   m.def("conv_bwd", &conv_bwd, "packed causal conv1d backward");
 }

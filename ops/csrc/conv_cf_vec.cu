@@ -4,8 +4,9 @@
 // kRun = 8 timesteps (runs j * 128 + thread, so a warp's runs are 256 consecutive timesteps) and loads every
 // vector it needs (its runs' x, the 4 steps before each run, dout in the backward) straight into registers before
 // using any, so a thread keeps kRpt 16-byte loads in flight; the 4-step halo is the previous run's tail, an L1 hit.
-// Boundaries come from one 16-bit mask per run (conv_runmask_kernel, once per call) instead of 8 position ids
-// per run and channel.
+// Boundaries come from one 16-bit mask per run (conv_runmask_kernel: once per call, or once for a forward and its
+// backward when the caller hands both the packloader::conv_runmask op's words) instead of 8 position ids per run and
+// channel.
 //
 //   runmask bit i of run r  <=>  token 8r - 4 + i starts a sequence (position_ids == 0, or t == 0) or lies
 //                                 outside the row
@@ -31,16 +32,18 @@ namespace {
 __global__ void conv_runmask_kernel(const int *pos, uint16_t *mask, int L, int nruns, int stride, int total) {
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= total) return;
-  const int b = idx / nruns, r = idx - b * nruns;
+  const int b = idx / stride, r = idx - b * stride;
   const int *row = pos + (int64_t)b * L;
   unsigned m = 0;
+  if (r < nruns) {   // the words past the last run are 0
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int t = r * kRun - 4 + i;
-    const bool start = t <= 0 || t >= L || row[t] == 0;
-    m |= static_cast<unsigned>(start) << i;
+    for (int i = 0; i < 16; ++i) {
+      const int t = r * kRun - 4 + i;
+      const bool start = t <= 0 || t >= L || row[t] == 0;
+      m |= static_cast<unsigned>(start) << i;
+    }
   }
-  mask[(int64_t)b * stride + r] = static_cast<uint16_t>(m);
+  mask[idx] = static_cast<uint16_t>(m);
 }
 
 // relevant bits of a run's mask: tokens t0 - 2 .. t0 + 7 (taps of its own tokens reach back 3 steps)
@@ -291,9 +294,7 @@ int cf_vec_runs(const ConvParams &p, int elt, bool bwd) {
 
 template <typename T, int kW>
 int launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int rpt) {
-  const int nruns = (p.seqlen + kRun - 1) / kRun, total = p.batch * nruns;
-  conv_runmask_kernel<<<(total + 255) / 256, 256, 0, st>>>(p.pos, p.runmask, p.seqlen, nruns,
-                                                           conv_mask_stride(p.seqlen), total);
+  if (!p.runmask_given) conv_runmask_launch(p.pos, p.runmask, p.batch, p.seqlen, st);
   const int tile = kSpanCF * rpt;
   const dim3 grid(p.dim, (p.seqlen + tile - 1) / tile, p.batch);
   if (bwd) {
@@ -306,6 +307,15 @@ int launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int rpt) {
   }
   return bwd ? (int)(grid.y * grid.z) : 0;
 }
+
+}  // namespace conv
+
+void conv_runmask_launch(const int *pos, uint16_t *mask, int batch, int seqlen, cudaStream_t st) {
+  const int nruns = (seqlen + conv::kRun - 1) / conv::kRun, stride = conv_mask_stride(seqlen), total = batch * stride;
+  if (total > 0) conv::conv_runmask_kernel<<<(total + 255) / 256, 256, 0, st>>>(pos, mask, seqlen, nruns, stride, total);
+}
+
+namespace conv {
 
 #define INSTANTIATE(T, W) template int launch_cf_vec<T, W>(const ConvParams &, cudaStream_t, bool, int);
 PACKLOADER_CONV_FOR_EACH_TYPE_WIDTH(INSTANTIATE)

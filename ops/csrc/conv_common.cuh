@@ -68,6 +68,7 @@ __device__ __forceinline__ float silu_grad_factor(float pre) {
 
 // channel-first run geometry
 constexpr int kRun = 8;          // timesteps per thread
+static_assert(kRun == kConvMaskRun, "a boundary-mask word covers one channel-first run (ops/contract.py)");
 constexpr int kThreadsCF = 128;  // 1024 timesteps per block
 constexpr int kSpanCF = kRun * kThreadsCF;
 

@@ -41,9 +41,9 @@ struct ScanParams {
 
 // The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.
 #if !defined(PACKLOADER_SCAN_CHUNK) || !defined(PACKLOADER_SCAN_LANES) || !defined(PACKLOADER_CONV_SLOT_STEPS) || \
-    !defined(PACKLOADER_SCAN_BLOCK_CHANNELS) || \
+    !defined(PACKLOADER_SCAN_BLOCK_CHANNELS) || !defined(PACKLOADER_CONV_MASK_RUN) || \
     !defined(PACKLOADER_SCAN_FWD_WARPS_PER_SM)
-#error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS, _SCAN_BLOCK_CHANNELS, _SCAN_FWD_WARPS_PER_SM from ops/contract.py"
+#error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS, _CONV_MASK_RUN, _SCAN_BLOCK_CHANNELS, _SCAN_FWD_WARPS_PER_SM from ops/contract.py"
 #endif
 constexpr int kScanChunk = PACKLOADER_SCAN_CHUNK;   // timesteps staged in shared memory at a time; one saved state a chunk
 constexpr int kScanLanes = PACKLOADER_SCAN_LANES;   // state lanes per channel (dstate padded up to this)
@@ -66,7 +66,8 @@ struct ConvParams {
   const void *x;
   const float *weight, *bias;   // bias may be null
   const int *pos;
-  uint16_t *runmask;            // scratch of (batch, conv_mask_stride(seqlen)) for the channel-first kernels
+  uint16_t *runmask;            // (batch, conv_mask_stride(seqlen)) boundary words for the channel-first kernels:
+  bool runmask_given;           // filled by the caller (conv_runmask_launch) when set, else scratch the launch fills
   bool cl_vec;                  // channel-last rows aligned to the kernels' vectors (set by the launcher)
   void *out;
   const void *dout;
@@ -77,12 +78,16 @@ struct ConvParams {
   float *dweight, *dbias;       // fp32 (dim, width), (dim); dbias null without bias
 };
 
-// Row stride (in 16-bit words) of the channel-first kernels' boundary masks: one word per run of 8 timesteps,
-// padded to a multiple of 8 words (16 bytes).
+// Row stride (in 16-bit words) of the channel-first kernels' boundary masks: one word per run of
+// PACKLOADER_CONV_MASK_RUN timesteps, padded to a multiple of 8 words (16 bytes); ops/contract.py, conv_mask_stride.
+constexpr int kConvMaskRun = PACKLOADER_CONV_MASK_RUN;
 #ifdef __CUDACC__
 __host__ __device__
 #endif
-inline int conv_mask_stride(int seqlen) { return ((seqlen + 7) / 8 + 7) / 8 * 8; }
+inline int conv_mask_stride(int seqlen) { return ((seqlen + kConvMaskRun - 1) / kConvMaskRun + 7) / 8 * 8; }
+
+// The boundary words of conv_runmask (ops/contract.py): (batch, conv_mask_stride(seqlen)), every word written.
+void conv_runmask_launch(const int *pos, uint16_t *mask, int batch, int seqlen, cudaStream_t stream);
 
 void conv_fwd_launch(const ConvParams &p, cudaStream_t stream);
 int conv_bwd_launch(const ConvParams &p, cudaStream_t stream);   // returns the dw_part slots written and summed

@@ -234,14 +234,26 @@ class FakeExt:
             else:
                 buf.copy_(g)
 
-    def conv_fwd(self, x, weight, bias, pos, silu, out):
+    def conv_runmask(self, pos):
+        assert pos.dtype == torch.int32 and pos.is_contiguous()
+        self.calls.append(("conv_runmask",))
+        return conv_mod._runmask_reference(pos)
+
+    @staticmethod
+    def _check_runmask(x, pos, runmask):
+        if runmask is not None:   # the op's words for these position_ids, handed on as they are
+            assert torch.equal(runmask, conv_mod._runmask_reference(pos))
+
+    def conv_fwd(self, x, weight, bias, pos, silu, out, runmask):
         self._check_conv(x, weight, bias, pos)
+        self._check_runmask(x, pos, runmask)
         self.calls.append(("conv_fwd", x.stride()))
         assert out.stride() == x.stride() and out.dtype == x.dtype
         out.copy_(conv_mod._conv_fwd_reference(x, weight, bias, pos, silu))
 
-    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dw_part, dweight, dbias):
+    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dw_part, dweight, dbias, runmask):
         self._check_conv(x, weight, bias, pos)
+        self._check_runmask(x, pos, runmask)
         self.calls.append(("conv_bwd", x.stride(), dout.stride()))
         batch, dim, seqlen = x.shape
         width = weight.shape[1]
@@ -406,7 +418,7 @@ def test_exports():
     assert set(ops.__all__) <= set(dir(ops))
     with pytest.raises(AttributeError, match="module 'ops' has no attribute 'selective_scan_fn'"):
         ops.selective_scan_fn  # noqa: B018
-    for name in ("selective_scan_fwd", "selective_scan_bwd", "causal_conv1d_fwd", "causal_conv1d_bwd"):
+    for name in ("selective_scan_fwd", "selective_scan_bwd", "conv_runmask", "causal_conv1d_fwd", "causal_conv1d_bwd"):
         assert hasattr(torch.ops.packloader, name), name
 
 

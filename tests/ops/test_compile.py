@@ -210,6 +210,14 @@ def test_gpu_opcheck(cuda, dtype):
                               (x.requires_grad_(True), w.requires_grad_(True), cb.requires_grad_(True), pos, True))
         torch.library.opcheck(torch.ops.packloader.causal_conv1d_bwd,
                               (x.detach(), w.detach(), cb.detach(), pos, True, torch.randn(b, d, L, device=cuda)))
+        runmask = torch.ops.packloader.conv_runmask(pos)
+        torch.library.opcheck(torch.ops.packloader.conv_runmask, (pos,))
+        torch.library.opcheck(torch.ops.packloader.causal_conv1d_fwd,
+                              (x.requires_grad_(True), w.requires_grad_(True), cb.requires_grad_(True), pos, True,
+                               runmask))
+        torch.library.opcheck(torch.ops.packloader.causal_conv1d_bwd,
+                              (x.detach(), w.detach(), cb.detach(), pos, True, torch.randn(b, d, L, device=cuda),
+                               runmask))
 
 
 @pytest.mark.gpu

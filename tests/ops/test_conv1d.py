@@ -283,6 +283,11 @@ def test_opcheck(seed, width, channel_last, bias, silu):
     dout = torch.randn(2, 5, 9, dtype=F64)
     torch.library.opcheck(torch.ops.packloader.causal_conv1d_bwd,
                           (x.detach(), w.detach(), None if b is None else b.detach(), pos, silu, dout))
+    runmask = torch.ops.packloader.conv_runmask(pos)
+    torch.library.opcheck(torch.ops.packloader.conv_runmask, (pos,))
+    torch.library.opcheck(torch.ops.packloader.causal_conv1d_fwd, (x, w, b, pos, silu, runmask))
+    torch.library.opcheck(torch.ops.packloader.causal_conv1d_bwd,
+                          (x.detach(), w.detach(), None if b is None else b.detach(), pos, silu, dout, runmask))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ops import _build
-from ops.contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES
+from ops.contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES, conv_mask_stride
 
 from ._helpers import misaligned_copy
 from .test_cuda_kernels import (GRAD_NAMES, TOL, conv_ref64, kernel_err, lengths_mix, position_ids_for, rel_err,
@@ -334,23 +334,34 @@ class EmulatedExt:
 
 
     @staticmethod
-    def _conv_args(x, weight, bias, pos, silu):
+    def _conv_args(x, weight, bias, pos, silu, runmask):
         batch, dim, L = x.shape
         xs = (ctypes.c_int64 * 3)(*x.stride())
         channel_last = x.stride(1) == 1 and dim > 1
-        # binding.cpp's conv_runmask: scratch for the channel-first kernels' boundary masks
-        runmask = None if channel_last else torch.empty(batch, ((L + 7) // 8 + 7) // 8 * 8, dtype=torch.int16)
+        # binding.cpp's conv_runmask_for: the caller's boundary words, else scratch the launch fills
+        given = runmask is not None and not channel_last
+        if given:
+            assert runmask.dtype == torch.int16 and runmask.shape == (batch, conv_mask_stride(L))
+        elif not channel_last:
+            runmask = torch.empty(batch, conv_mask_stride(L), dtype=torch.int16)
+        else:
+            runmask = None
         return (DTYPE_CODE[x.dtype], batch, dim, L, weight.shape[1], int(silu), ptr(x), xs, ptr(weight), ptr(bias),
-                ptr(pos), ptr(runmask)), runmask
+                ptr(pos), ptr(runmask), int(given)), runmask
 
-    def conv_fwd(self, x, weight, bias, pos, silu, out):
+    def conv_runmask(self, pos):
+        mask = torch.empty(pos.shape[0], conv_mask_stride(pos.shape[1]), dtype=torch.int16)
+        emu_call(self.so, "emu_conv_runmask", ptr(pos), ptr(mask), *pos.shape)
+        return mask
+
+    def conv_fwd(self, x, weight, bias, pos, silu, out, runmask):
         assert out.stride() == x.stride(), "out must have x's layout"
-        args, keep = self._conv_args(x, weight, bias, pos, silu)
+        args, keep = self._conv_args(x, weight, bias, pos, silu, runmask)
         emu_call(self.so, "emu_conv_fwd", *args, ptr(out))
 
-    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dw_part, dweight, dbias):
+    def conv_bwd(self, x, weight, bias, pos, silu, dout, dx, dw_part, dweight, dbias, runmask):
         assert dx.stride() == x.stride(), "dx must have x's layout"
-        args, keep = self._conv_args(x, weight, bias, pos, silu)
+        args, keep = self._conv_args(x, weight, bias, pos, silu, runmask)
         return emu_call(self.so, "emu_conv_bwd", *args, ptr(dout), (ctypes.c_int64 * 3)(*dout.stride()), ptr(dx),
                         ptr(dw_part), ptr(dweight), ptr(dbias))
 
@@ -700,3 +711,61 @@ def test_conv_dweight_sums_many_slots_in_a_fixed_order(cuda_path_on_cpu, seed, l
     assert kernel_err(dx, leaves[0].grad) <= TOL[torch.float32]
     again = ci._conv_bwd_cuda(x, weight, None, pos, True, dout)
     assert torch.equal(again[0], dx) and torch.equal(again[1], dweight)
+
+
+def runmask_twin(pos_row: list, seqlen: int) -> list:
+    """Pure-Python twin of the conv's boundary words (ops/contract.py, conv_runmask): bit i of word r is set when
+    token 8r - 4 + i starts a sequence or lies outside the row."""
+    words = []
+    for r in range(-(-seqlen // 8)):
+        m = 0
+        for i in range(16):
+            t = 8 * r - 4 + i
+            if t <= 0 or t >= seqlen or pos_row[t] == 0:
+                m |= 1 << i
+        words.append(m - (1 << 16) if m >= 1 << 15 else m)
+    return words + [0] * (conv_mask_stride(seqlen) - len(words))
+
+
+@pytest.mark.parametrize("seqlen", [1, 3, 8, 9, 67, 136, 320])
+def test_conv_runmask_kernel_reference_and_twin_agree(emulator, seed, seqlen):
+    """The boundary words three ways: the CUDA kernel (emulated), the op's reference (torch) and a Python twin, on
+    rows with length-1 sequences, sequences shorter than a run and one sequence a row; every word of the padded row
+    is written (the words past the last run are 0)."""
+    from ops import conv1d_interface as ci
+
+    rows = [lengths_mix(seqlen, kind) for kind in ("tiny", "mixed", "one")]
+    pos = position_ids_for(rows, "cpu").to(torch.int32)
+    got = EmulatedExt(emulator).conv_runmask(pos)
+    ref = ci._runmask_reference(pos)
+    assert got.shape == ref.shape == (3, conv_mask_stride(seqlen))
+    assert torch.equal(got, ref)
+    for b in range(3):
+        assert got[b].tolist() == runmask_twin(pos[b].tolist(), seqlen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_with_a_given_runmask_gives_the_same_bits(cuda_path_on_cpu, seed, dtype):
+    """A forward and its backward handed conv_runmask's words (made once) give the bits of the ops that make them
+    themselves; the channel-last kernels, which read position_ids, ignore them."""
+    from ops import conv1d_interface as ci
+
+    batch, dim, L, width = 2, 16, 320, 4
+    pos = position_ids_for([lengths_mix(L, kind) for kind in ("tiny", "mixed")], "cpu").to(torch.int32)
+    runmask = ci._conv_runmask_cuda(pos)
+    assert torch.equal(runmask, ci._runmask_reference(pos))
+    weight, bias = 0.5 * torch.randn(dim, width), torch.randn(dim)
+    dout = torch.randn(batch, dim, L).to(dtype)
+    for layout in ("cf", "cl"):
+        x = ci.kernel_layout(conv_input(layout, batch, dim, L, dtype))
+        if layout == "cf":   # the kernels that read the words: a wrong word must change the output
+            wrong = runmask.clone()
+            wrong[:, 1:20] = 0
+            assert not torch.equal(ci._conv_fwd_cuda(x, weight, bias, pos, True, wrong),
+                                   ci._conv_fwd_cuda(x, weight, bias, pos, True))
+        with_mask = (ci._conv_fwd_cuda(x, weight, bias, pos, True, runmask),
+                     *ci._conv_bwd_cuda(x, weight, bias, pos, True, dout, runmask))
+        without = (ci._conv_fwd_cuda(x, weight, bias, pos, True),
+                   *ci._conv_bwd_cuda(x, weight, bias, pos, True, dout))
+        for a, b in zip(with_mask, without):
+            assert torch.equal(a, b)

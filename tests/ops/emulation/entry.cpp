@@ -61,31 +61,35 @@ extern "C" void emu_scan_bwd(int in_dtype, int w_f32, int batch, int dim, int se
 }
 
 // x_strides / g_strides: (batch, dim, seqlen) strides in elements; runmask: (batch, conv_mask_stride(seqlen)) int16
-// scratch for channel-first x (binding.cpp's conv_runmask), else null
+// for channel-first x (binding.cpp's conv_runmask_for), else null: the caller's words when runmask_given, else scratch
 static ConvParams conv_params(int dtype, int batch, int dim, int seqlen, int width, int silu, const void *x,
                               const int64_t *xs, const float *weight, const float *bias, const int *pos,
-                              uint16_t *runmask) {
+                              uint16_t *runmask, int runmask_given) {
   ConvParams p{};
   p.batch = batch; p.dim = dim; p.seqlen = seqlen; p.width = width; p.silu = silu; p.dtype = dtype;
   p.x_bs = xs[0]; p.x_cs = xs[1]; p.x_ls = xs[2];
   p.channel_last = xs[1] == 1 && dim > 1;
-  p.x = x; p.weight = weight; p.bias = bias; p.pos = pos; p.runmask = runmask;
+  p.x = x; p.weight = weight; p.bias = bias; p.pos = pos; p.runmask = runmask; p.runmask_given = runmask_given;
   return p;
+}
+
+extern "C" void emu_conv_runmask(const int *pos, uint16_t *mask, int batch, int seqlen) {
+  conv_runmask_launch(pos, mask, batch, seqlen, nullptr);
 }
 
 extern "C" void emu_conv_fwd(int dtype, int batch, int dim, int seqlen, int width, int silu, const void *x,
                              const int64_t *xs, const float *weight, const float *bias, const int *pos,
-                             uint16_t *runmask, void *out) {
-  ConvParams p = conv_params(dtype, batch, dim, seqlen, width, silu, x, xs, weight, bias, pos, runmask);
+                             uint16_t *runmask, int runmask_given, void *out) {
+  ConvParams p = conv_params(dtype, batch, dim, seqlen, width, silu, x, xs, weight, bias, pos, runmask, runmask_given);
   p.out = out;
   conv_fwd_launch(p, nullptr);
 }
 
 extern "C" int emu_conv_bwd(int dtype, int batch, int dim, int seqlen, int width, int silu, const void *x,
                             const int64_t *xs, const float *weight, const float *bias, const int *pos,
-                            uint16_t *runmask, const void *dout, const int64_t *gs, void *dx, float *dw_part,
-                            float *dweight, float *dbias) {
-  ConvParams p = conv_params(dtype, batch, dim, seqlen, width, silu, x, xs, weight, bias, pos, runmask);
+                            uint16_t *runmask, int runmask_given, const void *dout, const int64_t *gs, void *dx,
+                            float *dw_part, float *dweight, float *dbias) {
+  ConvParams p = conv_params(dtype, batch, dim, seqlen, width, silu, x, xs, weight, bias, pos, runmask, runmask_given);
   p.g_bs = gs[0]; p.g_cs = gs[1]; p.g_ls = gs[2];
   p.dout = dout; p.dx = dx; p.dw_part = dw_part; p.dweight = dweight; p.dbias = dbias;
   return conv_bwd_launch(p, nullptr);
