@@ -256,7 +256,7 @@ def run_mode(mode, width, lengths, args, device):
 KERNEL_KINDS = (  # (kind, substrings of a kernel's name, lower case); the first match wins
     ("scan fwd", ("scan_fwd", "selective_scan_fwd")),
     ("scan bwd", ("scan_bwd", "selective_scan_bwd")),
-    ("conv", ("conv1d", "conv_fwd", "conv_bwd", "conv_runmask", "causal_conv")),
+    ("conv", ("conv1d", "conv_fwd", "conv_bwd", "conv_runmask", "conv_dw_sum", "causal_conv")),
     ("gemm", ("gemm", "gemv", "cutlass", "cublas", "sm90_xmma", "nvjet", "xmma")),
     ("norm", ("rms", "layer_norm", "layernorm", "_norm_")),
     ("loss", ("cross_entropy", "nll_loss", "log_softmax", "softmax")),

@@ -125,6 +125,7 @@ def test_profile_kinds_and_table(bench, capsys):
         "void packloader_ops::(anonymous namespace)::scan_bwd_kernel<__nv_bfloat16, __nv_bfloat16, true, true>": "scan bwd",
         "void selective_scan_fwd_kernel<Selective_Scan_fwd_kernel_traits<128, 16, 1, true>>": "scan fwd",
         "void packloader_ops::conv::(anonymous namespace)::conv_bwd_cf_vec<__nv_bfloat16, 4, 2>": "conv",
+        "packloader_ops::(anonymous namespace)::conv_dw_sum_kernel(float const*, int, int, int, float*, float*)": "conv",
         "void causal_conv1d_fwd_kernel<Causal_conv1d_fwd_kernel_traits<128, 4, true>>": "conv",
         "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TTT": "gemm",
         "_layer_norm_bwd_kernel": "norm",
