@@ -46,8 +46,21 @@ def defines() -> list:
             f"-DPACKLOADER_SCAN_FWD_WARPS_PER_SM={contract.SCAN_FWD_WARPS_PER_SM}"]
 
 
+def source_digest() -> str:
+    """A hash of the CUDA sources, headers and contract defines. The binding is compiled with it
+    (``PACKLOADER_SOURCE_DIGEST``) and exports it as ``source_digest``, so an installed ``ops._C`` built from other
+    sources (an editable install updated since) is refused instead of called with the wrong signatures."""
+    h = hashlib.sha256()
+    for name in SOURCES + tuple(headers()):
+        h.update(name.encode())
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join(defines()).encode())
+    return "d" + h.hexdigest()[:16]
+
+
 def cxx_flags() -> list:
-    return ["-O3", "-std=c++17"] + defines()
+    """Flags of the C++ binding (``binding.cpp``): the contract defines and the source digest."""
+    return ["-O3", "-std=c++17"] + defines() + [f"-DPACKLOADER_SOURCE_DIGEST={source_digest()}"]
 
 
 def nvcc_flags() -> list:
@@ -103,11 +116,18 @@ def _load_aot():
     import torch  # noqa: F401  (the extension links against torch's libraries: load them first)
 
     try:
-        return importlib.import_module(AOT_MODULE)
+        mod = importlib.import_module(AOT_MODULE)
     except Exception as e:  # built for another torch / CUDA: say so, then build just in time
         warnings.warn(f"packloader ops: the installed {AOT_MODULE} does not load ({e}); building the kernels just in "
                       "time instead (reinstall with PACKLOADER_BUILD_CUDA=1 to rebuild it)", stacklevel=3)
         return None
+    built_from = getattr(mod, "source_digest", None)
+    if built_from != source_digest():   # built from other sources: its functions may take other arguments
+        warnings.warn(f"packloader ops: the installed {AOT_MODULE} was built from other sources (digest {built_from}, "
+                      f"these sources {source_digest()}); building the kernels just in time instead (reinstall with "
+                      "PACKLOADER_BUILD_CUDA=1 to rebuild it)", stacklevel=3)
+        return None
+    return mod
 
 
 def _load_jit():

@@ -133,6 +133,16 @@ def _absent(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=like.device)
 
 
+def _check_runmask(x: torch.Tensor, runmask: Optional[torch.Tensor]) -> None:
+    """The same check on every implementation (reference, fake, CUDA): a given runmask has conv_runmask's shape."""
+    if runmask is None:
+        return
+    batch, _, seqlen = x.shape
+    if runmask.dtype != torch.int16 or tuple(runmask.shape) != (batch, conv_mask_stride(seqlen)):
+        raise ValueError(f"packloader::causal_conv1d: runmask must be packloader::conv_runmask(position_ids), int16 "
+                         f"({batch}, {conv_mask_stride(seqlen)}); got {runmask.dtype} {tuple(runmask.shape)}")
+
+
 def _conv_fwd_reference(x, weight, bias, position_ids, silu):
     _check_layout(x)
     out = _like(x)
@@ -190,6 +200,7 @@ def _like_layout(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _conv_fwd_cuda(x, weight, bias, position_ids, silu, runmask=None):
     _check_layout(x)
+    _check_runmask(x, runmask)
     if _backends.implementation("causal_conv1d", "cuda", x.dtype, width=weight.shape[1]) == "reference":
         return _conv_fwd_reference(x, weight, bias, position_ids, silu)
     ext = _backends.load_kernels()
@@ -205,6 +216,7 @@ def _conv_fwd_cuda(x, weight, bias, position_ids, silu, runmask=None):
 
 def _conv_bwd_cuda(x, weight, bias, position_ids, silu, dout, runmask=None):
     _check_layout(x)
+    _check_runmask(x, runmask)
     if _backends.implementation("causal_conv1d", "cuda", x.dtype, width=weight.shape[1]) == "reference":
         return _conv_bwd_reference(x, weight, bias, position_ids, silu, dout)
     ext = _backends.load_kernels()
@@ -276,6 +288,7 @@ def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                       position_ids: torch.Tensor, silu: bool, runmask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Packed causal conv1d forward -> out (x's strides); see :mod:`ops.contract`. This body is the reference
     implementation, used on every device but CUDA (it needs no ``runmask``)."""
+    _check_runmask(x, runmask)
     return _conv_fwd_reference(x, weight, bias, position_ids, silu)
 
 
@@ -285,6 +298,7 @@ causal_conv1d_fwd.register_kernel("cuda")(_conv_fwd_cuda)
 @causal_conv1d_fwd.register_fake
 def _conv_fwd_fake(x, weight, bias, position_ids, silu, runmask=None):
     _check_layout(x)
+    _check_runmask(x, runmask)
     return _like(x)
 
 
@@ -294,6 +308,7 @@ def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                       runmask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed causal conv1d backward -> (dx, dweight, dbias); see :mod:`ops.contract`. This body is the
     reference implementation, used on every device but CUDA (it needs no ``runmask``)."""
+    _check_runmask(x, runmask)
     return _conv_bwd_reference(x, weight, bias, position_ids, silu, dout)
 
 
@@ -303,6 +318,7 @@ causal_conv1d_bwd.register_kernel("cuda")(_conv_bwd_cuda)
 @causal_conv1d_bwd.register_fake
 def _conv_bwd_fake(x, weight, bias, position_ids, silu, dout, runmask=None):
     _check_layout(x)
+    _check_runmask(x, runmask)
     dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None else _absent(x)
     return _like(x), torch.empty(weight.shape, dtype=weight.dtype, device=weight.device), dbias
 
@@ -325,7 +341,8 @@ causal_conv1d_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_co
 def runmask_for(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     """``conv_runmask(position_ids)`` where the kernels that read it may run (channel-first rows the CUDA kernels
     take), else None: what a caller computes once and hands to a conv forward and its backward."""
-    if not (x.is_cuda and x.is_contiguous()):
+    # channel-last by the kernels' own rule (binding.cpp: stride(1) == 1 with more than one channel) reads no mask
+    if not x.is_cuda or not x.is_contiguous() or (x.stride(1) == 1 and x.shape[1] > 1):
         return None
     width = weight.shape[-1]
     if (_backends.unsupported_reason("causal_conv1d", x.dtype, width=width) is not None

@@ -183,7 +183,15 @@ int64_t conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tens
   return slots;
 }
 
+#ifndef PACKLOADER_SOURCE_DIGEST
+#error "build through ops/_build.py, which defines PACKLOADER_SOURCE_DIGEST (ops/_build.py, source_digest)"
+#endif
+#define PACKLOADER_STR2(x) #x
+#define PACKLOADER_STR(x) PACKLOADER_STR2(x)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the sources this module was built from (ops/_build.py refuses an installed ops._C built from others)
+  m.attr("source_digest") = PACKLOADER_STR(PACKLOADER_SOURCE_DIGEST);
   m.def("scan_fwd", &scan_fwd, "packed selective scan forward");
   m.def("scan_bwd", &scan_bwd, "packed selective scan backward");
   m.def("conv_runmask", &conv_runmask, "boundary words of the channel-first conv kernels");

@@ -48,3 +48,32 @@ def test_sources_preprocess_with_the_defines_and_refuse_without(tmp_path):
     bad = subprocess.run(["nvcc", "-E", str(CSRC / "selective_scan.cu"), "-o", str(tmp_path / "o")],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "PACKLOADER_SCAN_CHUNK" in bad.stderr
+
+
+def test_the_binding_carries_the_source_digest():
+    digest = _build.source_digest()
+    assert re.fullmatch(r"d[0-9a-f]{16}", digest)
+    assert f"-DPACKLOADER_SOURCE_DIGEST={digest}" in _build.cxx_flags()
+    assert 'm.attr("source_digest")' in (CSRC / "binding.cpp").read_text()
+
+
+class _FakeModule:
+    def __init__(self, digest):
+        if digest is not None:
+            self.source_digest = digest
+
+
+@pytest.mark.parametrize("digest", [None, "d0000000000000000"])
+def test_an_installed_extension_built_from_other_sources_is_refused(monkeypatch, digest):
+    """An ops._C built before the sources changed (no digest, or another one) must not be called: its functions may
+    take other arguments. The loader warns and builds just in time instead; the current one is taken."""
+    import importlib
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == _build.AOT_MODULE else None)
+    monkeypatch.setattr(importlib, "import_module", lambda name: _FakeModule(digest))
+    with pytest.warns(UserWarning, match="built from other sources"):
+        assert _build._load_aot() is None
+    current = _FakeModule(_build.source_digest())
+    monkeypatch.setattr(importlib, "import_module", lambda name: current)
+    assert _build._load_aot() is current

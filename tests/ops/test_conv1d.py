@@ -328,3 +328,18 @@ def test_negative_seq_idx_is_padding_with_zero_output_and_gradient(channel_last)
         (gx,) = torch.autograd.grad(out.sum(), x)
         pad = seq_idx < 0
         assert (gx.permute(0, 2, 1)[pad] == 0).all(), "gradient reached x through padding"
+
+
+def test_a_runmask_of_the_wrong_shape_is_refused_on_every_implementation():
+    """The ops check a given runmask the same way on the reference (here), the fake and the CUDA implementation, so a
+    caller's mistake shows on the CPU too, not only on a GPU."""
+    x, w = torch.randn(2, 3, 20), torch.randn(3, 4)
+    pos = torch.arange(20, dtype=torch.int32).repeat(2, 1)
+    good = torch.ops.packloader.conv_runmask(pos)
+    assert good.shape == (2, 8) and good.dtype == torch.int16
+    torch.ops.packloader.causal_conv1d_fwd(x, w, None, pos, True, good)
+    for bad in (good[:1], good.int(), torch.ops.packloader.conv_runmask(torch.zeros(2, 100, dtype=torch.int32))):
+        with pytest.raises(ValueError, match="runmask must be packloader::conv_runmask"):
+            torch.ops.packloader.causal_conv1d_fwd(x, w, None, pos, True, bad)
+        with pytest.raises(ValueError, match="runmask must be packloader::conv_runmask"):
+            torch.ops.packloader.causal_conv1d_bwd(x, w, None, pos, True, torch.randn(2, 3, 20), bad)

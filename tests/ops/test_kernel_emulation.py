@@ -692,13 +692,17 @@ def test_conv_layouts_on_emulated_kernels(cuda_path_on_cpu, seed, dtype, layout,
 
 
 @pytest.mark.parametrize("layout", ["cf", "cl"])
-def test_conv_dweight_sums_many_slots_in_a_fixed_order(cuda_path_on_cpu, seed, layout):
+def test_conv_dweight_sums_many_slots_in_a_fixed_order(cuda_path_on_cpu, monkeypatch, seed, layout):
     """The backward's dweight / dbias: more block slots than the sum kernel loads at once (8), no bias, and the same
     bits on a second run (the slots are added in slot order, no atomics)."""
     from ops import conv1d_interface as ci
     from ops.contract import CONV_SLOT_STEPS
 
-    batch, dim, L, width = 3, 5, 9 * CONV_SLOT_STEPS + 16, 4
+    slots = []
+    conv_bwd = EmulatedExt.conv_bwd
+    monkeypatch.setattr(EmulatedExt, "conv_bwd", lambda self, *a: slots.append(conv_bwd(self, *a)) or slots[-1])
+    # channel-first: one slot per row and 2048-step tile (9 rows); channel-last: one per 128 steps of a row
+    batch, dim, L, width = (9, 5, 1168, 4) if layout == "cf" else (3, 5, 9 * CONV_SLOT_STEPS + 16, 4)
     x = ci.kernel_layout(conv_input(layout, batch, dim, L, torch.float32))
     weight = 0.5 * torch.randn(dim, width)
     pos = position_ids_for([lengths_mix(L, "mixed") for _ in range(batch)], "cpu")
@@ -711,6 +715,7 @@ def test_conv_dweight_sums_many_slots_in_a_fixed_order(cuda_path_on_cpu, seed, l
     assert kernel_err(dx, leaves[0].grad) <= TOL[torch.float32]
     again = ci._conv_bwd_cuda(x, weight, None, pos, True, dout)
     assert torch.equal(again[0], dx) and torch.equal(again[1], dweight)
+    assert slots[0] > 8, slots
 
 
 def runmask_twin(pos_row: list, seqlen: int) -> list:
