@@ -9,7 +9,8 @@
   the module ``ops._C`` (``setup.py`` calls :func:`cuda_extension`). ``TORCH_CUDA_ARCH_LIST`` picks the
   architectures, as for any torch extension.
 
-:func:`load_extension` takes ``ops._C`` when it is installed and loads, else builds just in time.
+:func:`load_extension` takes ``ops._C`` when it is installed, loads and was built from these sources (the binding
+exports :func:`source_digest`), else builds just in time.
 
 The constants that the kernels share with Python live in :mod:`ops.contract` and reach the CUDA sources as ``-D``
 flags from :func:`defines`; the headers refuse to compile without them.
