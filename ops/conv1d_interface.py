@@ -255,8 +255,10 @@ def _runmask_reference(position_ids: torch.Tensor) -> torch.Tensor:
     nruns = -(-seqlen // CONV_MASK_RUN)
     dev = position_ids.device
     t = (torch.arange(nruns, device=dev)[:, None] * CONV_MASK_RUN - 4 + torch.arange(16, device=dev)[None, :])
-    inside = (t > 0) & (t < seqlen)
-    starts = ~inside | (position_ids[:, t.clamp(0, max(seqlen - 1, 0))] == 0) if seqlen else ~inside.expand(batch, -1, -1)
+    inside = (t > 0) & (t < seqlen)   # outside the row (or its first token): a start
+    starts = ~inside.expand(batch, -1, -1)
+    if seqlen:
+        starts = starts | (position_ids[:, t.clamp(0, seqlen - 1)] == 0)
     bits = (starts.to(torch.int32) << torch.arange(16, device=dev, dtype=torch.int32)).sum(-1)
     out = torch.zeros(batch, conv_mask_stride(seqlen), dtype=torch.int16, device=dev)
     out[:, :nruns] = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16)
