@@ -110,9 +110,11 @@ __device__ __forceinline__ float conv_pre(const float (&w)[kW], float bias, cons
 // kept them alive across the run: a masked run took 57 instructions more than a plain one in the SASS (bf16, width 4,
 // silu), against 46 here, and the kernel 1-2 % longer). The adds into each dx[i] and c[e] come in the same order as
 // that gather form's (lag 0 first), so the bits are the same. The pre-activation is conv_pre's, inlined to share the
-// token's predicates.
-template <int kW, bool kMasked, int kTok>
-__device__ __forceinline__ void conv_bwd_run(const float (&w)[kW], float bias, bool silu, unsigned m,
+// token's predicates. silu is a compile-time switch: as a run-time flag it put a branch around every token's
+// pre-activation, the compiler then computed the token's tap predicates on both sides of it, and the kernel took
+// 6-9 % longer on packed rows (benchmarks/results/RESULTS.md, eleventh session).
+template <int kW, bool kMasked, int kTok, bool kSilu>
+__device__ __forceinline__ void conv_bwd_run(const float (&w)[kW], float bias, unsigned m,
                                              const float (&xs)[4 + kRun], const float (&gd)[kRun],
                                              float (&dw)[kW + 1], float (&dx)[kRun], float (&c)[3]) {
   const RunTaps<kMasked> taps(m);
@@ -121,7 +123,7 @@ __device__ __forceinline__ void conv_bwd_run(const float (&w)[kW], float bias, b
   for (int i = 0; i < kTok; ++i) {
     const bool kept[4] = {true, taps.template ok<1>(i), taps.template ok<2>(i), taps.template ok<3>(i)};
     float gv = gd[i];
-    if (silu) {
+    if constexpr (kSilu) {
       // a dropped tap is skipped, not multiplied by zero (an inf or NaN in the sequence before must not leak)
       float acc = fmaf(w[kW - 1], xs[4 + i], bias);
 #pragma unroll
@@ -152,7 +154,7 @@ struct RunLoad {   // x[t0 - 4, t0 + kRun) of one run, and its mask word
     const bool in = t0 < L;
     main.load(xrow + t0, in ? L - t0 : 0);
     prev.load(xrow + t0 - 4, in && t0 > 0 ? 4 : 0);
-    m = in ? mrow[t0 / kRun] : 0u;
+    m = in ? mrow[static_cast<unsigned>(t0) / kRun] : 0u;   // t0 >= 0: a shift, not a signed division
   }
   __device__ __forceinline__ void window(float (&xs)[4 + kRun]) const {
     float pv[4], mn[kRun];
@@ -204,7 +206,7 @@ __global__ void __launch_bounds__(kThreadsCF) conv_fwd_cf_vec(const ConvParams p
   }
 }
 
-template <typename T, int kW, int kRpt>
+template <typename T, int kW, int kRpt, bool kSilu>
 __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_vec(const ConvParams p) {
   static_assert(kW <= 4, "taps reach at most 3 timesteps back");
   constexpr int kTile = kThreadsCF * kRun * kRpt;
@@ -242,8 +244,8 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_vec(const ConvParams p
       float xs[4 + kRun], gd[kRun];
       ld[j].window(xs);
       gl[j].to_float(gd);
-      if (plain) conv_bwd_run<kW, false, kRun>(w, bias, p.silu, ld[j].m, xs, gd, dw, dxr[j], c);
-      else conv_bwd_run<kW, true, kRun>(w, bias, p.silu, ld[j].m, xs, gd, dw, dxr[j], c);
+      if (plain) conv_bwd_run<kW, false, kRun, kSilu>(w, bias, ld[j].m, xs, gd, dw, dxr[j], c);
+      else conv_bwd_run<kW, true, kRun, kSilu>(w, bias, ld[j].m, xs, gd, dw, dxr[j], c);
     }
     s_c[r][0] = c[0]; s_c[r][1] = c[1]; s_c[r][2] = c[2];
   }
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_vec(const ConvParams p
       float xs[4 + kRun], gd[kRun], dw_unused[kW + 1] = {}, dx_unused[kRun];
       nl.window(xs);
       ng.to_float(gd);
-      conv_bwd_run<kW, true, 3>(w, bias, p.silu, nl.m, xs, gd, dw_unused, dx_unused, c);
+      conv_bwd_run<kW, true, 3, kSilu>(w, bias, nl.m, xs, gd, dw_unused, dx_unused, c);
     }
     s_c[kRpt * kThreadsCF][0] = c[0]; s_c[kRpt * kThreadsCF][1] = c[1]; s_c[kRpt * kThreadsCF][2] = c[2];
   }
@@ -298,8 +300,13 @@ int launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int rpt) {
   const int tile = kSpanCF * rpt;
   const dim3 grid(p.dim, (p.seqlen + tile - 1) / tile, p.batch);
   if (bwd) {
-    if (rpt == 1) conv_bwd_cf_vec<T, kW, 1><<<grid, kThreadsCF, 0, st>>>(p);
-    else conv_bwd_cf_vec<T, kW, 2><<<grid, kThreadsCF, 0, st>>>(p);
+    if (rpt == 1) {
+      if (p.silu) conv_bwd_cf_vec<T, kW, 1, true><<<grid, kThreadsCF, 0, st>>>(p);
+      else conv_bwd_cf_vec<T, kW, 1, false><<<grid, kThreadsCF, 0, st>>>(p);
+    } else {
+      if (p.silu) conv_bwd_cf_vec<T, kW, 2, true><<<grid, kThreadsCF, 0, st>>>(p);
+      else conv_bwd_cf_vec<T, kW, 2, false><<<grid, kThreadsCF, 0, st>>>(p);
+    }
   } else {
     if (rpt == 1) conv_fwd_cf_vec<T, kW, 1><<<grid, kThreadsCF, 0, st>>>(p);
     else if (rpt == 2) conv_fwd_cf_vec<T, kW, 2><<<grid, kThreadsCF, 0, st>>>(p);

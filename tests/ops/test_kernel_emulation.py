@@ -691,6 +691,31 @@ def test_conv_layouts_on_emulated_kernels(cuda_path_on_cpu, seed, dtype, layout,
         assert_elementwise(got, want, name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["cf", "cl", "misaligned-cf"])
+def test_conv_without_activation_on_emulated_kernels(cuda_path_on_cpu, seed, layout, dtype):
+    """activation=None on each kernel family (channel-first vector, channel-last, channel-first register): the
+    backward's silu is a compile-time switch, so its plain instantiation gets its own check against float64."""
+    from ops import conv1d_interface as ci
+
+    batch, dim, L = 2, 12, 1032   # channel-first vector kernels: one run a thread up to 1024 steps, two beyond
+    x = conv_input(layout, batch, dim, L, dtype)
+    weight, bias = 0.5 * torch.randn(dim, 4), torch.randn(dim)
+    pos = position_ids_for([lengths_mix(L, kind) for kind in ("tiny", "mixed")], "cpu")
+    xk = ci.kernel_layout(x)
+    out = ci._conv_fwd_cuda(xk, weight, bias, pos, False)
+    dout = conv_input("cf", batch, dim, L, dtype)
+    dx, dweight, dbias = ci._conv_bwd_cuda(xk, weight, bias, pos, False, dout)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, weight, bias)]
+    ref = conv_ref64(leaves[0], leaves[1], leaves[2], pos, None)
+    ref.backward(dout.double())
+    for name, got, want, tol in (("out", out, ref, TOL[dtype]), ("dx", dx, leaves[0].grad, TOL[dtype]),
+                                 ("dweight", dweight, leaves[1].grad, TOL[torch.float32]),
+                                 ("dbias", dbias, leaves[2].grad, TOL[torch.float32])):
+        assert kernel_err(got, want) <= tol, (name, kernel_err(got, want))
+        assert_elementwise(got, want, name)
+
+
 @pytest.mark.parametrize("layout", ["cf", "cl"])
 def test_conv_dweight_sums_many_slots_in_a_fixed_order(cuda_path_on_cpu, monkeypatch, seed, layout):
     """The backward's dweight / dbias: more block slots than the sum kernel loads at once (8), no bias, and the same
