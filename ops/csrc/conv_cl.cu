@@ -113,7 +113,8 @@ __global__ void __launch_bounds__(kBXCL * kBYCL, 4) conv_fwd_cl(const ConvParams
   }
 }
 
-template <typename T, int kW>
+// silu is a compile-time switch (as a run-time flag the kernel took 2.5 % longer; RESULTS.md, eleventh session)
+template <typename T, int kW, bool kSilu>
 __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p) {
   constexpr int kV = ClVec<T>::kBwd;
   __shared__ float s_red[kBYCL][kBXCL * kV][kW + 1];
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(kBXCL * kBYCL) conv_bwd_cl(const ConvParams p)
 #pragma unroll
         for (int c = 0; c < kV; ++c) xw[kW - 1][c] = xt[c];
         r = min(pt, kW - 1);
-        if (p.silu) {
+        if constexpr (kSilu) {
 #pragma unroll
           for (int c = 0; c < kV; ++c) {
             float acc = bias[c];
@@ -276,8 +277,9 @@ int launch_cl(const ConvParams &p, cudaStream_t st, bool bwd) {
   q.cl_vec = p.dim % kV == 0 && al(p.x) && (p.x_ls * sizeof(T)) % vb == 0 && (p.x_bs * sizeof(T)) % vb == 0 &&
              (bwd ? al(p.dout) && al(p.dx) && (p.g_ls * sizeof(T)) % vb == 0 && (p.g_bs * sizeof(T)) % vb == 0
                   : al(p.out));
-  if (bwd) conv_bwd_cl<T, kW><<<grid, block, 0, st>>>(q);
-  else conv_fwd_cl<T, kW><<<grid, block, 0, st>>>(q);
+  if (!bwd) conv_fwd_cl<T, kW><<<grid, block, 0, st>>>(q);
+  else if (p.silu) conv_bwd_cl<T, kW, true><<<grid, block, 0, st>>>(q);
+  else conv_bwd_cl<T, kW, false><<<grid, block, 0, st>>>(q);
   return bwd ? (int)(grid.y * grid.z) : 0;
 }
 
