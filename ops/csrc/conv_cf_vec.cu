@@ -282,8 +282,9 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_vec(const ConvParams p
 
 // Runs per thread of the vector kernels, 0 where they cannot take the row (not 16-byte aligned, or a seqlen that
 // is not a multiple of 16 / sizeof(T): the register kernels take it). Forward: the smallest tile of 1024 / 2048 /
-// 4096 steps that covers the row; backward: at most 2048 (its 4096-step kernel holds twice the registers and ran
-// slower, 0.284 against 0.273 ms at L=4096).
+// 4096 steps that covers the row. Backward: 1024-step tiles up to 1024 steps, 4096-step tiles from 4096 steps for
+// 2-byte types (bf16, H200: 0.229 against 0.238 ms at L=4096, 4-5 % under sustained load; at L=2048 half its
+// threads would idle), else 2048. Float32 keeps 2048: its 4096-step kernel holds 125 registers.
 int cf_vec_runs(const ConvParams &p, int elt, bool bwd) {
   auto al = [](const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
   bool ok = p.runmask != nullptr && p.x_ls == 1 && (p.seqlen * elt) % 16 == 0 && (p.x_bs * elt) % 16 == 0 &&
@@ -291,21 +292,27 @@ int cf_vec_runs(const ConvParams &p, int elt, bool bwd) {
   if (bwd) ok = ok && p.g_ls == 1 && (p.g_bs * elt) % 16 == 0 && (p.g_cs * elt) % 16 == 0 && al(p.dout) && al(p.dx);
   else ok = ok && al(p.out);
   if (!ok) return 0;
-  return p.seqlen <= kSpanCF ? 1 : (p.seqlen <= 2 * kSpanCF || bwd) ? 2 : 4;
+  if (p.seqlen <= kSpanCF) return 1;
+  if (bwd) return p.seqlen >= 4 * kSpanCF && elt == 2 ? 4 : 2;
+  return p.seqlen <= 2 * kSpanCF ? 2 : 4;
 }
 
 template <typename T, int kW>
 int launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int rpt) {
   if (!p.runmask_given) conv_runmask_launch(p.pos, p.runmask, p.batch, p.seqlen, st);
+  if (bwd && sizeof(T) != 2 && rpt == 4) rpt = 2;   // no such kernel (cf_vec_runs never asks for it)
   const int tile = kSpanCF * rpt;
   const dim3 grid(p.dim, (p.seqlen + tile - 1) / tile, p.batch);
   if (bwd) {
     if (rpt == 1) {
       if (p.silu) conv_bwd_cf_vec<T, kW, 1, true><<<grid, kThreadsCF, 0, st>>>(p);
       else conv_bwd_cf_vec<T, kW, 1, false><<<grid, kThreadsCF, 0, st>>>(p);
-    } else {
+    } else if (rpt == 2) {
       if (p.silu) conv_bwd_cf_vec<T, kW, 2, true><<<grid, kThreadsCF, 0, st>>>(p);
       else conv_bwd_cf_vec<T, kW, 2, false><<<grid, kThreadsCF, 0, st>>>(p);
+    } else if constexpr (sizeof(T) == 2) {   // 4 runs a thread: 2-byte types only (cf_vec_runs)
+      if (p.silu) conv_bwd_cf_vec<T, kW, 4, true><<<grid, kThreadsCF, 0, st>>>(p);
+      else conv_bwd_cf_vec<T, kW, 4, false><<<grid, kThreadsCF, 0, st>>>(p);
     }
   } else {
     if (rpt == 1) conv_fwd_cf_vec<T, kW, 1><<<grid, kThreadsCF, 0, st>>>(p);
