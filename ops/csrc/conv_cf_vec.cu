@@ -21,7 +21,8 @@
 // Measured on the H200 (B=8, D=4096, L=4096, bf16, 12-18 sequences a row; benchmarks/results/RESULTS.md): the
 // register kernels (conv_cf_regs.cu) 0.152 + 0.442 ms (fwd + bwd); kernels that staged each tile in shared memory (cp.async,
 // then bulk copies: 0.166 + 0.300 ms; a persistent, double-buffered form was slower still) lost to these,
-// 0.138 + 0.271 ms, against causal-conv1d's 0.140 + 0.257 ms without boundaries.
+// 0.138 + 0.271 ms, against causal-conv1d's 0.140 + 0.257 ms without boundaries. Since the eleventh session (silu a
+// compile-time switch, 4096-step backward tiles): 0.134 + 0.235 ms against 0.132 + 0.212 ms (GPU time, profiler).
 #include "conv_common.cuh"
 #include "dispatch.cuh"
 
@@ -282,9 +283,9 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_vec(const ConvParams p
 
 // Runs per thread of the vector kernels, 0 where they cannot take the row (not 16-byte aligned, or a seqlen that
 // is not a multiple of 16 / sizeof(T): the register kernels take it). Forward: the smallest tile of 1024 / 2048 /
-// 4096 steps that covers the row. Backward: 1024-step tiles up to 1024 steps, 4096-step tiles from 4096 steps for
-// 2-byte types (bf16, H200: 0.229 against 0.238 ms at L=4096, 4-5 % under sustained load; at L=2048 half its
-// threads would idle), else 2048. Float32 keeps 2048: its 4096-step kernel holds 125 registers.
+// 4096 steps that covers the row. Backward: 1024-step tiles up to 1024 steps, 4096-step tiles from 4096 steps
+// (H200, L=4096: bf16 0.229 against 0.238 ms, 4-5 % under sustained load; float32 0.395 against 0.399 ms), else
+// 2048 (at L=2048 half the 4096-step kernel's threads would idle: 0.185 against 0.143 ms at 8 x 5120 x 2048).
 int cf_vec_runs(const ConvParams &p, int elt, bool bwd) {
   auto al = [](const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
   bool ok = p.runmask != nullptr && p.x_ls == 1 && (p.seqlen * elt) % 16 == 0 && (p.x_bs * elt) % 16 == 0 &&
@@ -293,14 +294,13 @@ int cf_vec_runs(const ConvParams &p, int elt, bool bwd) {
   else ok = ok && al(p.out);
   if (!ok) return 0;
   if (p.seqlen <= kSpanCF) return 1;
-  if (bwd) return p.seqlen >= 4 * kSpanCF && elt == 2 ? 4 : 2;
+  if (bwd) return p.seqlen >= 4 * kSpanCF ? 4 : 2;
   return p.seqlen <= 2 * kSpanCF ? 2 : 4;
 }
 
 template <typename T, int kW>
 int launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int rpt) {
   if (!p.runmask_given) conv_runmask_launch(p.pos, p.runmask, p.batch, p.seqlen, st);
-  if (bwd && sizeof(T) != 2 && rpt == 4) rpt = 2;   // no such kernel (cf_vec_runs never asks for it)
   const int tile = kSpanCF * rpt;
   const dim3 grid(p.dim, (p.seqlen + tile - 1) / tile, p.batch);
   if (bwd) {
@@ -310,7 +310,7 @@ int launch_cf_vec(const ConvParams &p, cudaStream_t st, bool bwd, int rpt) {
     } else if (rpt == 2) {
       if (p.silu) conv_bwd_cf_vec<T, kW, 2, true><<<grid, kThreadsCF, 0, st>>>(p);
       else conv_bwd_cf_vec<T, kW, 2, false><<<grid, kThreadsCF, 0, st>>>(p);
-    } else if constexpr (sizeof(T) == 2) {   // 4 runs a thread: 2-byte types only (cf_vec_runs)
+    } else {
       if (p.silu) conv_bwd_cf_vec<T, kW, 4, true><<<grid, kThreadsCF, 0, st>>>(p);
       else conv_bwd_cf_vec<T, kW, 4, false><<<grid, kThreadsCF, 0, st>>>(p);
     }

@@ -719,8 +719,8 @@ def test_conv_without_activation_on_emulated_kernels(cuda_path_on_cpu, seed, lay
 @pytest.mark.parametrize("silu", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_conv_backward_tile_sizes_on_long_rows(cuda_path_on_cpu, monkeypatch, seed, dtype, silu):
-    """Rows of 4096 steps and more: the channel-first backward takes 4096-step tiles (4 runs a thread) for 2-byte
-    types and 2048-step tiles for float32; a row of 4104 steps ends in a tile of 8 steps. Against float64."""
+    """Rows of 4096 steps and more: the channel-first backward takes 4096-step tiles (4 runs a thread); a row of
+    4104 steps ends in a tile of 8 steps. Against float64."""
     from ops import conv1d_interface as ci
 
     slots = []
@@ -732,7 +732,7 @@ def test_conv_backward_tile_sizes_on_long_rows(cuda_path_on_cpu, monkeypatch, se
     pos = position_ids_for([lengths_mix(L, kind) for kind in ("tiny", "mixed")], "cpu")
     dout = torch.randn(batch, dim, L).to(dtype)
     dx, dweight, dbias = ci._conv_bwd_cuda(ci.kernel_layout(x), weight, bias, pos, silu, dout)
-    assert slots == [batch * (2 if dtype == torch.bfloat16 else 3)], slots   # tiles of 4096 / 2048 steps
+    assert slots == [batch * 2], slots   # two tiles a row: 4096 steps, then 8
     leaves = [t.detach().double().requires_grad_(True) for t in (x, weight, bias)]
     conv_ref64(leaves[0], leaves[1], leaves[2], pos, "silu" if silu else None).backward(dout.double())
     for name, got, want, tol in (("dx", dx, leaves[0].grad, TOL[dtype]),
