@@ -282,10 +282,12 @@ __global__ void __launch_bounds__(kThreadsCF) conv_bwd_cf_vec(const ConvParams p
 }  // namespace
 
 // Runs per thread of the vector kernels, 0 where they cannot take the row (not 16-byte aligned, or a seqlen that
-// is not a multiple of 16 / sizeof(T): the register kernels take it). Forward: the smallest tile of 1024 / 2048 /
-// 4096 steps that covers the row. Backward: 1024-step tiles up to 1024 steps, 4096-step tiles from 4096 steps
-// (H200, L=4096: bf16 0.229 against 0.238 ms, 4-5 % under sustained load; float32 0.395 against 0.399 ms), else
-// 2048 (at L=2048 half the 4096-step kernel's threads would idle: 0.185 against 0.143 ms at 8 x 5120 x 2048).
+// is not a multiple of 16 / sizeof(T): the register kernels take it). Forward: tiles of 1024 / 2048 steps for rows
+// they cover, else 4096. Backward: 1024-step tiles up to 1024 steps; beyond, 4096-step tiles where they leave no more
+// threads idle than 2048-step tiles (ceil(L / 2048) even: the last 4096-step tile more than half full), else 2048.
+// H200, bf16, 8 x 4096 rows, 4 against 2 runs a thread: 0.229 against 0.238 ms at L = 4096 (float32 0.395 against
+// 0.399), faster at 7168 / 8192 / 12288, slower at 4104 / 5120 / 6144 (+7-9 %), and at 8 x 5120 x 2048 0.185 against
+// 0.143 ms (RESULTS.md, eleventh session).
 int cf_vec_runs(const ConvParams &p, int elt, bool bwd) {
   auto al = [](const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
   bool ok = p.runmask != nullptr && p.x_ls == 1 && (p.seqlen * elt) % 16 == 0 && (p.x_bs * elt) % 16 == 0 &&
@@ -294,7 +296,7 @@ int cf_vec_runs(const ConvParams &p, int elt, bool bwd) {
   else ok = ok && al(p.out);
   if (!ok) return 0;
   if (p.seqlen <= kSpanCF) return 1;
-  if (bwd) return p.seqlen >= 4 * kSpanCF ? 4 : 2;
+  if (bwd) return (p.seqlen + 2 * kSpanCF - 1) / (2 * kSpanCF) % 2 == 0 ? 4 : 2;
   return p.seqlen <= 2 * kSpanCF ? 2 : 4;
 }
 

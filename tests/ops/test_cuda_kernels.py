@@ -535,7 +535,8 @@ def tile_edge_row(seqlen: int) -> list[int]:
 
 @pytest.mark.parametrize("dtype,seqlen", [(torch.float32, 4), (torch.float32, 12), (torch.float32, 1028),
                                           (torch.float32, 2052), (torch.bfloat16, 8), (torch.bfloat16, 16),
-                                          (torch.bfloat16, 1032), (torch.float16, 3080)])
+                                          (torch.bfloat16, 1032), (torch.float16, 3080), (torch.float32, 4104),
+                                          (torch.bfloat16, 6152)])
 @pytest.mark.parametrize("width", [2, 3, 4])
 def test_conv_vector_kernels_edge_cases(cuda_ops, dtype, seqlen, width):
     # fixed shapes the vector kernels must get right: a single partial run (fp32 L=4), runs past a tile edge by 4

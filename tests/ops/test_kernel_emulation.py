@@ -29,7 +29,7 @@ from ops.contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES, conv_mas
 
 from ._helpers import misaligned_copy
 from .test_cuda_kernels import (GRAD_NAMES, TOL, conv_ref64, kernel_err, lengths_mix, position_ids_for, rel_err,
-                                scan_ref_grads)
+                                scan_ref_grads, tile_edge_row)
 
 HERE = pathlib.Path(__file__).parent / "emulation"
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -693,12 +693,14 @@ def test_conv_layouts_on_emulated_kernels(cuda_path_on_cpu, seed, dtype, layout,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["cf", "cl", "misaligned-cf"])
-def test_conv_without_activation_on_emulated_kernels(cuda_path_on_cpu, seed, layout, dtype):
-    """activation=None on each kernel family (channel-first vector, channel-last, channel-first register): the
-    backward's silu is a compile-time switch, so its plain instantiation gets its own check against float64."""
+@pytest.mark.parametrize("L", [136, 1032])
+def test_conv_without_activation_on_emulated_kernels(cuda_path_on_cpu, seed, layout, dtype, L):
+    """activation=None on each kernel family (channel-first vector, channel-last, channel-first register) against
+    float64. The vector and channel-last backward kernels take silu as a compile-time switch, so their instantiations
+    without it need their own check (the vector kernels: one run a thread up to 1024 steps, two beyond)."""
     from ops import conv1d_interface as ci
 
-    batch, dim, L = 2, 12, 1032   # channel-first vector kernels: one run a thread up to 1024 steps, two beyond
+    batch, dim = 2, 12
     x = conv_input(layout, batch, dim, L, dtype)
     weight, bias = 0.5 * torch.randn(dim, 4), torch.randn(dim)
     pos = position_ids_for([lengths_mix(L, kind) for kind in ("tiny", "mixed")], "cpu")
@@ -718,21 +720,24 @@ def test_conv_without_activation_on_emulated_kernels(cuda_path_on_cpu, seed, lay
 
 @pytest.mark.parametrize("silu", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_conv_backward_tile_sizes_on_long_rows(cuda_path_on_cpu, monkeypatch, seed, dtype, silu):
-    """Rows of 4096 steps and more: the channel-first backward takes 4096-step tiles (4 runs a thread); a row of
-    4104 steps ends in a tile of 8 steps. Against float64."""
+@pytest.mark.parametrize("L,tiles", [(4104, 3), (6152, 2)])
+def test_conv_backward_tile_sizes_on_long_rows(cuda_path_on_cpu, monkeypatch, seed, dtype, silu, L, tiles):
+    """Rows longer than 4096 steps: the channel-first backward takes 4096-step tiles (4 runs a thread) where the
+    last one is more than half full (6152 steps: 4096 + 2056), else 2048-step tiles (4104 steps: 2048 + 2048 + 8).
+    One dweight slot per tile and row; sequence starts at and next to every tile edge; every gradient against
+    float64."""
     from ops import conv1d_interface as ci
 
     slots = []
     conv_bwd = EmulatedExt.conv_bwd
     monkeypatch.setattr(EmulatedExt, "conv_bwd", lambda self, *a: slots.append(conv_bwd(self, *a)) or slots[-1])
-    batch, dim, L = 2, 2, 4104
+    batch, dim = 2, 2
     x = conv_input("cf", batch, dim, L, dtype)
     weight, bias = 0.5 * torch.randn(dim, 4), torch.randn(dim)
-    pos = position_ids_for([lengths_mix(L, kind) for kind in ("tiny", "mixed")], "cpu")
+    pos = position_ids_for([tile_edge_row(L), lengths_mix(L, "mixed")], "cpu")   # starts at every tile edge
     dout = torch.randn(batch, dim, L).to(dtype)
     dx, dweight, dbias = ci._conv_bwd_cuda(ci.kernel_layout(x), weight, bias, pos, silu, dout)
-    assert slots == [batch * 2], slots   # two tiles a row: 4096 steps, then 8
+    assert slots == [batch * tiles], slots
     leaves = [t.detach().double().requires_grad_(True) for t in (x, weight, bias)]
     conv_ref64(leaves[0], leaves[1], leaves[2], pos, "silu" if silu else None).backward(dout.double())
     for name, got, want, tol in (("dx", dx, leaves[0].grad, TOL[dtype]),
