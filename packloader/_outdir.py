@@ -7,7 +7,10 @@ them follow the same rules:
   ``.packloader/owner.json`` naming the same tool (directories written by older versions are recognised
   by their ``.packloader/`` state or their ``prepare.json``). A non-empty directory it does not own is
   refused with a :class:`~packloader.errors.DataError` unless the caller passes ``allow_nonempty=True``
-  (``--allow-nonempty``); even then no file the tool did not write is ever overwritten or removed.
+  (``--allow-nonempty``); even then no file the tool did not write is ever overwritten or removed, and a
+  directory owned by the *other* tool is refused (its owner record is never rewritten).
+* **One writer at a time.** A tool writes under the directory's lock (:mod:`packloader._dirlock`): a
+  second run into the same directory fails at once, naming the first.
 * **Manifest.** A tool removes only files it can prove it wrote: names listed in its own manifest
   (``index.json`` / ``prepare.json``) or carrying the id of one of its recorded jobs.
 * **Temp files** live in ``.packloader/tmp/`` as ``NAME.tmp-<pid>`` and are renamed into place
@@ -41,7 +44,8 @@ import zlib
 from packloader.errors import DataError
 
 __all__ = [
-    "STATE_DIR", "claim_output_dir", "owner_of", "temp_path", "atomic_path", "atomic_write_text", "fsync_file",
+    "STATE_DIR", "check_output_dir", "claim_output_dir", "owner_of", "temp_path", "atomic_path", "atomic_write_text",
+    "fsync_file",
     "fsync_dir",
     "remove_stale_temps", "remove_file", "file_checksum", "ChecksumFile", "pid_alive", "CHECKSUM_ALGO",
 ]
@@ -96,13 +100,53 @@ def owner_of(out_dir) -> str | None:
     return None
 
 
+def check_output_dir(out_dir, tool: str, *, allow_nonempty: bool = False, reserved=()) -> bool:
+    """Whether ``tool`` may write into ``out_dir`` (the checks of :func:`claim_output_dir`, writing
+    nothing); returns True when the directory is already ``tool``'s (no owner record to write).
+
+    Raises:
+        DataError: as :func:`claim_output_dir`.
+    """
+    out_dir = os.fspath(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError("output path exists and is not a directory", path=out_dir)
+    if not os.path.isdir(out_dir):
+        return False
+    owner = owner_of(out_dir)
+    if owner == tool:
+        return True
+    if owner is not None:
+        # never rewrite another tool's marker, even with allow_nonempty: the directory would then be
+        # maintained by neither tool (each removes only what its own manifest and records list)
+        raise DataError(f"output directory belongs to 'packloader {owner}' (its {STATE_DIR}/{OWNER_NAME} says "
+                        f"so), not 'packloader {tool}'; --allow-nonempty writes beside foreign files but never "
+                        f"into another packloader tool's directory, whose state and cleanup would clash with "
+                        f"this tool's; choose another directory", path=out_dir)
+    foreign = [n for n in os.listdir(out_dir) if n != STATE_DIR]
+    clash = sorted(set(foreign) & set(reserved))
+    if clash:
+        raise DataError(f"output directory holds a {clash[0]!r} that 'packloader {tool}' did not write; "
+                        "choose another directory", path=out_dir)
+    if foreign and not allow_nonempty:
+        shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise DataError(f"output directory is not empty ({len(foreign)} entries: {shown}) and was not "
+                        f"written by 'packloader {tool}'; choose an empty directory, or pass "
+                        "allow_nonempty=True (--allow-nonempty) to write beside those files (they are "
+                        "never overwritten or removed)", path=out_dir)
+    return False
+
+
 def claim_output_dir(out_dir, tool: str, *, allow_nonempty: bool = False, reserved=()) -> str:
     """Make ``out_dir`` the output directory of ``tool``: create it if needed and record the owner.
+
+    A writing tool calls it under the directory's lock (:func:`packloader._dirlock.claimed_output_dir`).
 
     Args:
         out_dir: the directory.
         tool: ``"pack"`` or ``"prepare"``.
-        allow_nonempty: accept a non-empty directory the tool does not own (its files are left alone).
+        allow_nonempty: accept a non-empty directory that no packloader tool owns (its files are left
+            alone). A directory owned by the other tool is refused even so: its owner record is never
+            rewritten.
         reserved: names the tool must write itself (its manifest): a foreign file of such a name is
             refused even with ``allow_nonempty``.
 
@@ -110,34 +154,16 @@ def claim_output_dir(out_dir, tool: str, *, allow_nonempty: bool = False, reserv
         ``out_dir`` as a str.
 
     Raises:
-        DataError: ``out_dir`` is a file, or a non-empty directory not owned by ``tool`` and
-            ``allow_nonempty`` is False (the message says how to proceed).
+        DataError: ``out_dir`` is a file, a directory owned by another packloader tool, or a non-empty
+            directory not owned by ``tool`` and ``allow_nonempty`` is False (the message says how to
+            proceed).
     """
     out_dir = os.fspath(out_dir)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise DataError("output path exists and is not a directory", path=out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    owner = owner_of(out_dir)
-    if owner != tool:
-        foreign = [n for n in os.listdir(out_dir) if n != STATE_DIR]
-        if owner is not None and not allow_nonempty:
-            raise DataError(f"output directory belongs to 'packloader {owner}', not 'packloader {tool}'; "
-                            "choose another directory (or pass --allow-nonempty to write beside its files)",
-                            path=out_dir)
-        clash = sorted(set(foreign) & set(reserved))
-        if clash:
-            raise DataError(f"output directory holds a {clash[0]!r} that 'packloader {tool}' did not write; "
-                            "choose another directory", path=out_dir)
-        if foreign and not allow_nonempty:
-            shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
-            raise DataError(f"output directory is not empty ({len(foreign)} entries: {shown}) and was not "
-                            f"written by 'packloader {tool}'; choose an empty directory, or pass "
-                            "allow_nonempty=True (--allow-nonempty) to write beside those files (they are "
-                            "never overwritten or removed)", path=out_dir)
-        os.makedirs(os.path.join(out_dir, STATE_DIR), exist_ok=True)
+    owned = check_output_dir(out_dir, tool, allow_nonempty=allow_nonempty, reserved=reserved)
+    os.makedirs(os.path.join(out_dir, STATE_DIR), exist_ok=True)
+    if not owned:
         atomic_write_text(os.path.join(out_dir, STATE_DIR, OWNER_NAME),
                           json.dumps({"tool": tool, "owner_format": 1}))
-    os.makedirs(os.path.join(out_dir, STATE_DIR), exist_ok=True)
     return out_dir
 
 

@@ -55,7 +55,8 @@ import packloader._numba  # noqa: F401  (first: Numba's cache fallback, before p
 from packer_algos import ALGORITHMS  # isort: skip
 from packer_algos import OVERFLOW_POLICIES as OVERFLOW  # isort: skip
 from packer_algos import PackPlan  # isort: skip
-from packloader._outdir import ChecksumFile, atomic_path, atomic_write_text, claim_output_dir
+from packloader._dirlock import claimed_output_dir
+from packloader._outdir import ChecksumFile, atomic_path, atomic_write_text
 from packloader.batch import IGNORE_INDEX
 from packloader._packdir import (check_sources_not_outputs, cleanup, read_existing_index, read_index_raw,
                                 state_path)
@@ -718,109 +719,110 @@ def pack_dataset(
     digests = _source_digests(paths)
     content_hash = _hash({"settings": settings, "sources": [[_source_id(p), d] for p, d in zip(paths, digests)]})
 
-    claim_output_dir(out_dir, "pack", allow_nonempty=allow_nonempty, reserved=(INDEX_NAME,))
-    old_index = read_index_raw(out_dir)
-    check_sources_not_outputs([p for p in paths if not _uri.is_uri(p)], out_dir, old_index)
-    existing = read_existing_index(out_dir)
-    if existing is not None and existing.get("content_hash") == content_hash and "report" in existing:
-        # an earlier run may have been killed after its index swap, before its cleanup: finish that
-        kept = {e["name"] for e in existing["files"]}
-        kept_states = {os.path.basename(state_path(out_dir, h)) for h in existing.get("job_hashes", [])}
-        if "job_hashes" in existing:
-            cleanup(out_dir, kept, kept_states, None)
-        log(f"{out_dir}: up to date (same inputs and settings); nothing to do", quiet=quiet)
-        report = PackingReport.from_dict(existing["report"])
-        report.reused_files = len(existing["files"])
-        return report
+    with claimed_output_dir(out_dir, "pack", allow_nonempty=allow_nonempty, reserved=(INDEX_NAME,),
+                            quiet=quiet):  # one writer at a time (packloader._dirlock)
+        old_index = read_index_raw(out_dir)
+        check_sources_not_outputs([p for p in paths if not _uri.is_uri(p)], out_dir, old_index)
+        existing = read_existing_index(out_dir)
+        if existing is not None and existing.get("content_hash") == content_hash and "report" in existing:
+            # an earlier run may have been killed after its index swap, before its cleanup: finish that
+            kept = {e["name"] for e in existing["files"]}
+            kept_states = {os.path.basename(state_path(out_dir, h)) for h in existing.get("job_hashes", [])}
+            if "job_hashes" in existing:
+                cleanup(out_dir, kept, kept_states, None)
+            log(f"{out_dir}: up to date (same inputs and settings); nothing to do", quiet=quiet)
+            report = PackingReport.from_dict(existing["report"])
+            report.reused_files = len(existing["files"])
+            return report
 
-    if global_packing:
-        jobs = [_Job(0, paths, list(range(len(paths))), content_hash, out_dir, settings, rows_per_file,
-                     allow_empty, digests=digests)]
-    else:
-        jobs = [
-            _Job(i, [p], [i], _hash({"settings": settings, "i": i, "path": _source_id(p), "digest": d}),
-                 out_dir, settings, rows_per_file, allow_empty, digests=[d])
-            for i, (p, d) in enumerate(zip(paths, digests))
-        ]
-
-    states: dict[int, dict] = {}
-    todo = []
-    for job in jobs:
-        st = _finished_state(job)
-        if st is not None:
-            states[job.index] = st
+        if global_packing:
+            jobs = [_Job(0, paths, list(range(len(paths))), content_hash, out_dir, settings, rows_per_file,
+                         allow_empty, digests=digests)]
         else:
-            todo.append(job)
-    part_hashes, reused_parts = [], 0
-    if global_packing and todo:
-        file_parts, info = _plan_global(todo[0])
-        part_hashes = [p.part_hash for p in file_parts]
-        reused_parts = sum(_finished_record(out_dir, h) is not None for h in part_hashes)
-        tasks, fn, n_units = _groups(file_parts, workers), _write_parts, len(file_parts)
-    else:
-        tasks, fn, n_units = todo, _run_job, len(jobs)
-        if global_packing:  # finished earlier: keep its parts' records
-            part_hashes = [_part_hash(jobs[0].job_hash, k) for k in range(len(states[0]["files"]))]
-    bar = Progress(n_units, f"packing {len(paths)} shard(s) -> {out_dir}", "job" if fn is _run_job else "file",
-                   quiet=quiet, bar=progress)
-    if states:
-        bar.update(len(states), note=f"{len(states)} finished earlier, skipped")
+            jobs = [
+                _Job(i, [p], [i], _hash({"settings": settings, "i": i, "path": _source_id(p), "digest": d}),
+                     out_dir, settings, rows_per_file, allow_empty, digests=[d])
+                for i, (p, d) in enumerate(zip(paths, digests))
+            ]
 
-    def done(result):
+        states: dict[int, dict] = {}
+        todo = []
+        for job in jobs:
+            st = _finished_state(job)
+            if st is not None:
+                states[job.index] = st
+            else:
+                todo.append(job)
+        part_hashes, reused_parts = [], 0
+        if global_packing and todo:
+            file_parts, info = _plan_global(todo[0])
+            part_hashes = [p.part_hash for p in file_parts]
+            reused_parts = sum(_finished_record(out_dir, h) is not None for h in part_hashes)
+            tasks, fn, n_units = _groups(file_parts, workers), _write_parts, len(file_parts)
+        else:
+            tasks, fn, n_units = todo, _run_job, len(jobs)
+            if global_packing:  # finished earlier: keep its parts' records
+                part_hashes = [_part_hash(jobs[0].job_hash, k) for k in range(len(states[0]["files"]))]
+        bar = Progress(n_units, f"packing {len(paths)} shard(s) -> {out_dir}", "job" if fn is _run_job else "file",
+                       quiet=quiet, bar=progress)
+        if states:
+            bar.update(len(states), note=f"{len(states)} finished earlier, skipped")
+
+        def done(result):
+            if fn is _write_parts:
+                bar.update(len(result), note=f"{result[-1]['files'][0]['name']} ({len(result)} file(s) of a group)")
+                return
+            r = result["report"]
+            bar.update(1, note=f"{os.path.basename(result['paths'][0])}{'...' if len(result['paths']) > 1 else ''}: "
+                               f"{r['rows']:,} rows, {100 * r['efficiency']:.2f} % full")
+
+        try:
+            results = run_tasks(fn, tasks, engine=engine, workers=workers, on_done=done, ray_address=ray_address,
+                                quiet=quiet)
+        finally:
+            bar.close()
         if fn is _write_parts:
-            bar.update(len(result), note=f"{result[-1]['files'][0]['name']} ({len(result)} file(s) of a group)")
-            return
-        r = result["report"]
-        bar.update(1, note=f"{os.path.basename(result['paths'][0])}{'...' if len(result['paths']) > 1 else ''}: "
-                           f"{r['rows']:,} rows, {100 * r['efficiency']:.2f} % full")
+            states[0] = _finish_global(todo[0], info, [st for group in results for st in group])
+        else:
+            for job, st in zip(tasks, results):
+                states[job.index] = st
 
-    try:
-        results = run_tasks(fn, tasks, engine=engine, workers=workers, on_done=done, ray_address=ray_address,
-                            quiet=quiet)
-    finally:
-        bar.close()
-    if fn is _write_parts:
-        states[0] = _finish_global(todo[0], info, [st for group in results for st in group])
-    else:
-        for job, st in zip(tasks, results):
-            states[job.index] = st
-
-    ordered = [states[j.index] for j in jobs]
-    files = [f for st in ordered for f in st["files"]]
-    reused = sum(len(states[j.index]["files"]) for j in jobs if j not in todo) + reused_parts
-    parts = [PackingReport.from_dict(st["report"]) for st in ordered]
-    report = PackingReport.combine(
-        parts, algorithm=algorithm, overflow=overflow, global_packing=bool(global_packing),
-        sources=len(paths), files=len(files), total_seconds=time.perf_counter() - t_start, reused_files=reused,
-    ) if parts else PackingReport(capacity=int(capacity), algorithm=algorithm)
-    index = {
-        "format": FORMAT,
-        "version": VERSION,
-        "capacity": int(capacity),
-        "algorithm": algorithm,
-        "overflow": overflow,
-        "global_packing": bool(global_packing),
-        "token_column": token_column,
-        "labels_column": labels_column,
-        "settings": settings,
-        "files": files,
-        "sources": [_source_id(p) for p in paths],
-        # resolved at pack time (before: as given, relative to pack's directory); a shard read by URI: its URI
-        "source_paths": "absolute",
-        "source_digests": digests,
-        "content_hash": content_hash,
-        "job_hashes": [j.job_hash for j in jobs] + part_hashes,
-        "total_rows": int(sum(f["rows"] for f in files)),
-        "total_tokens": int(sum(f["tokens"] for f in files)),
-        "total_sequences": report.sequences,
-        "total_pieces": report.pieces,
-        "ignore_index": IGNORE_INDEX,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "report": report.to_dict(),
-    }
-    atomic_write_text(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=1))  # the commit point
-    cleanup(out_dir, {f["name"] for f in files},
-            {os.path.basename(state_path(out_dir, h)) for h in index["job_hashes"]}, old_index)
-    log(f"{out_dir}: {report.rows:,} rows in {len(files)} file(s), efficiency {100 * report.efficiency:.2f} %, "
-        f"{report.total_seconds:.2f} s", quiet=quiet)
-    return report
+        ordered = [states[j.index] for j in jobs]
+        files = [f for st in ordered for f in st["files"]]
+        reused = sum(len(states[j.index]["files"]) for j in jobs if j not in todo) + reused_parts
+        parts = [PackingReport.from_dict(st["report"]) for st in ordered]
+        report = PackingReport.combine(
+            parts, algorithm=algorithm, overflow=overflow, global_packing=bool(global_packing),
+            sources=len(paths), files=len(files), total_seconds=time.perf_counter() - t_start, reused_files=reused,
+        ) if parts else PackingReport(capacity=int(capacity), algorithm=algorithm)
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            "capacity": int(capacity),
+            "algorithm": algorithm,
+            "overflow": overflow,
+            "global_packing": bool(global_packing),
+            "token_column": token_column,
+            "labels_column": labels_column,
+            "settings": settings,
+            "files": files,
+            "sources": [_source_id(p) for p in paths],
+            # resolved at pack time (before: as given, relative to pack's directory); a shard read by URI: its URI
+            "source_paths": "absolute",
+            "source_digests": digests,
+            "content_hash": content_hash,
+            "job_hashes": [j.job_hash for j in jobs] + part_hashes,
+            "total_rows": int(sum(f["rows"] for f in files)),
+            "total_tokens": int(sum(f["tokens"] for f in files)),
+            "total_sequences": report.sequences,
+            "total_pieces": report.pieces,
+            "ignore_index": IGNORE_INDEX,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "report": report.to_dict(),
+        }
+        atomic_write_text(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=1))  # the commit point
+        cleanup(out_dir, {f["name"] for f in files},
+                {os.path.basename(state_path(out_dir, h)) for h in index["job_hashes"]}, old_index)
+        log(f"{out_dir}: {report.rows:,} rows in {len(files)} file(s), efficiency {100 * report.efficiency:.2f} %, "
+            f"{report.total_seconds:.2f} s", quiet=quiet)
+        return report

@@ -41,8 +41,9 @@ import numpy as np
 import pyarrow as pa
 
 from packloader._log import Progress, log
-from packloader._outdir import (atomic_write_text, claim_output_dir, fsync_dir, fsync_file, remove_file,
-                                remove_stale_temps, temp_path)
+from packloader._dirlock import claimed_output_dir
+from packloader._outdir import (atomic_write_text, fsync_dir, fsync_file, remove_file, remove_stale_temps,
+                                temp_path)
 from packloader.errors import DataError
 from packloader.sources.tar import write_tar_members, write_webdataset_shard
 
@@ -341,127 +342,128 @@ def prepare_jsonl(
             raise DataError(f"tokenizer has no token {eos!r}")
     else:
         eos_id = None
-    out_dir = claim_output_dir(out_dir, "prepare", allow_nonempty=allow_nonempty, reserved=(MANIFEST_NAME,))
-    from packloader.pack_writer import _hash, source_digest
+    with claimed_output_dir(out_dir, "prepare", allow_nonempty=allow_nonempty, reserved=(MANIFEST_NAME,),
+                            quiet=quiet) as out_dir:  # one writer at a time (packloader._dirlock)
+        from packloader.pack_writer import _hash, source_digest
 
-    tok_digest = (source_digest(tokenizer) if isinstance(tokenizer, (str, os.PathLike))
-                  else _hash(tok.to_str()))
-    settings_key = _hash({"input": source_digest(input), "tokenizer": tok_digest, "fields": fields,
-                          "separator": separator, "eos_id": eos_id, "mask_prompt": mask_prompt, "format": format,
-                          "shard_size": shard_size, "limit": limit, "prefix": prefix})
-    manifest_path = os.path.join(out_dir, MANIFEST_NAME)
-    old = _read_manifest(manifest_path)
-    _finish_replacement(out_dir, manifest_path, old)
-    remove_stale_temps(out_dir)
-    if not overwrite:
-        done = _finished(manifest_path, settings_key, out_dir)
-        if done is not None:
-            log(f"{out_dir}: up to date ({done.sequences:,} records in {len(done.paths)} shard(s)); "
-                "nothing to do", quiet=quiet)
-            return done
-    ext = {"arrow": "arrow", "webdataset": "tar", "parquet": "parquet"}[format]
-    writer = {"webdataset": _write_tar, "arrow": _write_arrow,
-              "parquet": lambda *a: _write_arrow(*a, parquet=True)}[format]
-    res = PrepareResult()
-    total = _count_lines(input)
-    bar = Progress(total if limit is None else min(total, limit), f"tokenizing {os.path.basename(input)}",
-                   "records", quiet=quiet, bar=progress)
+        tok_digest = (source_digest(tokenizer) if isinstance(tokenizer, (str, os.PathLike))
+                      else _hash(tok.to_str()))
+        settings_key = _hash({"input": source_digest(input), "tokenizer": tok_digest, "fields": fields,
+                              "separator": separator, "eos_id": eos_id, "mask_prompt": mask_prompt, "format": format,
+                              "shard_size": shard_size, "limit": limit, "prefix": prefix})
+        manifest_path = os.path.join(out_dir, MANIFEST_NAME)
+        old = _read_manifest(manifest_path)
+        _finish_replacement(out_dir, manifest_path, old)
+        remove_stale_temps(out_dir)
+        if not overwrite:
+            done = _finished(manifest_path, settings_key, out_dir)
+            if done is not None:
+                log(f"{out_dir}: up to date ({done.sequences:,} records in {len(done.paths)} shard(s)); "
+                    "nothing to do", quiet=quiet)
+                return done
+        ext = {"arrow": "arrow", "webdataset": "tar", "parquet": "parquet"}[format]
+        writer = {"webdataset": _write_tar, "arrow": _write_arrow,
+                  "parquet": lambda *a: _write_arrow(*a, parquet=True)}[format]
+        res = PrepareResult()
+        total = _count_lines(input)
+        bar = Progress(total if limit is None else min(total, limit), f"tokenizing {os.path.basename(input)}",
+                       "records", quiet=quiet, bar=progress)
 
-    staged: list = []        # (temp path, final path) of the new set, renamed at the commit
-    pending_texts, pending_ids = [], []
-    shard_parts: list = []   # (offsets, tokens, labels, ids) accumulated for the current shard
-    shard_rows = 0
+        staged: list = []        # (temp path, final path) of the new set, renamed at the commit
+        pending_texts, pending_ids = [], []
+        shard_parts: list = []   # (offsets, tokens, labels, ids) accumulated for the current shard
+        shard_rows = 0
 
-    def flush_shard():
-        nonlocal shard_parts, shard_rows
-        if not shard_parts:
-            return
-        offs = [np.zeros(1, np.int64)]
-        base = 0
-        for o, _, _, _ in shard_parts:
-            offs.append(o[1:] + base)
-            base += int(o[-1])
-        offsets = np.concatenate(offs)
-        tokens = np.concatenate([p[1] for p in shard_parts])
-        labels = None if not mask_prompt else np.concatenate([p[2] for p in shard_parts])
-        ids = np.concatenate([p[3] for p in shard_parts])
-        path = os.path.join(out_dir, f"{prefix}-{len(res.paths):05d}.{ext}")
-        tmp = temp_path(path)
-        staged.append((tmp, path))
-        writer(tmp, offsets, tokens, labels, ids)
-        res.paths.append(path)
-        res.tokens += len(tokens)
-        res.loss_tokens += int((labels != -100).sum()) if labels is not None else len(tokens)
-        shard_parts, shard_rows = [], 0
+        def flush_shard():
+            nonlocal shard_parts, shard_rows
+            if not shard_parts:
+                return
+            offs = [np.zeros(1, np.int64)]
+            base = 0
+            for o, _, _, _ in shard_parts:
+                offs.append(o[1:] + base)
+                base += int(o[-1])
+            offsets = np.concatenate(offs)
+            tokens = np.concatenate([p[1] for p in shard_parts])
+            labels = None if not mask_prompt else np.concatenate([p[2] for p in shard_parts])
+            ids = np.concatenate([p[3] for p in shard_parts])
+            path = os.path.join(out_dir, f"{prefix}-{len(res.paths):05d}.{ext}")
+            tmp = temp_path(path)
+            staged.append((tmp, path))
+            writer(tmp, offsets, tokens, labels, ids)
+            res.paths.append(path)
+            res.tokens += len(tokens)
+            res.loss_tokens += int((labels != -100).sum()) if labels is not None else len(tokens)
+            shard_parts, shard_rows = [], 0
 
-    def run_batch():
-        nonlocal shard_rows
-        if not pending_texts:
-            return
-        offsets, tokens, labels = tokenize_records(tok, pending_texts, separator=separator, eos_id=eos_id,
-                                                   mask_prompt=mask_prompt)
-        ids = np.asarray(pending_ids, np.int64)
-        res.sequences += len(pending_texts)
-        bar.update(len(pending_texts))
-        # split this batch across shard boundaries
-        i = 0
-        while i < len(ids):
-            take = min(len(ids) - i, shard_size - shard_rows)
-            a, b = offsets[i], offsets[i + take]
-            shard_parts.append((offsets[i:i + take + 1] - a, tokens[a:b], None if labels is None else labels[a:b],
-                                ids[i:i + take]))
-            shard_rows += take
-            i += take
-            if shard_rows >= shard_size:
-                flush_shard()
-        pending_texts.clear()
-        pending_ids.clear()
+        def run_batch():
+            nonlocal shard_rows
+            if not pending_texts:
+                return
+            offsets, tokens, labels = tokenize_records(tok, pending_texts, separator=separator, eos_id=eos_id,
+                                                       mask_prompt=mask_prompt)
+            ids = np.asarray(pending_ids, np.int64)
+            res.sequences += len(pending_texts)
+            bar.update(len(pending_texts))
+            # split this batch across shard boundaries
+            i = 0
+            while i < len(ids):
+                take = min(len(ids) - i, shard_size - shard_rows)
+                a, b = offsets[i], offsets[i + take]
+                shard_parts.append((offsets[i:i + take + 1] - a, tokens[a:b], None if labels is None else labels[a:b],
+                                    ids[i:i + take]))
+                shard_rows += take
+                i += take
+                if shard_rows >= shard_size:
+                    flush_shard()
+            pending_texts.clear()
+            pending_ids.clear()
 
-    try:
         try:
-            for rid, vals in _records(input, fields, limit):
-                pending_texts.append(vals)
-                pending_ids.append(rid)
-                if len(pending_texts) >= batch_size:
-                    run_batch()
-            run_batch()
-            flush_shard()
-        finally:
-            bar.close()
-        if res.sequences == 0:
-            raise DataError("no records in the input", path=input)
-        ours = _manifest_names(old, out_dir)
-        for _, path in staged:  # never replace a file prepare did not write
-            name = os.path.basename(path)
-            if os.path.lexists(path) and name not in ours:
-                raise DataError(f"shard name {name!r} is taken by a file 'packloader prepare' did not write; "
-                                "choose another --out directory or prefix", path=path)
-        for tmp, _ in staged:
-            fsync_file(tmp)
-    except BaseException:
-        for tmp, _ in staged:
-            remove_file(tmp)
-        raise
-    res.seconds = time.perf_counter() - t0
-    manifest = {
-        "manifest": "packloader-prepare",
-        "settings_key": settings_key,
-        "shard_bytes": [os.path.getsize(tmp) for tmp, _ in staged],
-        "input": os.path.abspath(input),
-        "tokenizer": tokenizer if isinstance(tokenizer, str) else getattr(tokenizer, "__class__").__name__,
-        "fields": fields, "separator": separator, "eos_id": eos_id, "mask_prompt": mask_prompt,
-        "format": format, "shard_size": shard_size, "shards": [os.path.basename(p) for p in res.paths],
-        "sequences": res.sequences, "tokens": res.tokens, "loss_tokens": res.loss_tokens,
-    }
-    res.manifest = manifest_path
-    # the commit: the new manifest (naming the old set as "replacing"), then the renames, then the old
-    # set's removal, then the manifest without "replacing". A kill anywhere is finished by the next run.
-    manifest["replacing"] = sorted(_manifest_names(old, out_dir) - set(manifest["shards"]))
-    atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
-    for tmp, path in staged:
-        os.replace(tmp, path)
-    fsync_dir(out_dir)
-    _finish_replacement(out_dir, manifest_path, manifest)
-    log(f"{input}: {res.sequences:,} records -> {res.tokens:,} tokens in {len(res.paths)} {format} shard(s) "
-        f"under {out_dir} ({res.seconds:.2f} s)", quiet=quiet)
-    return res
+            try:
+                for rid, vals in _records(input, fields, limit):
+                    pending_texts.append(vals)
+                    pending_ids.append(rid)
+                    if len(pending_texts) >= batch_size:
+                        run_batch()
+                run_batch()
+                flush_shard()
+            finally:
+                bar.close()
+            if res.sequences == 0:
+                raise DataError("no records in the input", path=input)
+            ours = _manifest_names(old, out_dir)
+            for _, path in staged:  # never replace a file prepare did not write
+                name = os.path.basename(path)
+                if os.path.lexists(path) and name not in ours:
+                    raise DataError(f"shard name {name!r} is taken by a file 'packloader prepare' did not write; "
+                                    "choose another --out directory or prefix", path=path)
+            for tmp, _ in staged:
+                fsync_file(tmp)
+        except BaseException:
+            for tmp, _ in staged:
+                remove_file(tmp)
+            raise
+        res.seconds = time.perf_counter() - t0
+        manifest = {
+            "manifest": "packloader-prepare",
+            "settings_key": settings_key,
+            "shard_bytes": [os.path.getsize(tmp) for tmp, _ in staged],
+            "input": os.path.abspath(input),
+            "tokenizer": tokenizer if isinstance(tokenizer, str) else getattr(tokenizer, "__class__").__name__,
+            "fields": fields, "separator": separator, "eos_id": eos_id, "mask_prompt": mask_prompt,
+            "format": format, "shard_size": shard_size, "shards": [os.path.basename(p) for p in res.paths],
+            "sequences": res.sequences, "tokens": res.tokens, "loss_tokens": res.loss_tokens,
+        }
+        res.manifest = manifest_path
+        # the commit: the new manifest (naming the old set as "replacing"), then the renames, then the old
+        # set's removal, then the manifest without "replacing". A kill anywhere is finished by the next run.
+        manifest["replacing"] = sorted(_manifest_names(old, out_dir) - set(manifest["shards"]))
+        atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
+        for tmp, path in staged:
+            os.replace(tmp, path)
+        fsync_dir(out_dir)
+        _finish_replacement(out_dir, manifest_path, manifest)
+        log(f"{input}: {res.sequences:,} records -> {res.tokens:,} tokens in {len(res.paths)} {format} shard(s) "
+            f"under {out_dir} ({res.seconds:.2f} s)", quiet=quiet)
+        return res

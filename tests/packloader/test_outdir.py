@@ -131,3 +131,37 @@ def test_crc_thread_is_per_process():
     t = _outdir._crc_thread()
     assert t is _outdir._crc_thread()
     assert t._pid == os.getpid()
+
+
+@pytest.mark.parametrize("first, second", [("pack", "prepare"), ("prepare", "pack")])
+def test_allow_nonempty_never_rewrites_the_other_tools_marker(tmp_path, first, second):
+    """Issue 36, defect 5: ``prepare --allow-nonempty`` into a ``pack`` directory (or the reverse) used to
+    rewrite ``.packloader/owner.json``, and neither tool could maintain the directory afterwards."""
+    import json
+
+    from packloader.demo import TOKENIZER, data_path
+    from packloader.errors import DataError
+    from packloader.pack_writer import pack_dataset
+    from packloader.prepare import prepare_jsonl
+    from tests.packloader.conftest import random_sequences, write_arrow
+    from tests.packloader.test_data_safety import write_jsonl
+
+    src = write_arrow(tmp_path / "a.arrow", random_sequences(30, seed=0, max_len=60))
+    text = write_jsonl(tmp_path / "in.jsonl", 20)
+    out = tmp_path / "out"
+
+    def run(tool, **kw):
+        if tool == "pack":
+            return pack_dataset(src, out, capacity=64, quiet=True, **kw)
+        return prepare_jsonl(text, out, tokenizer=data_path(TOKENIZER), quiet=True, **kw)
+
+    run(first)
+    marker = out / STATE_DIR / "owner.json"
+    before = {n: (out / n).read_bytes() for n in os.listdir(out) if n != STATE_DIR}
+    assert json.loads(marker.read_text())["tool"] == first
+    with pytest.raises(DataError, match=rf"belongs to 'packloader {first}' .*never into another packloader "
+                                        "tool's directory"):
+        run(second, allow_nonempty=True)
+    assert json.loads(marker.read_text())["tool"] == first
+    assert {n: (out / n).read_bytes() for n in os.listdir(out) if n != STATE_DIR} == before
+    run(first)  # still maintained by its own tool
