@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import offline
+from .chains import carry_row_order, permute_rows
 from .online import OnlinePacker
 from .pieces import as_lengths, check_int, check_overflow, make_pieces
 from .plan import PackPlan
@@ -45,9 +46,13 @@ def pack(lengths, capacity, algorithm="bfd", *, overflow="error", max_items_per_
             sequences in the given order and flushed at the end.
         overflow: for a sequence longer than ``capacity``: ``"error"`` (ValueError naming the index
             and length), ``"split"`` (pieces of ``capacity`` tokens plus a remainder, each placed as its
-            own item; ``plan.starts`` gives their offsets), ``"truncate"`` (keep the first ``capacity``
-            tokens) or ``"drop"``. The plan lists them in ``split_ids`` / ``truncated_ids`` /
-            ``dropped_ids``.
+            own item; ``plan.starts`` gives their offsets), ``"carry"`` (the same pieces with the
+            remainder first, and the rows ordered so that each piece comes after the one before it:
+            piece 0 then the ``capacity``-token pieces, each alone in a row right after its chain's
+            earlier rows; see :mod:`packer_algos.chains`. For a model that carries its state from
+            piece to piece; packs as tightly as ``"split"``), ``"truncate"`` (keep the first
+            ``capacity`` tokens) or ``"drop"``. The plan lists them in ``split_ids`` (split and
+            carry) / ``truncated_ids`` / ``dropped_ids``.
         max_items_per_bin: optional cap (int >= 1) on pieces per row.
         buffer_size: pending-item buffer of ``"online"`` (default 1000). Passing it with another
             algorithm is a ValueError (it would silently do nothing).
@@ -101,6 +106,8 @@ def pack(lengths, capacity, algorithm="bfd", *, overflow="error", max_items_per_
             else:
                 bin_seq, nb = offline.next_fit(None, pc.length, capacity, mx, witness)
             off, ids, lens = offline.build_csr(None, bin_seq, nb, pc.item, pc.start, pc.length, starts)
+    if overflow == "carry" and pc.split_ids.size:
+        off, ids, starts, lens = permute_rows(off, carry_row_order(off, ids, starts), ids, starts, lens)
     return PackPlan(capacity, off, ids, starts, lens, split_ids=pc.split_ids,
                     truncated_ids=pc.truncated_ids, dropped_ids=pc.dropped_ids, n_empty=pc.n_empty,
                     algorithm=algorithm, overflow=overflow, max_items_per_bin=max_items_per_bin)

@@ -156,6 +156,10 @@ class OnlinePacker:
         self.buffer_size = check_int("buffer_size", buffer_size)
         self.max_items_per_bin = check_int("max_items_per_bin", max_items_per_bin, allow_none=True)
         self.overflow = check_overflow(overflow)
+        if self.overflow == "carry":
+            raise ValueError("overflow='carry' orders the rows of a whole plan (a chain's rows after its first "
+                             "piece's row), which a packer that emits rows as they close cannot do; use "
+                             "packer_algos.pack(lengths, capacity, 'online', overflow='carry')")
         self.n_pushed = 0
         self.n_bins_emitted = 0
         self.n_split = self.n_truncated = self.n_dropped = self.n_empty = 0

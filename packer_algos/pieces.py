@@ -6,7 +6,10 @@ import numbers
 import numpy as np
 from numba import njit
 
-OVERFLOW_POLICIES = ("error", "split", "truncate", "drop")
+OVERFLOW_POLICIES = ("error", "split", "truncate", "drop", "carry")
+#: the policies that cut a long sequence into pieces placed as their own items (``carry`` also keeps
+#: the pieces' order: see :mod:`packer_algos.chains`)
+CUTTING_POLICIES = ("split", "carry")
 
 
 def check_int(name: str, value, minimum: int = 1, allow_none: bool = False):
@@ -95,6 +98,12 @@ def make_pieces(L: np.ndarray, capacity: int, overflow: str, item_ids=None) -> P
     ``item_ids`` (default ``arange(len(L))``) name the sequences; the recorded split / truncated /
     dropped ids are taken from it. Pieces come in input order (a split sequence's parts in token
     order), which is the order the in-order algorithms place them.
+
+    ``"split"`` cuts a sequence of ``n > capacity`` tokens into pieces of ``capacity`` tokens and the
+    remainder last; ``"carry"`` puts the remainder (``n % capacity`` tokens, if any) *first* and the
+    ``capacity``-token pieces after it, so that every piece but the first fills a row alone (what
+    keeps a chain's rows orderable, see :mod:`packer_algos.chains`). Both record the sequence in
+    ``split_ids``.
     """
     n = L.size
     empty = np.zeros(0, dtype=np.int64)
@@ -102,7 +111,7 @@ def make_pieces(L: np.ndarray, capacity: int, overflow: str, item_ids=None) -> P
     if n_over and overflow == "error":
         i = first_over
         raise ValueError(f"lengths[{i}] = {int(L[i])} is longer than capacity {capacity} "
-                         f"({n_over} sequence(s) are); pass overflow='split', 'truncate' or 'drop'")
+                         f"({n_over} sequence(s) are); pass overflow='split', 'carry', 'truncate' or 'drop'")
     if n_over == 0 and n_empty == 0:
         return Pieces(item_ids, None, L, empty, empty, empty, 0)
     ids = np.arange(n, dtype=np.int64) if item_ids is None else item_ids
@@ -121,7 +130,7 @@ def make_pieces(L: np.ndarray, capacity: int, overflow: str, item_ids=None) -> P
         dropped_ids = ids[over]
         return Pieces(ids[keep], None, L[keep], split_ids,
                       truncated_ids, dropped_ids, n_empty)
-    # split (or no overflow at all, only zeros)
+    # split / carry (or no overflow at all, only zeros)
     keep = ~zero
     kl = L[keep]
     kid = ids[keep]
@@ -133,6 +142,11 @@ def make_pieces(L: np.ndarray, capacity: int, overflow: str, item_ids=None) -> P
     item = np.repeat(kid, npieces)
     first = np.repeat(np.cumsum(npieces) - npieces, npieces)
     k = np.arange(item.size, dtype=np.int64) - first
+    if overflow == "carry":  # remainder first, then whole rows: piece k > 0 ends at rem + k * capacity
+        rem = np.repeat(kl - (npieces - 1) * capacity, npieces)
+        start = np.where(k == 0, 0, rem + (k - 1) * capacity)
+        plen = np.where(k == 0, rem, capacity)
+        return Pieces(item, start, plen, split_ids, truncated_ids, dropped_ids, n_empty)
     start = k * capacity
     plen = np.minimum(np.repeat(kl, npieces) - start, capacity)
     return Pieces(item, start, plen, split_ids, truncated_ids, dropped_ids, n_empty)

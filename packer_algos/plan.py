@@ -124,7 +124,9 @@ class PackPlan:
         lies inside its sequence and has length >= 1; each token of each kept sequence is placed
         exactly once (a truncated sequence: its first ``capacity`` tokens); zero-length, dropped
         sequences have no pieces; split/truncated/dropped sequences are exactly the ones longer than
-        ``capacity`` under the plan's overflow policy; ``n_empty`` matches. Returns ``self``.
+        ``capacity`` under the plan's overflow policy; ``n_empty`` matches; with ``overflow="carry"``,
+        every chain's pieces lie in increasing rows and each piece after the first fills its row alone
+        (:func:`packer_algos.chains.chain_links`). Returns ``self``.
         """
         L = np.asarray(lengths)
         if L.ndim != 1:
@@ -179,7 +181,9 @@ class PackPlan:
         over = np.flatnonzero(L > C)
         empty = np.zeros(0, dtype=np.int64)
         want = {"split": empty, "truncate": empty, "drop": empty}
-        if self.overflow in want:
+        if self.overflow == "carry":
+            want["split"] = over
+        elif self.overflow in want:
             want[self.overflow] = over
         elif self.overflow == "error":
             if over.size:
@@ -225,6 +229,13 @@ class PackPlan:
                 fail(f"sequence {int(ids[k])}: pieces end at {int(en[k])} but {int(expected[ids[k]])} "
                      "tokens should be placed")
             placed = ids[first]
+            if self.overflow == "carry":  # chains in order, continuation pieces alone in their rows
+                from .chains import chain_links
+
+                try:
+                    chain_links(off, self.item_ids, self.starts, self.lengths)
+                except ValueError as e:
+                    fail(str(e))
         else:
             placed = np.zeros(0, dtype=np.int64)
         kept = np.flatnonzero(expected > 0)

@@ -30,6 +30,12 @@ def pieces(lengths, capacity, overflow):
             split.append(i)
             for s in range(0, n, capacity):
                 out.append((i, s, min(capacity, n - s)))
+        elif overflow == "carry":  # the remainder first, then whole rows
+            split.append(i)
+            rem = n - (n - 1) // capacity * capacity
+            out.append((i, 0, rem))
+            for s in range(rem, n, capacity):
+                out.append((i, s, capacity))
         else:
             raise ValueError(overflow)
     return out, split, trunc, drop, n_empty
@@ -116,9 +122,29 @@ def online(ps, capacity, buffer_size, mx=None, flush=True, pending=None):
     return bins, pending
 
 
+def carry_order(bins):
+    """The carry rule: anchor rows (no piece starting after token 0) in their order, each followed by
+    the rows of the later pieces of the sequences whose first piece it holds, in token order."""
+    later = {}
+    for b in bins:
+        if b[0][1] > 0:
+            later.setdefault(b[0][0], []).append(b)
+    out = []
+    for b in bins:
+        if b[0][1] > 0:
+            continue
+        out.append(b)
+        for item, start, _ in b:
+            if start == 0:
+                out.extend(sorted(later.get(item, []), key=lambda r: r[0][1]))
+    return out
+
+
 def pack(lengths, capacity, algorithm, overflow="error", mx=None, buffer_size=None, tie_rank=None):
     """Reference ``packer_algos.pack``: the bins as lists of (item_id, start, length)."""
-    ps, *_ = pieces(lengths, capacity, overflow)
+    if overflow == "carry":
+        return carry_order(pack(lengths, capacity, algorithm, "carry-unordered", mx, buffer_size, tie_rank))
+    ps, *_ = pieces(lengths, capacity, "carry" if overflow == "carry-unordered" else overflow)
     if algorithm == "next_fit":
         return next_fit(ps, capacity, mx)
     if algorithm == "first_fit":
