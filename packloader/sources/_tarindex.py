@@ -11,7 +11,8 @@ each member's key, its role (tokens, labels, bare ``KEY.npy``, other) and its ar
 dtype); samples are then assembled with numpy, without a Python loop per member.
 
 :func:`index_common_case` returns None whenever a shard falls outside that case (another member type, an
-unusual .npy header, a sample without a token member, labels of another length, a role given twice), and
+unusual .npy header, a sample without a token member, labels of another length, a role given twice, a member
+name given twice in a sample or a key given twice in the shard), and
 ``TarShard`` then runs its general per-member indexer over the same walk, which also produces the error
 messages. Both give the same index (checked by ``tests/packloader/sources/test_tar.py``). The standard
 .npy header both expect is defined once, in :mod:`packloader.sources._npy`.
@@ -208,14 +209,16 @@ def _scan(buf, pos, sizes, flags, tok_ext, lab_ext, has_lab_ext, magic, head1, h
     off = np.full(m, -1, np.int64)
     cnt = np.zeros(m, np.int64)
     code = np.zeros(m, np.int8)
+    name_hash = np.zeros(m, np.uint64)  # FNV-1a of the member's name, and of its key
+    key_hash = np.zeros(m, np.uint64)
     prev = -1
     for i in range(m):
         p = pos[i]
         f = flags[i]
         if f != 48 and f != 0:  # not a plain file ('0', or NUL in old tars)
-            return 1, role, key_len, new, off, cnt, code
+            return 1, role, key_len, new, off, cnt, code, name_hash, key_hash
         if buf[p + 257] == 117 and buf[p + 345] != 0:  # a ustar prefix: a name longer than 100 bytes
-            return 1, role, key_len, new, off, cnt, code
+            return 1, role, key_len, new, off, cnt, code, name_hash, key_hash
         n = 0
         while n < 100 and buf[p + n] != 0:
             n += 1
@@ -231,6 +234,12 @@ def _scan(buf, pos, sizes, flags, tok_ext, lab_ext, has_lab_ext, magic, head1, h
         if dot <= slash + 1:
             continue  # no extension or a hidden file: not part of any sample
         key_len[i] = dot
+        h = np.uint64(14695981039346656037)
+        for j in range(n):
+            if j == dot:
+                key_hash[i] = h
+            h = (h ^ np.uint64(buf[p + j])) * np.uint64(1099511628211)
+        name_hash[i] = h
         same = prev >= 0 and key_len[prev] == dot
         if same:
             q = pos[prev]
@@ -252,12 +261,12 @@ def _scan(buf, pos, sizes, flags, tok_ext, lab_ext, has_lab_ext, magic, head1, h
             continue
         o, c, t = _npy_fast(buf, p + 512, sizes[i], magic, head1, head2, tail)
         if o < 0:
-            return 1, role, key_len, new, off, cnt, code
+            return 1, role, key_len, new, off, cnt, code, name_hash, key_hash
         role[i] = r
         off[i] = o
         cnt[i] = c
         code[i] = t
-    return 0, role, key_len, new, off, cnt, code
+    return 0, role, key_len, new, off, cnt, code, name_hash, key_hash
 
 
 def _one_per_sample(mask, sample, n_samples):
@@ -301,7 +310,7 @@ def index_common_case(buf, pos, sizes, flags, tok_ext: bytes, lab_ext: bytes | N
         indexer must run.
     """
     has_lab = lab_ext is not None
-    status, role, key_len, new, off, cnt, code = _scan(
+    status, role, key_len, new, off, cnt, code, name_hash, key_hash = _scan(
         buf, pos, sizes, flags, np.frombuffer(tok_ext, np.uint8),
         np.frombuffer(lab_ext if has_lab else b"-", np.uint8), has_lab, _MAGIC, _HEAD1, _HEAD2, _TAIL, _NPY_BYTES,
     )
@@ -309,6 +318,10 @@ def index_common_case(buf, pos, sizes, flags, tok_ext: bytes, lab_ext: bytes | N
         return None
     first = np.flatnonzero(new)
     S = first.size
+    named = name_hash[key_len > 0]
+    if np.unique(named).size != named.size or np.unique(key_hash[first]).size != S:
+        return None  # a member name twice in a sample, or a key twice in the shard (or a hash collision):
+                     # the general indexer names it (or, for a collision, indexes the shard)
     sample = np.cumsum(new) - 1
     tok = _one_per_sample(role == _TOK, sample, S)
     bare = _one_per_sample(role == _BARE, sample, S)

@@ -49,7 +49,8 @@ class TarShard(Shard):
 
     Raises:
         DataError: corrupt or truncated tar (bad header checksum, member beyond the end of the file),
-            a sample without a token member, a member that is not a 1-D integer ``.npy`` array, or
+            a sample key that appears twice in the shard or a member name given twice in a sample (as
+            webdataset, which refuses a "duplicate file name"), a sample without a token member, a member that is not a 1-D integer ``.npy`` array, or
             labels whose length differs from the tokens'; the message names the member and row.
 
     Example::
@@ -182,6 +183,8 @@ class TarShard(Shard):
             else:
                 lab_off.append(-1); lab_n.append(0); lab_dt.append("")
 
+        first_row: dict[bytes, int] = {}  # sample key -> its sample number (a key is unique in a shard)
+        cur_exts: set = set()
         for i in keep:
             name = names[i]
             slash = name.rfind(b"/")
@@ -193,7 +196,20 @@ class TarShard(Shard):
             if key != cur_key:
                 if cur_key is not None:
                     finish()
+                if key in first_row:
+                    raise DataError(
+                        f"sample key {key.decode('utf-8', 'replace')!r} appears twice in this shard (samples "
+                        f"{first_row[key]} and {len(keys)}): keys must be unique within a shard", path=path,
+                        member=name.decode("utf-8", "replace"), row=len(keys))
+                first_row[key] = len(keys)
                 cur_key, cur_tok, cur_lab, cur_first = key, None, None, name
+                cur_exts = set()
+            if ext in cur_exts:  # webdataset refuses it too ("duplicate file name")
+                raise DataError(
+                    f"sample {key.decode('utf-8', 'replace')!r} has the member {name.decode('utf-8', 'replace')!r} "
+                    "twice (a duplicate file name: one of them would be dropped)",
+                    path=path, member=name.decode("utf-8", "replace"), row=len(keys))
+            cur_exts.add(ext)
             if ext == tok_ext or (ext == b"npy" and cur_tok is None):  # KEY.npy: bare tokens
                 cur_tok = npy(posl[i] + 512, sizel[i], name, len(keys))
             elif lab_ext is not None and ext == lab_ext:

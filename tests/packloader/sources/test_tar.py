@@ -281,3 +281,45 @@ def test_webdataset_reads_shards_prepare_writes(tmp_path, seed):
 
     with tarfile.open(p) as tf:
         assert len(tf.getmembers()) == 2 * len(seqs)
+
+
+# ------------------------------------------------------------------------- a key given twice (issue 36)
+
+
+@pytest.mark.parametrize("case", ["same member twice", "same member twice, apart", "key again later",
+                                  "other member twice"])
+def test_tar_key_given_twice_is_an_error_naming_shard_and_key(tmp_path, monkeypatch, case):
+    """Issue 36, defect 4: ``a.input_ids.npy`` twice used to drop the first sequence silently (in ``pack``
+    and in the streaming loader); webdataset refuses such a shard ("duplicate file name"). Both indexers
+    (vectorised and per member) refuse it, naming the shard and the key; so do ``pack`` and the loader."""
+    from packloader import PackedDataLoader
+    from packloader.pack_writer import pack_dataset
+
+    a, b, c = (np.arange(k, k + 5 + k, dtype=np.int32) for k in range(3))
+    members = {
+        "same member twice": [("a.input_ids.npy", _npy(a)), ("a.input_ids.npy", _npy(b)), ("c.input_ids.npy", _npy(c))],
+        "same member twice, apart": [("a.input_ids.npy", _npy(a)), ("a.json", b"{}"), ("a.input_ids.npy", _npy(b))],
+        "key again later": [("a.input_ids.npy", _npy(a)), ("b.input_ids.npy", _npy(b)), ("a.input_ids.npy", _npy(c))],
+        "other member twice": [("a.input_ids.npy", _npy(a)), ("a.json", b"{}"), ("a.json", b"{}"),
+                               ("b.input_ids.npy", _npy(b))],
+    }[case]
+    path = _tar_from_members(tmp_path / "dup.tar", members)
+    usual, general, _ = _open_both(path, monkeypatch)
+    for err in (usual, general):
+        assert isinstance(err, DataError), err
+        assert err.path == path and "'a'" in err.reason and "twice" in err.reason
+        assert err.member is not None and err.member.startswith("a.")
+    with pytest.raises(DataError, match=r"dup\.tar.*'a'.*twice"):
+        pack_dataset(path, tmp_path / "out", capacity=64, quiet=True)
+    with pytest.raises(DataError, match=r"dup\.tar.*'a'.*twice"):
+        PackedDataLoader(path, capacity=64, batch_size=1)
+    if case == "same member twice":  # webdataset agrees that the shard is bad
+        with pytest.raises(ValueError, match="duplicate file name"):
+            list(wds.WebDataset(path, shardshuffle=False))
+
+
+def test_tar_distinct_keys_sharing_a_prefix_are_fine(tmp_path, monkeypatch):
+    members = [(f"{k}.input_ids.npy", _npy(np.arange(3, dtype=np.int32) + i)) for i, k in enumerate(["a", "a1", "b/a"])]
+    path = _tar_from_members(tmp_path / "ok.tar", members)
+    usual, general, vectorised = _open_both(path, monkeypatch)
+    assert vectorised and usual.keys == general.keys == ["a", "a1", "b/a"]
