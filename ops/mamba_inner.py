@@ -118,7 +118,7 @@ class PackedMambaInnerFn(torch.autograd.Function):
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))  # (b, d_inner, l)
         Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()  # (b, n, l)
         Cm = x_dbl[..., dt_rank + d_state:].transpose(1, 2).contiguous()
-        out_z, saved = torch.ops.packloader.selective_scan_fwd(
+        out_z, saved, _ = torch.ops.packloader.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, bool(delta_softplus)
         )
         y = torch.bmm(out_z.transpose(1, 2), out_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))  # (b, l, d_model)
@@ -157,7 +157,7 @@ class PackedMambaInnerFn(torch.autograd.Function):
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))  # (b, d_inner, l)
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
         # scan; it recomputes the forward's out_z (not kept from the forward: one (b, d_inner, l) less per layer)
-        dxc, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out_z = torch.ops.packloader.selective_scan_bwd(
+        dxc, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out_z, _ = torch.ops.packloader.selective_scan_bwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, ctx.delta_softplus, saved, dout_y, True
         )
         dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)  # (d_model, d_inner)

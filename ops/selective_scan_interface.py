@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from . import backends as _backends
 from .boundaries import resolve_position_ids, row_positions
+from .states import check_state, state_slots
 from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
                        scan_chunks, scan_fwd_segments)
 
@@ -179,8 +180,17 @@ def _lanes(dstate: int) -> int:
     return SCAN_LANES if dstate <= SCAN_LANES else dstate
 
 
-def _scan_terms(u, delta, A, B, C, delta_bias, position_ids, delta_softplus):
-    """The forward's intermediate values (compute dtype; state layout (batch, dim, L, dstate))."""
+def _token_states(states: torch.Tensor, slots: torch.Tensor, ct: torch.dtype) -> torch.Tensor:
+    """states[slots[b, t]] laid out (batch, dim, L, dstate) in ``ct``, zero where ``slots < 0``."""
+    got = states.to(ct)[slots.long().clamp(min=0)]            # (batch, L, dim, dstate)
+    got = torch.where((slots >= 0)[..., None, None], got, 0.0)
+    return got.permute(0, 2, 1, 3)
+
+
+def _scan_terms(u, delta, A, B, C, delta_bias, position_ids, delta_softplus, state_slots=None, initial_state=None):
+    """The forward's intermediate values (compute dtype; state layout (batch, dim, L, dstate)). With an initial state
+    a sequence's first step is ``h = dA h0 + dt B u`` (the carried state dropped, h0 put in its place): ``h0_tok``
+    holds h0 at those tokens (else None)."""
     ct = _compute_dtype(u.dtype)
     dim = u.shape[1]
     u_ = u.to(ct)
@@ -194,15 +204,36 @@ def _scan_terms(u, delta, A, B, C, delta_bias, position_ids, delta_softplus):
     dA = torch.exp(dt.unsqueeze(-1) * A_[:, None, :])  # (batch, dim, L, n)
     dtu = dt * u_
     reset = (position_ids == 0)[:, None, :, None]  # (batch, 1, L, 1)
-    h = linear_scan(dA, dtu.unsqueeze(-1) * Bx, dim=2, reset=reset)
-    return ct, u_, dt_raw, dt, A_, Bx, Cx, dA, dtu, reset, h
+    x = dtu.unsqueeze(-1) * Bx
+    h0_tok = None
+    if initial_state is not None:
+        h0_tok = _token_states(initial_state, state_slots[0], ct)
+        x = x + dA * h0_tok
+    h = linear_scan(dA, x, dim=2, reset=reset)
+    return ct, u_, dt_raw, dt, A_, Bx, Cx, dA, dtu, reset, h, h0_tok
 
 
-def _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus):
+def _final_states(h: torch.Tensor, state_slots: Optional[torch.Tensor], num_final_states: int,
+                  like: torch.Tensor) -> torch.Tensor:
+    """final_state (num_final_states, dim, dstate), float32 (float64 for float64 inputs): h at the tokens of
+    state_slots[1] (zeros elsewhere); an empty (0,) tensor when none is asked for."""
+    if not num_final_states:
+        return _absent(like)
+    batch, dim, L, n = h.shape
+    ct = _compute_dtype(like.dtype)
+    final = torch.zeros(num_final_states, dim, n, dtype=ct, device=h.device)
+    mask = state_slots[1] >= 0
+    final[state_slots[1][mask].long()] = h.permute(0, 2, 1, 3)[mask].to(ct)
+    return final
+
+
+def _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, state_slots=None,
+                        initial_state=None, num_final_states=0):
     """The reference implementation of ``selective_scan_fwd`` (pure PyTorch, any float dtype)."""
     batch, dim, L = u.shape
     dstate = A.shape[1]
-    ct, u_, _, _, _, _, Cx, _, _, _, h = _scan_terms(u, delta, A, B, C, delta_bias, position_ids, delta_softplus)
+    ct, u_, _, _, _, _, Cx, _, _, _, h, _ = _scan_terms(u, delta, A, B, C, delta_bias, position_ids, delta_softplus,
+                                                        state_slots, initial_state)
     y = (h * Cx).sum(-1)
     if D is not None:
         y = y + D.to(ct)[:, None] * u_
@@ -213,7 +244,7 @@ def _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta
     if nchunks:
         ends = (torch.arange(1, nchunks + 1, device=u.device) * SCAN_CHUNK).clamp(max=L) - 1
         saved[..., :dstate] = h[:, :, ends].to(torch.float32)
-    return _fresh(y, u.dtype), saved
+    return _fresh(y, u.dtype), saved, _final_states(h, state_slots, num_final_states, u)
 
 
 def _reduce_groups(X: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -226,11 +257,13 @@ def _reduce_groups(X: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout,
-                        recompute_out=False):
+                        recompute_out=False, state_slots=None, initial_state=None, dfinal_state=None):
     """The reference implementation of ``selective_scan_bwd``: the forward recomputed, then the adjoint state
-    scanned backwards in time, dropped (not multiplied by zero) where the forward dropped the state."""
-    ct, u_, dt_raw, dt, A_, Bx, Cx, dA, dtu, reset, h = _scan_terms(
-        u, delta, A, B, C, delta_bias, position_ids, delta_softplus)
+    scanned backwards in time, dropped (not multiplied by zero) where the forward dropped the state. A final
+    state's gradient enters the adjoint at its sequence's last token; an initial state's gradient is the adjoint
+    its sequence's first step hands back (``dA gh``)."""
+    ct, u_, dt_raw, dt, A_, Bx, Cx, dA, dtu, reset, h, h0_tok = _scan_terms(
+        u, delta, A, B, C, delta_bias, position_ids, delta_softplus, state_slots, initial_state)
     y = (h * Cx).sum(-1)
     if D is not None:
         y = y + D.to(ct)[:, None] * u_
@@ -246,9 +279,22 @@ def _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta
     # adjoint of the state: gh[t] = g[t] C[t] + dA[t+1] gh[t+1], dropped where a sequence starts at t+1
     a_next = torch.cat([dA[:, :, 1:], torch.zeros_like(dA[:, :, :1])], dim=2)
     r_next = torch.cat([reset[:, :, 1:], torch.ones_like(reset[:, :, :1])], dim=2)
-    gh = linear_scan(a_next.flip(2), (g.unsqueeze(-1) * Cx).flip(2), dim=2, reset=r_next.flip(2)).flip(2)
+    gy = g.unsqueeze(-1) * Cx
+    if dfinal_state is not None and dfinal_state.numel() and state_slots is not None:
+        gy = gy + _token_states(dfinal_state, state_slots[1], ct)
+    gh = linear_scan(a_next.flip(2), gy.flip(2), dim=2, reset=r_next.flip(2)).flip(2)
     h_prev = torch.cat([torch.zeros_like(h[:, :, :1]), h[:, :, :-1]], dim=2)
-    g_dA = torch.where(reset, 0.0, gh * h_prev)  # the decay is not used where the state was dropped
+    dinit = _absent(u)
+    if h0_tok is None:
+        g_dA = torch.where(reset, 0.0, gh * h_prev)  # the decay is not used where the state was dropped
+    else:
+        init = (state_slots[0] >= 0)[:, None, :, None]
+        h_prev = torch.where(init, h0_tok, h_prev)   # a continued sequence's first step decays its initial state
+        g_dA = torch.where(reset & ~init, 0.0, gh * h_prev)
+        dinit = torch.zeros(initial_state.shape, dtype=ct, device=u.device)
+        mask = state_slots[0] >= 0
+        dinit[state_slots[0][mask].long()] = (gh * dA).permute(0, 2, 1, 3)[mask]
+        dinit = _fresh(dinit, initial_state.dtype)
     g_dtu = (gh * Bx).sum(-1)
     ddt = (g_dA * dA * A_[:, None, :]).sum(-1) + g_dtu * u_
     du = g_dtu * dt
@@ -267,6 +313,7 @@ def _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta
         _fresh(dz, z.dtype) if z is not None else _absent(u),
         _fresh(ddelta.sum((0, 2)), delta_bias.dtype) if delta_bias is not None else _absent(u),
         _fresh(out, u.dtype) if recompute_out else _absent(u),
+        dinit,
     )
 
 
@@ -307,16 +354,24 @@ def _group_slices(dim: int, n_groups: int):
     return [(g * per, (g + 1) * per) for g in range(n_groups)]
 
 
-def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus):
-    """(out, saved) from the compiled kernel; B/C (batch, n_groups, dstate, seqlen), the rest prepared."""
+def _channels(t: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
+    """Channels a..b of a state (slots, dim, dstate), contiguous (None stays None)."""
+    return None if t is None else t[:, a:b].contiguous()
+
+
+def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, slots=None, h0=None, num_final=0):
+    """(out, saved, final_state or None) from the compiled kernel; B/C (batch, n_groups, dstate, seqlen), the rest
+    prepared; slots / h0: the carried states (int32 (2, batch, seqlen) / float32 (slots, dim, dstate))."""
     slices = _group_slices(u.shape[1], B.shape[1])
     if slices is not None:
         parts = [_scan_fwd_kernel(ext, u[:, a:b], delta[:, a:b], A[a:b], B[:, g:g + 1].contiguous(),
                                   C[:, g:g + 1].contiguous(),
                                   None if D is None else D[a:b], None if z is None else z[:, a:b],
-                                  None if delta_bias is None else delta_bias[a:b], pos, softplus)
+                                  None if delta_bias is None else delta_bias[a:b], pos, softplus, slots,
+                                  _channels(h0, a, b), num_final)
                  for g, (a, b) in enumerate(slices)]
-        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+        final = torch.cat([p[2] for p in parts], 1) if num_final else None
+        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), final
     from ._cuda import kernel_outputs
 
     u, delta = u.contiguous(), delta.contiguous()
@@ -325,27 +380,45 @@ def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus):
     with kernel_outputs():   # written in full by the kernel
         out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
         saved = torch.empty(batch, dim, scan_chunks(seqlen), SCAN_LANES, device=u.device, dtype=torch.float32)
+    # a final-state slot that no sequence ends in stays zero
+    final = torch.zeros(num_final, dim, A.shape[1], device=u.device, dtype=torch.float32) if num_final else None
     if u.numel() > 0:
         segments = scan_fwd_segments(batch, dim, seqlen, _sm_count(u.device))
-        ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, saved, segments, 0)
-    return out, saved
+        ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, saved, segments, 0,
+                     slots, h0, final)
+    return out, saved, final
 
 
-def _scan_fwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus):
+def _state_args(state_slots):
+    """The kernels' slots: None for the plain scan (no state read or written)."""
+    if state_slots is None:
+        return None
+    return state_slots.to(torch.int32).contiguous()
+
+
+def _scan_fwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, state_slots=None,
+                   initial_state=None, num_final_states=0):
     if _backends.implementation("selective_scan", "cuda", u.dtype, dstate=A.shape[1]) == "reference":
-        return _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus)
+        return _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, state_slots,
+                                   initial_state, num_final_states)
     ext = _backends.load_kernels()
     Bk, Ck = _bc(B, u), _bc(C, u)
     if Ck.dtype != Bk.dtype:
         Ck = Ck.to(Bk.dtype)
     pos = position_ids.to(torch.int32).contiguous()
-    return _scan_fwd_kernel(ext, u, delta.to(u.dtype), _f32(A), Bk, Ck, _f32(D),
-                            None if z is None else z.to(u.dtype), _f32(delta_bias), pos, delta_softplus)
+    slots = _state_args(state_slots)
+    out, saved, final = _scan_fwd_kernel(ext, u, delta.to(u.dtype), _f32(A), Bk, Ck, _f32(D),
+                                         None if z is None else z.to(u.dtype), _f32(delta_bias), pos, delta_softplus,
+                                         slots, _f32(initial_state) if slots is not None else None,
+                                         num_final_states if slots is not None else 0)
+    return out, saved, final if final is not None else _absent(u)
 
 
-def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, recompute_out):
-    """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out) from the kernel: dB/dC (batch, n_groups, dstate, seqlen)
-    float32, dA/dD/ddelta_bias float32, None for absent inputs (and for out unless ``recompute_out``)."""
+def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, recompute_out,
+                     slots=None, h0=None, dfinal=None):
+    """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out, dinitial_state) from the kernel: dB/dC (batch, n_groups,
+    dstate, seqlen) float32, dA/dD/ddelta_bias float32, None for absent inputs (and for out unless
+    ``recompute_out``; dinitial_state without h0)."""
     slices = _group_slices(u.shape[1], B.shape[1])
     if slices is not None:
         parts = []
@@ -356,9 +429,10 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
                 C[:, g:g + 1].float().contiguous(),
                 None if D is None else D[sl], None if z is None else z[:, sl],
                 None if delta_bias is None else delta_bias[sl], pos, softplus, saved[:, sl], dout[:, sl],
-                recompute_out))
+                recompute_out, slots, _channels(h0, a, b), _channels(dfinal, a, b)))
         cat = lambda i, d: None if parts[0][i] is None else torch.cat([p[i] for p in parts], d)  # noqa: E731
-        return (cat(0, 1), cat(1, 1), cat(2, 0), cat(3, 1), cat(4, 1), cat(5, 0), cat(6, 1), cat(7, 0), cat(8, 1))
+        return (cat(0, 1), cat(1, 1), cat(2, 0), cat(3, 1), cat(4, 1), cat(5, 0), cat(6, 1), cat(7, 0), cat(8, 1),
+                cat(9, 1))
     from ._cuda import kernel_outputs
 
     u, delta, dout = u.contiguous(), delta.contiguous(), dout.contiguous()
@@ -369,6 +443,8 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
         dz = torch.empty(u.shape, dtype=u.dtype, device=u.device) if z is not None else None
         out = torch.empty(u.shape, dtype=u.dtype, device=u.device) if recompute_out else None
     batch, dim, seqlen = u.shape
+    # an initial-state slot that no sequence starts from gets a zero gradient
+    dinit = torch.zeros(h0.shape, device=u.device, dtype=torch.float32) if h0 is not None else None
     # dA / dD / ddelta_bias come per (batch row, segment) and are summed here (no atomics: the same bits every run)
     segments = scan_bwd_segments(batch, dim, seqlen, _sm_count(u.device))
     rows = batch * segments
@@ -392,34 +468,38 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     if u.numel() > 0:
         # the kernel recomputes the forward output (it needs it for dz) and writes it to out when asked
         ext.scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), saved.contiguous(), dout, out,
-                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_part, segments)
+                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_part, segments, slots, h0, dfinal, dinit)
     if deterministic:
         n_groups = B.shape[1]
         slots = det_part.view(batch, n_groups, det_part.shape[1] // n_groups, 2, *det_part.shape[3:])
         dB, dC = slots[:, :, :, 0].sum(2), slots[:, :, :, 1].sum(2)   # two tensors: a custom op's outputs never alias
     return (du, ddelta, dA.sum(0), dB, dC, None if dD is None else dD.sum(0), dz,
-            None if ddb is None else ddb.sum(0), out)
+            None if ddb is None else ddb.sum(0), out, dinit)
 
 
 def _scan_bwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout,
-                   recompute_out=False):
+                   recompute_out=False, state_slots=None, initial_state=None, dfinal_state=None):
     if _backends.implementation("selective_scan", "cuda", u.dtype, dstate=A.shape[1]) == "reference":
         return _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout,
-                                   recompute_out)
+                                   recompute_out, state_slots, initial_state, dfinal_state)
     ext = _backends.load_kernels()
     Bk, Ck = _bc(B, u), _bc(C, u)
     if Ck.dtype != Bk.dtype:
         Ck = Ck.to(Bk.dtype)
     pos = position_ids.to(torch.int32).contiguous()
-    du, ddelta, dA, dB, dC, dD, dz, ddb, out = _scan_bwd_kernel(
+    slots = _state_args(state_slots)
+    du, ddelta, dA, dB, dC, dD, dz, ddb, out, dinit = _scan_bwd_kernel(
         ext, u, delta.to(u.dtype), _f32(A), Bk, Ck, _f32(D), None if z is None else z.to(u.dtype),
-        _f32(delta_bias), pos, delta_softplus, saved, dout.to(u.dtype), recompute_out)
+        _f32(delta_bias), pos, delta_softplus, saved, dout.to(u.dtype), recompute_out, slots,
+        _f32(initial_state) if slots is not None else None,
+        _f32(dfinal_state) if slots is not None and dfinal_state is not None and dfinal_state.numel() else None)
     return (
         du, ddelta.to(delta.dtype), dA.to(A.dtype), dB.reshape(B.shape).to(B.dtype), dC.reshape(C.shape).to(C.dtype),
         dD.to(D.dtype) if D is not None else _absent(u),
         dz.to(z.dtype) if z is not None else _absent(u),
         ddb.to(delta_bias.dtype) if delta_bias is not None else _absent(u),
         out if out is not None else _absent(u),
+        dinit.to(initial_state.dtype) if dinit is not None else _absent(u),
     )
 
 
@@ -429,22 +509,27 @@ def _scan_bwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_soft
 def selective_scan_fwd(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
-    position_ids: torch.Tensor, delta_softplus: bool,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Packed selective scan forward -> (out, saved); see :mod:`ops.contract`. This body is the reference
-    implementation, used on every device but CUDA."""
-    return _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus)
+    position_ids: torch.Tensor, delta_softplus: bool, state_slots: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None, num_final_states: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed selective scan forward -> (out, saved, final_state); see :mod:`ops.contract`. This body is the
+    reference implementation, used on every device but CUDA."""
+    return _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, state_slots,
+                               initial_state, num_final_states)
 
 
 selective_scan_fwd.register_kernel("cuda")(_scan_fwd_cuda)
 
 
 @selective_scan_fwd.register_fake
-def _scan_fwd_fake(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus):
+def _scan_fwd_fake(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, state_slots=None,
+                   initial_state=None, num_final_states=0):
     batch, dim, seqlen = u.shape
     out = u.new_empty(u.shape)
     saved = u.new_empty((batch, dim, scan_chunks(seqlen), _lanes(A.shape[1])), dtype=torch.float32)
-    return out, saved
+    final = (u.new_empty((num_final_states, dim, A.shape[1]), dtype=_compute_dtype(u.dtype)) if num_final_states
+             else _absent(u))
+    return out, saved, final
 
 
 @torch.library.custom_op("packloader::selective_scan_bwd", mutates_args=(), device_types=None, tags=OP_TAGS)
@@ -452,13 +537,14 @@ def selective_scan_bwd(
     u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
     position_ids: torch.Tensor, delta_softplus: bool, saved: torch.Tensor, dout: torch.Tensor,
-    recompute_out: bool = False,
+    recompute_out: bool = False, state_slots: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None, dfinal_state: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor]:
-    """Packed selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out); see
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out, dinitial_state); see
     :mod:`ops.contract`. This body is the reference implementation, used on every device but CUDA."""
     return _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout,
-                               recompute_out)
+                               recompute_out, state_slots, initial_state, dfinal_state)
 
 
 selective_scan_bwd.register_kernel("cuda")(_scan_bwd_cuda)
@@ -466,26 +552,31 @@ selective_scan_bwd.register_kernel("cuda")(_scan_bwd_cuda)
 
 @selective_scan_bwd.register_fake
 def _scan_bwd_fake(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, saved, dout,
-                   recompute_out=False):
+                   recompute_out=False, state_slots=None, initial_state=None, dfinal_state=None):
     like = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)  # noqa: E731
     absent = lambda t: like(t) if t is not None else _absent(u)  # noqa: E731
     return (like(u), like(delta), like(A), like(B), like(C), absent(D), absent(z), absent(delta_bias),
-            like(u) if recompute_out else _absent(u))
+            like(u) if recompute_out else _absent(u), absent(initial_state))
 
 
 def _scan_setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus = inputs
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, position_ids, output[1])
+    (u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, state_slots, initial_state,
+     num_final_states) = inputs
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, position_ids, output[1], state_slots, initial_state)
     ctx.delta_softplus = delta_softplus
     ctx.mark_non_differentiable(output[1])
 
 
-def _scan_backward(ctx, dout, _dsaved):
-    u, delta, A, B, C, D, z, delta_bias, position_ids, saved = ctx.saved_tensors
-    du, ddelta, dA, dB, dC, dD, dz, ddb, _ = selective_scan_bwd(
-        u, delta, A, B, C, D, z, delta_bias, position_ids, ctx.delta_softplus, saved, dout)
+def _scan_backward(ctx, dout, _dsaved, dfinal_state):
+    u, delta, A, B, C, D, z, delta_bias, position_ids, saved, state_slots, initial_state = ctx.saved_tensors
+    if state_slots is None:
+        dfinal_state = None
+    du, ddelta, dA, dB, dC, dD, dz, ddb, _, dinit = selective_scan_bwd(
+        u, delta, A, B, C, D, z, delta_bias, position_ids, ctx.delta_softplus, saved, dout, False, state_slots,
+        initial_state, dfinal_state)
     return (du, ddelta, dA, dB, dC, dD if D is not None else None, dz if z is not None else None,
-            ddb if delta_bias is not None else None, None, None)
+            ddb if delta_bias is not None else None, None, None, None,
+            dinit if initial_state is not None else None, None)
 
 
 selective_scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup_context)
@@ -520,9 +611,12 @@ def packed_selective_scan(
     *,
     position_ids: Optional[torch.Tensor] = None,
     seq_idx: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
     backend: Optional[str] = None,
     validate: bool = True,
-) -> torch.Tensor:
+):
     """Selective scan over packed rows, resetting the state at every sequence start.
 
     Same shapes and semantics as mamba-ssm's ``selective_scan_fn``, plus the boundaries. Runs the
@@ -544,16 +638,27 @@ def packed_selective_scan(
             loader emits). The state is zeroed where ``position_ids == 0``.
         seq_idx: (batch, seqlen) segment numbers, the alternative to ``position_ids``. With neither,
             each row is one sequence (plain ``selective_scan_fn``).
+        initial_state: (num_sequences, dim, dstate), float32 (float64 on the reference): the state ``h`` before
+            each sequence's first token, sequences numbered in ``cu_seqlens`` order (row-major, every segment of
+            every row; see :mod:`ops.states`). A sequence starts from it where ``has_initial_state`` is set, from
+            zero elsewhere. Differentiable: its gradient is returned by the backward.
+        has_initial_state: (num_sequences,) bool: which sequences continue from ``initial_state``; default all
+            (when ``initial_state`` is given).
+        output_final_state: also return the state after each sequence's last token, (num_sequences, dim, dstate)
+            float32, in the layout ``initial_state`` takes (a piece's final state is its continuation's initial
+            state). Differentiable: a gradient flowing into it reaches every input.
         backend: None (by device) or ``"reference"``: this call's forward runs the reference (the backward
             follows :func:`ops.use_backend` when it runs; prefer ``with ops.use_backend("reference"):`` around
             forward and backward). Not under ``torch.compile``.
         validate: check the boundaries (one host sync; skipped under ``torch.compile``).
 
     Returns:
-        (batch, dim, seqlen) in ``u``'s dtype, contiguous: ``y (+ D*u) (* silu(z))``.
+        (batch, dim, seqlen) in ``u``'s dtype, contiguous: ``y (+ D*u) (* silu(z))``; with ``output_final_state``
+        the pair ``(out, final_state)``.
 
     Raises:
-        ValueError: shapes that do not fit together. ops.backends.KernelUnsupportedError: a CUDA case the
+        ValueError: shapes that do not fit together (a state of the wrong shape, dtype or device, or a number of
+            states that is not the number of sequences). ops.backends.KernelUnsupportedError: a CUDA case the
             kernel cannot take (float64, dstate > 16), with how to run the reference instead.
     """
     if u.dim() != 3:
@@ -583,7 +688,34 @@ def packed_selective_scan(
         pos = row_positions(batch, seqlen, u.device)
     args = (_last_dim_contiguous(u), _last_dim_contiguous(delta), _fp32(A), _last_dim_contiguous(B),
             _last_dim_contiguous(C), _fp32(D), _last_dim_contiguous(z), _fp32(delta_bias), pos, bool(delta_softplus))
+    if initial_state is not None or output_final_state:
+        num = _num_sequences(pos, initial_state, has_initial_state, validate)
+        if initial_state is not None:
+            check_state("initial_state", initial_state, (num, dim, dstate),
+                        (torch.float64,) if u.dtype == torch.float64 else (torch.float32,), u.device)
+        args = args + (state_slots(pos, has_initial_state if initial_state is not None else None, output_final_state),
+                       initial_state, num if output_final_state else 0)
     if backend is None or backend == "auto":
-        return selective_scan_fwd(*args)[0]
-    with _backends.use_backend_for_call(backend):
-        return selective_scan_fwd(*args)[0]
+        res = selective_scan_fwd(*args)
+    else:
+        with _backends.use_backend_for_call(backend):
+            res = selective_scan_fwd(*args)
+    return (res[0], res[2]) if output_final_state else res[0]
+
+
+def _num_sequences(pos: torch.Tensor, initial_state: Optional[torch.Tensor],
+                   has_initial_state: Optional[torch.Tensor], validate: bool) -> int:
+    """The number of sequences the states are indexed by: initial_state's first dim (or has_initial_state's), checked
+    against the sequence starts in ``pos`` when validating (one host sync); else counted (one host sync)."""
+    given = [t.shape[0] for t in (initial_state, has_initial_state) if t is not None]
+    if has_initial_state is not None and has_initial_state.dim() != 1:
+        raise ValueError(f"has_initial_state must be (num_sequences,), got {tuple(has_initial_state.shape)}")
+    if given and len(set(given)) > 1:
+        raise ValueError(f"initial_state has {given[0]} sequences but has_initial_state {given[1]}")
+    if given and (not validate or torch.compiler.is_compiling()):
+        return given[0]
+    count = int((pos == 0).sum())
+    if given and given[0] != count:
+        raise ValueError(f"the states are indexed by sequence: {given[0]} given, but the rows hold {count} sequences "
+                         "(starts where position_ids == 0, padding tails included)")
+    return count

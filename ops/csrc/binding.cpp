@@ -50,8 +50,26 @@ static po::ScanParams scan_params(const Tensor &u, const Tensor &delta, const Te
   return p;
 }
 
+// carried states (ops/contract.py): state_slots (2, batch, seqlen) int32, initial_state / final_state (slots, dim,
+// dstate) float32 contiguous; all absent for the plain scan
+static void check_states(const Tensor &u, const Tensor &A, const OptT &slots, std::initializer_list<const OptT *> st) {
+  if (!slots.has_value()) {
+    for (const OptT *t : st) TORCH_CHECK(!t->has_value(), "scan: states given without state_slots");
+    return;
+  }
+  TORCH_CHECK(slots->scalar_type() == at::kInt && slots->is_contiguous() && slots->device() == u.device() &&
+                  slots->sizes() == at::IntArrayRef({2, u.size(0), u.size(2)}),
+              "scan: state_slots must be int32 (2, batch, seqlen), contiguous, on u's device");
+  for (const OptT *t : st)
+    if (t->has_value())
+      TORCH_CHECK((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() && (*t)->device() == u.device() &&
+                      (*t)->dim() == 3 && (*t)->size(1) == u.size(1) && (*t)->size(2) == A.size(1),
+                  "scan: states must be float32 (slots, dim, dstate), contiguous, on u's device");
+}
+
 void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
-              bool softplus, Tensor out, Tensor saved, int64_t segments, int64_t lanes) {
+              bool softplus, Tensor out, Tensor saved, int64_t segments, int64_t lanes, OptT state_slots,
+              OptT initial_state, OptT final_state) {
   c10::cuda::CUDAGuard guard(u.device());
   TORCH_CHECK(segments >= 1 && segments <= 65535, "scan_fwd: segments must be in [1, 65535], got ", segments);
   TORCH_CHECK(lanes == 0 || lanes == 1 || lanes == 2 || lanes == 4 || lanes == 8,
@@ -61,13 +79,18 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
   p.fwd_lanes = lanes;
   p.out = out.data_ptr();
   p.saved = saved.data_ptr<float>();
+  check_states(u, A, state_slots, {&initial_state, &final_state});
+  p.state_slots = ptr_or_null<const int>(state_slots);
+  p.initial_state = ptr_or_null<const float>(initial_state);
+  p.final_state = ptr_or_null<float>(final_state);
   po::scan_fwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
               bool softplus, Tensor saved, Tensor dout, OptT out_rec, Tensor du, Tensor ddelta, OptT dz, Tensor dA,
-              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_part, int64_t segments) {
+              Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_part, int64_t segments, OptT state_slots,
+              OptT initial_state, OptT dfinal_state, OptT dinitial_state) {
   c10::cuda::CUDAGuard guard(u.device());
   TORCH_CHECK(segments >= 1 && segments <= 65535 && dA.size(0) == u.size(0) * segments &&
                   (!dD.has_value() || dD->size(0) == dA.size(0)) &&
@@ -94,6 +117,13 @@ void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
                 "scan_bwd: det_part must be float32 (batch, blocks, 2, dstate, seqlen), contiguous, on u's device");
   }
   p.det_part = ptr_or_null<float>(det_part);
+  check_states(u, A, state_slots, {&initial_state, &dfinal_state, &dinitial_state});
+  TORCH_CHECK(initial_state.has_value() == dinitial_state.has_value(),
+              "scan_bwd: dinitial_state must be given exactly when initial_state is");
+  p.state_slots = ptr_or_null<const int>(state_slots);
+  p.initial_state = ptr_or_null<const float>(initial_state);
+  p.dfinal_state = ptr_or_null<const float>(dfinal_state);
+  p.dinitial_state = ptr_or_null<float>(dinitial_state);
   po::scan_bwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -37,6 +37,14 @@ struct ScanParams {
   // deterministic mode (else null: atomics for dB / dC): each channel block stores its own [dB | dC] sums, which the
   // caller adds in a fixed order (no float atomics: the same bits every run)
   float *det_part;                   // (batch, blocks, 2, dstate, seqlen) fp32, written in full; blocks = the grid's x
+  // carried states (all null: every sequence starts from zero and no state is returned, the kernels' plain variant)
+  const int *state_slots;            // (2, batch, seqlen) int32: [0] at a sequence start, the slot of initial_state it
+                                     // starts from (-1: from zero); [1] at a sequence's last token, the slot of
+                                     // final_state it ends in (-1: none); -1 at every other token
+  const float *initial_state;        // (slots, dim, dstate) fp32: h before the sequence's first token
+  float *final_state;                // forward: (slots, dim, dstate) fp32, h after the sequence's last token
+  const float *dfinal_state;         // backward: the gradient of final_state (may be null: zero)
+  float *dinitial_state;             // backward: the gradient of initial_state (written where a slot starts)
 };
 
 // The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.

@@ -254,15 +254,20 @@ __device__ __forceinline__ void put_bc(float2 (*bc)[16], const RunBC<w_t> &r, in
 }
 
 // What a lane loads for one run: its share of its channel's u, delta (and z), its share of B / C and, lanes <
-// kFwdRun, the position id of timestep t0 + lane.
+// kFwdRun, the position id of timestep t0 + lane (and, with carried states, its two state slots).
 template <typename in_t, typename w_t, int kR>
 struct FwdRunIn {
   Run<in_t, kR> u, delta, z;
   RunBC<w_t> bc;
   int pos;
+  int islot, fslot;   // kStates only: state_slots[0 / 1] of timestep t0 + lane (-1: none)
 };
 
-template <typename in_t, typename w_t, bool kHasZ, bool kVec, int kP>
+// kStates: carried states (ScanParams::state_slots). A sequence start with an initial-state slot loads h from
+// initial_state before its first step and keeps it (the step is h <- exp2(dA2) h0 + bx, not a reset); a sequence's
+// last token with a final-state slot stores h to final_state. Both are rare, warp-uniform branches on a ballot of
+// the run's slots; without kStates the kernel is the plain one (no loads, no ballots).
+template <typename in_t, typename w_t, bool kHasZ, bool kVec, int kP, bool kStates>
 __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel(const ScanParams p) {
   using Lay = FwdLayout<kP>;
   constexpr int kS = Lay::kS, kCh = Lay::kCh, kR = Lay::kR;
@@ -311,6 +316,11 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   float h[kS];
 #pragma unroll
   for (int j = 0; j < kS; ++j) h[j] = 0.f;
+  // carried states: this row's slots; thread state k is state index sub + kP k of channel d
+  const int *slots_i = kStates ? p.state_slots + (int64_t)b * L : nullptr;
+  const int *slots_f = kStates ? p.state_slots + ((int64_t)p.batch + b) * L : nullptr;
+  auto state_ok = [&](int k) { return d_ok && sub + kP * k < p.dstate; };
+  auto state_off = [&](int slot, int k) { return ((int64_t)slot * p.dim + d) * p.dstate + sub + kP * k; };
 
   using In = FwdRunIn<in_t, w_t, kR>;
   auto load = [&](In &r, int t0) {
@@ -320,6 +330,11 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     if constexpr (kHasZ) load_run<kVec>(r.z, z, ts, L, d_ok);
     load_bc<kVec>(r.bc, Bp, Cp, t0, L, lane, p.dstate);
     r.pos = (lane < kFwdRun && t0 + lane < L) ? pos[t0 + lane] : 1;
+    if constexpr (kStates) {
+      const bool in = lane < kFwdRun && t0 + lane < L;
+      r.islot = in ? slots_i[t0 + lane] : -1;
+      r.fslot = in ? slots_f[t0 + lane] : -1;
+    }
   };
   // one run: stage what `cur` holds, start loading the next run into it, compute this one
   auto run = [&](int t0, In &cur) {
@@ -345,6 +360,15 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
       pre[j][ch] = make_float4(dtv, dtv * uv, __fmul_rn(Dd, uv), zs);
     }
     const unsigned starts = __ballot_sync(0xffffffffu, cur.pos == 0);   // bit j: timestep t0 + j starts a sequence
+    // carried states: bit j of inits / finals: timestep t0 + j loads / stores a state (slots kept: cur is reloaded)
+    unsigned inits = 0, finals = 0;
+    int my_islot = -1, my_fslot = -1;
+    if constexpr (kStates) {
+      inits = __ballot_sync(0xffffffffu, cur.islot >= 0 && p.initial_state != nullptr);
+      finals = __ballot_sync(0xffffffffu, cur.fslot >= 0);
+      my_islot = cur.islot;
+      my_fslot = cur.fslot;
+    }
     __syncwarp();   // bc and pre written
     if (t0 + kFwdRun < seg_hi) load(cur, t0 + kFwdRun);   // cur is consumed: it takes the next run
     // the recurrence over the run's timesteps. With 8 or 16 states a thread the loop stays rolled (unrolled, the
@@ -356,7 +380,15 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
 #pragma unroll(kDeferLanes ? kFwdRun : 2)
     for (int j = 0; j < kFwdRun; ++j) {
       const float4 pr = pre[j][ch];
-      const bool keep = !((starts >> j) & 1u);
+      bool keep = !((starts >> j) & 1u);
+      if constexpr (kStates) {
+        if ((inits >> j) & 1u) {   // warp-uniform: the sequence continues from its initial state
+          const int slot = __shfl_sync(0xffffffffu, my_islot, j);
+#pragma unroll
+          for (int k = 0; k < kS; ++k) h[k] = state_ok(k) ? p.initial_state[state_off(slot, k)] : 0.f;
+          keep = true;
+        }
+      }
       float c[kS];
       if constexpr (kP == 1) {
         const float4 *bcj = reinterpret_cast<const float4 *>(bc[half][j]);
@@ -374,6 +406,16 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
           const float2 v = bc[0][j][sub + kP * k];   // {B, C} of state sub + kP k
           h[k] = scan_step(pr.x * A2[k], pr.y * v.x, h[k], keep);
           c[k] = v.y;
+        }
+      }
+      if constexpr (kStates) {
+        if ((finals >> j) & 1u) {   // warp-uniform: the sequence ends here and returns its state
+          const int slot = __shfl_sync(0xffffffffu, my_fslot, j);
+          if (t0 + j >= seg_lo && t0 + j < seg_hi) {   // by the segment that holds the timestep
+#pragma unroll
+            for (int k = 0; k < kS; ++k)
+              if (state_ok(k)) p.final_state[state_off(slot, k)] = h[k];
+          }
         }
       }
       const float yt = sum_states_thread<kP>(h, c);
@@ -440,6 +482,7 @@ struct BwdSmem {
   // [buffer][warp][kind: dB_n, dB_n+8, dC_n, dC_n+8][n][j ^ red_swizzle(kind, n)]: a warp's 32 stores of one
   // timestep and its 32 loads in the block sum each hit 32 different banks
   float red[2][kWarps][4][8][kSub];
+  int slot_i[kChunk], slot_f[kChunk];   // carried states (kStates): the chunk's state_slots, -1 outside the segment
 };
 // 75 KiB for 16-bit inputs: three blocks (12 warps) an SM
 static_assert(sizeof(BwdSmem<__nv_bfloat16, __nv_bfloat16>) + 1024 <= 233472 / 3, "three backward blocks per SM");
@@ -460,7 +503,12 @@ __device__ __forceinline__ void put(float (&arr)[N], int i, float v) {
   for (int k = 0; k < N; ++k) arr[k] = k == i ? v : arr[k];
 }
 
-template <typename in_t, typename w_t, bool kHasZ, bool kAsync>
+// kStates: carried states (ScanParams::state_slots). The recomputations load h from initial_state before a start
+// with a slot and keep it (as the forward does); the reverse walk adds the gradient of final_state to the adjoint at
+// a sequence's last token with a slot, and at a start with a slot stores the adjoint it would hand to the timestep
+// before (the gradient of the initial state) instead of handing it on. Block-uniform branches on the slots staged
+// in shared memory; without kStates the kernel is the plain one.
+template <typename in_t, typename w_t, bool kHasZ, bool kAsync, bool kStates>
 __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem<in_t, w_t> &sm = *reinterpret_cast<BwdSmem<in_t, w_t> *>(smem_raw);
@@ -489,6 +537,9 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   const float Ab = (d_ok && n + 8 < p.dstate) ? p.A[(int64_t)d * p.dstate + n + 8] : 0.f;
   const float A2a = Aa * kLog2e, A2b = Ab * kLog2e;
   const float Dd = (d_ok && p.D) ? p.D[d] : 0.f;
+  // carried states: this thread's two states of slot s in initial_state / final_state and their gradients
+  const bool sa_ok = d_ok && n < p.dstate, sb_ok = d_ok && n + 8 < p.dstate;
+  auto soff = [&](int slot) { return ((int64_t)slot * p.dim + d) * p.dstate + n; };
 
   const int64_t row = ((int64_t)b * p.dim) * L;
   const in_t *u = reinterpret_cast<const in_t *>(p.u) + row;
@@ -563,9 +614,16 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
       slot[0] = bv;
       slot[1] = cv;
     }
-    if (tid < kChunk) {   // keep the state: not at a sequence start, nor outside the segment
-      const int t = t0 + tid;
-      sm.sig_m[tid][kDB] = (t < seg_lo || t >= seg_hi || raw.pos[tid] == 0) ? 0.f : 1.f;
+    if (tid < kChunk) {   // keep the state: not at a sequence start (unless it starts from a state), nor outside
+      const int t = t0 + tid;   // the segment
+      const bool in_seg = t >= seg_lo && t < seg_hi;
+      int si = -1;
+      if constexpr (kStates) {
+        si = in_seg && p.initial_state ? p.state_slots[(int64_t)b * L + t] : -1;
+        sm.slot_i[tid] = si;
+        sm.slot_f[tid] = in_seg ? p.state_slots[((int64_t)p.batch + b) * L + t] : -1;
+      }
+      sm.sig_m[tid][kDB] = (!in_seg || (raw.pos[tid] == 0 && si < 0)) ? 0.f : 1.f;
     }
     __syncthreads();
     if (c > c_lo) stage(t0 - kChunk);   // overlaps with this chunk's backward
@@ -590,6 +648,13 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
           const float2 dd = sm.dt_dtu[tt][dl];
           const float4 bc = sm.BC[tt][n];
           const float keep = sm.sig_m[tt][kDB];
+          if constexpr (kStates) {
+            const int si = sm.slot_i[tt];
+            if (si >= 0) {   // block-uniform: the sequence starts from its initial state
+              ha = sa_ok ? p.initial_state[soff(si)] : 0.f;
+              hb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
+            }
+          }
           ha = scan_step(dd.x * A2a, dd.y * bc.x, ha, keep);
           hb = scan_step(dd.x * A2b, dd.y * bc.z, hb, keep);
           yv[j] = want_y ? __fadd_rn(__fmul_rn(ha, bc.y), __fmul_rn(hb, bc.w)) : 0.f;   // as the forward rounds it
@@ -627,6 +692,13 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
           ava[j] = exp2f(dd.x * A2a);
           avb[j] = exp2f(dd.x * A2b);
           const float bxa = dd.y * bc.x, bxb = dd.y * bc.z;
+          if constexpr (kStates) {
+            const int si = sm.slot_i[tt];
+            if (si >= 0) {
+              ha = sa_ok ? p.initial_state[soff(si)] : 0.f;
+              hb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
+            }
+          }
           ha = keep ? fmaf(ava[j], ha, bxa) : bxa;   // scan_step's bits
           hb = keep ? fmaf(avb[j], hb, bxb) : bxb;
           hva[j] = ha;
@@ -642,9 +714,22 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
         const float2 dd = sm.dt_dtu[tt][dl];
         const float4 bc = sm.BC[tt][n];
         const bool keep = sm.sig_m[tt][kDB] != 0.f;
+        int si = -1;
+        if constexpr (kStates) {
+          const int sf = sm.slot_f[tt];
+          if (sf >= 0 && p.dfinal_state) {   // block-uniform: the gradient of the final state enters here (what
+            gca += sa_ok ? p.dfinal_state[soff(sf)] : 0.f;      // comes from t + 1 is 0: a start or outside)
+            gcb += sb_ok ? p.dfinal_state[soff(sf) + 8] : 0.f;
+          }
+          si = sm.slot_i[tt];
+        }
         const float ga = fmaf(bc.y, dyu.x, gca), gb = fmaf(bc.w, dyu.x, gcb);
-        const float hpa = j > 0 ? hva[j > 0 ? j - 1 : 0] : hsa_s;
-        const float hpb = j > 0 ? hvb[j > 0 ? j - 1 : 0] : hsb_s;
+        float hpa = j > 0 ? hva[j > 0 ? j - 1 : 0] : hsa_s;
+        float hpb = j > 0 ? hvb[j > 0 ? j - 1 : 0] : hsb_s;
+        if (kStates && si >= 0) {   // the state before this start is the initial state
+          hpa = sa_ok ? p.initial_state[soff(si)] : 0.f;
+          hpb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
+        }
         // dB_n, dB_n+8, dC_n, dC_n+8 of this timestep, summed over the warp's 4 channels: lane keeps `kind`
         {
           const bool hi = lane & 16;
@@ -665,6 +750,12 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
         dAb_chunk = fmaf(gab, dd.x, dAb_chunk);
         gca = keep ? ga * ava[j] : 0.f;
         gcb = keep ? gb * avb[j] : 0.f;
+        if (kStates && si >= 0) {   // the adjoint of the initial state: stored, not handed to the sequence before
+          if (sa_ok && p.dinitial_state) p.dinitial_state[soff(si)] = gca;
+          if (sb_ok && p.dinitial_state) p.dinitial_state[soff(si) + 8] = gcb;
+          gca = 0.f;
+          gcb = 0.f;
+        }
       }
       // sums over the 16 states: lane n gets timesteps s*16 + 2n and s*16 + 2n + 1
       // du = dt sum_n g B + D dy;  d(delta before softplus) = (u sum_n g B + sum_n g h[t-1] a A) sigmoid
@@ -745,7 +836,11 @@ void fwd_launch_lanes(const ScanParams &p, cudaStream_t st) {
   const dim3 grid((p.dim + kCh - 1) / kCh, p.batch, max(1, p.fwd_segments));
   bool_switch(p.z != nullptr, [&](auto has_z) {
     bool_switch(fwd_vectorized<in_t, w_t>(p), [&](auto vec) {
-      scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(vec)::value, kP><<<grid, 32, 0, st>>>(p);
+      bool_switch(p.state_slots != nullptr, [&](auto states) {
+        auto kernel = scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(vec)::value, kP,
+                                      decltype(states)::value>;
+        kernel<<<grid, 32, 0, st>>>(p);
+      });
     });
   });
 }
@@ -766,10 +861,13 @@ void bwd_launch(const ScanParams &p, cudaStream_t st) {
   const int smem = sizeof(BwdSmem<in_t, w_t>);
   bool_switch(p.z != nullptr, [&](auto has_z) {
     bool_switch(use_async<in_t, w_t>(p), [&](auto async) {
-      auto kernel = scan_bwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value>;
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-      kernel<<<grid, kThreads, smem, st>>>(p);
+      bool_switch(p.state_slots != nullptr, [&](auto states) {
+        auto kernel = scan_bwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value,
+                                      decltype(states)::value>;
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+        kernel<<<grid, kThreads, smem, st>>>(p);
+      });
     });
   });
 }

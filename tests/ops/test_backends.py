@@ -179,19 +179,23 @@ class FakeExt:
         assert groups == 1 or (u.shape[1] // groups) % 16 == 0, "a 16-channel block must not straddle groups"
         assert pos.dtype == torch.int32 and pos.is_contiguous() and pos.shape == (u.shape[0], u.shape[2])
 
-    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved, segments, lanes):
+    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved, segments, lanes,
+                 state_slots=None, initial_state=None, final_state=None):
+        assert state_slots is None and initial_state is None and final_state is None, "the plain scan: no states"
         self._check_scan(u, delta, A, B, C, D, z, delta_bias, pos)
         self.calls.append(("scan_fwd", u.shape[1], B.shape[1]))
         # segments as ops/contract.py plans them for the GPU (132 multiprocessors off CUDA); the layout is the kernel's
         assert segments == scan_fwd_segments(u.shape[0], u.shape[1], u.shape[2], 132) and lanes == 0
         assert out.shape == u.shape and out.dtype == u.dtype and out.is_contiguous()
         assert saved.shape == (u.shape[0], u.shape[1], scan_chunks(u.shape[2]), SCAN_LANES) and saved.dtype == F32
-        o, s = scan_mod._scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus)
+        o, s, _ = scan_mod._scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus)
         out.copy_(o)
         saved.copy_(s)
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz,
-                 dA, dB, dC, dD, ddb, det_part, segments):
+                 dA, dB, dC, dD, ddb, det_part, segments, state_slots=None, initial_state=None,
+                 dfinal_state=None, dinitial_state=None):
+        assert state_slots is None and initial_state is None and dfinal_state is None and dinitial_state is None
         self._check_scan(u, delta, A, B, C, D, z, delta_bias, pos)
         self.calls.append(("scan_bwd", u.shape[1], B.shape[1]))
         batch, dim = u.shape[:2]
@@ -313,8 +317,8 @@ def test_scan_cuda_glue_against_a_stand_in_extension(seed, fake_ext, dtype, layo
     # the stand-in computes per kernel call (a group at a time, or bf16 B/C cast to float32 in the group-by-group
     # backward): the last bits may differ from the reference computed in one go
     tol = 1e-5 if dtype == F32 else 2e-2
-    out, saved = scan_mod._scan_fwd_cuda(*args)
-    want, want_saved = scan_mod._scan_fwd_reference(*args)
+    out, saved, _ = scan_mod._scan_fwd_cuda(*args)
+    want, want_saved, _ = scan_mod._scan_fwd_reference(*args)
     assert out.dtype == dtype and out.shape == args[0].shape and saved.shape == want_saved.shape
     torch.testing.assert_close(out, want, rtol=tol, atol=tol)
     torch.testing.assert_close(saved, want_saved, rtol=1e-5, atol=1e-5)
@@ -335,7 +339,7 @@ def test_scan_cuda_glue_in_deterministic_mode(seed, fake_ext, dim, groups):
     """Deterministic mode: the kernel gets one [dB | dC] slot per channel block; dB / dC are the sums over each B/C
     group's blocks."""
     args = scan_case(F32, dim=dim, groups=groups)
-    out, saved = scan_mod._scan_fwd_cuda(*args)
+    out, saved, _ = scan_mod._scan_fwd_cuda(*args)
     dout = torch.randn(out.shape)
     torch.use_deterministic_algorithms(True)
     try:
@@ -392,7 +396,7 @@ def test_cuda_glue_refuses_before_touching_the_kernel(fake_ext):
         conv_mod._conv_fwd_cuda(x64.float(), torch.randn(4, 5), None, pos, False)
     assert fake_ext.calls == []
     with use_backend("reference"):  # the override: the reference runs, the kernel is not touched
-        out, _ = scan_mod._scan_fwd_cuda(*wide)
+        out, _, _ = scan_mod._scan_fwd_cuda(*wide)
         conv_mod._conv_fwd_cuda(x64, torch.randn(4, 5, dtype=F64), None, pos, False)
     assert fake_ext.calls == [] and out.shape == args[0].shape
 

@@ -199,7 +199,7 @@ def test_gpu_opcheck(cuda, dtype):
     db = torch.randn(d, device=cuda, requires_grad=True)
     torch.library.opcheck(torch.ops.packloader.selective_scan_fwd, (u, delta, A, B, C, D, z, db, pos, True))
     args = tuple(t.detach() for t in (u, delta, A, B, C, D, z, db))
-    out, saved = torch.ops.packloader.selective_scan_fwd(*args, pos, True)
+    out, saved, _ = torch.ops.packloader.selective_scan_fwd(*args, pos, True)
     torch.library.opcheck(torch.ops.packloader.selective_scan_bwd, (*args, pos, True, saved, torch.randn_like(out)))
     for channel_last in (False, True):
         x = torch.randn(b, L, d, device=cuda).to(dtype).transpose(1, 2) if channel_last else \

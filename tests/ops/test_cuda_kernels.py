@@ -37,10 +37,10 @@ class KernelOps:
 
     @staticmethod
     def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, softplus):
-        out, saved = torch.ops.packloader.selective_scan_fwd(u, delta, A, B, C, D, None, delta_bias, pos, softplus)
+        out, saved, _ = torch.ops.packloader.selective_scan_fwd(u, delta, A, B, C, D, None, delta_bias, pos, softplus)
         out_z = None
         if z is not None:
-            out_z, saved_z = torch.ops.packloader.selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, softplus)
+            out_z, saved_z, _ = torch.ops.packloader.selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, softplus)
             assert torch.equal(saved_z, saved)
         return out, saved, out_z
 
@@ -317,7 +317,7 @@ def test_scan_backward_recomputes_the_forward_output_bit_for_bit(cuda_ops, dtype
     rows = [lengths_mix(L, kind) for kind in ("mixed", "tiny", "padded")]
     pos = position_ids_for(rows, "cuda").int()
     inputs = make_scan_inputs(len(rows), 48, 16, L, dtype, has_z=has_z, has_D=has_D)
-    out, saved = torch.ops.packloader.selective_scan_fwd(*inputs, pos, True)
+    out, saved, _ = torch.ops.packloader.selective_scan_fwd(*inputs, pos, True)
     dout = torch.randn_like(out)
     torch.use_deterministic_algorithms(True, warn_only=True)   # dB / dC in a fixed order, so the two backward runs compare exactly
     try:
@@ -344,10 +344,10 @@ def test_scan_misaligned_contiguous_inputs(cuda_ops):
     def misaligned(t):
         return t if t is None or t.dtype != torch.bfloat16 else misaligned_copy(t)
 
-    out, saved = torch.ops.packloader.selective_scan_fwd(*inputs, pos, True)
+    out, saved, _ = torch.ops.packloader.selective_scan_fwd(*inputs, pos, True)
     grads = torch.ops.packloader.selective_scan_bwd(*inputs, pos, True, saved, dout, True)
     m = [misaligned(t) for t in inputs]
-    out_m, saved_m = torch.ops.packloader.selective_scan_fwd(*m, pos, True)
+    out_m, saved_m, _ = torch.ops.packloader.selective_scan_fwd(*m, pos, True)
     grads_m = torch.ops.packloader.selective_scan_bwd(*m, pos, True, saved_m, misaligned(dout), True)
     torch.cuda.synchronize()
     assert torch.equal(out_m, out) and torch.equal(saved_m, saved)

@@ -309,6 +309,19 @@ def test_scan_forward_layout_choice(emulator, sm_count):
     assert emulator.emu_scan_fwd_lanes(256, 8192, 1, sm_count) == 1
 
 
+def check_states(u, A, state_slots, *states):
+    """binding.cpp's check_states: (2, batch, seqlen) int32 slots, (slots, dim, dstate) float32 contiguous states."""
+    if state_slots is None:
+        assert all(t is None for t in states), "states given without state_slots"
+        return
+    assert state_slots.dtype == torch.int32 and state_slots.is_contiguous()
+    assert state_slots.shape == (2, u.shape[0], u.shape[2])
+    for t in states:
+        if t is not None:
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 3
+            assert t.shape[1:] == (u.shape[1], A.shape[1])
+
+
 class EmulatedExt:
     """The compiled extension's scan entry points (ops/csrc/binding.cpp's signatures) on the emulated kernels, so that
     the Python side of the CUDA path (ops.selective_scan_interface) runs on CPU tensors."""
@@ -316,21 +329,28 @@ class EmulatedExt:
     def __init__(self, so):
         self.so = so
 
-    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved, segments, lanes):
+    def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved, segments, lanes,
+                 state_slots=None, initial_state=None, final_state=None):
         assert segments >= 1 and lanes in (0, 1, 2, 4, 8)
+        check_states(u, A, state_slots, initial_state, final_state)
         emu_call(self.so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
                  u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
-                 ptr(z), ptr(delta_bias), ptr(pos), ptr(out), ptr(saved), segments, lanes)
+                 ptr(z), ptr(delta_bias), ptr(pos), ptr(out), ptr(saved), segments, lanes, ptr(state_slots),
+                 ptr(initial_state), ptr(final_state))
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
-                 dB, dC, dD, ddelta_bias, det_part, segments):
-        # binding.cpp's check: the per-(row, segment) sums have batch * segments rows
+                 dB, dC, dD, ddelta_bias, det_part, segments, state_slots=None, initial_state=None,
+                 dfinal_state=None, dinitial_state=None):
+        # binding.cpp's checks: the per-(row, segment) sums have batch * segments rows; the states
         assert dA.shape[0] == u.shape[0] * segments and all(t is None or t.shape[0] == dA.shape[0]
                                                              for t in (dD, ddelta_bias))
+        check_states(u, A, state_slots, initial_state, dfinal_state, dinitial_state)
+        assert (initial_state is None) == (dinitial_state is None)
         emu_call(self.so, "emu_scan_bwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
                  u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
                  ptr(z), ptr(delta_bias), ptr(pos), ptr(saved), ptr(dout), ptr(out_rec), ptr(du), ptr(ddelta), ptr(dz),
-                 ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_part), segments)
+                 ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_part), segments, ptr(state_slots),
+                 ptr(initial_state), ptr(dfinal_state), ptr(dinitial_state))
 
 
     @staticmethod
@@ -441,10 +461,10 @@ def test_misaligned_inputs_are_not_staged_with_cp_async(cuda_path_on_cpu, seed, 
     D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
     pos = position_ids_for([lengths_mix(L, "mixed"), lengths_mix(L, "tiny")], "cpu")
     dout = torch.randn(batch, dim, L).to(dtype)
-    want_out, want_saved = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    want_out, want_saved, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
     want_grads = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, want_saved, dout)
     m = [misaligned_copy(t) for t in (u, delta, B, C, z, dout)]
-    out, saved = ssi._scan_fwd_cuda(m[0], m[1], A, m[2], m[3], D, m[4], db, pos, True)
+    out, saved, _ = ssi._scan_fwd_cuda(m[0], m[1], A, m[2], m[3], D, m[4], db, pos, True)
     grads = ssi._scan_bwd_cuda(m[0], m[1], A, m[2], m[3], D, m[4], db, pos, True, saved, m[5])
     assert torch.equal(out, want_out) and torch.equal(saved, want_saved)
     for name, g, w in zip(GRAD_NAMES, grads, want_grads):
@@ -474,8 +494,8 @@ def test_cuda_path_on_emulated_kernels(cuda_path_on_cpu, seed, groups, dim):
     B, C = torch.randn(shape), torch.randn(shape)   # float32 B / C
     D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
     pos = position_ids_for([lengths_mix(L, "mixed"), lengths_mix(L, "padded")], "cpu")
-    out, saved = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
-    ref_out, _ = ssi._scan_fwd_reference(u.float(), delta.float(), A, B, C, D, z.float(), db, pos, True)
+    out, saved, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    ref_out, _, _ = ssi._scan_fwd_reference(u.float(), delta.float(), A, B, C, D, z.float(), db, pos, True)
     assert kernel_err(out, ref_out.double()) <= 2e-3
     dout = torch.randn(batch, dim, L).to(dtype)
     default = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True)
@@ -597,11 +617,11 @@ def test_cuda_path_plans_segments_and_sums_their_rows(cuda_path_on_cpu, monkeypa
     D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
     pos = position_ids_for([lengths_mix(L, "mixed"), lengths_mix(L, "tiny")], "cpu")
     dout = torch.randn(batch, dim, L).to(dtype)
-    out1, saved1 = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    out1, saved1, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
     one = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved1, dout, True)
     monkeypatch.setattr(ssi, "scan_fwd_segments", lambda *a: 4)
     monkeypatch.setattr(ssi, "scan_bwd_segments", lambda *a: 3)
-    out, saved = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    out, saved, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
     assert torch.equal(out, out1) and torch.equal(saved, saved1)
     cut = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True)
     det = twice_deterministic(lambda: ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True))

@@ -403,7 +403,7 @@ def test_opcheck(seed, case):
     fwd_args = (*inputs, pos, softplus)
     ins = [None if t is None else t.detach().clone().requires_grad_(True) for t in inputs]
     torch.library.opcheck(torch.ops.packloader.selective_scan_fwd, (*ins, pos, softplus))
-    out, saved = torch.ops.packloader.selective_scan_fwd(*fwd_args)
+    out, saved, _ = torch.ops.packloader.selective_scan_fwd(*fwd_args)
     torch.library.opcheck(torch.ops.packloader.selective_scan_bwd, (*fwd_args, saved, torch.randn_like(out)))
 
 
@@ -417,7 +417,7 @@ def test_saved_holds_the_state_at_every_chunk_end(seed):
     L = 150
     inputs, softplus = make_inputs(2, 3, 4, L, "full")
     pos = positions(rows).to(torch.int32)
-    out, saved = torch.ops.packloader.selective_scan_fwd(*inputs, pos, softplus)
+    out, saved, _ = torch.ops.packloader.selective_scan_fwd(*inputs, pos, softplus)
     assert saved.shape == (2, 3, 3, SCAN_LANES) and saved.dtype == torch.float32
     _, h = selective_scan_ref(*inputs, delta_softplus=softplus, position_ids=pos, return_last_state=True)
     torch.testing.assert_close(saved[:, :, -1, :4], h.float(), rtol=1e-6, atol=1e-6)  # chunk 2 ends at L - 1
@@ -472,7 +472,7 @@ def test_backward_recomputes_the_forward_output(seed, variant):
     rows = [[1, 3, 40, 20], [64]]
     inputs, softplus = make_inputs(2, 6, 4, 64, variant)
     pos = positions(rows).to(torch.int32)
-    out, saved = torch.ops.packloader.selective_scan_fwd(*inputs, pos, softplus)
+    out, saved, _ = torch.ops.packloader.selective_scan_fwd(*inputs, pos, softplus)
     dout = torch.randn_like(out)
     with_out = torch.ops.packloader.selective_scan_bwd(*inputs, pos, softplus, saved, dout, True)
     without = torch.ops.packloader.selective_scan_bwd(*inputs, pos, softplus, saved, dout)

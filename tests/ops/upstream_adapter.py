@@ -41,7 +41,7 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
     batch, _, seqlen = u.shape
     pos = torch.arange(seqlen, device=u.device, dtype=torch.int32).expand(batch, seqlen).contiguous()
     with torch.no_grad():
-        _, saved = torch.ops.packloader.selective_scan_fwd(u, delta, A.float(), B, C, D, z, delta_bias, pos,
+        _, saved, _ = torch.ops.packloader.selective_scan_fwd(u, delta, A.float(), B, C, D, z, delta_bias, pos,
                                                            bool(delta_softplus))
     return out, saved[:, :, -1, :A.shape[1]]
 

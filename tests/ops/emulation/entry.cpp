@@ -34,12 +34,14 @@ static ScanParams scan_params(int in_dtype, int w_f32, int batch, int dim, int s
 extern "C" void emu_scan_fwd(int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate, int n_groups,
                              int softplus, const void *u, const void *delta, const float *A, const void *B,
                              const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
-                             void *out, float *saved, int segments, int lanes) {
+                             void *out, float *saved, int segments, int lanes, const int *state_slots,
+                             const float *initial_state, float *final_state) {
   ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
                              z, delta_bias, pos, saved);
   p.fwd_segments = segments;
   if (lanes) p.fwd_lanes = lanes;
   p.out = out;
+  p.state_slots = state_slots; p.initial_state = initial_state; p.final_state = final_state;
   scan_fwd_launch(p, nullptr);
 }
 
@@ -50,13 +52,16 @@ extern "C" void emu_scan_bwd(int in_dtype, int w_f32, int batch, int dim, int se
                              const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
                              float *saved, const void *dout, void *out_rec, void *du, void *ddelta, void *dz,
                              float *dA, float *dB, float *dC, float *dD, float *ddelta_bias, float *det_part,
-                             int segments) {
+                             int segments, const int *state_slots, const float *initial_state,
+                             const float *dfinal_state, float *dinitial_state) {
   ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
                              z, delta_bias, pos, saved);
   p.dout = dout; p.out_rec = out_rec; p.du = du; p.ddelta = ddelta; p.dz = dz;
   p.dA = dA; p.dB = dB; p.dC = dC; p.dD = dD; p.ddelta_bias = ddelta_bias;
   p.det_part = det_part;
   p.bwd_segments = segments;   // dA / dD / ddelta_bias: batch * segments rows
+  p.state_slots = state_slots; p.initial_state = initial_state; p.dfinal_state = dfinal_state;
+  p.dinitial_state = dinitial_state;
   scan_bwd_launch(p, nullptr);
 }
 
