@@ -80,7 +80,9 @@ def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -
     are sorted. A directory stands for every supported shard (``.arrow``, ``.arrows``, ``.ipc``,
     ``.feather``, ``.parquet``, ``.pq``, ``.tar``) directly inside it, sorted; a directory written by
     ``packloader prepare`` stands for exactly the shards its ``prepare.json`` lists (so shards of another
-    output set can never be counted twice). Duplicates are dropped, keeping the first occurrence.
+    output set can never be counted twice). Duplicates are dropped, keeping the first occurrence: a file
+    is identified by its device and inode, so one file under two names (relative and absolute, a symlink,
+    a hard link, overlapping patterns) is read once, with a warning naming the merged names.
 
     A URI (``s3://bucket/tok/shard-{000..127}.arrow``, ``gs://bucket/tok/*.parquet``) is resolved on its
     filesystem's listing, the same way (:func:`packloader.sources.uri.resolve_uri`); a ``file://`` URI is the
@@ -91,6 +93,9 @@ def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -
 
     Returns:
         Paths (str), in pattern order.
+
+    Warns:
+        UserWarning: one file was given under several names (they are named; it is read once).
 
     Raises:
         DataError: a pattern matches no file (object), or names a file with an unsupported suffix; a directory
@@ -105,6 +110,8 @@ def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -
         patterns = [patterns]
     out: list[str] = []
     seen: set[str] = set()
+    by_identity: dict[tuple, str] = {}   # (st_dev, st_ino) -> the first name of a local file
+    merged: dict[str, list[str]] = {}    # first name -> the other names of the same file
     for pattern in patterns:
         pattern = os.fspath(pattern)
         matched: list[str] = []
@@ -135,10 +142,28 @@ def resolve_sources(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -
         if not matched:
             raise DataError(f"pattern {pattern!r} matches no shard file")
         for p in matched:
-            if p not in seen:
-                seen.add(p)
-                out.append(p)
+            if p in seen:
+                continue
+            seen.add(p)
+            first = by_identity.setdefault(_identity(p), p)
+            if first != p:  # another name (relative / absolute, symlink, hard link) of a file already listed
+                merged.setdefault(first, []).append(p)
+                continue
+            out.append(p)
+    if merged:
+        import warnings
+
+        shown = "; ".join(" = ".join(repr(n) for n in [first, *others]) for first, others in merged.items())
+        warnings.warn(f"the same file was given under several names and is read once, under its first name: "
+                      f"{shown}", UserWarning, stacklevel=2)
     return out
+
+
+def _identity(path: str) -> tuple:
+    """What makes a local file itself: its device and inode (one file under two names, a symlink or a hard
+    link, is one file)."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino)
 
 
 def _directory_shards(d: str) -> list[str]:

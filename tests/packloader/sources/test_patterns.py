@@ -1,6 +1,8 @@
 """packloader.sources.patterns: suffixes, brace / glob patterns, directories."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from packloader.errors import DataError
@@ -63,3 +65,35 @@ def test_shard_format():
     assert shard_format("a.parquet") == "parquet" and shard_format("x/a.tar") == "tar"
     with pytest.raises(DataError, match="a.csv"):
         shard_format("a.csv")
+
+
+def test_one_file_under_several_names_is_read_once_with_a_warning(tmp_path, monkeypatch):
+    """Issue 36, defect 3: ``pack b0.arrow ./b0.arrow`` (or absolute vs relative, a symlink, a hard link,
+    overlapping globs) used to pack a 20-sequence file as 40 sequences, without a word."""
+    import warnings
+
+    from packloader.pack_writer import pack_dataset
+    from tests.packloader.conftest import random_sequences, write_arrow
+
+    monkeypatch.chdir(tmp_path)
+    write_arrow("b0.arrow", random_sequences(20, seed=0, max_len=50))
+    write_arrow("b1.arrow", random_sequences(7, seed=1, max_len=50))
+    os.symlink("b0.arrow", "link.arrow")
+    os.link("b0.arrow", "hard.arrow")
+    cases = [  # (names, what is read, the other name of b0.arrow the warning must give)
+        (["b0.arrow", "./b0.arrow", "b1.arrow"], ["b0.arrow", "b1.arrow"], "./b0.arrow"),
+        (["b0.arrow", str(tmp_path / "b0.arrow"), "b1.arrow"], ["b0.arrow", "b1.arrow"], str(tmp_path / "b0.arrow")),
+        (["link.arrow", "b1.arrow", "b0.arrow"], ["link.arrow", "b1.arrow"], "b0.arrow"),
+        (["hard.arrow", "b0.arrow", "b1.arrow"], ["hard.arrow", "b1.arrow"], "b0.arrow"),
+        (["b*.arrow", "./*0.arrow"], ["b0.arrow", "b1.arrow"], "./b0.arrow"),
+    ]
+    for names, read, other in cases:
+        with pytest.warns(UserWarning, match="read once") as rec:
+            assert resolve_sources(names) == read
+        assert f"{other!r}" in str(rec[0].message), str(rec[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_sources(["b0.arrow", "b0.arrow", "b1.arrow"]) == ["b0.arrow", "b1.arrow"]  # one name: no warning
+    with pytest.warns(UserWarning, match=r"'b0\.arrow' = '\./b0\.arrow'"):
+        rep = pack_dataset(["b0.arrow", "./b0.arrow"], "out", capacity=64, quiet=True)
+    assert rep.sequences == 20
