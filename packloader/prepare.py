@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -163,7 +164,26 @@ def _records_unchecked(path: str, fields: Sequence[str], limit: int | None) -> I
                     raise DataError(f"record lacks field {name!r} (has {sorted(rec)})", path=path, row=row)
                 v = rec[name]
                 vals.append(v if isinstance(v, str) else json.dumps(v))
+            if _SURROGATE_ESCAPE.search(line):  # (only a \uD800-\uDFFF escape can put one in the text)
+                _check_encodable(vals, fields, path, row, line_no)
             yield row, vals
+
+
+#: a JSON escape of a UTF-16 surrogate (paired ones decode to one character; a lone one stays a surrogate)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_encodable(vals: list, fields: Sequence[str], path: str, row: int, line_no: int) -> None:
+    """Text the tokenizer cannot take (a lone surrogate, from an escape like ``"\\ud800"``: not a Unicode
+    character, so not UTF-8) is a DataError naming the file, line and field."""
+    for name, v in zip(fields, vals):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = v[e.start:e.end].encode("unicode_escape").decode("ascii")
+            raise DataError(f"line {line_no + 1}, field {name!r}: text the tokenizer cannot take: a lone UTF-16 "
+                            f"surrogate ({bad}, written as a JSON \\u escape) at character {e.start} is not a "
+                            "Unicode character; fix or remove the record", path=path, row=row) from None
 
 
 def tokenize_records(tok, texts: Sequence[Sequence[str]], *, separator: str = "\n", eos_id: int | None,
@@ -311,8 +331,8 @@ def prepare_jsonl(
         A :class:`PrepareResult`.
 
     Raises:
-        DataError: unreadable, truncated or binary input, invalid JSON or a missing field (naming the file
-            and record), tokenizer not found, no EOS token when ``eos=True``; an output directory that is
+        DataError: unreadable, truncated or binary input, invalid JSON, a missing field or text the
+            tokenizer cannot take (a lone surrogate such as ``"\\ud800"``) (naming the file and record), tokenizer not found, no EOS token when ``eos=True``; an output directory that is
             not empty and not written by ``prepare`` (see ``allow_nonempty``), or a shard name taken by
             a file ``prepare`` did not write.
     """
@@ -400,8 +420,12 @@ def prepare_jsonl(
             nonlocal shard_rows
             if not pending_texts:
                 return
-            offsets, tokens, labels = tokenize_records(tok, pending_texts, separator=separator, eos_id=eos_id,
-                                                       mask_prompt=mask_prompt)
+            try:
+                offsets, tokens, labels = tokenize_records(tok, pending_texts, separator=separator, eos_id=eos_id,
+                                                           mask_prompt=mask_prompt)
+            except Exception as e:  # tokenizers raises plain Exception subclasses (TypeError, ...)
+                raise DataError(f"the tokenizer cannot take the text of records {pending_ids[0]}-{pending_ids[-1]} "
+                                f"({type(e).__name__}: {e})", path=input) from None
             ids = np.asarray(pending_ids, np.int64)
             res.sequences += len(pending_texts)
             bar.update(len(pending_texts))

@@ -349,3 +349,27 @@ def test_shared_gsm8k_and_plain_tokenizer_json(tmp_path, shared_data, tok):
         recs = [json.loads(next(f)) for _ in range(300)]
     for r, s in zip(recs, seqs):
         assert np.array_equal(s, expected(tok, r)[0])
+
+
+def test_text_the_tokenizer_cannot_take_names_file_and_line(tmp_path, tok_path):
+    """Issue 36, defect 6: a lone surrogate (``"\\ud800"``, valid JSON but not a Unicode character) used to
+    stop ``prepare`` with a raw ``TypeError`` from tokenizers, naming neither the file nor the line."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.jsonl"
+    lines = [json.dumps({"question": "fine", "answer": "ok \U0001f642"}),  # a paired surrogate escape: fine
+             "",
+             json.dumps({"question": "also fine", "answer": "1"}),
+             '{"question": "bad", "answer": "x \\ud800 y"}']
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "tok"
+    with pytest.raises(DataError, match=r"in\.jsonl, row 2: line 4, field 'answer': text the tokenizer cannot take: "
+                                        r"a lone UTF-16 surrogate \(\\ud800"):
+        prepare_jsonl(src, out, tokenizer=tok_path, quiet=True)
+    assert not [n for n in os.listdir(out) if n != ".packloader"]  # nothing written
+    r = subprocess.run([sys.executable, "-m", "packloader.cli", "prepare", str(src), "--tokenizer", str(tok_path),
+                        "--out", str(tmp_path / "tok2")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "line 4, field 'answer'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    src.write_text("\n".join(lines[:3]) + "\n", encoding="utf-8")
+    assert prepare_jsonl(src, out, tokenizer=tok_path, quiet=True).sequences == 2
