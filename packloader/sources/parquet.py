@@ -68,24 +68,32 @@ class ParquetShard(Shard):
     def __len__(self) -> int:
         return int(self._groups[-1])
 
+    def _group_batches(self, g: int, columns: list):
+        """The record batches of row group ``g``; a read or decode error is a DataError naming the group's
+        row range (errors are located by row group: the reader decodes a column chunk at a time)."""
+        a, b = int(self._groups[g]), int(self._groups[g + 1])
+        try:
+            for rb in self._pf.iter_batches(batch_size=self.batch_rows, columns=columns, row_groups=[g]):
+                yield rb
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise DataError(f"corrupt Parquet data in row group {g} (rows {a}-{b - 1}): {type(e).__name__}: {e}",
+                            path=self.path, row=a) from None
+
     def lengths(self) -> np.ndarray:
         if self._lengths is None:
             parts = []
-            row = 0
-            try:
-                for rb in self._pf.iter_batches(batch_size=self.batch_rows, columns=[self.token_column]):
+            for g in range(len(self._groups) - 1):
+                row = n = int(self._groups[g])
+                for rb in self._group_batches(g, [self.token_column]):
                     arr = rb.column(0)
                     if arr.null_count:
                         list_arrays(self.path, arr, self.token_column, row, allow_negative=True)
                     parts.append(np.diff(arr.offsets.to_numpy()).astype(np.int64, copy=False))
                     row += rb.num_rows
-                if row != len(self):
-                    raise DataError(f"corrupt Parquet file: {row} rows decoded, its footer says {len(self)}",
-                                    path=self.path)
-            except DataError:
-                raise
-            except (pa.ArrowException, OSError, ValueError) as e:
-                raise DataError(f"corrupt Parquet data: {type(e).__name__}: {e}", path=self.path, row=row) from None
+                end = int(self._groups[g + 1])
+                if row != end:
+                    raise DataError(f"corrupt Parquet file: {row - n} rows decoded in row group {g} (rows "
+                                    f"{n}-{end - 1}), its footer says {end - n}", path=self.path, row=n)
             self._lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         return self._lengths
 
@@ -93,15 +101,11 @@ class ParquetShard(Shard):
         start = self._check_start(start)
         if start == len(self):
             return
-        g = int(np.searchsorted(self._groups, start, side="right") - 1)
-        row = int(self._groups[g])
-        skip = start - row
-        try:
-            it = self._pf.iter_batches(
-                batch_size=self.batch_rows, columns=self._columns,
-                row_groups=list(range(g, len(self._groups) - 1)),
-            )
-            for rb in it:
+        g0 = int(np.searchsorted(self._groups, start, side="right") - 1)
+        for g in range(g0, len(self._groups) - 1):
+            row = int(self._groups[g])
+            skip = start - row if g == g0 else 0
+            for rb in self._group_batches(g, self._columns):
                 if skip >= rb.num_rows:
                     skip -= rb.num_rows
                     row += rb.num_rows
@@ -117,10 +121,6 @@ class ParquetShard(Shard):
                     labels = labels_arrays(self.path, rb.column(1), self.labels_column, row, offsets)
                 yield self._check_vocab(SequenceBatch(row, offsets, tokens, labels))
                 row += rb.num_rows
-        except DataError:
-            raise
-        except (pa.ArrowException, OSError, ValueError) as e:
-            raise DataError(f"corrupt Parquet data: {type(e).__name__}: {e}", path=self.path, row=row) from None
 
     def close(self) -> None:
         try:

@@ -354,3 +354,30 @@ def test_data_error_pickles():
     e2 = pickle.loads(pickle.dumps(e))
     assert str(e2) == str(e) == "a.arrow, member 'k.npy', row 3: bad"
     assert isinstance(e2, ValueError) and e2.row == 3
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_corrupt_parquet_row_group_names_its_row_range(tmp_path, checksums):
+    """Issue 36, defect 7: damage in row group 2 (rows 2000-2999) used to be reported as "row 0"."""
+    seqs = random_sequences(4000, seed=3, max_len=40)
+    path = str(tmp_path / "rg.parquet")
+    pq.write_table(pa.table({"input_ids": pa.array([s.tolist() for s in seqs], pa.list_(pa.int32()))}), path,
+                   row_group_size=1000, write_page_checksum=checksums, compression="none")
+    col = pq.ParquetFile(path).metadata.row_group(2).column(0)
+    raw = bytearray(open(path, "rb").read())
+    start = col.dictionary_page_offset or col.data_page_offset
+    raw[start:start + col.total_compressed_size] = b"\xff" * col.total_compressed_size  # the group's pages
+    open(path, "wb").write(bytes(raw))
+    for read in (lambda sh: sh.lengths(), lambda sh: read_back(sh), lambda sh: read_back(sh, start=2500)):
+        shard = open_shard(path)
+        with pytest.raises(DataError, match=r"rg\.parquet, row 2000: corrupt Parquet data in row group 2 "
+                                            r"\(rows 2000-2999\)"):
+            read(shard)
+        shard.close()
+    shard = open_shard(path)  # the rows before the damaged group are read as written
+    got = []
+    with pytest.raises(DataError, match="row group 2"):
+        for b in shard.iter_batches():
+            got += [b.sequence(i).copy() for i in range(len(b))]
+    assert len(got) == 2000 and all(np.array_equal(a, b) for a, b in zip(got, seqs))
+    shard.close()
