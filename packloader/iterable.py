@@ -12,6 +12,11 @@ the main process with ``num_workers=0``)::
 The epoch, the first plan row of its global steps (non-zero after an elastic resume) and the iterator's
 first batch travel to the workers in the shared ``control`` tensor, so persistent workers follow
 :meth:`packloader.PackedDataLoader.set_epoch` and :meth:`~packloader.PackedDataLoader.load_state_dict`.
+
+With ``overflow="carry"`` the schedule follows the carry rule (:mod:`packloader.carry`) instead of
+:func:`~packloader.distributed.assign_rows`; ``control[1]`` then says whether it starts from the saved
+state in :attr:`PackedIterable.carry_start` (1) or from the epoch's beginning (0), and every batch gets the
+continuation keys.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from torch.utils.data import IterableDataset
 
 from packloader.batch import collate_raw  # (imports packloader._numba: Numba's cache fallback) first
 from packloader.distributed import assign_rows, current_worker, worker_batch_indices
+from packloader.carry import CarrySchedule, segment_keys
 
 __all__ = ["PackedIterable"]
 
@@ -42,6 +48,59 @@ class PackedIterable(IterableDataset):
         self.control = torch.zeros(3, dtype=torch.int64)
         self._sched: tuple[tuple[int, int], np.ndarray] | None = None
         self._info: tuple[int, tuple[int, str]] | None = None
+        #: overflow="carry": the source's rows form chains (see packloader.carry)
+        self.carries = getattr(rows, "overflow", None) == "carry"
+        self.carry_start: dict | None = None   # the saved carry state an elastic resume starts from
+        self._carry: tuple | None = None
+        self._chains: tuple | None = None
+
+    def carry(self, epoch: int, from_start: int = 0) -> CarrySchedule:
+        """The epoch's schedule under the carry rule (all ranks), from its beginning or (``from_start``) from
+        :attr:`carry_start`."""
+        key = (int(epoch), int(from_start), repr(self.carry_start) if from_start else None)
+        if self._carry is None or self._carry[0] != key:
+            tokens = self.rows.epoch_rows(self.seed, epoch, self.shuffle)
+            sched = CarrySchedule(tokens, self.chains(epoch)[1].pred_row, self.world_size, self.batch_size,
+                                  self.drop_last, self.carry_start if from_start else None)
+            self._carry = (key, sched)
+        return self._carry[1]
+
+    def chains(self, epoch: int):
+        """``(row_offsets, Chains, doc_key)`` of the epoch's plan (see :func:`packer_algos.chains.chain_links`).
+
+        Raises:
+            packloader.errors.DataError: the source's chains break the carry rule (names what).
+        """
+        if self._chains is None or self._chains[0] != epoch:
+            from packer_algos.chains import chain_links
+            from packloader.errors import DataError
+
+            off, doc, start, length = self.rows.epoch_pieces(self.seed, epoch, self.shuffle)
+            try:
+                ch = chain_links(off, doc, start, length)
+            except ValueError as e:
+                raise DataError(f"{e} (source {self.rows.fingerprint})") from None
+            self._chains = (epoch, (off, ch, doc))
+        return self._chains[1]
+
+    def carry_keys(self, epoch: int, from_start: int, rows: np.ndarray, raw: np.ndarray) -> dict:
+        """The continuation keys of the batch of plan ``rows`` (built into ``raw``), one per segment."""
+        from packloader.batch import raw_views
+
+        off, ch, doc = self.chains(epoch)
+        sched = self.carry(epoch, from_start)
+        rows = np.asarray(rows, np.int64)
+        real = rows[rows >= 0]
+        counts = off[real + 1] - off[real]
+        piece = np.repeat(off[real] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        row_of = np.repeat(real, counts)
+        index = ch.piece_index[piece]
+        nxt = ch.next_row[piece]
+        keys = (np.where(ch.in_chain[piece], doc[piece], -1), index,
+                (index > 0) & ~sched.restarted[row_of],
+                (nxt >= 0) & sched.delivered()[np.maximum(nxt, 0)])
+        _, _, seq_off, seq_lens = raw_views(raw)
+        return segment_keys(seq_off, seq_lens, raw_views(raw)[0].shape[1], keys)
 
     def share_control(self):
         self.control.share_memory_()
@@ -49,6 +108,8 @@ class PackedIterable(IterableDataset):
     def schedule(self, epoch: int, offset: int = 0) -> np.ndarray:
         """int64 [n_batches, batch_size]: plan rows of this rank's batches (-1 = padding row), global steps
         starting at plan row ``offset`` (see :func:`packloader.distributed.assign_rows`)."""
+        if self.carries:
+            return self.carry(epoch, offset).rows[self.rank]
         key = (int(epoch), int(offset))
         if self._sched is None or self._sched[0] != key:
             tokens = self.rows.epoch_rows(self.seed, epoch, self.shuffle)
@@ -64,13 +125,17 @@ class PackedIterable(IterableDataset):
             self._info = (epoch, (len(tokens), hashlib.sha256(tokens.tobytes()).hexdigest()[:16]))
         return self._info[1]
 
-    def make_raw(self, epoch: int, rows: np.ndarray) -> dict[str, Any]:
+    def make_raw(self, epoch: int, rows: np.ndarray, offset: int = 0) -> dict[str, Any]:
         """The batch before collation, as it travels from a worker: ``{"raw": int32 tensor}`` (one buffer,
-        see :func:`packloader.batch.raw_alloc`), plus the id tables with ``return_ids``."""
+        see :func:`packloader.batch.raw_alloc`), plus the id tables with ``return_ids``, plus the
+        continuation keys with ``overflow="carry"`` (``offset``: the schedule's ``control[1]``)."""
         built = self.rows.build(self.seed, epoch, self.shuffle, rows, want_ids=self.return_ids)
         out = {"raw": torch.from_numpy(built.raw)}
         for key, table in built.ids.items():
             out[key] = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64))
+        if self.carries:
+            for key, table in self.carry_keys(epoch, offset, rows, built.raw).items():
+                out[key] = torch.from_numpy(table)
         return out
 
     def collate(self, item: dict[str, Any], pin_memory: bool = False) -> dict[str, Any]:
@@ -86,4 +151,4 @@ class PackedIterable(IterableDataset):
         sched = self.schedule(epoch, offset)
         wid, nw = current_worker()
         for k in worker_batch_indices(len(sched), start, wid, nw):
-            yield self.make_raw(epoch, sched[k])
+            yield self.make_raw(epoch, sched[k], offset)

@@ -287,7 +287,9 @@ class PackedDataLoader:
                          "all kept; no piece attends to the one before it)" if c["split_tokens"] is not None
                          else f"split into pieces of at most {self.capacity} tokens",
                 "truncate": f"truncated to {self.capacity} tokens ({c['lost_tokens']} tokens lost)",
-                "drop": f"dropped ({c['lost_tokens']} tokens lost)"}[c["policy"]]
+                "drop": f"dropped ({c['lost_tokens']} tokens lost)",
+                "carry": f"cut into chains of pieces of at most {self.capacity} tokens (all kept, in order on "
+                         "one rank; each batch says which piece continues which: packloader.carry)"}[c["policy"]]
         where = "when the directory was packed" if self.algorithm is None else f"by overflow={c['policy']!r}"
         warnings.warn(f"PackedDataLoader: {n} sequence(s) longer than capacity {self.capacity} were {what} "
                       f"{where}; see loader.overflow_counts", stacklevel=3)
@@ -384,9 +386,13 @@ class PackedDataLoader:
         (checked and restored on load).
         """
         batches = self._resume if self._resume is not None else self._consumed
-        return make_state(epoch=self._epoch, offset=self._offset, batches=batches,
-                          n_batches=self.num_batches(self._epoch), epoch_info=self.dataset.epoch_info(self._epoch),
-                          settings=self._settings(), overflow_counts=self.overflow_counts)
+        state = make_state(epoch=self._epoch, offset=self._offset, batches=batches,
+                           n_batches=self.num_batches(self._epoch), epoch_info=self.dataset.epoch_info(self._epoch),
+                           settings=self._settings(), overflow_counts=self.overflow_counts)
+        if self.dataset.carries:  # the carry rule's position: see packloader.carry
+            state["carry"] = self.dataset.carry(self._epoch, self._offset).state_at(batches)
+            state["rows_consumed"] = state["carry"].pop("rows_consumed")
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict` of any rank of a loader over the same data).
@@ -407,9 +413,40 @@ class PackedDataLoader:
         epoch, done, counts = read_state(state, self._settings(), self.dataset.epoch_info, self._overflow_counts)
         self._overflow_counts = counts
         n_rows = self.dataset.epoch_info(epoch)[0]
-        offset, start = resume_point(done, n_rows, self.world_size, self.batch_size, self.drop_last)
+        if self.dataset.carries:
+            offset, start = self._carry_resume(state, epoch, n_rows)
+        else:
+            offset, start = resume_point(done, n_rows, self.world_size, self.batch_size, self.drop_last)
         self._epoch, self._offset, self._consumed, self._resume = epoch, offset, start, start
         self._iter_gen += 1  # an iterator still open from before no longer counts
+
+
+    def _carry_resume(self, state: dict, epoch: int, n_rows: int) -> tuple[int, int]:
+        """``(control offset, first batch)`` of an ``overflow="carry"`` resume (see :mod:`packloader.carry`):
+        the fresh schedule at the saved batch when it is the saved position (same layout), else the schedule
+        from the saved carry state (``offset`` 1), warning when chains restart (another world size)."""
+        from packloader.carry import read_carry_state
+
+        saved = read_carry_state(state.get("carry"), n_rows)
+        batches = state.get("batches_consumed")
+        fresh = self.dataset.carry(epoch, 0)
+        if isinstance(batches, int) and 0 <= batches <= fresh.n_batches:
+            mine = fresh.state_at(batches)
+            mine.pop("rows_consumed")
+            if mine == {**saved, "pins": [list(p) for p in saved["pins"]]}:
+                return 0, batches
+        self.dataset.carry_start = saved
+        it = getattr(self._dl, "_iterator", None)
+        if it is not None:  # persistent workers hold the old carry_start: start them afresh
+            getattr(it, "_shutdown_workers", lambda: None)()
+            self._dl._iterator = None
+        resumed = self.dataset.carry(epoch, 1)
+        if resumed.restarted_docs:
+            warnings.warn(f"PackedDataLoader: resuming on world_size={self.world_size} (saved with "
+                          f"{saved['world_size']}): {resumed.restarted_docs} chain(s) interrupted by the checkpoint "
+                          "restart from a zero state: their next piece has has_initial_state=False although "
+                          "piece_index > 0 (see packloader.carry)", stacklevel=3)
+        return 1, 0
 
 
 def _can_pin() -> bool:

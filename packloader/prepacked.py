@@ -528,12 +528,36 @@ class PrepackedRows:
         if self._order is None or self._order[0] != key:
             order = (epoch_rng(seed, epoch, SALT_ROWS).permutation(self.n_rows).astype(np.int64) if shuffle
                      else np.arange(self.n_rows, dtype=np.int64))
+            if self.overflow == "carry" and shuffle:  # chains' rows after their predecessors again
+                from packer_algos.chains import carry_row_order, permute_rows
+
+                off, doc, start, _ = self._pieces()
+                p_off, p_doc, p_start = permute_rows(off, order, doc, start)
+                order = order[carry_row_order(p_off, p_doc, p_start)]
             order.setflags(write=False)   # kept for the whole epoch: no caller may change it
             self._order = (key, order)
         return self._order[1]
 
     def epoch_rows(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         return self.row_tokens[self.order(seed, epoch, shuffle)]
+
+    def _pieces(self):
+        """``(row_offsets, doc_key, start, length)`` of the directory's pieces in directory order (doc keys:
+        :func:`packloader.carry.doc_keys` of the provenance columns), read once."""
+        if getattr(self, "_piece_cache", None) is None:
+            from packloader.carry import doc_keys
+
+            off, sf, sr, ss = self._dataset().read_sources(0, self.n_rows)
+            lengths = np.concatenate([b[3] for b in self._load_blocks()[1]]).astype(np.int64)
+            self._piece_cache = (off, doc_keys(sf, sr), ss.astype(np.int64), lengths)
+        return self._piece_cache
+
+    def epoch_pieces(self, seed: int, epoch: int, shuffle: bool):
+        """``(row_offsets, doc_key, start, length)`` of the epoch's plan pieces, in plan order."""
+        from packer_algos.chains import permute_rows
+
+        off, doc, start, length = self._pieces()
+        return permute_rows(off, self.order(seed, epoch, shuffle), doc, start, length)
 
     def build(self, seed: int, epoch: int, shuffle: bool, rows: np.ndarray, want_ids: bool = False) -> Built:
         """The plan rows ``rows`` (``-1``: a padding row) as a :class:`~packloader.rows.Built`; with

@@ -52,10 +52,10 @@ def overflow_counts(policy: str | None, sequences: int, tokens: int, capacity: i
     n = int(sequences)
     return {
         "policy": policy,
-        "split": n if policy == "split" else 0,
+        "split": n if policy in ("split", "carry") else 0,
         "truncated": n if policy == "truncate" else 0,
         "dropped": n if policy == "drop" else 0,
-        "split_tokens": int(tokens) if policy == "split" else 0,
+        "split_tokens": int(tokens) if policy in ("split", "carry") else 0,
         "lost_tokens": (int(tokens) - n * int(capacity) if policy == "truncate"
                         else int(tokens) if policy == "drop" else 0),
     }
@@ -226,12 +226,25 @@ class StreamingRows:
             new_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
             idx = np.repeat(offsets[:-1][perm] - new_off[:-1], counts) + np.arange(new_off[-1])
             offsets, items, starts, plen = new_off, items[idx], starts[idx], plen[idx]
+            if self.overflow == "carry":  # the shuffle moved chains' rows: every one after its predecessor again
+                from packer_algos.chains import carry_row_order, permute_rows
+
+                offsets, items, starts, plen = permute_rows(offsets, carry_row_order(offsets, items, starts),
+                                                            items, starts, plen)
         ep = EpochPlan(offsets, shard_of[items], row_of[items], starts, plen)
         self._plan_cache = (key, ep)
         return ep
 
     def epoch_rows(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         return self.plan(seed, epoch, shuffle).row_tokens
+
+    def epoch_pieces(self, seed: int, epoch: int, shuffle: bool):
+        """``(row_offsets, doc_key, start, length)`` of the epoch's plan pieces, in plan order (doc keys:
+        :func:`packloader.carry.doc_keys` of shard index and sequence)."""
+        from packloader.carry import doc_keys
+
+        ep = self.plan(seed, epoch, shuffle)
+        return ep.row_offsets, doc_keys(ep.shard, ep.row), ep.start, ep.length
 
     # -- building rows ---------------------------------------------------------------------------------
 
