@@ -155,6 +155,10 @@ class PackedDataLoader:
             naming the worker and the signal (a stopped worker is killed then); resume from
             :meth:`state_dict` with a fresh loader. A killed worker is reported so even without a timeout.
         pin_memory_device: accepted for compatibility and ignored (pinning is for the current accelerator).
+        verify: a pre-packed directory: also hash every packed file once, when the loader is built, and
+            compare with the checksums in ``index.json`` (reads all the data; default False). Without it the
+            loader still checks, reading no data, each file's size, row count, schema and the job hash it
+            carries against ``index.json``.
 
     Raises:
         packloader.errors.DataError: the source is missing, unreadable or empty (names it), or a
@@ -179,7 +183,7 @@ class PackedDataLoader:
                  hf_compat: bool = False, return_ids: bool = False, shard_cache: int = 3,
                  pin_memory: bool = False, persistent_workers: bool = False, prefetch_factor: int | None = None,
                  timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
-                 pin_memory_device: str = ""):
+                 pin_memory_device: str = "", verify: bool = False):
         for name, value in (("batch_size", batch_size), ("buffer_size", buffer_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -207,7 +211,7 @@ class PackedDataLoader:
 
             check_overflow(overflow)
         if is_prepacked_dir(source):
-            rows = PrepackedRows(source)
+            rows = PrepackedRows(source, verify=verify)
             if capacity is not None and int(capacity) != rows.capacity:
                 raise ValueError(f"capacity={capacity} does not match the pre-packed directory {rows.directory!r}"
                                  f" (capacity {rows.capacity}); pass capacity=None or {rows.capacity}")

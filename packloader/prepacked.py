@@ -26,8 +26,10 @@ column              type                            meaning
 A directory without ``index.json``, or whose ``index.json`` disagrees with the files (a missing file,
 another row count, size or schema), is refused with a :class:`~packloader.errors.DataError`. Each file
 entry of ``index.json`` records ``rows``, ``bytes`` and ``checksum`` (``"crc32:<hex>"`` of the
-file, computed when it was written): sizes and row counts are checked on every open, the checksums
-with ``PrepackedDataset(dir, verify=True)`` / ``packloader report DIR --verify``.
+file, computed when it was written), and each file carries the hash of the job that wrote it
+(``packloader.job_hash`` schema metadata, listed in ``index.json["job_hashes"]``): sizes, row counts and
+job hashes are checked on every open, the checksums with ``PrepackedDataset(dir, verify=True)``,
+``PackedDataLoader(dir, verify=True)`` and ``packloader report DIR --verify``.
 
 Capacity: at most :data:`MAX_CAPACITY` tokens per row (:func:`check_capacity`).
 
@@ -170,7 +172,7 @@ class _PackedFile:
     __slots__ = ("path", "source", "batches", "rows")
 
     def __init__(self, path: str, capacity: int, expect_rows: int | None, expect_bytes: int | None,
-                 checksum: str | None = None):
+                 checksum: str | None = None, job_hash: str | None = None):
         self.path = path
         if not os.path.isfile(path):
             raise DataError("file listed in index.json is missing", path=path)
@@ -202,6 +204,11 @@ class _PackedFile:
                 raise DataError(
                     f"column {field.name!r} has type {got.field(idx).type}, expected {field.type}", path=path
                 )
+        if job_hash is not None:  # the job that wrote it, recorded in the file and in index.json
+            got_hash = (got.metadata or {}).get(b"packloader.job_hash", b"").decode("utf-8", "replace")
+            if got_hash != job_hash:
+                raise DataError(f"file was written by another packing job (job hash {got_hash[:10] or 'none'}, "
+                                f"index.json says {job_hash[:10]}): replaced after packing? pack again", path=path)
         self.rows = np.cumsum([0] + [b.num_rows for b in self.batches]).astype(np.int64)
         if expect_rows is not None and int(self.rows[-1]) != expect_rows:
             raise DataError(f"file has {int(self.rows[-1])} rows, index.json says {expect_rows}", path=path)
@@ -229,7 +236,9 @@ class PrepackedDataset:
     """Random access to a pre-packed directory: rows of ``capacity`` tokens as numpy views.
 
     Opens every file listed in ``index.json`` memory-mapped and checks it against the index (presence,
-    byte size, row count, schema), so a half-written or foreign directory is refused up front.
+    byte size, row count, schema, and the job hash each file carries in its schema metadata: a file
+    replaced by another valid packed file is refused), so a half-written or foreign directory is refused
+    up front. These checks read no data; ``verify=True`` adds the checksums.
 
     Args:
         directory: the output directory of ``packloader pack``.
@@ -288,7 +297,7 @@ class PrepackedDataset:
                                         "version?): cannot verify; pack again",
                                         path=os.path.join(self.directory, INDEX_NAME))
                 pf = _PackedFile(os.path.join(self.directory, name), self.capacity,
-                                 entry.get("rows"), entry.get("bytes"), checksum)
+                                 entry.get("rows"), entry.get("bytes"), checksum, self._job_hash(entry))
                 opened.append(pf)
                 self.file_names.append(name)
         except BaseException:
@@ -301,6 +310,16 @@ class PrepackedDataset:
         if total != int(self.index["total_rows"]):
             raise DataError(f"files hold {total} rows, index.json says {self.index['total_rows']}",
                             path=os.path.join(self.directory, INDEX_NAME))
+
+    def _job_hash(self, entry: dict) -> str | None:
+        """The job hash ``entry``'s file must carry (its ``packloader.job_hash`` schema metadata), from
+        ``index.json``'s ``job_hashes`` and the entry's ``job``; None when the index does not record it."""
+        hashes, job = self.index.get("job_hashes"), entry.get("job")
+        if (not isinstance(hashes, list) or isinstance(job, bool) or not isinstance(job, int)
+                or not 0 <= job < len(hashes)):
+            return None
+        h = hashes[job]
+        return h if isinstance(h, str) and h else None
 
     # pickling (e.g. DataLoader workers with spawn): reopen from the directory
     def __getstate__(self):
@@ -468,16 +487,18 @@ class PrepackedRows:
 
     Args:
         directory: written by ``packloader pack``.
+        verify: also check every file's checksum when the directory is opened (see
+            :class:`PrepackedDataset`).
 
     Raises:
         DataError: not a pre-packed directory, or it holds no rows.
     """
 
-    def __init__(self, directory):
+    def __init__(self, directory, *, verify: bool = False):
         import hashlib
 
         self.directory = os.fspath(directory)
-        self._ds = ds = PrepackedDataset(self.directory)
+        self._ds = ds = PrepackedDataset(self.directory, verify=verify)
         self.capacity = int(ds.capacity)
         index = ds.index
         self.n_rows = len(ds)

@@ -416,3 +416,41 @@ def test_prepacked_row_order_is_computed_once_per_epoch(tmp_path, monkeypatch):
     assert not o.flags.writeable and rows.order(seed, 3, True) is o
     assert np.array_equal(o, real(seed, 3, rows_mod.SALT_ROWS).permutation(rows.n_rows))
     assert np.array_equal(rows.order(seed, 3, False), np.arange(rows.n_rows))
+
+
+@pytest.mark.parametrize("global_packing", [False, True])
+def test_prepacked_file_replaced_by_another_valid_one_is_refused_at_open(tmp_path, global_packing):
+    """Issue 36: a packed file replaced by another valid one of the same size (same rows, same schema) used
+    to be served; the job hash each file carries is now checked against index.json when the loader is built
+    (no data read), and ``verify=True`` checks the crc as well."""
+    import os
+    import shutil
+
+    from packloader.pack_writer import pack_dataset
+    from packloader.prepacked import PrepackedDataset
+
+    src = [write_arrow(tmp_path / f"s{k}.arrow", random_sequences(60, seed=k, max_len=100)) for k in range(2)]
+    kw = dict(capacity=128, global_packing=global_packing, quiet=True)
+    pack_dataset(src, tmp_path / "a", **kw)
+    pack_dataset(src, tmp_path / "b", vocab_size=50_000, **kw)  # same rows and bytes, another job hash
+    a = sorted(n for n in os.listdir(tmp_path / "a") if n.endswith(".arrow"))
+    b = sorted(n for n in os.listdir(tmp_path / "b") if n.endswith(".arrow"))
+    assert os.path.getsize(tmp_path / "a" / a[0]) == os.path.getsize(tmp_path / "b" / b[0])
+    shutil.copyfile(tmp_path / "b" / b[0], tmp_path / "a" / a[0])
+    with pytest.raises(DataError, match=rf"{a[0]}: file was written by another packing job"):
+        PackedDataLoader(str(tmp_path / "a"), batch_size=2)
+    with pytest.raises(DataError, match="another packing job"):
+        PrepackedDataset(tmp_path / "a")
+    # a flipped token (same size, same job hash): found by the checksum, with verify=True
+    pack_dataset(src, tmp_path / "c", **kw)
+    c = sorted(n for n in os.listdir(tmp_path / "c") if n.endswith(".arrow"))[0]
+    with PrepackedDataset(tmp_path / "c") as ds:
+        first_tokens = ds.read_rows(0, 1)[0][0, :4].tobytes()
+    raw = bytearray(open(tmp_path / "c" / c, "rb").read())
+    pos = bytes(raw).find(first_tokens)
+    assert pos > 0
+    raw[pos] ^= 0x01
+    open(tmp_path / "c" / c, "wb").write(bytes(raw))
+    PackedDataLoader(str(tmp_path / "c"), batch_size=2)  # sizes, rows and job hashes agree
+    with pytest.raises(DataError, match=rf"{c}: checksum mismatch"):
+        PackedDataLoader(str(tmp_path / "c"), batch_size=2, verify=True)
