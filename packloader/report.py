@@ -108,6 +108,9 @@ class PackingReport:
         split / truncated / dropped: sequences longer than ``capacity`` that were split, truncated or
             dropped.
         lost_tokens: tokens removed by truncation or dropping.
+        carried_pieces / max_chain: with ``overflow="carry"``, the pieces that continue the piece before
+            them (a chain of ``n`` pieces has ``n - 1``), and the most pieces in one chain; ``split``
+            counts the chains. Mean chain length: :attr:`mean_chain`.
         min_length / max_length: shortest / longest non-empty input sequence.
         length_counts: sequence-length histogram (see :func:`length_histogram`).
         fill_counts: row-fill histogram (see :func:`fill_histogram`).
@@ -146,6 +149,8 @@ class PackingReport:
     truncated: int = 0
     dropped: int = 0
     lost_tokens: int = 0
+    carried_pieces: int = 0
+    max_chain: int = 0
     min_length: int = 0
     max_length: int = 0
     length_counts: list = field(default_factory=lambda: [0] * (LENGTH_BINS + 1))
@@ -183,6 +188,10 @@ class PackingReport:
         nz = L[L > 0]
         ppr = None if pieces_per_row is None else np.asarray(pieces_per_row, dtype=np.int64)
         base = baseline_pieces(L, int(capacity), kw.get("overflow", "split"))
+        if kw.get("overflow") == "carry":  # chains of ceil(n / capacity) pieces (packer_algos.chains)
+            chain = -(-L[L > int(capacity)] // int(capacity))
+            kw.setdefault("carried_pieces", int((chain - 1).sum()))
+            kw.setdefault("max_chain", int(chain.max()) if chain.size else 0)
         return cls(
             capacity=int(capacity), algorithm=algorithm,
             sequences=int(L.size), empty=int(L.size - nz.size), tokens=int(L.sum()),
@@ -212,7 +221,7 @@ class PackingReport:
             raise ValueError("cannot combine reports of different capacities")
         out = dataclasses.replace(reports[0])
         summed = ("sources", "files", "sequences", "empty", "tokens", "packed_tokens", "rows", "pieces", "split",
-                  "truncated", "dropped", "lost_tokens", "read_seconds", "plan_seconds", "write_seconds",
+                  "truncated", "dropped", "lost_tokens", "carried_pieces", "read_seconds", "plan_seconds", "write_seconds",
                   "total_seconds", "reused_files", "unpacked_rows", "batch_padded_slots")
         if len({r.baseline_batch_size for r in reports}) > 1:
             raise ValueError("cannot combine reports of different baseline batch sizes")
@@ -224,6 +233,7 @@ class PackingReport:
         with_seqs = [r for r in reports if r.sequences - r.empty]
         out.min_length = min((r.min_length for r in with_seqs), default=0)
         out.max_length = max((r.max_length for r in with_seqs), default=0)
+        out.max_chain = max((r.max_chain for r in reports), default=0)
         if len({len(r.length_counts) for r in reports}) > 1:
             raise ValueError("cannot combine reports with different length histograms")
         out.length_counts = np.sum([r.length_counts for r in reports], axis=0).astype(int).tolist()
@@ -233,6 +243,11 @@ class PackingReport:
         return out
 
     # ---------------------------------------------------------------- derived figures
+
+    @property
+    def mean_chain(self) -> float:
+        """Mean pieces per chain (``overflow="carry"``); 0.0 without chains."""
+        return (self.carried_pieces + self.split) / self.split if self.split and self.overflow == "carry" else 0.0
 
     @property
     def efficiency(self) -> float:
@@ -333,6 +348,9 @@ class PackingReport:
              f"{self.min_seqs_per_row} / {self.mean_seqs_per_row:.2f} / {self.max_seqs_per_row}"),
             ("split / truncated / dropped", f"{self.split:,} / {self.truncated:,} / {self.dropped:,}"),
             ("tokens lost (trunc./drop)", f"{self.lost_tokens:,}"),
+            ("carried pieces, chains (mean/max pieces)",
+             f"{self.carried_pieces:,}, {self.split:,} ({self.mean_chain:.2f} / {self.max_chain})"
+             if self.overflow == "carry" else "n/a"),
             ("empty sequences", f"{self.empty:,}"),
             ("time read/plan/write", f"{self.read_seconds:.2f} / {self.plan_seconds:.2f} / {self.write_seconds:.2f} s"),
             ("total time", f"{self.total_seconds:.2f} s"),

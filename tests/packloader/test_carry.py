@@ -248,3 +248,31 @@ def test_state_without_carry_entry_is_refused(carry_shards):
     del state["carry"]
     with pytest.raises(ValueError, match="no 'carry' entry"):
         loaders(paths, 1)[0].load_state_dict(state)
+
+
+@pytest.mark.parametrize("global_packing", [False, True])
+def test_packed_directory_serves_chains_and_report_counts_them(carry_shards, tmp_path, capsys, global_packing):
+    from packloader.cli import main
+
+    paths, docs = carry_shards
+    out = tmp_path / "packed"
+    args = ["pack", *paths, "--out", str(out), "--capacity", str(CAP), "--overflow", "carry", "-q"]
+    assert main(args + (["--global"] if global_packing else [])) == 0
+    per_rank = [list(ld) for ld in loaders(str(out), 3, capacity=None, overflow=None)]
+    seen = check_guarantees(per_rank, docs)
+    chains = [-(-len(s) // CAP) for s in docs.values() if len(s) > CAP]
+    assert len(seen) == len(chains)
+    assert main(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    want = f"{sum(chains) - len(chains):,}, {len(chains):,} ({sum(chains) / len(chains):.2f} / {max(chains)})"
+    assert want in text, text
+
+
+def test_split_directory_cannot_be_served_as_carry(carry_shards, tmp_path):
+    from packloader.cli import main
+
+    paths, _ = carry_shards
+    out = tmp_path / "split"
+    assert main(["pack", *paths, "--out", str(out), "--capacity", str(CAP), "--overflow", "split", "-q"]) == 0
+    with pytest.raises(ValueError, match="overflow='carry' does not match the pre-packed directory"):
+        loaders(str(out), 1, capacity=None)
