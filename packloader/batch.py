@@ -38,7 +38,39 @@ key                    shape            dtype    meaning
                                                  non-padding segment in order, (row in the batch, source file
                                                  index, sequence index in that file, first token within that
                                                  sequence, length)
+``piece_doc_ids``      [S]              int64    only with ``overflow="carry"``, one entry per segment of
+                                                 ``cu_seqlens`` (padding tails included): the document key of
+                                                 a segment that is a piece of a cut document (``source_file
+                                                 << 40 | sequence index``, unique in the dataset), -1 for
+                                                 whole sequences and padding tails
+``piece_index``        [S]              int32    only with ``overflow="carry"``: 0-based index of the piece
+                                                 in its document (0 for whole sequences and padding)
+``has_initial_state``  [S]              bool     only with ``overflow="carry"``: the segment continues the
+                                                 previous piece of its document, whose final state it starts
+                                                 from (``piece_index > 0``; False only where a chain restarts
+                                                 after a resume on another world size)
+``continues_after``    [S]              bool     only with ``overflow="carry"``: another piece of this
+                                                 document follows, in a later row of this batch or a later
+                                                 batch of this rank
 =====================  ===============  =======  =============================================================
+
+A continued piece (``overflow="carry"``, capacity 8, document D of 19 tokens cut into D0 = 3 tokens, then
+D1, D2 = 8 tokens each; the rows are on the same rank, D2 in a later row or batch than D1)::
+
+                       seq A (5)        D0 (3)      row 1: D1 (8)                    row 2: D2 (8)
+    input_ids     [ a0 a1 a2 a3 a4 | d0 d1 d2 ] [ d3 d4 d5 d6 d7 d8 d9 d10 ] ... [ d11 ... d18 ]
+    position_ids  [  0  1  2  3  4 |  0  1  2 ] [  0  1  2  3  4  5  6  7  ] ... [  0  ...  7  ]
+    labels        [  - a1 a2 a3 a4 |  - d1 d2 ] [  - d4 d5 d6 d7 d8 d9 d10 ] ... [  -  ... d18 ]
+    segment             0                1                    2                          k
+    piece_doc_ids      -1                D                    D                          D
+    piece_index         0                0                    1                          2
+    has_initial_state   F                F                    T                          T
+    continues_after     F                T                    T                          F
+
+``position_ids`` restart at 0 at every piece (and the first label of a piece is -100, as for any
+segment): the state, not the positions, carries the document across pieces. The guarantees behind these
+keys (pieces in order on one rank, a predecessor never skipped, the same number of batches on every rank)
+and what a resume does to them: :mod:`packloader.carry`.
 
 A *padding row* (used to give every rank the same number of batches, see
 :mod:`packloader.distributed`) is all padding: ``input_ids`` 0, ``labels`` -100, one segment of length
@@ -61,7 +93,7 @@ from packloader._numba import njit_cached
 
 IGNORE_INDEX = -100
 
-__all__ = ["IGNORE_INDEX", "BATCH_KEYS", "collate_numpy", "collate_packed", "collate_raw", "raw_alloc",
+__all__ = ["IGNORE_INDEX", "BATCH_KEYS", "CARRY_BATCH_KEYS", "collate_numpy", "collate_packed", "collate_raw", "raw_alloc",
            "raw_views", "padding_row_layout"]
 
 #: key -> (shape, dtype) as documented above (``None`` dtype: a python int)
@@ -73,6 +105,14 @@ BATCH_KEYS: dict[str, tuple[str, str | None]] = {
     "cu_seqlens": ("[S + 1]", "int32"),
     "max_seqlen": ("int", None),
     "num_loss_tokens": ("int", None),
+}
+
+#: the keys ``overflow="carry"`` adds to every batch (documented above; one entry per ``cu_seqlens`` segment)
+CARRY_BATCH_KEYS: dict[str, tuple[str, str]] = {
+    "piece_doc_ids": ("[S]", "int64"),
+    "piece_index": ("[S]", "int32"),
+    "has_initial_state": ("[S]", "bool"),
+    "continues_after": ("[S]", "bool"),
 }
 
 

@@ -53,17 +53,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from packloader._numba import njit_cached
+from packloader.batch import CARRY_BATCH_KEYS
 
 __all__ = ["DOC_KEY_SHIFT", "doc_keys", "CarrySchedule", "carry_schedule", "carry_state", "read_carry_state",
-           "segment_keys", "CARRY_KEYS"]
+           "segment_keys"]
 
 #: ``piece_doc_ids = source_file_index << DOC_KEY_SHIFT | sequence_index``: unique in a dataset of fewer than
 #: 2**23 files of fewer than 2**40 sequences each
 DOC_KEY_SHIFT = 40
 
-#: the batch keys added by ``overflow="carry"`` (documented in :mod:`packloader.batch`), with their dtypes
-CARRY_KEYS = {"piece_doc_ids": np.int64, "piece_index": np.int32, "has_initial_state": np.bool_,
-              "continues_after": np.bool_}
 
 
 def doc_keys(source_file, sequence) -> np.ndarray:
@@ -279,10 +277,8 @@ def segment_keys(seq_offsets, seq_lens, capacity: int, keys: _PieceKeys | tuple)
     seg = first_seg[row_of] + np.arange(seq_lens.size) - seq_offsets[row_of]
     n_seg = int(first_seg[-1])
     doc, index, initial, after = keys
-    out = {"piece_doc_ids": np.full(n_seg, -1, np.int64), "piece_index": np.zeros(n_seg, np.int32),
-           "has_initial_state": np.zeros(n_seg, bool), "continues_after": np.zeros(n_seg, bool)}
-    out["piece_doc_ids"][seg] = doc
-    out["piece_index"][seg] = index
-    out["has_initial_state"][seg] = initial
-    out["continues_after"][seg] = after
+    out = {key: np.zeros(n_seg, dtype) for key, (_, dtype) in CARRY_BATCH_KEYS.items()}
+    out["piece_doc_ids"][:] = -1    # whole sequences and padding tails
+    for key, values in zip(CARRY_BATCH_KEYS, (doc, index, initial, after)):
+        out[key][seg] = values
     return out

@@ -276,3 +276,16 @@ def test_split_directory_cannot_be_served_as_carry(carry_shards, tmp_path):
     assert main(["pack", *paths, "--out", str(out), "--capacity", str(CAP), "--overflow", "split", "-q"]) == 0
     with pytest.raises(ValueError, match="overflow='carry' does not match the pre-packed directory"):
         loaders(str(out), 1, capacity=None)
+
+
+def test_batches_have_the_documented_carry_keys(carry_shards):
+    from packloader.batch import BATCH_KEYS, CARRY_BATCH_KEYS
+
+    paths, _ = carry_shards
+    for b in loaders(paths, 2, return_ids=False)[0]:
+        assert set(b) == set(BATCH_KEYS) | set(CARRY_BATCH_KEYS)
+        S = b["cu_seqlens"].numel() - 1
+        for key, (shape, dtype) in CARRY_BATCH_KEYS.items():
+            assert shape == "[S]" and tuple(b[key].shape) == (S,) and str(b[key].dtype) == f"torch.{dtype}"
+        assert ((b["piece_index"] > 0) == b["has_initial_state"]).all()
+        assert ((b["piece_doc_ids"] == -1) <= (b["piece_index"] == 0)).all()
