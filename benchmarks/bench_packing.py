@@ -23,6 +23,14 @@ Two data sets, one run, every timing taken after JIT warm-up as the best (minimu
    from their paper's machine and count histogram-level packing only, no per-sequence assignment).
    Skipped with a message when the shared data folder is absent.
 
+3. ``carry``: ``overflow="carry"`` against ``overflow="split"`` (issue 31: within 1 % packing
+   efficiency), algorithms ``bfd`` and ``online``, on the Wikipedia histogram at capacity 512 (nothing is
+   cut: the two must agree) and 128 (a quarter of the sequences become chains), and on lognormal mixes
+   (``--n`` lengths as in 1.) with 5 % of the documents 4-16x the capacity, capacities 4096 and 2048.
+   Beside the plan's efficiency, the loader's: the rows of a schedule of 8 ranks x 8 rows (padding rows
+   included) under the carry rule (``packloader.carry``, chains pinned to one rank) against the plain
+   schedule of the split plan.
+
 ``--quick`` shrinks both sets (20,000 lognormal lengths; the Wikipedia histogram divided by 100) and
 runs once: for smoke tests; targets are then reported but not judged.
 """
@@ -56,6 +64,9 @@ WIKI_BFD_MIN_EFFICIENCY = 0.9983
 WIKI_BFD_MAX_SECONDS = 2.0
 WIKI_ONLINE_MIN_EFFICIENCY = 0.995
 WIKI_ONLINE_MIN_ITEMS_PER_S = 5e6
+CARRY_MAX_EFFICIENCY_LOSS = 0.01      # carry vs split, packing efficiency (absolute)
+CARRY_LONG_SHARE = 0.05               # documents 4-16x the capacity in the lognormal mixes
+CARRY_SCHEDULE = (8, 8)               # world_size, batch_size of the loader-schedule figure
 
 
 def timed(fn, repeat):
@@ -236,6 +247,79 @@ def bench_wikipedia(wiki, path, scale_down, seed, repeat, buffer_size, full_chec
     return out
 
 
+def long_doc_lengths(n, seed, capacity):
+    """Lognormal lengths with CARRY_LONG_SHARE of the documents 4-16x ``capacity``."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.rint(rng.lognormal(5.5, 0.9, n)), 1, capacity).astype(np.int64)
+    long = rng.random(n) < CARRY_LONG_SHARE
+    lengths[long] = rng.integers(4 * capacity, 16 * capacity + 1, int(long.sum()))
+    return lengths
+
+
+def schedule_efficiency(plan, carry):
+    """Tokens / slots of the loader's schedule of ``plan`` on CARRY_SCHEDULE ranks x rows (padding rows
+    included): the carry rule for a carry plan, the plain assignment otherwise."""
+    from packer_algos.chains import chain_links
+    from packloader.carry import CarrySchedule
+    from packloader.distributed import assign_rows
+
+    W, B = CARRY_SCHEDULE
+    tokens = plan.bin_lengths()
+    if carry:
+        pred = chain_links(plan.bin_offsets, plan.item_ids, plan.starts, plan.lengths).pred_row
+        n_batches = CarrySchedule(tokens, pred, W, B, False).n_batches
+    else:
+        n_batches = assign_rows(tokens, W, B, False).shape[1]
+    return plan.total_tokens / (n_batches * W * B * plan.capacity)
+
+
+def bench_carry(n, seed, buffer_size, wiki, log):
+    """split vs carry: rows and efficiency of the plan and of the loader's schedule."""
+    cases = []
+    if wiki is not None:
+        counts = np.asarray(wiki["counts"], dtype=np.int64)
+        lengths = np.repeat(np.arange(1, counts.size + 1, dtype=np.int64), counts // (100 if n < 100_000 else 1))
+        lengths = lengths[np.random.default_rng(seed).permutation(lengths.size)]
+        cases += [("wikipedia", 512, lengths), ("wikipedia", 128, lengths)]
+    for cap in (4096, 2048):
+        cases.append((f"lognormal+{int(100 * CARRY_LONG_SHARE)}%x4-16", cap, long_doc_lengths(n, seed, cap)))
+    rows = []
+    for dataset, cap, lengths in cases:
+        for algorithm in ("bfd", "online"):
+            kw = {"buffer_size": buffer_size} if algorithm == "online" else {}
+            rec = {"dataset": dataset, "capacity": cap, "algorithm": algorithm, "items": int(lengths.size),
+                   "cut": int((lengths > cap).sum())}
+            for overflow in ("split", "carry"):
+                t0 = time.perf_counter()
+                plan = pack(lengths, cap, algorithm, overflow=overflow, **kw)
+                rec[f"{overflow}_seconds"] = time.perf_counter() - t0
+                if overflow == "carry":
+                    plan.validate(lengths)  # chains in order, every token once
+                rec[f"{overflow}_rows"] = plan.n_bins
+                rec[f"{overflow}_efficiency"] = plan.efficiency
+                rec[f"{overflow}_schedule_efficiency"] = schedule_efficiency(plan, overflow == "carry")
+                del plan
+            rec["efficiency_loss"] = rec["split_efficiency"] - rec["carry_efficiency"]
+            log(f"  {dataset} C={cap} {algorithm}: split {100 * rec['split_efficiency']:.3f}% carry "
+                f"{100 * rec['carry_efficiency']:.3f}%")
+            rows.append(rec)
+    return {"long_share": CARRY_LONG_SHARE, "schedule": {"world_size": CARRY_SCHEDULE[0],
+                                                         "batch_size": CARRY_SCHEDULE[1]}, "rows": rows}
+
+
+def fmt_carry_table(carry):
+    W, B = CARRY_SCHEDULE
+    head = (f"{'dataset':22s} {'cap':>5s} {'algorithm':9s} {'cut':>8s} {'split rows':>11s} {'carry rows':>11s} "
+            f"{'split eff':>9s} {'carry eff':>9s} {'loss':>7s} {f'sched {W}x{B} split/carry':>24s}")
+    lines = [head, "-" * len(head)]
+    for r in carry["rows"]:
+        lines.append(f"{r['dataset']:22s} {r['capacity']:>5d} {r['algorithm']:9s} {r['cut']:>8,d} "
+                     f"{r['split_rows']:>11,d} {r['carry_rows']:>11,d} {100 * r['split_efficiency']:>8.3f}% "
+                     f"{100 * r['carry_efficiency']:>8.3f}% {100 * r['efficiency_loss']:>6.3f}% "
+                     f"{100 * r['split_schedule_efficiency']:>11.3f}% / {100 * r['carry_schedule_efficiency']:.3f}%")
+    return "\n".join(lines)
+
+
 def evaluate_targets(res, quick):
     targets = []
 
@@ -264,6 +348,9 @@ def evaluate_targets(res, quick):
         for p in wk.get("published", []):
             if p["algorithm"].startswith("graphcore LPFHP"):
                 add("wikipedia bfd rows - Graphcore LPFHP rows", w["bfd"]["rows"] - p["rows"], "<=", 0)
+    for r in res.get("carry", {}).get("rows", []):
+        add(f"carry loss vs split {r['dataset']} C={r['capacity']} {r['algorithm']}",
+            r["efficiency_loss"], "<=", CARRY_MAX_EFFICIENCY_LOSS)
     return targets
 
 
@@ -336,12 +423,16 @@ def main(argv=None):
         log(f"wikipedia: {path} (counts // {scale}) ..." if scale > 1 else f"wikipedia: {path} ...")
         res["wikipedia"] = bench_wikipedia(wiki, path, scale, args.seed, repeat, args.buffer_size,
                                            args.validate or args.quick)
+    log("carry vs split ...")
+    res["carry"] = bench_carry(n, args.seed, args.buffer_size, wiki, log)
     res["machine"]["loadavg_after"] = list(os.getloadavg())
     res["wall_seconds"] = time.perf_counter() - t_start
     res["targets"] = evaluate_targets(res, args.quick)
 
     print()
     print(fmt_table(res))
+    print("\noverflow='carry' against 'split' (plan efficiency, and the loader's schedule incl. padding rows):")
+    print(fmt_carry_table(res["carry"]))
     lp = res["lognormal"].get("lightbinpack", {})
     if lp.get("available"):
         r = lp["ratio_seconds"]

@@ -69,6 +69,17 @@ def test_quick_run_writes_consistent_json(bench, tmp_path, shared_data, capsys):
     _check_rows(wk["rows"], 512, wk["total_tokens"], wk["n"])
     assert res["wikipedia"]["rows"] == wk["rows"]
 
+    # overflow="carry" against "split": the same tokens, within 1 % efficiency, in the table
+    carry = data["carry"]["rows"]
+    assert [(r["dataset"], r["capacity"]) for r in carry[::2]] == [
+        ("wikipedia", 512), ("wikipedia", 128), ("lognormal+5%x4-16", 4096), ("lognormal+5%x4-16", 2048)]
+    for r in carry:
+        assert r["efficiency_loss"] == pytest.approx(r["split_efficiency"] - r["carry_efficiency"])
+        assert r["efficiency_loss"] <= bench.CARRY_MAX_EFFICIENCY_LOSS
+        assert 0 < r["carry_schedule_efficiency"] <= r["carry_efficiency"] + 1e-12
+        assert (r["cut"] == 0) == (r["dataset"] == "wikipedia" and r["capacity"] == 512)
+    assert "overflow='carry' against 'split'" in text
+
 
 def test_skips_wikipedia_and_lightbinpack_when_absent(bench, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench, "load_lightbinpack", lambda: (None, "lightbinpack is not importable (test)"))
