@@ -850,3 +850,56 @@ def test_conv_with_a_given_runmask_gives_the_same_bits(cuda_path_on_cpu, seed, d
                    *ci._conv_bwd_cuda(x, weight, bias, pos, True, dout))
         for a, b in zip(with_mask, without):
             assert torch.equal(a, b)
+
+
+# ---- carried states (state_slots / initial_state / final_state): the kernels against the float64 reference ----------
+
+def random_state_slots(pos: torch.Tensor, p_init: float = 0.6):
+    """ops.states.state_slots for random flags, every sequence's final state asked for; (slots, number of sequences)."""
+    from ops.states import state_slots
+    count = int((pos == 0).sum())
+    has = torch.rand(count) < p_init
+    return state_slots(pos, has, True), count
+
+
+@pytest.mark.parametrize("dtype,segments", [(torch.float32, 1), (torch.bfloat16, 4)], ids=["fp32-whole",
+                                                                                        "bf16-segments4"])
+def test_emulated_states_match_float64(cuda_path_on_cpu, fwd_lanes, monkeypatch, seed, dtype, segments):
+    """The kernels with initial and final states (length-1 sequences, starts at run and chunk edges, rows cut into
+    segments) against the float64 reference: the output, the final states, every gradient including the initial
+    states', with a gradient flowing into the final states; and the same bits as the plain kernels where no
+    sequence starts from a state."""
+    ssi = cuda_path_on_cpu
+    monkeypatch.setattr(ssi, "scan_fwd_segments", lambda *a: segments)
+    monkeypatch.setattr(ssi, "scan_bwd_segments", lambda *a: segments)
+    batch, dim, dstate, L = 2, 40, 13, 200
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, 2, dstate, L).to(dtype), torch.randn(batch, 2, dstate, L).to(dtype)
+    D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
+    rows = [[64, 1, 7, 56, 1, 1, 70], [8, 120, 3, 2, 67]]
+    pos = position_ids_for(rows, "cpu").int().contiguous()
+    slots, count = random_state_slots(pos)
+    h0 = torch.randn(count, dim, dstate)
+    out, saved, final = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True, slots, h0, count)
+    f64 = lambda t: None if t is None else t.double()  # noqa: E731
+    args64 = [f64(t) for t in (u, delta, A, B, C, D, z, db)]
+    ref_out, _, ref_final = ssi._scan_fwd_reference(*args64, pos, True, slots, h0.double(), count)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-3}[dtype]
+    assert kernel_err(out, ref_out) <= tol
+    assert kernel_err(final, ref_final) <= 1e-5 and final.dtype == torch.float32
+    dout, dfinal = torch.randn_like(out), torch.randn(count, dim, dstate)
+    grads = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True, slots, h0, dfinal)
+    ref = ssi._scan_bwd_reference(*args64, pos, True, saved, dout.double(), True, slots, h0.double(),
+                                  dfinal.double())
+    for name, g, rg in zip(GRAD_NAMES + ["out", "dinitial_state"], grads, ref):
+        assert not g.isnan().any(), name
+        assert kernel_err(g, rg) <= (1e-5 if name == "dinitial_state" and dtype == torch.float32 else tol), (
+            name, kernel_err(g, rg))
+    assert torch.equal(grads[8], out)   # the recomputed output is the forward's, with states too
+    # no sequence starts from a state: the bits of the plain kernels (the states variant adds no arithmetic)
+    none = torch.stack([torch.full_like(slots[0], -1), slots[1]])
+    out_plain, saved_plain, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    out_none, saved_none, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True, none, h0, count)
+    assert torch.equal(out_none, out_plain) and torch.equal(saved_none, saved_plain)

@@ -2,7 +2,7 @@
 // Each .cu is compiled by the host C++ compiler after this header, with its launches `k<<<grid, block, ...>>>(args)`
 // rewritten to emu_launch(grid, block, [&] { k(args); }): the blocks run one at a time (so a static local is the
 // block's shared memory), each block's threads as host
-// threads that meet at __syncwarp / warp votes / __shfl_xor_sync (per warp of 32) and __syncthreads (per block)
+// threads that meet at __syncwarp / warp votes / __shfl_xor_sync / __shfl_sync (per warp of 32) and __syncthreads (per block)
 // through barriers. Accesses the GPU would fault on are counted: a cp.async whose address is not 4-byte aligned
 // here, a vector load or store at an address its type's alignment forbids by the alignment sanitizer the library is
 // built with. A cp.async lands only at the thread's wait (garbage before). Not seen: races the barriers do not order
@@ -103,11 +103,23 @@ inline T emu_shfl_xor(T v, int o) {
   w.bar->arrive_and_wait();
   return r;
 }
+template <typename T>
+inline T emu_shfl(T v, int src) {   // __shfl_sync: every lane reads lane src's value
+  static_assert(sizeof(T) == 4, "32-bit shuffles");
+  EmuWarp &w = emu_warp();
+  std::memcpy(&w.xchg[emu_tid % 32], &v, 4);
+  w.bar->arrive_and_wait();
+  T r;
+  std::memcpy(&r, &w.xchg[src & 31], 4);
+  w.bar->arrive_and_wait();
+  return r;
+}
 #define __syncwarp(...) emu_syncwarp()
 #define __syncthreads() emu_block_bar->arrive_and_wait()
 #define __ballot_sync(mask, pred) emu_ballot(pred)
 #define __all_sync(mask, pred) (emu_ballot(pred) == 0xffffffffu)
 #define __shfl_xor_sync(mask, v, o) emu_shfl_xor(v, o)
+#define __shfl_sync(mask, v, src) emu_shfl(v, src)
 #define __cvta_generic_to_shared(p) ((size_t)(p))
 #define cudaFuncSetAttribute(...) cudaSuccess
 
