@@ -132,8 +132,10 @@ class PackedDataLoader:
             completing it with padding rows. Either way every rank yields the same number of batches.
         overflow: sequences longer than ``capacity``: ``"error"`` (the default for shards, as for
             ``packloader pack`` and ``packer_algos.pack``: a DataError naming the file, row and length),
-            ``"split"`` (consecutive pieces, each its own segment), ``"truncate"`` (the first ``capacity``
-            tokens) or ``"drop"``. Whatever it changed is counted in :attr:`overflow_counts` (also in
+            ``"split"`` (consecutive pieces, each its own segment), ``"carry"`` (pieces in order on one
+            rank, for a model that carries its state across them: batches gain ``piece_doc_ids``,
+            ``piece_index``, ``has_initial_state``, ``continues_after``; the rule and what a resume does:
+            :mod:`packloader.carry`), ``"truncate"`` (the first ``capacity`` tokens) or ``"drop"``. Whatever it changed is counted in :attr:`overflow_counts` (also in
             :meth:`state_dict`) and said once in a warning when the loader is built. A pre-packed directory
             was packed with its own policy: leave it ``None`` or give that one (another is a ValueError).
         max_items_per_bin: optional cap on sequences per row.
