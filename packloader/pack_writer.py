@@ -682,8 +682,10 @@ def pack_dataset(
         DataError: bad input (missing column, wrong type, empty shard, corrupt file, negative ids, a
             sequence longer than ``capacity`` with ``overflow="error"``), naming the file and row; an
             output directory that is not empty and was not written by ``pack`` (see
-            ``allow_nonempty``); a source that is an output of ``out_dir`` itself. A finished directory
-            in ``out_dir`` is left intact.
+            ``allow_nonempty``), or one owned by ``packloader prepare``; a source that is an output of
+            ``out_dir`` itself; another run writing ``out_dir`` at the same time (the error names its
+            host and pid: one writer at a time, see :mod:`packloader._dirlock`). A finished directory in
+            ``out_dir`` is left intact.
         ValueError: bad settings (naming the argument).
 
     Example::

@@ -333,8 +333,9 @@ def prepare_jsonl(
     Raises:
         DataError: unreadable, truncated or binary input, invalid JSON, a missing field or text the
             tokenizer cannot take (a lone surrogate such as ``"\\ud800"``) (naming the file and record), tokenizer not found, no EOS token when ``eos=True``; an output directory that is
-            not empty and not written by ``prepare`` (see ``allow_nonempty``), or a shard name taken by
-            a file ``prepare`` did not write.
+            not empty and not written by ``prepare`` (see ``allow_nonempty``) or owned by ``packloader
+            pack``, a shard name taken by a file ``prepare`` did not write, or another run writing
+            ``out_dir`` at the same time (named by its host and pid; see :mod:`packloader._dirlock`).
     """
     t0 = time.perf_counter()
     if format not in FORMATS:
