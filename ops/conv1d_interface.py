@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from . import backends as _backends
 from .boundaries import resolve_position_ids, row_positions
+from .states import check_state, sequence_spans
 from .contract import CONV_MASK_RUN, CONV_SLOT_STEPS, OP_TAGS, conv_mask_stride
 
 __all__ = ["packed_causal_conv1d", "causal_conv1d_ref", "conv_runmask", "causal_conv1d_fwd", "causal_conv1d_bwd"]
@@ -364,9 +365,12 @@ def packed_causal_conv1d(
     *,
     position_ids: Optional[torch.Tensor] = None,
     seq_idx: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
     backend: Optional[str] = None,
     validate: bool = True,
-) -> torch.Tensor:
+):
     """Depthwise causal conv1d over packed rows; no tap crosses a sequence start.
 
     Runs the ``packloader::causal_conv1d_fwd`` op (the compiled kernel on CUDA tensors, the reference
@@ -391,12 +395,28 @@ def packed_causal_conv1d(
                 out      [ o0 o1 o2 o3 o4  0  0 ]
 
             With neither, each row is one sequence (plain causal conv).
+        initial_state: (num_sequences, dim, width - 1) in ``x``'s dtype: the ``width - 1`` inputs that precede each
+            sequence (oldest first, causal-conv1d's ``conv_state`` layout), sequences numbered in ``cu_seqlens``
+            order (see :mod:`ops.states`). Where ``has_initial_state`` is set, the taps before the sequence's first
+            token read them instead of being dropped::
+
+                initial_state[i] = [p0 p1 p2]        (the last inputs of the piece before, width 4)
+                x                  [ s0 s1 s2 s3 ... ]   sequence i
+                out at s1 = w[3]*s1 + w[2]*s0 + w[1]*p2 + w[0]*p1
+
+            Differentiable. The kernels run as without states; the first ``width - 1`` outputs of each continued
+            sequence are then recomputed with the states (a few tokens a sequence, no host sync).
+        has_initial_state: (num_sequences,) bool; default all (when ``initial_state`` is given).
+        output_final_state: also return each sequence's last ``width - 1`` inputs, (num_sequences, dim, width - 1)
+            in ``x``'s dtype, the layout ``initial_state`` takes (from the initial state where the sequence is
+            shorter; zeros before a sequence without one). Differentiable.
         backend: None (by device) or ``"reference"`` for this call's forward (see
             :func:`ops.packed_selective_scan`; prefer ``with ops.use_backend("reference"):``).
         validate: check the boundaries (one host sync; skipped under ``torch.compile``).
 
     Returns:
-        (batch, dim, seqlen) in ``x``'s dtype and layout.
+        (batch, dim, seqlen) in ``x``'s dtype and layout; with ``output_final_state`` the pair ``(out,
+        final_state)``.
 
     Raises:
         ValueError: shapes that do not fit. ops.backends.KernelUnsupportedError: a CUDA case the kernel cannot
@@ -419,7 +439,69 @@ def packed_causal_conv1d(
     else:
         with _backends.use_backend_for_call(backend):
             out = causal_conv1d_fwd(*args, runmask_for(xk, weight, pos))
-    return _zero_padding(out, seq_idx)
+    if initial_state is None and not output_final_state:
+        return _zero_padding(out, seq_idx)
+    from .selective_scan_interface import _num_sequences   # one rule for the number of states
+    num = _num_sequences(pos, initial_state, has_initial_state, validate)
+    width = weight.shape[1]
+    if initial_state is not None:
+        check_state("initial_state", initial_state, (num, dim, width - 1), (x.dtype,), x.device)
+        if has_initial_state is None:
+            has_initial_state = torch.ones(num, dtype=torch.bool, device=x.device)
+        has_initial_state = has_initial_state.to(device=x.device, dtype=torch.bool)
+    start, length = sequence_spans(pos, num)
+    if initial_state is not None and width > 1:
+        out = _continue_from_states(out, xk, weight, bias, activation == "silu", start, length, initial_state,
+                                    has_initial_state)
+    out = _zero_padding(out, seq_idx)
+    if not output_final_state:
+        return out
+    return out, _conv_final_states(xk, width, start, length, initial_state, has_initial_state)
+
+
+def _tokens(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """x (batch, dim, L) at the flattened token indices ``flat`` (any shape) -> flat.shape + (dim,)."""
+    L = x.shape[2]
+    return x[flat // L, :, flat % L]
+
+
+def _continue_from_states(out, x, weight, bias, silu, start, length, initial_state, has_initial_state):
+    """``out`` with the first ``width - 1`` outputs of every sequence that has an initial state recomputed with its
+    taps reading the state. Every position is written by one differentiable value (elsewhere a sequence's own first
+    output, or that value detached), so no gradient is counted twice or lost."""
+    k = weight.shape[1] - 1
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    j = torch.arange(k, device=x.device)
+    valid = has_initial_state[:, None] & (j < length[:, None])              # (S, k)
+    flat = torch.where(valid, start[:, None] + j, start[:, None])          # the rest: the sequence's first token
+    ext = torch.cat([initial_state.to(ct), _tokens(x, flat).to(ct).permute(0, 2, 1)], -1)   # (S, dim, 2k)
+    pre = (ext.unfold(-1, k + 1, 1) * weight.to(ct)[None, :, None, :]).sum(-1)   # (S, dim, k): window j ends at x_j
+    if bias is not None:
+        pre = pre + bias.to(ct)[None, :, None]
+    if silu:
+        pre = F.silu(pre)
+    pre = pre.to(out.dtype)
+    first = torch.where(valid[:, None, :1], pre[..., :1], _tokens(out, start[:, None]).permute(0, 2, 1))
+    vals = torch.cat([first, torch.where(valid[:, None, 1:], pre[..., 1:], first.detach())], -1)   # (S, dim, k)
+    out = out.clone()
+    L = out.shape[2]
+    out[flat // L, :, flat % L] = vals.permute(0, 2, 1)
+    return out
+
+
+def _conv_final_states(x, width, start, length, initial_state, has_initial_state):
+    """Each sequence's last ``width - 1`` inputs (S, dim, width - 1), oldest first; before a short sequence's first
+    token, its initial state's (or zeros)."""
+    k = width - 1
+    i = torch.arange(k, device=x.device)
+    flat = start[:, None] + length[:, None] - k + i                         # (S, k)
+    inside = flat >= start[:, None]
+    got = _tokens(x, torch.where(inside, flat, start[:, None])).permute(0, 2, 1)   # (S, dim, k)
+    before = torch.zeros_like(got)
+    if initial_state is not None:
+        idx = (length[:, None] + i).clamp(max=k - 1)[:, None, :].expand_as(got)
+        before = torch.where(has_initial_state[:, None, None], initial_state.gather(2, idx), before)
+    return torch.where(inside[:, None, :], got, before)
 
 
 def _zero_padding(out: torch.Tensor, seq_idx: Optional[torch.Tensor]) -> torch.Tensor:

@@ -626,3 +626,76 @@ def test_conv_variants(cuda_ops, channel_last):
     check_conv(cuda_ops, 2, 8, 3, 4, torch.bfloat16, ("tiny",), channel_last=channel_last)
     check_conv(cuda_ops, 2, 13, 77, 4, torch.bfloat16, ("mixed",), channel_last=channel_last)  # ragged channels
     check_conv(cuda_ops, 1, 6, 1030, 3, torch.float32, ("one", "tiny"), channel_last=channel_last)
+
+
+# ---- carried states: the CUDA kernels against the float64 reference, and pieces across calls against the whole ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(3, 48, 16, 200, 0), (1, 64, 16, 2048, 0), (2, 96, 13, 640, 2)],
+                         ids=["b3L200", "b1L2048-segments", "b2L640-groups"])
+def test_scan_states_vs_float64(dtype, shape):
+    """Initial states (random flags), every final state, a gradient into the final states: the kernel's output,
+    final states and every gradient (the initial states' included) against the float64 reference implementation;
+    the one-row shape runs the forward and backward cut into segments."""
+    from ops import selective_scan_interface as ssi
+    from ops.states import state_slots
+    batch, dim, dstate, L, groups = shape
+    inputs = make_scan_inputs(batch, dim, dstate, L, dtype, groups=groups)
+    pos = position_ids_for([lengths_mix(L, k) for k in ("mixed", "tiny", "one")[:batch]], "cuda").int().contiguous()
+    count = int((pos == 0).sum())
+    slots = state_slots(pos, torch.rand(count, device="cuda") < 0.6, True)
+    h0, dfinal = torch.randn(count, dim, dstate, device="cuda"), torch.randn(count, dim, dstate, device="cuda")
+    out, saved, final = torch.ops.packloader.selective_scan_fwd(*inputs, pos, True, slots, h0, count)
+    dout = torch.randn_like(out)
+    grads = torch.ops.packloader.selective_scan_bwd(*inputs, pos, True, saved, dout, True, slots, h0, dfinal)
+    args64 = [None if t is None else t.double() for t in inputs]
+    ref_out, _, ref_final = ssi._scan_fwd_reference(*args64, pos, True, slots, h0.double(), count)
+    ref = ssi._scan_bwd_reference(*args64, pos, True, saved, dout.double(), True, slots, h0.double(),
+                                  dfinal.double())
+    assert kernel_err(out, ref_out) <= TOL[dtype]
+    assert kernel_err(final, ref_final) <= (1e-5 if dtype == torch.float32 else TOL[dtype])
+    for name, g, rg in zip(GRAD_NAMES + ["out", "dinitial_state"], grads, ref):
+        assert not g.isnan().any(), name
+        assert kernel_err(g, rg) <= (1e-5 if dtype == torch.float32 else TOL[dtype]), (name, kernel_err(g, rg))
+    assert torch.equal(grads[8], out)
+
+
+def test_scan_pieces_across_calls_match_the_whole_document_fp32():
+    """A 4000-token document cut into pieces of 2048, 1, 3 and 1948 tokens, each packed into a later call among other
+    sequences and started from the final state of the piece before: outputs and every gradient within 1e-5 of the
+    whole document run alone (fp32 kernel against fp32 kernel)."""
+    dim, dstate, N = 64, 16, 4000
+    whole_in = [t.requires_grad_(True) if t is not None else None
+                for t in make_scan_inputs(1, dim, dstate, N, torch.float32)]
+    u, delta, A, Bm, Cm, D, z, db = whole_in
+    whole = ops.packed_selective_scan(u, delta, A, Bm, Cm, D, z, db, True)
+    g = torch.randn_like(whole)
+    want = torch.autograd.grad((whole * g).sum(), whole_in)
+    state, loss, a = None, 0, 0
+    for b in (2048, 2049, 2052, 4000):
+        n = b - a
+        Lrow = 2048
+        left = random.randint(0, Lrow - n) if n < Lrow else 0
+        fill_l, fill_r = left, Lrow - n - left
+        row = lambda t, c: torch.cat([torch.randn(1, c, fill_l, device="cuda"), t[..., a:b],  # noqa: E731
+                                      torch.randn(1, c, fill_r, device="cuda")], -1)
+        pos = torch.cat([torch.arange(fill_l), torch.arange(n), torch.arange(fill_r)])[None].cuda()
+        if fill_l == 0:
+            pos = torch.cat([torch.arange(n), torch.arange(fill_r)])[None].cuda()
+        seq_no = 1 if fill_l else 0
+        count = int((pos == 0).sum())
+        has = torch.zeros(count, dtype=torch.bool, device="cuda")
+        init = torch.zeros(count, dim, dstate, device="cuda")
+        if state is not None:
+            has[seq_no] = True
+            init = torch.cat([init[:seq_no], state[None], init[seq_no + 1:]])
+        out, final = ops.packed_selective_scan(row(u, dim), row(delta, dim), A, row(Bm, dstate), row(Cm, dstate), D,
+                                               row(z, dim), db, True, position_ids=pos, initial_state=init,
+                                               has_initial_state=has, output_final_state=True)
+        piece = out[0, :, fill_l:fill_l + n]
+        assert rel_err(piece, whole[0, :, a:b]) <= 1e-5
+        loss = loss + (piece * g[0, :, a:b]).sum()
+        state, a = final[seq_no], b
+    got = torch.autograd.grad(loss, whole_in)
+    for name, x, y in zip(GRAD_NAMES, got, want):
+        assert rel_err(x, y) <= 1e-5, (name, rel_err(x, y))

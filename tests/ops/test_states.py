@@ -159,3 +159,71 @@ def test_bad_states_are_refused_with_the_argument_named():
     same = ops.packed_selective_scan(*args, position_ids=pos, initial_state=torch.randn(2, 2, 3),
                                      has_initial_state=torch.zeros(2, dtype=torch.bool))
     assert torch.equal(out, same)
+
+
+@pytest.mark.parametrize("cuts", [[1, 2, 4, 9, 23], [5, 6, 23], [23]], ids=str)
+@pytest.mark.parametrize("width", [2, 4])
+def test_conv_pieces_in_later_calls_give_the_whole_documents_outputs_and_gradients(seed, cuts, width):
+    """The conv with initial / final states: pieces shorter than the conv width (their final state reaches into the
+    initial state), each packed among other sequences; outputs and the gradients of x, weight and bias equal the
+    whole document's (float64)."""
+    dim, L, N = 3, 16, 23
+    doc = {"x": torch.randn(1, dim, N, dtype=F64, requires_grad=True)}
+    w = torch.randn(dim, width, dtype=F64, requires_grad=True)
+    bias = torch.randn(dim, dtype=F64, requires_grad=True)
+    whole = ops.causal_conv1d_ref(doc["x"], w, bias, "silu")
+    g = torch.randn_like(whole)
+    want = torch.autograd.grad((whole * g).sum(), [doc["x"], w, bias])
+    state, a, loss = None, 0, 0
+    for b in cuts:
+        n = b - a
+        rows = random.randint(1, 3)
+        at = (random.randrange(rows), random.randint(0, L - n) if n <= L else 0)
+        batch, pos, seq_no, count = _packed_call(doc, a, b, rows, at, max(L, n))
+        has = torch.rand(count) < 0.5   # other sequences start from random states too
+        has[seq_no] = state is not None
+        init = torch.randn(count, dim, width - 1, dtype=F64)
+        if state is not None:
+            init = torch.cat([init[:seq_no], state[None], init[seq_no + 1:]])
+        out, final = ops.packed_causal_conv1d(batch["x"], w, bias, "silu", position_ids=pos, initial_state=init,
+                                              has_initial_state=has, output_final_state=True)
+        piece = out[at[0], :, at[1]:at[1] + n]
+        torch.testing.assert_close(piece, whole[0, :, a:b], rtol=1e-12, atol=1e-12)
+        loss = loss + (piece * g[0, :, a:b]).sum()
+        state, a = final[seq_no], b
+    got = torch.autograd.grad(loss, [doc["x"], w, bias])
+    for name, x, y in zip(["dx", "dweight", "dbias"], got, want):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_conv_states_of_other_sequences_match_a_per_sequence_oracle(seed):
+    """Every sequence of a packed batch, with or without its initial state, against the plain conv run on the state
+    followed by the sequence (float64): outputs, final states, and the gradients of x and of the initial states."""
+    width, dim = 4, 2
+    lens = [[1, 2, 5, 8], [3, 3, 9, 1]]
+    pos = torch.stack([torch.cat([torch.arange(m) for m in r]) for r in lens])
+    x = torch.randn(2, dim, 16, dtype=F64, requires_grad=True)
+    w, bias = torch.randn(dim, width, dtype=F64), torch.randn(dim, dtype=F64)
+    init = torch.randn(8, dim, width - 1, dtype=F64, requires_grad=True)
+    has = torch.tensor([True, False, True, True, False, True, True, False])
+    out, final = ops.packed_causal_conv1d(x, w, bias, "silu", position_ids=pos, initial_state=init,
+                                          has_initial_state=has, output_final_state=True)
+    go, gf = torch.randn_like(out), torch.randn_like(final)
+    dx, dinit = torch.autograd.grad((out * go).sum() + (final * gf).sum(), [x, init])
+    i = 0
+    for r, row in enumerate(lens):
+        c = 0
+        for m in row:
+            xi = x[r:r + 1, :, c:c + m].detach().requires_grad_(True)
+            h = (init[i:i + 1] if has[i] else torch.zeros(1, dim, width - 1, dtype=F64)).detach().requires_grad_(True)
+            ext = torch.cat([h, xi], -1)
+            want = ops.causal_conv1d_ref(ext, w, bias, "silu")[..., width - 1:]
+            want_final = ext[..., -(width - 1):]
+            torch.testing.assert_close(out[r:r + 1, :, c:c + m], want, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(final[i:i + 1], want_final, rtol=0, atol=0)
+            gx, gh = torch.autograd.grad((want * go[r:r + 1, :, c:c + m]).sum() + (want_final * gf[i:i + 1]).sum(),
+                                         [xi, h])
+            torch.testing.assert_close(dx[r:r + 1, :, c:c + m], gx, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(dinit[i:i + 1], gh if has[i] else torch.zeros_like(gh), rtol=1e-12, atol=1e-12)
+            c += m
+            i += 1
