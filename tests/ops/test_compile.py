@@ -201,6 +201,16 @@ def test_gpu_opcheck(cuda, dtype):
     args = tuple(t.detach() for t in (u, delta, A, B, C, D, z, db))
     out, saved, _ = torch.ops.packloader.selective_scan_fwd(*args, pos, True)
     torch.library.opcheck(torch.ops.packloader.selective_scan_bwd, (*args, pos, True, saved, torch.randn_like(out)))
+    # carried states: initial states (with their gradient) and final states
+    from ops.states import state_slots
+    slots = state_slots(pos, torch.tensor([True, False, True, True], device=cuda), True)
+    h0 = torch.randn(4, d, n, device=cuda)
+    torch.library.opcheck(torch.ops.packloader.selective_scan_fwd,
+                          (u, delta, A, B, C, D, z, db, pos, True, slots, h0.requires_grad_(True), 4))
+    out, saved, _ = torch.ops.packloader.selective_scan_fwd(*args, pos, True, slots, h0.detach(), 4)
+    torch.library.opcheck(torch.ops.packloader.selective_scan_bwd,
+                          (*args, pos, True, saved, torch.randn_like(out), False, slots, h0.detach(),
+                           torch.randn(4, d, n, device=cuda)))
     for channel_last in (False, True):
         x = torch.randn(b, L, d, device=cuda).to(dtype).transpose(1, 2) if channel_last else \
             torch.randn(b, d, L, device=cuda).to(dtype)
@@ -271,3 +281,34 @@ def test_bench_compile_quick_smoke(tmp_path):
     assert [r["variant"] for r in res["rows"]] == ["eager", "compile"]
     assert all(r["ms"] > 0 for r in res["rows"])
     assert res["rows"][1]["rel_err_out"] <= 1e-6 and res["rows"][1]["rel_err_dh"] <= 1e-6
+
+
+def test_states_compile_whole_on_cpu(seed):
+    """The scan and the conv with initial and final states under torch.compile(fullgraph=True): no graph break, the
+    forward and every gradient (the states' included) equal to eager; the ops pass torch.library.opcheck with states."""
+    from ops.states import state_slots
+    b, d, n, L, w = 2, 4, 3, 12, 4
+    pos = positions([[1, 4, 7], [2, 10]])
+    u, delta = torch.randn(b, d, L, requires_grad=True), torch.rand(b, d, L, requires_grad=True)
+    A, B, C = -torch.rand(d, n), torch.randn(b, n, L), torch.randn(b, n, L)
+    h0 = torch.randn(5, d, n, requires_grad=True)
+    c0 = torch.randn(5, d, w - 1, requires_grad=True)
+    weight = torch.randn(d, w, requires_grad=True)
+    has = torch.tensor([True, False, True, True, False])
+
+    def fn(u, delta, h0, c0, weight):
+        xc, cfin = ops.packed_causal_conv1d(u, weight, None, "silu", position_ids=pos, initial_state=c0,
+                                            has_initial_state=has, output_final_state=True)
+        y, hfin = ops.packed_selective_scan(xc, delta, A, B, C, position_ids=pos, initial_state=h0,
+                                            has_initial_state=has, output_final_state=True)
+        return y.sum() + (hfin * hfin).sum() + (cfin * cfin).sum()
+
+    leaves = (u, delta, h0, c0, weight)
+    want = torch.autograd.grad(fn(*leaves), leaves)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    slots = state_slots(pos.int(), has, True)
+    torch.library.opcheck(torch.ops.packloader.selective_scan_fwd,
+                          (u, delta, A, B, C, None, None, None, pos.int(), False, slots, h0, 5))
