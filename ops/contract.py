@@ -16,8 +16,19 @@ Boundaries
     ``arange(L)``. The ops do not validate them (that is done once per step where they enter a model:
     :mod:`ops.boundaries`).
 
-``packloader::selective_scan_fwd(u, delta, A, B, C, D?, z?, delta_bias?, position_ids, delta_softplus)
--> (out, saved)``
+Carried states (:mod:`ops.states`)
+    ``state_slots``: int32, contiguous, ``(2, b, L)``. Plane 0: at a sequence's first token, the slot of
+    ``initial_state`` the sequence starts from (the scan's first step is ``h = exp(delta A) h0 + delta B u`` instead of
+    the reset); -1 elsewhere (and everywhere without ``initial_state``). Plane 1: at a sequence's last token, the slot
+    of ``final_state`` its state is written to; -1 elsewhere. A slot appears at most once in each plane. The functional
+    ops number slots by sequence in ``cu_seqlens`` order (flash-linear-attention's convention, with a flag per
+    sequence like vLLM's ``has_initial_state``); a caller that carries few sequences numbers just those. The conv
+    takes its states in the functional entry (``ops.packed_causal_conv1d``): its kernels run as without states and the
+    first ``w - 1`` outputs of each continued sequence are recomputed from them, so the conv ops have no state
+    arguments.
+
+``packloader::selective_scan_fwd(u, delta, A, B, C, D?, z?, delta_bias?, position_ids, delta_softplus,
+state_slots?=None, initial_state?=None, num_final_states=0) -> (out, saved, final_state)``
     - ``u``, ``delta``: ``(b, d, L)``, last dim contiguous; ``z`` (optional): ``(b, d, L)``. Float dtype of
       ``u``; the kernel takes float32/float16/bfloat16 (``delta``, ``z`` are cast to ``u``'s dtype).
     - ``A``: ``(d, n)``; ``D``, ``delta_bias`` (optional): ``(d,)``. float32 (float64 for the reference).
@@ -28,16 +39,25 @@ Boundaries
       last timestep of every chunk of ``SCAN_CHUNK`` timesteps (lanes ``>= n`` are 0). It is the only thing the
       backward needs besides the inputs. Every implementation fills it the same way, so a forward run by the
       reference and a backward run by the kernel (or the other way round) are consistent.
-    - Saved for backward (autograd): all inputs and ``saved``; not ``out``.
+    - ``initial_state`` (optional, with ``state_slots``): ``(slots, d, n)`` float32 (float64 for the reference).
+    - ``final_state``: ``(num_final_states, d, n)`` float32 (float64 for float64 inputs), zeros in slots no sequence
+      ends in; an empty ``(0,)`` tensor when ``num_final_states`` is 0. The chunk states in ``saved`` include the
+      initial states' contribution.
+    - Saved for backward (autograd): all inputs and ``saved``; not ``out``. Without ``state_slots`` the kernels are the
+      plain ones (a compile-time variant: no slot is loaded, the same code and bits as without states).
 
 ``packloader::selective_scan_bwd(u, delta, A, B, C, D?, z?, delta_bias?, position_ids, delta_softplus, saved,
-dout, recompute_out=False) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out)``
+dout, recompute_out=False, state_slots?=None, initial_state?=None, dfinal_state?=None) -> (du, ddelta, dA, dB, dC,
+dD, dz, ddelta_bias, out, dinitial_state)``
     - ``dout``: ``(b, d, L)`` (any strides), the gradient of ``out``.
     - Each gradient has its input's shape and dtype. An optional input that was not given gets an empty
       float32 tensor of shape ``(0,)`` in its place (custom ops cannot return None).
     - ``out``: with ``recompute_out``, the forward's ``out`` recomputed (the backward recomputes it anyway; the
       CUDA kernel gives the forward's bits exactly), so a caller that needs it in its backward (``out_proj``'s
       weight gradient in the fused mixer) need not keep it from the forward; else an empty ``(0,)`` tensor.
+    - ``dfinal_state`` (optional): the gradient of ``final_state``; it enters the adjoint at each sequence's last
+      token. ``dinitial_state``: ``initial_state``'s shape, the adjoint a continued sequence's first step hands back
+      (``exp(delta A) gh``, not handed on to the sequence before); zeros in unused slots; empty without states.
 
 ``packloader::conv_runmask(position_ids) -> runmask``
     - The channel-first conv kernels' boundaries, one 16-bit word per run of ``CONV_MASK_RUN`` timesteps: bit ``i``
