@@ -699,3 +699,48 @@ def test_scan_pieces_across_calls_match_the_whole_document_fp32():
     got = torch.autograd.grad(loss, whole_in)
     for name, x, y in zip(GRAD_NAMES, got, want):
         assert rel_err(x, y) <= 1e-5, (name, rel_err(x, y))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("channel_last", [False, True], ids=["cf", "cl"])
+def test_conv_states_on_the_kernels_vs_float64(dtype, channel_last):
+    """The conv's initial / final states on the CUDA kernels (sequences of 1-3 tokens continue from states that
+    reach over them) against the float64 reference run on [state, sequence] for every sequence: outputs, final
+    states, and the gradients of x, weight, bias and the initial states."""
+    batch, dim, L, width = 2, 64, 256, 4
+    rows = [lengths_mix(L, "tiny"), lengths_mix(L, "mixed")]
+    pos = position_ids_for(rows, "cuda")
+    x = torch.randn(batch, L, dim, device="cuda").to(dtype).transpose(1, 2) if channel_last else \
+        torch.randn(batch, dim, L, device="cuda").to(dtype)
+    x.requires_grad_(True)
+    w = torch.randn(dim, width, device="cuda", requires_grad=True)
+    bias = torch.randn(dim, device="cuda", requires_grad=True)
+    count = int((pos == 0).sum())
+    init = torch.randn(count, dim, width - 1, device="cuda").to(dtype).requires_grad_(True)
+    has = torch.rand(count, device="cuda") < 0.6
+    out, final = ops.packed_causal_conv1d(x, w, bias, "silu", position_ids=pos, initial_state=init,
+                                          has_initial_state=has, output_final_state=True)
+    go, gf = torch.randn_like(out), torch.randn_like(final)
+    grads = torch.autograd.grad((out * go).sum() + (final * gf).sum(), [x, w, bias, init])
+    # float64: each sequence alone after its state (zeros without one)
+    x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, bias))
+    i64 = init.detach().double().requires_grad_(True)
+    xs = x64.unbind(0)
+    outs, finals, i = [[] for _ in range(batch)], [], 0
+    for r, lens in enumerate(rows):
+        c = 0
+        for m in lens:
+            h = torch.where(has[i], i64[i], torch.zeros_like(i64[i]))
+            ext = torch.cat([h, xs[r][:, c:c + m]], -1)[None]
+            outs[r].append(ops.causal_conv1d_ref(ext, w64, b64, "silu")[0, :, width - 1:])
+            finals.append(ext[0, :, -(width - 1):])
+            c += m
+            i += 1
+    ref_out = torch.stack([torch.cat(o, -1) for o in outs])
+    ref_final = torch.stack(finals)
+    ref_grads = torch.autograd.grad((ref_out * go.double()).sum() + (ref_final * gf.double()).sum(),
+                                    [x64, w64, b64, i64])
+    assert kernel_err(out, ref_out) <= TOL[dtype]
+    assert torch.equal(final, ref_final.to(dtype))
+    for name, g, rg in zip(["dx", "dweight", "dbias", "dinitial_state"], grads, ref_grads):
+        assert kernel_err(g, rg) <= TOL[dtype], (name, kernel_err(g, rg))
