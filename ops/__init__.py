@@ -16,6 +16,8 @@ on a CUDA tensor):
   x_proj -> dt_proj -> gated scan -> out_proj) in one autograd Function, and the same composed.
 - ``PackedMamba``: drop-in for ``mamba_ssm.modules.mamba_simple.Mamba`` (same parameters);
   ``forward(hidden_states, position_ids=None, seq_idx=None)``.
+- ``StateCache``, ``CarryStep``: carrying the state across the pieces of a long document (``overflow="carry"``):
+  ``carry = cache.step(batch)``, then ``model(..., carry=carry)`` (:mod:`ops.carry`).
 - ``enable_packing(model)``: converts a ``MambaLMHeadModel`` (Mamba-1 / Mamba-2 mixers), or a Hugging
   Face ``MambaForCausalLM`` / ``FalconMambaForCausalLM`` / ``Mamba2ForCausalLM`` or the Mamba-2 layers of its
   hybrids Bamba / NemotronH / GraniteMoeHybrid / FalconH1 / Zamba2 (``ops.hf``), in place.
@@ -40,6 +42,7 @@ from .boundaries import (
     seq_idx_to_position_ids,
     validate_position_ids,
 )
+from .carry import CarryError, CarryStep, StateCache
 from .conv1d_interface import causal_conv1d_ref, packed_causal_conv1d
 from .convert import enable_packing
 from .isolation import IsolationReport, check_isolation
@@ -57,6 +60,9 @@ __all__ = [
     "PackedMambaInnerFn",
     "PackedMamba",
     "enable_packing",
+    "StateCache",
+    "CarryStep",
+    "CarryError",
     "check_isolation",
     "IsolationReport",
     "seq_idx_to_position_ids",

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundaries import resolve_boundaries
+from ..boundaries import resolve_boundaries, row_positions
 from ..conv1d_interface import causal_conv1d_ref
 from ..mamba_inner import packed_mamba_inner_fn, packed_mamba_inner_ref
 from ..selective_scan_interface import selective_scan_ref
@@ -158,7 +158,7 @@ class PackedMamba(nn.Module):
 
     # ---------------------------------------------------------------------------------------
     def forward(self, hidden_states, position_ids=None, seq_idx=None, inference_params=None, cu_seqlens=None,
-                **kwargs):
+                carry=None, **kwargs):
         """
         Args:
             hidden_states: (batch, seqlen, d_model).
@@ -166,6 +166,10 @@ class PackedMamba(nn.Module):
             seq_idx: (batch, seqlen) segment numbers (the alternative), or None.
             inference_params: mamba-ssm's InferenceParams for generation; not with boundaries.
             cu_seqlens: (n_seqs + 1,) offsets over the flattened batch (a third alternative).
+            carry: an :class:`ops.CarryStep` (``StateCache.step(batch)``): continued pieces start from the state of
+                the piece before (earlier in this batch, with its gradient, or from the cache) and the pieces that
+                continue in a later step leave their final states; ``layer_idx`` keys this layer's states. A batch
+                without continuations runs as without it.
 
         Returns:
             (batch, seqlen, d_model), same dtype as hidden_states.
@@ -194,6 +198,10 @@ class PackedMamba(nn.Module):
             self.x_proj.weight, self.dt_proj.weight, self.out_proj.weight, self.out_proj.bias,
             A, _ssm_float(self.D), _ssm_float(self.dt_proj.bias), True,
         )
+        if carry is not None and carry.has_continuations:
+            from ..carry import carried_mamba_inner
+            return carried_mamba_inner(self, hidden_states, pos if pos is not None else
+                                       row_positions(batch, seqlen, hidden_states.device), carry)
         if self.use_fast_path:
             return packed_mamba_inner_fn(*args, position_ids=pos, validate=False)
         return packed_mamba_inner_ref(*args, position_ids=pos, validate=False)

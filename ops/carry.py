@@ -1,0 +1,284 @@
+"""Carrying the Mamba state across the pieces of a long document, in a model: the state cache a training loop owns
+(truncated backpropagation across steps) and the plan of one step.
+
+With ``overflow="carry"`` (:mod:`packloader.carry`) a document longer than a row comes in pieces, in order, on one
+rank; every batch says, per segment in ``cu_seqlens`` order, which document a piece belongs to
+(``piece_doc_ids``), its index (``piece_index``), whether it continues the piece before (``has_initial_state``) and
+whether another piece follows (``continues_after``)::
+
+    step k    row 0 [ a a a | D0 D0 ]   row 1 [ D1 D1 D1 D1 D1 ]      D1 continues D0 in the same step: its initial
+                                                                      state is D0's final state, with its gradient
+    step k+1  row 0 [ D2 D2 D2 D2 D2 ]  row 1 [ b b | c c c ]         D2 continues D1 from the cache: D1's final
+                                                                      state of step k, detached (truncated BPTT)
+
+Usage (a mamba-ssm model converted by :func:`ops.enable_packing`, or :class:`ops.PackedMamba` layers with distinct
+``layer_idx``)::
+
+    cache = ops.StateCache()
+    for batch in loader:                                     # PackedDataLoader(..., overflow="carry")
+        carry = cache.step(batch)                            # this step's plan; keeps the last step's states
+        logits = model(batch["input_ids"], position_ids=batch["position_ids"], carry=carry).logits
+        ...backward, optimizer step...
+        torch.save({"model": ..., "loader": loader.state_dict(), "states": cache.state_dict()}, path)
+
+A piece whose predecessor is in the same step starts from that predecessor's final state, computed in the same
+forward and differentiated through: the scan is linear in its initial state (a piece's final state is
+``P h0 + h_end(0)``, ``P`` the product of its decays), so the mixer scans once with the states it already has, chains
+the final states of the step's pieces in order, and scans again with the true initial states; the conv's state is the
+``width - 1`` inputs that end the predecessor. A piece whose predecessor ended in an earlier step starts from the
+cached state (no gradient crosses the step). Only the mixers of a batch that has continuations take this path; every
+other batch runs exactly as without carry.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .states import sequence_spans
+
+__all__ = ["StateCache", "CarryStep", "CarryError", "CARRY_KEYS"]
+
+#: the batch keys the plan reads (packloader.batch.CARRY_BATCH_KEYS), one entry per segment in cu_seqlens order
+CARRY_KEYS = ("piece_doc_ids", "piece_index", "has_initial_state", "continues_after")
+
+
+class CarryError(ValueError):
+    """A continuation the model cannot honour: its predecessor's state was never computed, or states of the wrong
+    shape."""
+
+
+class StateCache:
+    """The final states of pieces whose document continues in a later step, keyed by document id, per layer:
+    ``{doc_id: {layer: (conv_state (d_inner, d_conv - 1), ssm_state (d_inner, d_state) float32)}}``, detached.
+
+    Owned by the training loop, one per rank (the loader keeps a document's pieces on one rank); saved and restored
+    with :meth:`state_dict` / :meth:`load_state_dict` beside the loader's state, so a resumed run continues every
+    chain exactly. An entry is dropped when its continuation has been run (and replaced by the continuation's final
+    state when the document goes on).
+    """
+
+    def __init__(self):
+        self._states: Dict[int, Dict[int, tuple]] = {}
+        self._pending: Optional["CarryStep"] = None
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, doc_id) -> bool:
+        return int(doc_id) in self._states
+
+    def get(self, doc_id: int, layer: int):
+        """(conv_state, ssm_state) of ``doc_id`` at ``layer``, or None."""
+        return self._states.get(int(doc_id), {}).get(layer)
+
+    def step(self, batch) -> "CarryStep":
+        """Plan the step of ``batch`` (a dict with the carry keys and ``position_ids``) against the cache; first
+        keeps the states the previous step left (:meth:`commit`)."""
+        self.commit()
+        step = CarryStep(batch, self)
+        self._pending = step
+        return step
+
+    def commit(self) -> None:
+        """Keep the final states of the last planned step's continuing pieces, drop the states it consumed. Called by
+        :meth:`step` and :meth:`state_dict`; a step whose forward never ran (or failed) leaves the cache as it was."""
+        step, self._pending = self._pending, None
+        if step is None or not step._ran:
+            return
+        for doc in step.consumed_docs:
+            self._states.pop(doc, None)
+        for doc, layers in step._finals.items():
+            self._states[doc] = dict(layers)
+
+    def state_dict(self) -> dict:
+        self.commit()
+        return {"states": {doc: {layer: tuple(t.detach().cpu() for t in pair) for layer, pair in layers.items()}
+                           for doc, layers in self._states.items()}}
+
+    def load_state_dict(self, state: dict, device=None) -> None:
+        if not isinstance(state, dict) or "states" not in state:
+            raise ValueError("StateCache.load_state_dict: not a StateCache state (no 'states')")
+        self._pending = None
+        self._states = {int(doc): {int(layer): tuple(t.to(device) if device is not None else t for t in pair)
+                                   for layer, pair in layers.items()} for doc, layers in state["states"].items()}
+
+
+class CarryStep:
+    """One step's carry plan, made once per batch (:meth:`StateCache.step`) and handed to every mixer (``carry=``).
+
+    Args:
+        batch: a dict with ``position_ids`` (batch, seqlen) and the carry keys (one entry per segment in
+            ``cu_seqlens`` order: ``piece_doc_ids`` int64, ``piece_index``, ``has_initial_state`` bool,
+            ``continues_after`` bool), as :class:`packloader.PackedDataLoader` makes them with ``overflow="carry"``.
+        cache: the :class:`StateCache` the states of earlier steps come from and this step's go to.
+
+    Raises:
+        CarryError: a continued piece whose predecessor is neither earlier in this batch nor in the cache; keys of
+            the wrong length.
+    """
+
+    def __init__(self, batch, cache: StateCache):
+        pos = batch["position_ids"]
+        keys = {k: np.asarray(torch.as_tensor(batch[k]).cpu()) for k in CARRY_KEYS}
+        num = len(keys["piece_doc_ids"])
+        starts = int((torch.as_tensor(pos) == 0).sum())
+        for k, v in keys.items():
+            if len(v) != starts:
+                raise CarryError(f"batch[{k!r}] has {len(v)} entries but the rows hold {starts} segments "
+                                 "(one entry per segment in cu_seqlens order)")
+        doc, piece = keys["piece_doc_ids"].astype(np.int64), keys["piece_index"].astype(np.int64)
+        has, cont = keys["has_initial_state"].astype(bool), keys["continues_after"].astype(bool)
+        carried = np.flatnonzero(has | cont)               # the segments with a state in or out: slots 0..K-1
+        slot_of = {int(i): k for k, i in enumerate(carried)}
+        where = {(int(doc[i]), int(piece[i])): int(i) for i in carried}
+        self.cache = cache
+        self.num_slots = len(carried)
+        self.doc_ids = doc[carried]
+        self.source: List[str] = []          # per slot: "none", "cache" or "batch"
+        self.pred = np.full(len(carried), -1, dtype=np.int64)   # the slot of an in-batch predecessor
+        consumed = set()
+        for k, i in enumerate(carried):
+            if not has[i]:
+                self.source.append("none")
+                continue
+            j = where.get((int(doc[i]), int(piece[i]) - 1))
+            if j is not None and j < i:
+                self.source.append("batch")
+                self.pred[k] = slot_of[j]
+            elif int(doc[i]) in cache:
+                self.source.append("cache")
+                consumed.add(int(doc[i]))
+            else:
+                raise CarryError(
+                    f"segment {i} continues document {int(doc[i])} (piece {int(piece[i])}), but its predecessor is "
+                    "neither earlier in this batch nor in the state cache: resumed without the cache saved with the "
+                    "loader, or a batch from another rank")
+        # depth in the step's chains: 0 for slots whose initial state is known before the forward
+        self.depth = np.zeros(len(carried), dtype=np.int64)
+        for k in range(len(carried)):
+            if self.pred[k] >= 0:
+                self.depth[k] = self.depth[self.pred[k]] + 1
+        # a final state goes to the cache where the document continues after this step
+        succ_in_batch = set(int(p) for p in self.pred if p >= 0)
+        self.store = np.array([bool(cont[i]) and k not in succ_in_batch for k, i in enumerate(carried)], dtype=bool)
+        self.consumed_docs = consumed
+        self.has_continuations = any(s != "none" for s in self.source) or bool(self.store.any())
+        self._pos = torch.as_tensor(pos)
+        self._carried = torch.as_tensor(carried, dtype=torch.int64)
+        self._num_sequences = num
+        self._device_cache: Dict[torch.device, dict] = {}
+        self._finals: Dict[int, Dict[int, tuple]] = {}
+        self._ran = False   # a mixer read its states: the step's forward ran
+
+    def geometry(self, device: torch.device) -> dict:
+        """Device tensors of the plan (made once per device): the slots' token spans, the kernels' state_slots."""
+        got = self._device_cache.get(device)
+        if got is None:
+            pos = self._pos.to(device)
+            start, length = sequence_spans(pos, self._num_sequences)
+            idx = self._carried.to(device)
+            start, length = start[idx], length[idx]
+            batch, seqlen = pos.shape
+            slots = torch.full((2, batch * seqlen), -1, dtype=torch.int32, device=device)
+            k = torch.arange(self.num_slots, dtype=torch.int32, device=device)
+            has = torch.as_tensor([s != "none" for s in self.source], dtype=torch.bool, device=device)
+            slots[0, start[has]] = k[has]
+            slots[1, start + length - 1] = k
+            cache_only = slots.clone()
+            from_batch = torch.as_tensor([s == "batch" for s in self.source], dtype=torch.bool, device=device)
+            cache_only[0, start[from_batch]] = -1
+            got = {"start": start, "length": length, "has": has, "from_batch": from_batch,
+                   "slots": slots.view(2, batch, seqlen), "slots_cache_only": cache_only.view(2, batch, seqlen),
+                   "pred": torch.as_tensor(np.maximum(self.pred, 0), device=device)}
+            self._device_cache[device] = got
+        return got
+
+    def initial(self, layer: int, conv_shape, ssm_shape, dtype, device):
+        """(conv_state (K, d, w-1) in ``dtype``, ssm_state (K, d, n) float32, float64 for a float64 model): the cached
+        states of this layer, zeros for the slots without one (and for the in-batch continuations, filled in by the
+        mixer)."""
+        self._ran = True
+        sdt = torch.float64 if dtype == torch.float64 else torch.float32
+        conv = torch.zeros((self.num_slots,) + tuple(conv_shape), dtype=dtype, device=device)
+        ssm = torch.zeros((self.num_slots,) + tuple(ssm_shape), dtype=sdt, device=device)
+        for k, src in enumerate(self.source):
+            if src == "cache":
+                got = self.cache.get(int(self.doc_ids[k]), layer)
+                if got is None:
+                    raise CarryError(f"the state cache holds document {int(self.doc_ids[k])} but not layer {layer}: "
+                                     "was it filled by another model?")
+                c, s = got
+                if tuple(c.shape) != tuple(conv_shape) or tuple(s.shape) != tuple(ssm_shape):
+                    raise CarryError(f"cached state of document {int(self.doc_ids[k])}, layer {layer}: shapes "
+                                     f"{tuple(c.shape)} / {tuple(s.shape)}, the layer takes {tuple(conv_shape)} / "
+                                     f"{tuple(ssm_shape)}")
+                conv[k] = c.to(device=device, dtype=dtype)
+                ssm[k] = s.to(device=device, dtype=sdt)
+        return conv, ssm
+
+    def keep(self, layer: int, conv_final: torch.Tensor, ssm_final: torch.Tensor) -> None:
+        """This layer's final states of the pieces that continue in a later step (detached; kept by the cache at the
+        next :meth:`StateCache.step`)."""
+        for k in np.flatnonzero(self.store):
+            self._finals.setdefault(int(self.doc_ids[k]), {})[layer] = (conv_final[k].detach(),
+                                                                         ssm_final[k].detach())
+
+
+def _segment_sums(dt: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """(K, d): the sums of ``dt`` (b, d, L) over each slot's tokens (flattened spans), summed in float64, returned in
+    float32 (float64 for float64 ``dt``)."""
+    batch, dim, L = dt.shape
+    cs = torch.cumsum(dt.to(torch.float64), -1)
+    cs = F.pad(cs, (1, 0))                                      # cs[..., t] = sum of dt[..., :t]
+    row, col = start // L, start % L
+    return (cs[row, :, col + length] - cs[row, :, col]).to(torch.promote_types(dt.dtype, torch.float32))
+
+
+def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, step: CarryStep) -> torch.Tensor:
+    """The Mamba-1 mixer (``mixer``: :class:`ops.PackedMamba`'s parameters) on a batch with continuations: the
+    functional ops with states, composed with torch autograd (see the module docstring)."""
+    from .conv1d_interface import _continue_from_states, _conv_final_states, packed_causal_conv1d
+    from .selective_scan_interface import selective_scan_fwd
+    from .modules.mamba_simple import _ssm_float
+
+    layer = mixer.layer_idx
+    if layer is None:
+        raise CarryError("a mixer that carries states needs a layer_idx (the key of its states in the cache)")
+    g = step.geometry(hidden_states.device)
+    d_inner, d_state, width = mixer.d_inner, mixer.d_state, mixer.d_conv
+    A = -torch.exp(_ssm_float(mixer.A_log))
+    xz = F.linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2)
+    x, z = xz[:, :d_inner], xz[:, d_inner:]
+    conv_w = mixer.conv1d.weight[:, 0]
+    conv0, ssm0 = step.initial(layer, (d_inner, width - 1), (d_inner, d_state), x.dtype, x.device)
+    # conv: an in-batch continuation's state is its predecessor's last inputs, chained in depth order
+    conv_init = conv0
+    for depth in range(1, int(step.depth.max(initial=0)) + 1):
+        fin = _conv_final_states(x, width, g["start"], g["length"], conv_init, g["has"])
+        at = torch.as_tensor(step.depth == depth, device=x.device)
+        conv_init = torch.where(at[:, None, None], fin[g["pred"]], conv_init)
+    xc = packed_causal_conv1d(x, conv_w, mixer.conv1d.bias, "silu", position_ids=pos, validate=False)
+    xc = _continue_from_states(xc, x, conv_w, mixer.conv1d.bias, True, g["start"], g["length"], conv_init, g["has"])
+    conv_final = _conv_final_states(x, width, g["start"], g["length"], conv_init, g["has"])
+    x_dbl = F.linear(xc.transpose(1, 2), mixer.x_proj.weight)
+    dt_low, Bm, Cm = torch.split(x_dbl, [mixer.dt_rank, d_state, d_state], dim=-1)
+    delta = F.linear(dt_low, mixer.dt_proj.weight).transpose(1, 2)
+    Bm, Cm = Bm.transpose(1, 2).contiguous(), Cm.transpose(1, 2).contiguous()
+    D, dbias = _ssm_float(mixer.D), _ssm_float(mixer.dt_proj.bias)
+    args = (xc, delta.contiguous(), A, Bm, Cm, D, z.contiguous(), dbias, pos, True)
+    ssm_init = ssm0
+    if step.depth.max(initial=0) > 0:
+        # first pass: the in-batch continuations from zero; their final states h_end(0) and decays P chain in order
+        _, _, fin0 = selective_scan_fwd(*args, g["slots_cache_only"], ssm0, step.num_slots)
+        P = torch.exp(_segment_sums(F.softplus(delta + dbias[:, None]), g["start"], g["length"])[..., None] * A)
+        true_final = fin0
+        for depth in range(1, int(step.depth.max()) + 1):
+            at = torch.as_tensor(step.depth == depth, device=x.device)[:, None, None]
+            ssm_init = torch.where(at, true_final[g["pred"]], ssm_init)
+            true_final = torch.where(at, fin0 + P * ssm_init, true_final)
+    y, _, ssm_final = selective_scan_fwd(*args, g["slots"], ssm_init, step.num_slots)
+    step.keep(layer, conv_final, ssm_final)
+    return F.linear(y.transpose(1, 2), mixer.out_proj.weight, mixer.out_proj.bias)

@@ -1,0 +1,142 @@
+"""ops.carry: a stack of PackedMamba layers trained on a long document cut into pieces gives the whole document's
+outputs and gradients where the pieces share a step (the state chained inside the forward), its outputs where a piece
+continues in a later step (the state from the cache), and the cache resumes exactly; bad continuations are refused.
+float64 on the reference kernels."""
+from __future__ import annotations
+
+
+
+import pytest
+import torch
+
+import ops
+
+F64 = torch.float64
+
+
+class Stack(torch.nn.Module):
+    """Residual PackedMamba layers (layer_idx 0..n-1)."""
+
+    def __init__(self, d_model=8, n=2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            ops.PackedMamba(d_model, d_state=4, d_conv=4, expand=2, layer_idx=i, dtype=F64) for i in range(n))
+
+    def forward(self, h, position_ids, carry=None):
+        for layer in self.layers:
+            h = h + layer(h, position_ids=position_ids, carry=carry)
+        return h
+
+
+def _batch(rows, segs):
+    """rows: per row, a list of (length, doc_id, piece_index, continues_after) segments; the carry keys follow."""
+    pos = torch.stack([torch.cat([torch.arange(s[0]) for s in row]) for row in rows])
+    flat = [s for row in rows for s in row]
+    return {
+        "position_ids": pos,
+        "piece_doc_ids": torch.tensor([s[1] for s in flat], dtype=torch.int64),
+        "piece_index": torch.tensor([s[2] for s in flat], dtype=torch.int32),
+        "has_initial_state": torch.tensor([s[1] >= 0 and s[2] > 0 for s in flat]),
+        "continues_after": torch.tensor([s[3] for s in flat]),
+    }
+
+
+def _tokens_of(h_doc, rows, doc_id, d_model, fill):
+    """The hidden states of a batch: the document's pieces at their places, random tokens elsewhere."""
+    out, used = [], 0
+    for row in rows:
+        parts = []
+        for n, doc, piece, _ in row:
+            if doc == doc_id:
+                parts.append(h_doc[used:used + n])
+                used += n
+            else:
+                parts.append(fill(n))
+        out.append(torch.cat(parts))
+    return torch.stack(out), used
+
+
+@pytest.mark.parametrize("pieces_rows", [
+    [[(5, 9, 0, True)], [(12, 9, 1, True)], [(3, 9, 2, False), (9, -1, 0, False)]],     # one step, three rows
+    [[(4, -1, 0, False), (2, 9, 0, True)], [(1, 9, 1, True), (13, -1, 0, False)], [(14, 9, 2, False)]],
+], ids=["whole-rows", "short-pieces"])
+def test_pieces_in_one_step_give_the_whole_documents_outputs_and_gradients(seed, pieces_rows):
+    torch.manual_seed(seed)
+    model = Stack()
+    L = max(sum(s[0] for s in r) for r in pieces_rows)
+    rows = [r + ([(L - sum(s[0] for s in r), -1, 0, False)] if sum(s[0] for s in r) < L else []) for r in pieces_rows]
+    N = sum(s[0] for r in rows for s in r if s[1] == 9)
+    doc = torch.randn(N, 8, dtype=F64, requires_grad=True)
+    whole = model(doc[None], torch.arange(N)[None])[0]
+    g = torch.randn_like(whole)
+    params = list(model.parameters())
+    want = torch.autograd.grad((whole * g).sum(), [doc] + params)
+    batch = _batch(rows, None)
+    h, used = _tokens_of(doc, rows, 9, 8, lambda n: torch.randn(n, 8, dtype=F64))
+    assert used == N
+    cache = ops.StateCache()
+    out = model(h, batch["position_ids"], carry=cache.step(batch))
+    got_doc = torch.cat([out[r, sum(s[0] for s in row[:i]):sum(s[0] for s in row[:i + 1])]
+                         for r, row in enumerate(rows) for i, s in enumerate(row) if s[1] == 9])
+    torch.testing.assert_close(got_doc, whole, rtol=1e-10, atol=1e-10)
+    got = torch.autograd.grad((got_doc * g).sum(), [doc] + params)
+    for name, x, y in zip(["doc"] + [n for n, _ in model.named_parameters()], got, want):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10, msg=name)
+    assert len(cache.state_dict()["states"]) == 0   # the document ended in this step: nothing kept
+
+
+def test_pieces_across_steps_continue_from_the_cache_and_resume_exactly(seed):
+    """Step 1 holds pieces 0-1 of a document, step 2 piece 2: step 2's outputs equal the whole document's; the cache
+    saved after step 1 and loaded into a fresh one gives the same step 2 (exact resume)."""
+    torch.manual_seed(seed)
+    model = Stack()
+    step1 = [[(6, 4, 0, True), (10, -1, 0, False)], [(16, 4, 1, True)]]
+    step2 = [[(3, -1, 0, False), (11, 4, 2, False), (2, -1, 0, False)]]
+    N = 6 + 16 + 11
+    doc = torch.randn(N, 8, dtype=F64)
+    whole = model(doc[None], torch.arange(N)[None])[0].detach()
+    cache = ops.StateCache()
+    h1, _ = _tokens_of(doc, step1, 4, 8, lambda n: torch.randn(n, 8, dtype=F64))
+    b1 = _batch(step1, None)
+    out1 = model(h1, b1["position_ids"], carry=cache.step(b1))
+    torch.testing.assert_close(out1[1], whole[6:22], rtol=1e-10, atol=1e-10)
+    saved = cache.state_dict()
+    assert list(saved["states"]) == [4] and set(saved["states"][4]) == {0, 1}
+    h2, _ = _tokens_of(doc[22:], step2, 4, 8, lambda n: torch.randn(n, 8, dtype=F64))
+    b2 = _batch(step2, None)
+    out2 = model(h2, b2["position_ids"], carry=cache.step(b2))
+    torch.testing.assert_close(out2[0, 3:14], whole[22:], rtol=1e-10, atol=1e-10)
+    resumed = ops.StateCache()
+    resumed.load_state_dict(saved)
+    again = model(h2, b2["position_ids"], carry=resumed.step(b2))
+    assert torch.equal(again, out2)
+    cache.commit()
+    assert len(cache) == 0   # the document ended: its state is dropped
+
+
+def test_a_continuation_without_its_predecessor_is_refused():
+    model = Stack()
+    rows = [[(5, 3, 2, False), (11, -1, 0, False)]]
+    b = _batch(rows, None)
+    with pytest.raises(ops.CarryError, match="continues document 3 .piece 2."):
+        ops.StateCache().step(b)
+    bad = dict(b, piece_index=torch.tensor([2], dtype=torch.int32))
+    with pytest.raises(ops.CarryError, match="one entry per segment"):
+        ops.StateCache().step(bad)
+    layer = ops.PackedMamba(8, layer_idx=None, dtype=F64)
+    b_ok = _batch([[(5, 3, 0, True), (11, -1, 0, False)]], None)
+    with pytest.raises(ops.CarryError, match="layer_idx"):
+        layer(torch.randn(1, 16, 8, dtype=F64), position_ids=b_ok["position_ids"], carry=ops.StateCache().step(b_ok))
+    del model
+
+
+def test_a_batch_without_continuations_runs_the_plain_path(seed, monkeypatch):
+    """No piece continues or goes on: the fused mixer runs, with the bits of a call without carry."""
+    model = Stack()
+    rows = [[(5, -1, 0, False), (11, -1, 0, False)]]
+    b = _batch(rows, None)
+    h = torch.randn(1, 16, 8, dtype=F64)
+    import ops.carry as carry_mod
+    monkeypatch.setattr(carry_mod, "carried_mamba_inner", lambda *a: (_ for _ in ()).throw(AssertionError("used")))
+    assert torch.equal(model(h, b["position_ids"], carry=ops.StateCache().step(b)), model(h, b["position_ids"]))
+
