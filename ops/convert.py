@@ -72,7 +72,8 @@ class _PackedMamba2Mixin:
 
     _packloader_packed = True
 
-    def forward(self, u, *args, position_ids=None, seq_idx=None, **kwargs):
+    def forward(self, u, *args, position_ids=None, seq_idx=None, carry=None, **kwargs):
+        _refuse_carry(carry, "a Mamba-2 mixer")
         if position_ids is not None or seq_idx is not None:
             if kwargs.get("inference_params") is not None:
                 raise ValueError("Mamba-2 with inference_params cannot take packed boundaries")
@@ -133,6 +134,15 @@ class _PackedLMMixin:
 _BOUNDARY_KWARGS = ("position_ids", "seq_idx", "cu_seqlens")
 
 
+def _refuse_carry(carry, what: str) -> None:
+    """A layer that cannot carry a state across pieces raises on a batch with continuations (instead of silently
+    starting them from zero); a plan without any is ignored."""
+    if carry is not None and carry.has_continuations:
+        from .carry import CarryError
+        raise CarryError(f"{what} cannot carry its state across the pieces of a document (overflow='carry'); only "
+                         "Mamba-1 mixers (ops.PackedMamba) do. Pack with overflow='split' for this model")
+
+
 class _BoundaryBlindMixin:
     """For mixers left unconverted (``strict=False``): drop the boundary kwargs their forward does
     not take, so the model still runs (and :func:`ops.check_isolation` can measure their leak)."""
@@ -141,6 +151,7 @@ class _BoundaryBlindMixin:
     _packloader_accepts: tuple = ()
 
     def forward(self, *args, **kwargs):
+        _refuse_carry(kwargs.pop("carry", None), f"{type(self).__name__} (left unconverted)")
         for k in _BOUNDARY_KWARGS:
             if k in kwargs and k not in self._packloader_accepts:
                 kwargs.pop(k)

@@ -140,3 +140,43 @@ def test_a_batch_without_continuations_runs_the_plain_path(seed, monkeypatch):
     monkeypatch.setattr(carry_mod, "carried_mamba_inner", lambda *a: (_ for _ in ()).throw(AssertionError("used")))
     assert torch.equal(model(h, b["position_ids"], carry=ops.StateCache().step(b)), model(h, b["position_ids"]))
 
+
+
+def _lm_batch_case():
+    rows = [[(4, -1, 0, False), (8, 7, 0, True)], [(12, 7, 1, False)]]
+    ids = torch.randint(0, 50, (2, 12))
+    return rows, ids, _batch(rows, None)
+
+
+def test_converted_lm_carries_the_state_between_rows_of_a_step(seed):
+    """A mamba-ssm MambaLMHeadModel converted by enable_packing takes carry= through its mixer kwargs: the logits of
+    a document cut across two rows equal the document run alone, and so do the gradients of its weights."""
+    from ._helpers import MambaLMHeadModel
+    torch.manual_seed(seed)
+    model = ops.enable_packing(MambaLMHeadModel(d_model=8, n_layer=2, vocab_size=50, d_state=4).double())
+    rows, ids, batch = _lm_batch_case()
+    doc = torch.cat([ids[0, 4:], ids[1]])
+    whole = model(doc[None], position_ids=torch.arange(20)[None]).logits[0]
+    params = list(model.parameters())
+    want = torch.autograd.grad(whole.square().sum(), params)
+    out = model(ids, position_ids=batch["position_ids"], carry=ops.StateCache().step(batch)).logits
+    got_doc = torch.cat([out[0, 4:], out[1]])
+    torch.testing.assert_close(got_doc, whole, rtol=1e-10, atol=1e-10)
+    got = torch.autograd.grad(got_doc.square().sum(), params)
+    for (name, _), x, y in zip(model.named_parameters(), got, want):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_layers_that_cannot_carry_refuse_a_continuation():
+    """A Mamba-2 mixer, or an attention layer left unconverted, raises on a batch with continuations (it would start
+    them from zero) and runs a batch without any."""
+    from ._helpers import MambaLMHeadModel
+    rows, ids, batch = _lm_batch_case()
+    plain = dict(batch, has_initial_state=torch.zeros(3, dtype=torch.bool),
+                 continues_after=torch.zeros(3, dtype=torch.bool))
+    for mixers, strict in ((("Mamba1", "Mamba2"), True), (("Mamba1", "MHA"), False)):
+        model = ops.enable_packing(MambaLMHeadModel(d_model=8, n_layer=2, vocab_size=50, mixers=mixers, d_state=4)
+                                   .double(), strict=strict)
+        with pytest.raises(ops.CarryError, match="cannot carry its state"):
+            model(ids, position_ids=batch["position_ids"], carry=ops.StateCache().step(batch))
+        model(ids, position_ids=batch["position_ids"], carry=ops.StateCache().step(plain))
