@@ -237,18 +237,27 @@ def _segment_sums(dt: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -
     return (cs[row, :, col + length] - cs[row, :, col]).to(torch.promote_types(dt.dtype, torch.float32))
 
 
+def _mixer_dims(mixer):
+    """(d_inner, d_state, conv width, dt_rank, conv bias, the dtype rule of A / D / dt bias) of a Mamba-1 mixer:
+    :class:`ops.PackedMamba` (mamba-ssm's names) or transformers' ``MambaMixer`` (as their packed paths take them)."""
+    from .modules.mamba_simple import _ssm_float
+    if hasattr(mixer, "d_inner"):
+        return mixer.d_inner, mixer.d_state, mixer.d_conv, mixer.dt_rank, mixer.conv1d.bias, _ssm_float
+    bias = mixer.conv1d.bias if getattr(mixer, "use_conv_bias", True) else None
+    return (mixer.intermediate_size, mixer.ssm_state_size, mixer.conv_kernel_size, mixer.time_step_rank, bias,
+            lambda t: t.float())
+
+
 def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, step: CarryStep) -> torch.Tensor:
-    """The Mamba-1 mixer (``mixer``: :class:`ops.PackedMamba`'s parameters) on a batch with continuations: the
-    functional ops with states, composed with torch autograd (see the module docstring)."""
+    """The Mamba-1 mixer (``mixer``: :class:`ops.PackedMamba` or transformers' ``MambaMixer``) on a batch with
+    continuations: the functional ops with states, composed with torch autograd (see the module docstring)."""
     from .conv1d_interface import _continue_from_states, _conv_final_states, packed_causal_conv1d
     from .selective_scan_interface import selective_scan_fwd
-    from .modules.mamba_simple import _ssm_float
-
     layer = mixer.layer_idx
     if layer is None:
         raise CarryError("a mixer that carries states needs a layer_idx (the key of its states in the cache)")
     g = step.geometry(hidden_states.device)
-    d_inner, d_state, width = mixer.d_inner, mixer.d_state, mixer.d_conv
+    d_inner, d_state, width, dt_rank, conv_bias, _ssm_float = _mixer_dims(mixer)
     A = -torch.exp(_ssm_float(mixer.A_log))
     xz = F.linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2)
     x, z = xz[:, :d_inner], xz[:, d_inner:]
@@ -260,11 +269,11 @@ def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, s
         fin = _conv_final_states(x, width, g["start"], g["length"], conv_init, g["has"])
         at = torch.as_tensor(step.depth == depth, device=x.device)
         conv_init = torch.where(at[:, None, None], fin[g["pred"]], conv_init)
-    xc = packed_causal_conv1d(x, conv_w, mixer.conv1d.bias, "silu", position_ids=pos, validate=False)
-    xc = _continue_from_states(xc, x, conv_w, mixer.conv1d.bias, True, g["start"], g["length"], conv_init, g["has"])
+    xc = packed_causal_conv1d(x, conv_w, conv_bias, "silu", position_ids=pos, validate=False)
+    xc = _continue_from_states(xc, x, conv_w, conv_bias, True, g["start"], g["length"], conv_init, g["has"])
     conv_final = _conv_final_states(x, width, g["start"], g["length"], conv_init, g["has"])
     x_dbl = F.linear(xc.transpose(1, 2), mixer.x_proj.weight)
-    dt_low, Bm, Cm = torch.split(x_dbl, [mixer.dt_rank, d_state, d_state], dim=-1)
+    dt_low, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=-1)
     delta = F.linear(dt_low, mixer.dt_proj.weight).transpose(1, 2)
     Bm, Cm = Bm.transpose(1, 2).contiguous(), Cm.transpose(1, 2).contiguous()
     D, dbias = _ssm_float(mixer.D), _ssm_float(mixer.dt_proj.bias)

@@ -186,9 +186,27 @@ def _resolve(kwargs: dict, batch: int, seqlen: int, device, validate: bool, need
     return pos, (position_ids_to_seq_idx(pos) if need_seq_idx else None)
 
 
+def _pop_carry(model, kwargs: dict, pos: Optional[torch.Tensor]):
+    """The batch's carry plan (``ops.CarryStep``) from the carry keys in ``kwargs`` (``piece_doc_ids``,
+    ``piece_index``, ``has_initial_state``, ``continues_after``: what ``PackedDataLoader(overflow="carry")`` adds),
+    against the model's state cache (``model._packloader_state_cache``, made on first use); None without them."""
+    from .carry import CARRY_KEYS, StateCache
+    keys = {k: kwargs.pop(k) for k in CARRY_KEYS if k in kwargs}
+    if not keys:
+        return None
+    if len(keys) != len(CARRY_KEYS) or pos is None:
+        raise ValueError(f"enable_packing: the carry keys {CARRY_KEYS} come together, with the boundaries; got "
+                         f"{sorted(keys)}" + ("" if pos is not None else " without position_ids"))
+    cache = model.__dict__.get("_packloader_state_cache")
+    if cache is None:
+        cache = model.__dict__["_packloader_state_cache"] = StateCache()
+    return cache.step(dict(keys, position_ids=pos))
+
+
 def _model_forward(self, base_forward, args, kwargs):
     """Forward of a converted ``*ForCausalLM`` / ``*Model``."""
     if all(kwargs.get(k) is None for k in BOUNDARY_KWARGS):
+        _pop_carry(self, kwargs, None)
         for k in BOUNDARY_KWARGS:  # given as None (generation passes position_ids=None): not boundaries
             kwargs.pop(k, None)
         return base_forward(self, *args, **kwargs)
@@ -204,6 +222,7 @@ def _model_forward(self, base_forward, args, kwargs):
             "per row, without boundaries."
         )
     kwargs["use_cache"] = False  # an eval forward would otherwise build a cache and take the cache path
+    bounds = (bounds[0], bounds[1], _pop_carry(self, kwargs, bounds[0]))
     return self._packloader_slot.run(bounds, base_forward, self, *args, **kwargs)
 
 
@@ -427,7 +446,21 @@ def _mamba1_forward(self, base_forward, args, kwargs):
     if call is None:
         return base_forward(self, *args, **kwargs)
     bounds, hidden_states, mask = call
+    carry = bounds[2] if len(bounds) > 2 else None
+    if carry is not None and carry.has_continuations:
+        return _outside_cpu_autocast(_mamba1_carried, self, hidden_states, (bounds[0], carry), mask)
     return _outside_cpu_autocast(_mamba1_packed, self, hidden_states, bounds[0], mask)
+
+
+def _mamba1_carried(mixer, hidden_states, pos_and_carry, attention_mask):
+    """A Mamba-1 mixer on a batch with continuations (``ops.carry``); FalconMamba's norms and padding masks are not
+    carried yet: refused rather than run from zero."""
+    from .carry import CarryError, carried_mamba_inner
+    if _falcon_norms(mixer) or attention_mask is not None:
+        raise CarryError(f"{type(mixer).__name__}: carrying states across pieces is not supported with FalconMamba's "
+                         "norms or a padding attention_mask; pack with overflow='split'")
+    pos, carry = pos_and_carry
+    return carried_mamba_inner(mixer, hidden_states, pos, carry).to(hidden_states.dtype)
 
 
 def _outside_cpu_autocast(fn, mixer, hidden_states, pos, mask):
@@ -450,6 +483,8 @@ def _mamba2_forward(self, base_forward, args, kwargs):
     if call is None:
         return base_forward(self, *args, **kwargs)
     bounds, hidden_states, mask = call
+    from .convert import _refuse_carry
+    _refuse_carry(bounds[2] if len(bounds) > 2 else None, f"{type(self).__name__} (Mamba-2)")
     if _mamba2_kernels_serve(self, hidden_states):
         for k in BOUNDARY_KWARGS:
             kwargs.pop(k, None)
@@ -530,6 +565,8 @@ def _hybrid_model_forward(self, base_forward, args, kwargs):
     given = {k: kwargs.pop(k) for k in BOUNDARY_KWARGS if k in kwargs}
     bounds = _resolve(dict(given), batch, seqlen, device, getattr(self, "_packloader_validate", True))
     pos = bounds[0]
+    from .convert import _refuse_carry
+    _refuse_carry(_pop_carry(self, kwargs, pos), f"{type(self).__name__} (a hybrid)")
     kwargs["position_ids"] = given["position_ids"] if given.get("position_ids") is not None else pos.long()
     varlen = None
     if _attn_implementation(self) in _FLASH_ATTENTION:

@@ -384,3 +384,37 @@ def test_bench_hf_quick_smoke(tmp_path):
     saved = json.loads((tmp_path / "hf.json").read_text())
     assert saved["real_tokens"] == sum(map(sum, saved["rows"])) > 0
     assert all(r["real_tokens_per_s"] > 0 for r in saved["results"])
+
+
+def test_mamba_carries_the_state_between_rows_and_steps():
+    """MambaForCausalLM converted: with the carry keys of overflow='carry' in its kwargs, a document cut across two
+    rows of one step and a third piece in the next step gives the whole document's logits, and its weight gradients
+    in the first step (the state cache lives on the model); FalconMamba's norms and Mamba-2 refuse continuations."""
+    model = make_model("mamba").double()
+    ops.enable_packing(model)
+    ids = torch.randint(0, VOCAB, (3, 12))
+    doc = torch.cat([ids[0, 4:], ids[1], ids[2, :5]])
+    whole = model(doc[None], position_ids=torch.arange(25)[None]).logits[0]
+    params = list(model.parameters())
+    want = torch.autograd.grad(whole[:20].square().sum(), params)
+    keys1 = dict(piece_doc_ids=torch.tensor([-1, 7, 7]), piece_index=torch.tensor([0, 0, 1]),
+                 has_initial_state=torch.tensor([False, False, True]),
+                 continues_after=torch.tensor([False, True, True]))
+    pos1 = torch.stack([torch.cat([torch.arange(4), torch.arange(8)]), torch.arange(12)])
+    out = model(ids[:2], position_ids=pos1, **keys1).logits
+    got_doc = torch.cat([out[0, 4:], out[1]])
+    torch.testing.assert_close(got_doc, whole[:20], rtol=1e-10, atol=1e-10)
+    got = torch.autograd.grad(got_doc.square().sum(), params)
+    for (name, _), x, y in zip(model.named_parameters(), got, want):
+        # A, D and the dt bias enter the packed ops in float32 in both paths (as transformers' mixer takes them)
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-8, msg=name)
+    keys2 = dict(piece_doc_ids=torch.tensor([7, -1]), piece_index=torch.tensor([2, 0]),
+                 has_initial_state=torch.tensor([True, False]), continues_after=torch.tensor([False, False]))
+    pos2 = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    out2 = model(ids[2:], position_ids=pos2, **keys2).logits
+    torch.testing.assert_close(out2[0, :5], whole[20:], rtol=1e-10, atol=1e-10)
+    for family in ("falcon_mamba", "mamba2"):
+        other = make_model(family)
+        ops.enable_packing(other)
+        with pytest.raises(ops.CarryError):
+            other(ids[:2], position_ids=pos1, **keys1)
