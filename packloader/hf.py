@@ -50,6 +50,10 @@ __all__ = ["PackedTrainerMixin", "packed_trainer_class", "PackedTrainer", "Packe
 
 LOADER_STATE_NAME = "packloader_state.json"
 MODEL_KEYS = ("input_ids", "labels", "position_ids")  # what the trainer hands the model of each batch
+# with overflow="carry", the continuation keys too (packloader.batch.CARRY_BATCH_KEYS): the converted model carries
+# the state across pieces (ops.carry) and keeps the states of documents that go on in a later step in its state cache
+CARRY_KEYS = ("piece_doc_ids", "piece_index", "has_initial_state", "continues_after")
+STATES_NAME = "packloader_states_rank{rank}.pt"   # a rank's state cache in a checkpoint (overflow="carry")
 
 
 class _TrainerBatches:
@@ -87,7 +91,7 @@ class _TrainerBatches:
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         for batch in self.loader:
-            yield {k: batch[k] for k in MODEL_KEYS if k in batch}
+            yield {k: batch[k] for k in MODEL_KEYS + CARRY_KEYS if k in batch}
 
 
 def _is_converted(model) -> bool:
@@ -155,10 +159,33 @@ class PackedTrainerMixin:
 
         class _SaveLoaderState(TrainerCallback):
             def on_save(self, args, state, control, **kw):
+                checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
                 if state.is_world_process_zero:
-                    trainer._save_loader_state(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+                    trainer._save_loader_state(checkpoint)
+                trainer._save_state_cache(checkpoint)
 
         self.add_callback(_SaveLoaderState())
+
+    def _state_cache(self, create: bool = False):
+        """The converted model's state cache (ops.StateCache; overflow="carry"), None if it has none."""
+        model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+        cache = model.__dict__.get("_packloader_state_cache")
+        if cache is None and create:
+            from ops.carry import StateCache
+            cache = model.__dict__["_packloader_state_cache"] = StateCache()
+        return cache
+
+    def _save_state_cache(self, checkpoint: str) -> None:
+        """Every rank's state cache (the states of documents that continue after the checkpoint) beside the loader
+        state, so that a resumed run continues every chain exactly."""
+        cache = self._state_cache()
+        if cache is None:
+            return
+        import torch
+        os.makedirs(checkpoint, exist_ok=True)
+        path = os.path.join(checkpoint, STATES_NAME.format(rank=self.args.process_index))
+        torch.save(cache.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
 
     def _save_loader_state(self, checkpoint: str) -> None:
         if not os.path.isdir(checkpoint):
@@ -209,6 +236,10 @@ class PackedTrainerMixin:
             with open(_loader_state_path(self._packloader_resume)) as f:
                 resumed = json.load(f)
             self.train_loader.load_state_dict(resumed)
+            states = os.path.join(self._packloader_resume, STATES_NAME.format(rank=self.args.process_index))
+            if os.path.exists(states):
+                import torch
+                self._state_cache(create=True).load_state_dict(torch.load(states, weights_only=True))
             self._packloader_resume = None
         return _TrainerBatches(self.train_loader, resumed)
 

@@ -252,3 +252,47 @@ def test_ddp_two_ranks_each_get_their_loader_share(tmp_path, shards):
         assert got["seen"] == expected, f"rank {r}"
     assert len(ranks[0]["seen"]) == len(ranks[1]["seen"]) == steps
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-9)
+
+
+@pytest.fixture
+def long_shards(tmp_path):
+    seqs = random_sequences(40, seed=4, min_len=1, max_len=200, vocab=VOCAB)   # many longer than a row (64)
+    return write_arrow(tmp_path / "long-000.arrow", seqs, sft_labels(seqs))
+
+
+def test_carry_resume_from_checkpoint_is_exact(tmp_path, long_shards):
+    """overflow='carry': the trainer hands the model the continuation keys, every rank's state cache is saved in the
+    checkpoint, and a run resumed mid-chain gives the uninterrupted run's losses and weights."""
+    def trainer_for(out, max_steps):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), max_steps=max_steps, learning_rate=5e-3, logging_steps=1, save_steps=1,
+            report_to=[], use_cpu=True, seed=0, save_only_model=False, disable_tqdm=True)
+        loader = PackedDataLoader(long_shards, capacity=64, batch_size=2, shuffle=True, seed=5, hf_compat=True,
+                                  algorithm="bfd", overflow="carry")
+        rec = _Recorder()
+        model = make_model()
+        model.double()
+        return PackedTrainer(model=model, args=args, train_loader=loader, callbacks=[rec]), rec
+    steps = 8
+    full, full_rec = trainer_for("full", steps)
+    full.train()
+    part, _ = trainer_for("part", steps)
+    part.add_callback(_StopAfter(5))
+    part.train()
+    from packloader.hf import STATES_NAME
+    open_at = [k for k in range(1, 6) if torch.load(tmp_path / "part" / f"checkpoint-{k}" / STATES_NAME.format(rank=0),
+                                                    weights_only=True)["states"]]
+    assert open_at, "a chain is open at some checkpoint"
+    k = open_at[0]
+    ckpt = tmp_path / "part" / f"checkpoint-{k}"
+    resumed, resumed_rec = trainer_for("part", steps)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    later = {s: v for s, v in full_rec.losses.items() if s > k}
+    assert set(resumed_rec.losses) == set(later)
+    for s in later:
+        assert resumed_rec.losses[s] == pytest.approx(later[s], rel=1e-9, abs=1e-10), s
+    # without the states the resumed run would differ: the continued pieces would start from zero
+    os.remove(ckpt / STATES_NAME.format(rank=0))
+    blind, blind_rec = trainer_for("part", steps)
+    with pytest.raises(ops.CarryError, match="neither earlier in this batch nor in the state cache"):
+        blind.train(resume_from_checkpoint=str(ckpt))
