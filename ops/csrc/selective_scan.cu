@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     int my_islot = -1, my_fslot = -1;
     if constexpr (kStates) {
       inits = __ballot_sync(0xffffffffu, cur.islot >= 0 && p.initial_state != nullptr);
-      finals = __ballot_sync(0xffffffffu, cur.fslot >= 0);
+      finals = __ballot_sync(0xffffffffu, cur.fslot >= 0 && p.final_state != nullptr);
       my_islot = cur.islot;
       my_fslot = cur.fslot;
     }
@@ -375,66 +375,76 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     // compiler would hoist every timestep's exponentials and run out of registers); with 2 or 4 (few channels, where
     // a warp's latency sets the time) it is unrolled, and the sums across the channel's lanes wait for the run's
     // end, so that its 8 timesteps' shuffles overlap instead of each stalling the chain.
-    constexpr bool kDeferLanes = kP >= 4;
-    float yq[kFwdRun];
-#pragma unroll(kDeferLanes ? kFwdRun : 2)
-    for (int j = 0; j < kFwdRun; ++j) {
-      const float4 pr = pre[j][ch];
-      bool keep = !((starts >> j) & 1u);
-      if constexpr (kStates) {
-        if ((inits >> j) & 1u) {   // warp-uniform: the sequence continues from its initial state
-          const int slot = __shfl_sync(0xffffffffu, my_islot, j);
-#pragma unroll
-          for (int k = 0; k < kS; ++k) h[k] = state_ok(k) ? p.initial_state[state_off(slot, k)] : 0.f;
-          keep = true;
-        }
-      }
-      float c[kS];
-      if constexpr (kP == 1) {
-        const float4 *bcj = reinterpret_cast<const float4 *>(bc[half][j]);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const float4 v = bcj[k];   // {B, C} of states 2k and 2k + 1
-          h[2 * k] = scan_step(pr.x * A2[2 * k], pr.y * v.x, h[2 * k], keep);
-          h[2 * k + 1] = scan_step(pr.x * A2[2 * k + 1], pr.y * v.z, h[2 * k + 1], keep);
-          c[2 * k] = v.y;
-          c[2 * k + 1] = v.w;
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < kS; ++k) {
-          const float2 v = bc[0][j][sub + kP * k];   // {B, C} of state sub + kP k
-          h[k] = scan_step(pr.x * A2[k], pr.y * v.x, h[k], keep);
-          c[k] = v.y;
-        }
-      }
-      if constexpr (kStates) {
-        if ((finals >> j) & 1u) {   // warp-uniform: the sequence ends here and returns its state
-          const int slot = __shfl_sync(0xffffffffu, my_fslot, j);
-          if (t0 + j >= seg_lo && t0 + j < seg_hi) {   // by the segment that holds the timestep
-#pragma unroll
-            for (int k = 0; k < kS; ++k)
-              if (state_ok(k)) p.final_state[state_off(slot, k)] = h[k];
-          }
-        }
-      }
-      const float yt = sum_states_thread<kP>(h, c);
-      if constexpr (kDeferLanes) {
-        yq[j] = yt;
-      } else {
-        const float y = sum_states_lanes<kP>(yt);
-        const float ov = has_D ? __fadd_rn(y, pr.z) : y;   // as the backward recomputes it
-        if (sub == 0) outv[j][ch] = kHasZ ? ov * pr.w : ov;
-      }
-    }
-    if constexpr (kDeferLanes) {
-#pragma unroll
+    // a run where no timestep loads or stores a state takes the plain loop (kSt false: no per-timestep test)
+    auto steps = [&](auto states_tag) {
+      constexpr bool kSt = decltype(states_tag)::value;
+      constexpr bool kDeferLanes = kP >= 4;
+      float yq[kFwdRun];
+  #pragma unroll(kDeferLanes ? kFwdRun : 2)
       for (int j = 0; j < kFwdRun; ++j) {
         const float4 pr = pre[j][ch];
-        const float y = sum_states_lanes<kP>(yq[j]);
-        const float ov = has_D ? __fadd_rn(y, pr.z) : y;
-        if (sub == 0) outv[j][ch] = kHasZ ? ov * pr.w : ov;
+        bool keep = !((starts >> j) & 1u);
+        if constexpr (kSt) {
+          if ((inits >> j) & 1u) {   // warp-uniform: the sequence continues from its initial state
+            const int slot = __shfl_sync(0xffffffffu, my_islot, j);
+  #pragma unroll
+            for (int k = 0; k < kS; ++k) h[k] = state_ok(k) ? p.initial_state[state_off(slot, k)] : 0.f;
+            keep = true;
+          }
+        }
+        float c[kS];
+        if constexpr (kP == 1) {
+          const float4 *bcj = reinterpret_cast<const float4 *>(bc[half][j]);
+  #pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            const float4 v = bcj[k];   // {B, C} of states 2k and 2k + 1
+            h[2 * k] = scan_step(pr.x * A2[2 * k], pr.y * v.x, h[2 * k], keep);
+            h[2 * k + 1] = scan_step(pr.x * A2[2 * k + 1], pr.y * v.z, h[2 * k + 1], keep);
+            c[2 * k] = v.y;
+            c[2 * k + 1] = v.w;
+          }
+        } else {
+  #pragma unroll
+          for (int k = 0; k < kS; ++k) {
+            const float2 v = bc[0][j][sub + kP * k];   // {B, C} of state sub + kP k
+            h[k] = scan_step(pr.x * A2[k], pr.y * v.x, h[k], keep);
+            c[k] = v.y;
+          }
+        }
+        if constexpr (kSt) {
+          if ((finals >> j) & 1u) {   // warp-uniform: the sequence ends here and returns its state
+            const int slot = __shfl_sync(0xffffffffu, my_fslot, j);
+            if (t0 + j >= seg_lo && t0 + j < seg_hi) {   // by the segment that holds the timestep
+  #pragma unroll
+              for (int k = 0; k < kS; ++k)
+                if (state_ok(k)) p.final_state[state_off(slot, k)] = h[k];
+            }
+          }
+        }
+        const float yt = sum_states_thread<kP>(h, c);
+        if constexpr (kDeferLanes) {
+          yq[j] = yt;
+        } else {
+          const float y = sum_states_lanes<kP>(yt);
+          const float ov = has_D ? __fadd_rn(y, pr.z) : y;   // as the backward recomputes it
+          if (sub == 0) outv[j][ch] = kHasZ ? ov * pr.w : ov;
+        }
       }
+      if constexpr (kDeferLanes) {
+  #pragma unroll
+        for (int j = 0; j < kFwdRun; ++j) {
+          const float4 pr = pre[j][ch];
+          const float y = sum_states_lanes<kP>(yq[j]);
+          const float ov = has_D ? __fadd_rn(y, pr.z) : y;
+          if (sub == 0) outv[j][ch] = kHasZ ? ov * pr.w : ov;
+        }
+      }
+    };
+    if constexpr (kStates) {
+      if (inits | finals) steps(std::true_type{});   // warp-uniform
+      else steps(std::false_type{});
+    } else {
+      steps(std::false_type{});
     }
     if constexpr (kP > 1) __syncwarp();   // outv written by the channel's first lane
     Run<in_t, kR> o;
@@ -482,7 +492,8 @@ struct BwdSmem {
   // [buffer][warp][kind: dB_n, dB_n+8, dC_n, dC_n+8][n][j ^ red_swizzle(kind, n)]: a warp's 32 stores of one
   // timestep and its 32 loads in the block sum each hit 32 different banks
   float red[2][kWarps][4][8][kSub];
-  int slot_i[kChunk], slot_f[kChunk];   // carried states (kStates): the chunk's state_slots, -1 outside the segment
+  alignas(16) int slot_i[kChunk];   // carried states (kStates): the chunk's state_slots, -1 outside the segment
+  alignas(16) int slot_f[kChunk];   // (read as int4 for the chunk's any-slot test)
 };
 // 75 KiB for 16-bit inputs: three blocks (12 warps) an SM
 static_assert(sizeof(BwdSmem<__nv_bfloat16, __nv_bfloat16>) + 1024 <= 233472 / 3, "three backward blocks per SM");
@@ -621,175 +632,195 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
       if constexpr (kStates) {
         si = in_seg && p.initial_state ? p.state_slots[(int64_t)b * L + t] : -1;
         sm.slot_i[tid] = si;
-        sm.slot_f[tid] = in_seg ? p.state_slots[((int64_t)p.batch + b) * L + t] : -1;
+        sm.slot_f[tid] = in_seg && p.dfinal_state ? p.state_slots[((int64_t)p.batch + b) * L + t] : -1;
       }
       sm.sig_m[tid][kDB] = (!in_seg || (raw.pos[tid] == 0 && si < 0)) ? 0.f : 1.f;
     }
     __syncthreads();
     if (c > c_lo) stage(t0 - kChunk);   // overlaps with this chunk's backward
-
-    // states at the start of every sub-chunk
-    float hsa[kNSub] = {}, hsb[kNSub] = {};
-    {
-      float ha = 0.f, hb = 0.f;
-      if (c > 0 && d_ok) {
-        const float *sv = p.saved + (((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes;
-        ha = sv[n];
-        hb = sv[n + 8];
-      }
-#pragma unroll 1
-      for (int s = 0; s < kNSub; ++s) {
-        put(hsa, s, ha);
-        put(hsb, s, hb);
-        float yv[kSub];
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          const int tt = s * kSub + j;
-          const float2 dd = sm.dt_dtu[tt][dl];
-          const float4 bc = sm.BC[tt][n];
-          const float keep = sm.sig_m[tt][kDB];
-          if constexpr (kStates) {
-            const int si = sm.slot_i[tt];
-            if (si >= 0) {   // block-uniform: the sequence starts from its initial state
-              ha = sa_ok ? p.initial_state[soff(si)] : 0.f;
-              hb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
-            }
-          }
-          ha = scan_step(dd.x * A2a, dd.y * bc.x, ha, keep);
-          hb = scan_step(dd.x * A2b, dd.y * bc.z, hb, keep);
-          yv[j] = want_y ? __fadd_rn(__fmul_rn(ha, bc.y), __fmul_rn(hb, bc.w)) : 0.f;   // as the forward rounds it
-        }
-        if (want_y) {
-          // dz needs the forward output y + D u in fp32: y = sum_n C h is recomputed here (the same states, the
-          // same reduction tree and, with no fused multiply-add, the same rounding as the forward, so out_rec is the
-          // forward's output bit for bit) and the forward output need not be kept for the backward
-          reduce_scatter8(yv, n);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int tt = s * kSub + 2 * n + r, t = t0 + tt;
-            if (d_ok && t >= seg_lo && t < seg_hi) {
-              const float o = p.D ? __fadd_rn(yv[r], __fmul_rn(Dd, sm.dy_u[tt][dl].y)) : yv[r];
-              if (kHasZ) dz[(int64_t)d * L + t] = from_f<in_t>(o * sm.gz[tt][dl]);
-              if (out_rec) out_rec[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
-            }
-          }
-        }
+    // a chunk where no timestep reads or writes a state runs the plain body (no per-timestep test): every thread
+    // ORs the chunk's slots (block-uniform)
+    bool any_slot = false;
+    if constexpr (kStates) {
+      const int4 *si4 = reinterpret_cast<const int4 *>(sm.slot_i), *sf4 = reinterpret_cast<const int4 *>(sm.slot_f);
+#pragma unroll 4
+      for (int i = 0; i < kChunk / 4; ++i) {
+        const int4 x = si4[i], y = sf4[i];
+        any_slot |= ((x.x & x.y & x.z & x.w) & (y.x & y.y & y.z & y.w)) != -1;
       }
     }
 
-#pragma unroll 1
-    for (int s = kNSub - 1; s >= 0; --s) {
-      const float hsa_s = pick(hsa, s), hsb_s = pick(hsb, s);
-      float hva[kSub], hvb[kSub], ava[kSub], avb[kSub];
+    auto chunk_body = [&](auto states_tag) {
+      constexpr bool kSt = decltype(states_tag)::value;
+      // states at the start of every sub-chunk
+      float hsa[kNSub] = {}, hsb[kNSub] = {};
       {
-        float ha = hsa_s, hb = hsb_s;
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
+        float ha = 0.f, hb = 0.f;
+        if (c > 0 && d_ok) {
+          const float *sv = p.saved + (((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes;
+          ha = sv[n];
+          hb = sv[n + 8];
+        }
+  #pragma unroll 1
+        for (int s = 0; s < kNSub; ++s) {
+          put(hsa, s, ha);
+          put(hsb, s, hb);
+          float yv[kSub];
+  #pragma unroll
+          for (int j = 0; j < kSub; ++j) {
+            const int tt = s * kSub + j;
+            const float2 dd = sm.dt_dtu[tt][dl];
+            const float4 bc = sm.BC[tt][n];
+            const float keep = sm.sig_m[tt][kDB];
+            if constexpr (kSt) {
+              const int si = sm.slot_i[tt];
+              if (si >= 0) {   // block-uniform: the sequence starts from its initial state
+                ha = sa_ok ? p.initial_state[soff(si)] : 0.f;
+                hb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
+              }
+            }
+            ha = scan_step(dd.x * A2a, dd.y * bc.x, ha, keep);
+            hb = scan_step(dd.x * A2b, dd.y * bc.z, hb, keep);
+            yv[j] = want_y ? __fadd_rn(__fmul_rn(ha, bc.y), __fmul_rn(hb, bc.w)) : 0.f;   // as the forward rounds it
+          }
+          if (want_y) {
+            // dz needs the forward output y + D u in fp32: y = sum_n C h is recomputed here (the same states, the
+            // same reduction tree and, with no fused multiply-add, the same rounding as the forward, so out_rec is the
+            // forward's output bit for bit) and the forward output need not be kept for the backward
+            reduce_scatter8(yv, n);
+  #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int tt = s * kSub + 2 * n + r, t = t0 + tt;
+              if (d_ok && t >= seg_lo && t < seg_hi) {
+                const float o = p.D ? __fadd_rn(yv[r], __fmul_rn(Dd, sm.dy_u[tt][dl].y)) : yv[r];
+                if (kHasZ) dz[(int64_t)d * L + t] = from_f<in_t>(o * sm.gz[tt][dl]);
+                if (out_rec) out_rec[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
+              }
+            }
+          }
+        }
+      }
+
+  #pragma unroll 1
+      for (int s = kNSub - 1; s >= 0; --s) {
+        const float hsa_s = pick(hsa, s), hsb_s = pick(hsb, s);
+        float hva[kSub], hvb[kSub], ava[kSub], avb[kSub];
+        {
+          float ha = hsa_s, hb = hsb_s;
+  #pragma unroll
+          for (int j = 0; j < kSub; ++j) {
+            const int tt = s * kSub + j;
+            const float2 dd = sm.dt_dtu[tt][dl];
+            const float4 bc = sm.BC[tt][n];
+            const bool keep = sm.sig_m[tt][kDB] != 0.f;
+            ava[j] = exp2f(dd.x * A2a);
+            avb[j] = exp2f(dd.x * A2b);
+            const float bxa = dd.y * bc.x, bxb = dd.y * bc.z;
+            if constexpr (kSt) {
+              const int si = sm.slot_i[tt];
+              if (si >= 0) {
+                ha = sa_ok ? p.initial_state[soff(si)] : 0.f;
+                hb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
+              }
+            }
+            ha = keep ? fmaf(ava[j], ha, bxa) : bxa;   // scan_step's bits
+            hb = keep ? fmaf(avb[j], hb, bxb) : bxb;
+            hva[j] = ha;
+            hvb[j] = hb;
+          }
+        }
+        float (*red)[4][8][kSub] = sm.red[s & 1];
+        float gsum[kSub], gasum[kSub];   // per timestep, over this thread's two states: g B, and g h[t-1] a A
+  #pragma unroll
+        for (int j = kSub - 1; j >= 0; --j) {
           const int tt = s * kSub + j;
+          const float2 dyu = sm.dy_u[tt][dl];
           const float2 dd = sm.dt_dtu[tt][dl];
           const float4 bc = sm.BC[tt][n];
           const bool keep = sm.sig_m[tt][kDB] != 0.f;
-          ava[j] = exp2f(dd.x * A2a);
-          avb[j] = exp2f(dd.x * A2b);
-          const float bxa = dd.y * bc.x, bxb = dd.y * bc.z;
-          if constexpr (kStates) {
-            const int si = sm.slot_i[tt];
-            if (si >= 0) {
-              ha = sa_ok ? p.initial_state[soff(si)] : 0.f;
-              hb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
+          int si = -1;
+          if constexpr (kSt) {
+            const int sf = sm.slot_f[tt];
+            if (sf >= 0 && p.dfinal_state) {   // block-uniform: the gradient of the final state enters here (what
+              gca += sa_ok ? p.dfinal_state[soff(sf)] : 0.f;      // comes from t + 1 is 0: a start or outside)
+              gcb += sb_ok ? p.dfinal_state[soff(sf) + 8] : 0.f;
             }
+            si = sm.slot_i[tt];
           }
-          ha = keep ? fmaf(ava[j], ha, bxa) : bxa;   // scan_step's bits
-          hb = keep ? fmaf(avb[j], hb, bxb) : bxb;
-          hva[j] = ha;
-          hvb[j] = hb;
-        }
-      }
-      float (*red)[4][8][kSub] = sm.red[s & 1];
-      float gsum[kSub], gasum[kSub];   // per timestep, over this thread's two states: g B, and g h[t-1] a A
-#pragma unroll
-      for (int j = kSub - 1; j >= 0; --j) {
-        const int tt = s * kSub + j;
-        const float2 dyu = sm.dy_u[tt][dl];
-        const float2 dd = sm.dt_dtu[tt][dl];
-        const float4 bc = sm.BC[tt][n];
-        const bool keep = sm.sig_m[tt][kDB] != 0.f;
-        int si = -1;
-        if constexpr (kStates) {
-          const int sf = sm.slot_f[tt];
-          if (sf >= 0 && p.dfinal_state) {   // block-uniform: the gradient of the final state enters here (what
-            gca += sa_ok ? p.dfinal_state[soff(sf)] : 0.f;      // comes from t + 1 is 0: a start or outside)
-            gcb += sb_ok ? p.dfinal_state[soff(sf) + 8] : 0.f;
+          const float ga = fmaf(bc.y, dyu.x, gca), gb = fmaf(bc.w, dyu.x, gcb);
+          float hpa = j > 0 ? hva[j > 0 ? j - 1 : 0] : hsa_s;
+          float hpb = j > 0 ? hvb[j > 0 ? j - 1 : 0] : hsb_s;
+          if (kSt && si >= 0) {   // the state before this start is the initial state
+            hpa = sa_ok ? p.initial_state[soff(si)] : 0.f;
+            hpb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
           }
-          si = sm.slot_i[tt];
+          // dB_n, dB_n+8, dC_n, dC_n+8 of this timestep, summed over the warp's 4 channels: lane keeps `kind`
+          {
+            const bool hi = lane & 16;
+            const float v0 = ga * dd.y, v1 = gb * dd.y, v2 = dyu.x * hva[j], v3 = dyu.x * hvb[j];
+            const float k0 = (hi ? v2 : v0) + __shfl_xor_sync(0xffffffffu, hi ? v0 : v2, 16);
+            const float k1 = (hi ? v3 : v1) + __shfl_xor_sync(0xffffffffu, hi ? v1 : v3, 16);
+            const bool hi2 = lane & 8;
+            red[warp][kind][n][j ^ red_swizzle(kind, n)] =
+                (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, 8);
+          }
+          gsum[j] = fmaf(ga, bc.x, gb * bc.z);
+          // at a reset nothing flows to or from the sequence before: the terms through h[t-1] are dropped, not
+          // multiplied by zero (an inf or NaN on either side stays on its side)
+          const float gaa = keep ? ga * hpa * ava[j] : 0.f;
+          const float gab = keep ? gb * hpb * avb[j] : 0.f;
+          gasum[j] = fmaf(gaa, Aa, gab * Ab);
+          dAa_chunk = fmaf(gaa, dd.x, dAa_chunk);
+          dAb_chunk = fmaf(gab, dd.x, dAb_chunk);
+          gca = keep ? ga * ava[j] : 0.f;
+          gcb = keep ? gb * avb[j] : 0.f;
+          if (kSt && si >= 0) {   // the adjoint of the initial state: stored, not handed to the sequence before
+            if (sa_ok && p.dinitial_state) p.dinitial_state[soff(si)] = gca;
+            if (sb_ok && p.dinitial_state) p.dinitial_state[soff(si) + 8] = gcb;
+            gca = 0.f;
+            gcb = 0.f;
+          }
         }
-        const float ga = fmaf(bc.y, dyu.x, gca), gb = fmaf(bc.w, dyu.x, gcb);
-        float hpa = j > 0 ? hva[j > 0 ? j - 1 : 0] : hsa_s;
-        float hpb = j > 0 ? hvb[j > 0 ? j - 1 : 0] : hsb_s;
-        if (kStates && si >= 0) {   // the state before this start is the initial state
-          hpa = sa_ok ? p.initial_state[soff(si)] : 0.f;
-          hpb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
+        // sums over the 16 states: lane n gets timesteps s*16 + 2n and s*16 + 2n + 1
+        // du = dt sum_n g B + D dy;  d(delta before softplus) = (u sum_n g B + sum_n g h[t-1] a A) sigmoid
+        reduce_scatter8(gsum, n);
+        reduce_scatter8(gasum, n);
+  #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int tt = s * kSub + 2 * n + r, t = t0 + tt;
+          const float2 dyu = sm.dy_u[tt][dl];
+          const float duf = fmaf(sm.dt_dtu[tt][dl].x, gsum[r], dyu.x * Dd);
+          const float ddf = fmaf(dyu.y, gsum[r], gasum[r]) * sm.sig_m[tt][dl];
+          if (d_ok && t >= seg_lo && t < seg_hi) {
+            const int64_t off = (int64_t)d * L + t;
+            du[off] = from_f<in_t>(duf);
+            ddelta[off] = from_f<in_t>(ddf);
+            dD_chunk = fmaf(dyu.x, dyu.y, dD_chunk);
+            dbias_chunk += ddf;
+          }
         }
-        // dB_n, dB_n+8, dC_n, dC_n+8 of this timestep, summed over the warp's 4 channels: lane keeps `kind`
-        {
-          const bool hi = lane & 16;
-          const float v0 = ga * dd.y, v1 = gb * dd.y, v2 = dyu.x * hva[j], v3 = dyu.x * hvb[j];
-          const float k0 = (hi ? v2 : v0) + __shfl_xor_sync(0xffffffffu, hi ? v0 : v2, 16);
-          const float k1 = (hi ? v3 : v1) + __shfl_xor_sync(0xffffffffu, hi ? v1 : v3, 16);
-          const bool hi2 = lane & 8;
-          red[warp][kind][n][j ^ red_swizzle(kind, n)] =
-              (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, 8);
-        }
-        gsum[j] = fmaf(ga, bc.x, gb * bc.z);
-        // at a reset nothing flows to or from the sequence before: the terms through h[t-1] are dropped, not
-        // multiplied by zero (an inf or NaN on either side stays on its side)
-        const float gaa = keep ? ga * hpa * ava[j] : 0.f;
-        const float gab = keep ? gb * hpb * avb[j] : 0.f;
-        gasum[j] = fmaf(gaa, Aa, gab * Ab);
-        dAa_chunk = fmaf(gaa, dd.x, dAa_chunk);
-        dAb_chunk = fmaf(gab, dd.x, dAb_chunk);
-        gca = keep ? ga * ava[j] : 0.f;
-        gcb = keep ? gb * avb[j] : 0.f;
-        if (kStates && si >= 0) {   // the adjoint of the initial state: stored, not handed to the sequence before
-          if (sa_ok && p.dinitial_state) p.dinitial_state[soff(si)] = gca;
-          if (sb_ok && p.dinitial_state) p.dinitial_state[soff(si) + 8] = gcb;
-          gca = 0.f;
-          gcb = 0.f;
-        }
-      }
-      // sums over the 16 states: lane n gets timesteps s*16 + 2n and s*16 + 2n + 1
-      // du = dt sum_n g B + D dy;  d(delta before softplus) = (u sum_n g B + sum_n g h[t-1] a A) sigmoid
-      reduce_scatter8(gsum, n);
-      reduce_scatter8(gasum, n);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int tt = s * kSub + 2 * n + r, t = t0 + tt;
-        const float2 dyu = sm.dy_u[tt][dl];
-        const float duf = fmaf(sm.dt_dtu[tt][dl].x, gsum[r], dyu.x * Dd);
-        const float ddf = fmaf(dyu.y, gsum[r], gasum[r]) * sm.sig_m[tt][dl];
-        if (d_ok && t >= seg_lo && t < seg_hi) {
-          const int64_t off = (int64_t)d * L + t;
-          du[off] = from_f<in_t>(duf);
-          ddelta[off] = from_f<in_t>(ddf);
-          dD_chunk = fmaf(dyu.x, dyu.y, dD_chunk);
-          dbias_chunk += ddf;
-        }
-      }
-      __syncthreads();
-      // dB, dC over the block's 4 warps: 512 sums (kind, n, j), four a thread, 16 consecutive timesteps a row
-#pragma unroll
-      for (int q = 0; q < 4 * 8 * kSub / kThreads; ++q) {
-        const int o = tid + q * kThreads, kn = o >> 4, rj = o & 15, rk = kn >> 3, rn = kn & 7;
-        const int sj = rj ^ red_swizzle(rk, rn);
-        float v = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) v += red[w][rk][rn][sj];
-        const int state = rn + 8 * (rk & 1), t = t0 + s * kSub + rj;
-        if (state < p.dstate && t >= seg_lo && t < seg_hi) {
-          if (det_slot) det_slot[((int64_t)(rk >> 1) * p.dstate + state) * L + t] = v;
-          else atomicAdd((rk >> 1 ? dCp : dBp) + (int64_t)state * L + t, v);
+        __syncthreads();
+        // dB, dC over the block's 4 warps: 512 sums (kind, n, j), four a thread, 16 consecutive timesteps a row
+  #pragma unroll
+        for (int q = 0; q < 4 * 8 * kSub / kThreads; ++q) {
+          const int o = tid + q * kThreads, kn = o >> 4, rj = o & 15, rk = kn >> 3, rn = kn & 7;
+          const int sj = rj ^ red_swizzle(rk, rn);
+          float v = 0.f;
+  #pragma unroll
+          for (int w = 0; w < kWarps; ++w) v += red[w][rk][rn][sj];
+          const int state = rn + 8 * (rk & 1), t = t0 + s * kSub + rj;
+          if (state < p.dstate && t >= seg_lo && t < seg_hi) {
+            if (det_slot) det_slot[((int64_t)(rk >> 1) * p.dstate + state) * L + t] = v;
+            else atomicAdd((rk >> 1 ? dCp : dBp) + (int64_t)state * L + t, v);
+          }
         }
       }
+    };
+    if constexpr (kStates) {
+      if (any_slot) chunk_body(std::true_type{});   // block-uniform
+      else chunk_body(std::false_type{});
+    } else {
+      chunk_body(std::false_type{});
     }
     dAa_acc += dAa_chunk;
     dAb_acc += dAb_chunk;
