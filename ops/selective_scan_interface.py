@@ -643,9 +643,10 @@ def packed_selective_scan(
             every row; see :mod:`ops.states`). A sequence starts from it where ``has_initial_state`` is set, from
             zero elsewhere. Differentiable: its gradient is returned by the backward.
         has_initial_state: (num_sequences,) bool: which sequences continue from ``initial_state``; default all
-            (when ``initial_state`` is given).
+            (when ``initial_state`` is given). Without ``initial_state`` it only gives the number of sequences (what
+            ``output_final_state`` under ``torch.compile`` needs: counting them would sync).
         output_final_state: also return the state after each sequence's last token, (num_sequences, dim, dstate)
-            float32, in the layout ``initial_state`` takes (a piece's final state is its continuation's initial
+            float32 (float64 for float64 inputs), in the layout ``initial_state`` takes (a piece's final state is its continuation's initial
             state). Differentiable: a gradient flowing into it reaches every input.
         backend: None (by device) or ``"reference"``: this call's forward runs the reference (the backward
             follows :func:`ops.use_backend` when it runs; prefer ``with ops.use_backend("reference"):`` around
@@ -693,8 +694,11 @@ def packed_selective_scan(
         if initial_state is not None:
             check_state("initial_state", initial_state, (num, dim, dstate),
                         (torch.float64,) if u.dtype == torch.float64 else (torch.float32,), u.device)
-        args = args + (state_slots(pos, has_initial_state if initial_state is not None else None, output_final_state),
-                       initial_state, num if output_final_state else 0)
+        flags = None
+        if initial_state is not None:   # default: every sequence starts from its state
+            flags = has_initial_state if has_initial_state is not None else torch.ones(num, dtype=torch.bool,
+                                                                                        device=pos.device)
+        args = args + (state_slots(pos, flags, output_final_state), initial_state, num if output_final_state else 0)
     if backend is None or backend == "auto":
         res = selective_scan_fwd(*args)
     else:
@@ -714,6 +718,9 @@ def _num_sequences(pos: torch.Tensor, initial_state: Optional[torch.Tensor],
         raise ValueError(f"initial_state has {given[0]} sequences but has_initial_state {given[1]}")
     if given and (not validate or torch.compiler.is_compiling()):
         return given[0]
+    if torch.compiler.is_compiling():
+        raise ValueError("output_final_state under torch.compile needs the number of sequences without a host sync: "
+                         "pass has_initial_state (num_sequences,) (all False for none) or initial_state")
     count = int((pos == 0).sum())
     if given and given[0] != count:
         raise ValueError(f"the states are indexed by sequence: {given[0]} given, but the rows hold {count} sequences "

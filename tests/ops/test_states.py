@@ -227,3 +227,31 @@ def test_conv_states_of_other_sequences_match_a_per_sequence_oracle(seed):
             torch.testing.assert_close(dinit[i:i + 1], gh if has[i] else torch.zeros_like(gh), rtol=1e-12, atol=1e-12)
             c += m
             i += 1
+
+
+def test_initial_state_without_flags_is_used_by_every_sequence(seed):
+    """initial_state alone: every sequence starts from its state (the flags default to all), in the scan and the
+    conv; output_final_state under torch.compile without a count is a clear error."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    args = (torch.randn(1, 2, 6, dtype=F64), torch.rand(1, 2, 6, dtype=F64), -torch.rand(2, 3, dtype=F64),
+            torch.randn(1, 3, 6, dtype=F64), torch.randn(1, 3, 6, dtype=F64))
+    h0 = torch.randn(2, 2, 3, dtype=F64)
+    got = ops.packed_selective_scan(*args, position_ids=pos, initial_state=h0)
+    want = ops.packed_selective_scan(*args, position_ids=pos, initial_state=h0,
+                                     has_initial_state=torch.ones(2, dtype=torch.bool))
+    assert torch.equal(got, want) and not torch.equal(got, ops.packed_selective_scan(*args, position_ids=pos))
+    c0 = torch.randn(2, 2, 3, dtype=F64)
+    w = torch.randn(2, 4, dtype=F64)
+    got = ops.packed_causal_conv1d(args[0], w, position_ids=pos, initial_state=c0)
+    want = ops.packed_causal_conv1d(args[0], w, position_ids=pos, initial_state=c0,
+                                    has_initial_state=torch.ones(2, dtype=torch.bool))
+    assert torch.equal(got, want)
+    f = torch.compile(lambda *a: ops.packed_selective_scan(*a, position_ids=pos, output_final_state=True)[1],
+                      backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="needs the number of sequences"):
+        f(*args)
+    g = torch.compile(lambda *a: ops.packed_selective_scan(
+        *a, position_ids=pos, has_initial_state=torch.zeros(2, dtype=torch.bool), output_final_state=True)[1],
+        backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(g(*args), ops.packed_selective_scan(*args, position_ids=pos,
+                                                                   output_final_state=True)[1])
