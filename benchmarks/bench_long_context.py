@@ -173,37 +173,49 @@ def part_cost(args, device):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     results = {}
     for mode in ("split", "carry"):
-        cache = ops.StateCache()
-        torch.cuda.reset_peak_memory_stats()
-        tokens, elapsed = 0, 0.0
-        carried = 0
-        for i, batch in enumerate(batches):
-            bd = to_device(batch, device)
-            carry = cache.step(batch) if mode == "carry" else None
-            carried += int(carry.has_continuations) if carry is not None else 0
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(bd["input_ids"], bd["position_ids"], carry=carry)
-            loss = token_losses(logits, bd["labels"]).sum() / max(int(batch["num_loss_tokens"]), 1)
-            loss.backward()
-            opt.step()
+        try:
+            results[mode] = _time_mode(mode, model, opt, batches, args, device)
+        except torch.cuda.OutOfMemoryError:
             opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            if i >= args.warmup:
-                elapsed += time.perf_counter() - t
-                tokens += int(bd["input_ids"].numel())
-        results[mode] = {"tokens_per_s": tokens / elapsed, "steps": len(batches) - args.warmup,
-                         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "batches_with_continuations": carried}
+            torch.cuda.empty_cache()
+            results[mode] = {"tokens_per_s": float("nan"), "steps": 0, "peak_gb": float("nan"),
+                             "batches_with_continuations": 0, "oom": True}
     results["carry_over_split"] = results["carry"]["tokens_per_s"] / results["split"]["tokens_per_s"]
     print(f"\ntraining steps, d_model {args.d_model}, {args.layers} layers, {args.rows} rows of {args.capacity}, "
           f"documents of 16k-64k tokens")
-    print(f"{'mode':8s} {'tokens/s':>10s} {'peak GB':>8s} {'steps':>6s}")
+    print(f"{'mode':8s} {'tokens/s':>10s} {'peak GB':>8s} {'steps':>6s} {'carried':>8s}")
     for mode in ("split", "carry"):
         r = results[mode]
-        print(f"{mode:8s} {r['tokens_per_s']:10.0f} {r['peak_gb']:8.1f} {r['steps']:6d}")
+        print(f"{mode:8s} {r['tokens_per_s']:10.0f} {r['peak_gb']:8.1f} {r['steps']:6d} "
+              f"{r['batches_with_continuations']:8d}" + ("  (out of memory)" if r.get("oom") else ""))
     print(f"carry / split: {results['carry_over_split']:.3f}")
     return results
+
+
+def _time_mode(mode, model, opt, batches, args, device):
+    """Timed training steps over ``batches``, with the carry keys (``carry``) or without (``split``)."""
+    cache = ops.StateCache()
+    torch.cuda.reset_peak_memory_stats()
+    tokens, elapsed = 0, 0.0
+    carried = 0
+    for i, batch in enumerate(batches):
+        bd = to_device(batch, device)
+        carry = cache.step(batch) if mode == "carry" else None
+        carried += int(carry.has_continuations) if carry is not None else 0
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(bd["input_ids"], bd["position_ids"], carry=carry)
+        loss = token_losses(logits, bd["labels"]).sum() / max(int(batch["num_loss_tokens"]), 1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            elapsed += time.perf_counter() - t
+            tokens += int(bd["input_ids"].numel())
+    return {"tokens_per_s": tokens / elapsed, "steps": len(batches) - args.warmup,
+            "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "batches_with_continuations": carried}
 
 
 # --------------------------------------------------------------------------------------------------------------
