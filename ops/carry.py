@@ -165,6 +165,17 @@ class CarryStep:
         succ_in_batch = set(int(p) for p in self.pred if p >= 0)
         self.store = np.array([bool(cont[i]) and k not in succ_in_batch for k, i in enumerate(carried)], dtype=bool)
         self.consumed_docs = consumed
+        # where the in-batch predecessors are: the first scan runs only on their rows, and the decay P is summed only
+        # over the pieces that are both continued in this batch and continue one here ("middle" pieces)
+        flat_pos = torch.as_tensor(pos).reshape(-1).cpu().numpy()
+        seg_start = np.flatnonzero(flat_pos == 0)
+        seqlen = torch.as_tensor(pos).shape[1]
+        seg_end = np.append(seg_start[1:], flat_pos.size)
+        preds = sorted(set(int(p) for p in self.pred if p >= 0))
+        self.pass_a_rows = sorted(set(int(seg_start[carried[k]] // seqlen) for k in preds))
+        self.middle = [(k, int(seg_start[carried[k]] // seqlen), int(seg_start[carried[k]] % seqlen),
+                        int(seg_end[carried[k]] - seg_start[carried[k]]))
+                       for k in preds if self.source[k] == "batch"]
         self.has_continuations = any(s != "none" for s in self.source) or bool(self.store.any())
         self._pos = torch.as_tensor(pos)
         self._carried = torch.as_tensor(carried, dtype=torch.int64)
@@ -190,8 +201,16 @@ class CarryStep:
             cache_only = slots.clone()
             from_batch = torch.as_tensor([s == "batch" for s in self.source], dtype=torch.bool, device=device)
             cache_only[0, start[from_batch]] = -1
+            rows = None if len(self.pass_a_rows) == batch else torch.as_tensor(self.pass_a_rows, dtype=torch.int64,
+                                                                                  device=device)
+            cache_only = cache_only.view(2, batch, seqlen)
             got = {"start": start, "length": length, "has": has, "from_batch": from_batch,
-                   "slots": slots.view(2, batch, seqlen), "slots_cache_only": cache_only.view(2, batch, seqlen),
+                   "slots": slots.view(2, batch, seqlen),
+                   "pass_a_rows": rows, "pass_a_slots": cache_only if rows is None else cache_only[:, rows].contiguous(),
+                   "pass_a_pos": pos.to(torch.int32) if rows is None else pos[rows].to(torch.int32).contiguous(),
+                   "middle": torch.as_tensor([m[0] for m in self.middle], dtype=torch.int64, device=device),
+                   "depth_at": [torch.as_tensor(self.depth == d, device=device)
+                                for d in range(1, int(self.depth.max(initial=0)) + 1)],
                    "pred": torch.as_tensor(np.maximum(self.pred, 0), device=device)}
             self._device_cache[device] = got
         return got
@@ -227,14 +246,17 @@ class CarryStep:
                                                                          ssm_final[k].detach())
 
 
-def _segment_sums(dt: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-    """(K, d): the sums of ``dt`` (b, d, L) over each slot's tokens (flattened spans), summed in float64, returned in
-    float32 (float64 for float64 ``dt``)."""
-    batch, dim, L = dt.shape
-    cs = torch.cumsum(dt.to(torch.float64), -1)
-    cs = F.pad(cs, (1, 0))                                      # cs[..., t] = sum of dt[..., :t]
-    row, col = start // L, start % L
-    return (cs[row, :, col + length] - cs[row, :, col]).to(torch.promote_types(dt.dtype, torch.float32))
+def _middle_decays(step: CarryStep, g: dict, delta: torch.Tensor, dbias: torch.Tensor, A: torch.Tensor):
+    """P (K, d, n): the product of the decays over each middle piece's tokens, ``exp(A sum_t softplus(delta_t +
+    dbias))`` (zeros for the other slots: their P is never used), summed slice by slice (only those tokens)."""
+    ct = torch.promote_types(delta.dtype, torch.float32)
+    sums = [F.softplus(delta[row, :, c0:c0 + n].to(ct) + dbias.to(ct)[:, None]).sum(-1)
+            for _, row, c0, n in step.middle]
+    total = torch.zeros(step.num_slots, delta.shape[1], dtype=ct, device=delta.device)
+    if sums:
+        total = total.index_put((g["middle"],), torch.stack(sums))
+    P = torch.exp(total[..., None] * A.to(ct))
+    return torch.where((total != 0)[..., None], P, 0.0)
 
 
 def _mixer_dims(mixer):
@@ -265,9 +287,8 @@ def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, s
     conv0, ssm0 = step.initial(layer, (d_inner, width - 1), (d_inner, d_state), x.dtype, x.device)
     # conv: an in-batch continuation's state is its predecessor's last inputs, chained in depth order
     conv_init = conv0
-    for depth in range(1, int(step.depth.max(initial=0)) + 1):
+    for at in g["depth_at"]:
         fin = _conv_final_states(x, width, g["start"], g["length"], conv_init, g["has"])
-        at = torch.as_tensor(step.depth == depth, device=x.device)
         conv_init = torch.where(at[:, None, None], fin[g["pred"]], conv_init)
     xc = packed_causal_conv1d(x, conv_w, conv_bias, "silu", position_ids=pos, validate=False)
     xc = _continue_from_states(xc, x, conv_w, conv_bias, True, g["start"], g["length"], conv_init, g["has"])
@@ -279,13 +300,17 @@ def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, s
     D, dbias = _ssm_float(mixer.D), _ssm_float(mixer.dt_proj.bias)
     args = (xc, delta.contiguous(), A, Bm, Cm, D, z.contiguous(), dbias, pos, True)
     ssm_init = ssm0
-    if step.depth.max(initial=0) > 0:
-        # first pass: the in-batch continuations from zero; their final states h_end(0) and decays P chain in order
-        _, _, fin0 = selective_scan_fwd(*args, g["slots_cache_only"], ssm0, step.num_slots)
-        P = torch.exp(_segment_sums(F.softplus(delta + dbias[:, None]), g["start"], g["length"])[..., None] * A)
+    if g["depth_at"]:
+        # first pass, over the rows of the in-batch predecessors only: the in-batch continuations from zero, their
+        # final states h_end(0); with the decays P of the middle pieces they chain in order
+        rows = g["pass_a_rows"]
+        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
+        a_args = (pick(xc), pick(args[1]), A, pick(Bm), pick(Cm), D, pick(args[6]), dbias, g["pass_a_pos"], True)
+        _, _, fin0 = selective_scan_fwd(*a_args, g["pass_a_slots"], ssm0, step.num_slots)
+        P = _middle_decays(step, g, delta, dbias, A)
         true_final = fin0
-        for depth in range(1, int(step.depth.max()) + 1):
-            at = torch.as_tensor(step.depth == depth, device=x.device)[:, None, None]
+        for at in g["depth_at"]:
+            at = at[:, None, None]
             ssm_init = torch.where(at, true_final[g["pred"]], ssm_init)
             true_final = torch.where(at, fin0 + P * ssm_init, true_final)
     y, _, ssm_final = selective_scan_fwd(*args, g["slots"], ssm_init, step.num_slots)
