@@ -10,7 +10,8 @@ Three parts, each printed as a table and written to the JSON (``--parts``):
               layers (embedding, RMS norms, tied head) at the 1.4B width on documents of 16k-64k tokens packed at
               capacity 4096 by ``PackedDataLoader`` with ``overflow="carry"``: the same batches run with the carry
               keys (``ops.StateCache``) and without them (= ``overflow="split"``: the same rows, every piece from
-              zero). GPU only.
+              zero), and the split rows through the unfused mixer the carry path composes (``split_composed``: what
+              the composition costs before any state is carried). GPU only.
 ``learning``  a small model trained on a synthetic recall task whose answer lies beyond the first row: each document
               is ``[key k, filler ..., QUERY, k]``; only a model that carries the state across the cut can know ``k``
               at the end. The same rows and initial weights in both modes; held-out documents are then run whole,
@@ -172,7 +173,10 @@ def part_cost(args, device):
     model = LM(args.vocab, args.d_model, args.layers, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     results = {}
-    for mode in ("split", "carry"):
+    modes = ("split", "split_composed", "carry")
+    for mode in modes:
+        for mixer in model.mixers:   # split_composed: the split rows through the unfused mixer the carry path uses
+            mixer.use_fast_path = mode != "split_composed"
         try:
             results[mode] = _time_mode(mode, model, opt, batches, args, device)
         except torch.cuda.OutOfMemoryError:
@@ -183,10 +187,10 @@ def part_cost(args, device):
     results["carry_over_split"] = results["carry"]["tokens_per_s"] / results["split"]["tokens_per_s"]
     print(f"\ntraining steps, d_model {args.d_model}, {args.layers} layers, {args.rows} rows of {args.capacity}, "
           f"documents of 16k-64k tokens")
-    print(f"{'mode':8s} {'tokens/s':>10s} {'peak GB':>8s} {'steps':>6s} {'carried':>8s}")
-    for mode in ("split", "carry"):
+    print(f"{'mode':14s} {'tokens/s':>10s} {'peak GB':>8s} {'steps':>6s} {'carried':>8s}")
+    for mode in modes:
         r = results[mode]
-        print(f"{mode:8s} {r['tokens_per_s']:10.0f} {r['peak_gb']:8.1f} {r['steps']:6d} "
+        print(f"{mode:14s} {r['tokens_per_s']:10.0f} {r['peak_gb']:8.1f} {r['steps']:6d} "
               f"{r['batches_with_continuations']:8d}" + ("  (out of memory)" if r.get("oom") else ""))
     print(f"carry / split: {results['carry_over_split']:.3f}")
     return results
