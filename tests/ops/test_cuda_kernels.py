@@ -658,6 +658,14 @@ def test_scan_states_vs_float64(dtype, shape):
         assert not g.isnan().any(), name
         assert kernel_err(g, rg) <= (1e-5 if dtype == torch.float32 else TOL[dtype]), (name, kernel_err(g, rg))
     assert torch.equal(grads[8], out)
+    torch.use_deterministic_algorithms(True)   # deterministic mode: the same bits twice, with states too
+    try:
+        det = [torch.ops.packloader.selective_scan_bwd(*inputs, pos, True, saved, dout, True, slots, h0, dfinal)
+               for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(GRAD_NAMES + ["out", "dinitial_state"], *det):
+        assert torch.equal(a, b), name
 
 
 def test_scan_pieces_across_calls_match_the_whole_document_fp32():

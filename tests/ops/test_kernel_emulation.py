@@ -903,3 +903,29 @@ def test_emulated_states_match_float64(cuda_path_on_cpu, fwd_lanes, monkeypatch,
     out_plain, saved_plain, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
     out_none, saved_none, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True, none, h0, count)
     assert torch.equal(out_none, out_plain) and torch.equal(saved_none, saved_plain)
+
+
+def test_emulated_states_in_deterministic_mode(cuda_path_on_cpu, seed):
+    """The backward with carried states in deterministic mode (dB / dC per block, no atomics): the same bits twice,
+    the initial states' gradient the same bits as in the default mode (stored, never added), the rest equal to it."""
+    ssi = cuda_path_on_cpu
+    batch, dim, dstate, L = 2, 32, 16, 100
+    dtype = torch.bfloat16
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, dstate, L).to(dtype), torch.randn(batch, dstate, L).to(dtype)
+    D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
+    pos = position_ids_for([[30, 1, 69], [100]], "cpu").int().contiguous()
+    slots, count = random_state_slots(pos, p_init=1.0)
+    h0, dfinal = torch.randn(count, dim, dstate), torch.randn(count, dim, dstate)
+    out, saved, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True, slots, h0, count)
+    dout = torch.randn_like(out)
+    run = lambda: ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, False, slots, h0,  # noqa
+                                     dfinal)
+    default = run()
+    det = twice_deterministic(run)
+    for name, a, b, c in zip(GRAD_NAMES + ["out", "dinitial_state"], det[0], det[1], default):
+        assert torch.equal(a, b), name
+        torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2, msg=name)
+    assert torch.equal(det[0][9], default[9])
