@@ -270,9 +270,29 @@ def _mixer_dims(mixer):
             lambda t: t.float())
 
 
-def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, step: CarryStep) -> torch.Tensor:
+def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, step: CarryStep,
+                        fused: Optional[bool] = None) -> torch.Tensor:
     """The Mamba-1 mixer (``mixer``: :class:`ops.PackedMamba` or transformers' ``MambaMixer``) on a batch with
-    continuations: the functional ops with states, composed with torch autograd (see the module docstring)."""
+    continuations: :class:`CarriedMambaInnerFn` (``fused``, default: the mixer's ``use_fast_path``, True for
+    transformers' mixer), else :func:`carried_mamba_inner_ref`."""
+    layer = mixer.layer_idx
+    if layer is None:
+        raise CarryError("a mixer that carries states needs a layer_idx (the key of its states in the cache)")
+    if fused is None:
+        fused = getattr(mixer, "use_fast_path", True)
+    if not fused:
+        return carried_mamba_inner_ref(mixer, hidden_states, pos, step)
+    _, _, _, _, conv_bias, ssm_float = _mixer_dims(mixer)
+    A = -torch.exp(ssm_float(mixer.A_log))
+    return CarriedMambaInnerFn.apply(
+        hidden_states, mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, conv_bias, mixer.x_proj.weight,
+        mixer.dt_proj.weight, mixer.out_proj.weight, mixer.out_proj.bias, A, ssm_float(mixer.D),
+        ssm_float(mixer.dt_proj.bias), pos.to(torch.int32).contiguous(), step, layer)
+
+
+def carried_mamba_inner_ref(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, step: CarryStep) -> torch.Tensor:
+    """The same computation composed from the functional ops with torch autograd (see the module docstring): the
+    oracle of :class:`CarriedMambaInnerFn`, and the mixer's path when ``use_fast_path`` is off."""
     from .conv1d_interface import _continue_from_states, _conv_final_states, packed_causal_conv1d
     from .selective_scan_interface import selective_scan_fwd
     layer = mixer.layer_idx
@@ -316,3 +336,278 @@ def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, s
     y, _, ssm_final = selective_scan_fwd(*args, g["slots"], ssm_init, step.num_slots)
     step.keep(layer, conv_final, ssm_final)
     return F.linear(y.transpose(1, 2), mixer.out_proj.weight, mixer.out_proj.bias)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The fused mixer with carried states: the computation of carried_mamba_inner_ref in one autograd Function, with the
+# kernel ops, the conv's states spliced in by small token gathers, and a hand-written backward through the chain.
+
+def _splice_geometry(g: dict, k: int):
+    """The tokens the conv's states touch: (flat index (K, k) of each continued slot's first k tokens, valid (K, k));
+    the invalid entries (past a short sequence's end, or a slot without a state) point at the slot's first token."""
+    j = torch.arange(k, device=g["start"].device)
+    valid = g["has"][:, None] & (j < g["length"][:, None])
+    flat = torch.where(valid, g["start"][:, None] + j, g["start"][:, None])
+    return flat, valid
+
+
+def _final_geometry(g: dict, k: int):
+    """(flat index (K, k) of each slot's last k tokens, inside (K, k): the token belongs to the slot)."""
+    i = torch.arange(k, device=g["start"].device)
+    flat = g["start"][:, None] + g["length"][:, None] - k + i
+    inside = flat >= g["start"][:, None]
+    return torch.where(inside, flat, g["start"][:, None]), inside
+
+
+def _finals_from(xf: torch.Tensor, inside, conv_init, g, k):
+    """Each slot's last k inputs (K, d, k) from its gathered tokens ``xf`` (K, k, d), its initial state before it."""
+    idx = (g["length"][:, None] + torch.arange(k, device=xf.device)).clamp(max=k - 1)[:, None, :]
+    before = torch.where(g["has"][:, None, None], conv_init.gather(2, idx.expand(-1, conv_init.shape[1], -1)), 0.0)
+    return torch.where(inside[:, None, :], xf.permute(0, 2, 1), before.to(xf.dtype))
+
+
+def _conv_chain(xf, inside, conv0, g, k):
+    """The conv's initial states: the cached ones, and for an in-batch continuation its predecessor's last inputs
+    (in depth order)."""
+    conv_init = conv0
+    for at in g["depth_at"]:
+        conv_init = torch.where(at[:, None, None], _finals_from(xf, inside, conv_init, g, k)[g["pred"]], conv_init)
+    return conv_init
+
+
+def _splice_values(xg, conv_init, cw, cb, out_dtype):
+    """The first k outputs of every slot (K, d, k), silu applied, from ``[conv_init, its first k inputs]``."""
+    k = cw.shape[1] - 1
+    ct = torch.float64 if xg.dtype == torch.float64 else torch.float32
+    ext = torch.cat([conv_init.to(ct), xg.to(ct).permute(0, 2, 1)], -1)          # (K, d, 2k)
+    pre = (ext.unfold(-1, k + 1, 1) * cw.to(ct)[None, :, None, :]).sum(-1)     # (K, d, k)
+    if cb is not None:
+        pre = pre + cb.to(ct)[None, :, None]
+    return F.silu(pre).to(out_dtype)
+
+
+def _put_tokens(t: torch.Tensor, flat: torch.Tensor, vals: torch.Tensor, accumulate: bool = False) -> None:
+    """t (b, d, L)[tokens flat] = vals (flat.shape + (d,)), in place (``accumulate``: +=)."""
+    L = t.shape[2]
+    t.permute(0, 2, 1).index_put_((flat // L, flat % L), vals, accumulate=accumulate)
+
+
+def _decays(slices, dbias, A):
+    """P (m, d, n) of the middle pieces from their delta slices (each (d, n_k))."""
+    ct = torch.promote_types(slices[0].dtype, torch.float32)
+    sums = torch.stack([F.softplus(s.to(ct) + dbias.to(ct)[:, None]).sum(-1) for s in slices])
+    return torch.exp(sums[..., None] * A.to(ct))
+
+
+def _chain_forward(fin0, P_all, ssm0, g):
+    """The true initial states: h0(k) = P(k-1) h0(k-1) + h_end(k-1) down each chain, in depth order."""
+    init, true_final = ssm0, fin0
+    for at in g["depth_at"]:
+        at3 = at[:, None, None]
+        init = torch.where(at3, true_final[g["pred"]], init)
+        true_final = torch.where(at3, fin0 + P_all * init, true_final)
+    return init
+
+
+class CarriedMambaInnerFn(torch.autograd.Function):
+    """:class:`ops.mamba_inner.PackedMambaInnerFn` on a batch with continuations (``step``): the conv and the scan
+    start the continued pieces from their states, chained through the batch as ``carried_mamba_inner_ref`` does, and
+    the backward runs back through the chain (the scans' backward with the states, the decays, the first pass)."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
+                delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias, position_ids, step, layer):
+        dev = hidden_states.device.type
+        ctx.dtypes = (in_proj_weight.dtype, conv1d_weight.dtype, x_proj_weight.dtype, delta_proj_weight.dtype,
+                      out_proj_weight.dtype, hidden_states.dtype)
+        if torch.is_autocast_enabled(dev):
+            dt_ = torch.get_autocast_dtype(dev)
+            cast = lambda t: None if t is None else t.to(dt_)  # noqa: E731
+            hidden_states, in_proj_weight, in_proj_bias = cast(hidden_states), cast(in_proj_weight), cast(in_proj_bias)
+            x_proj_weight, delta_proj_weight = cast(x_proj_weight), cast(delta_proj_weight)
+            out_proj_weight, out_proj_bias = cast(out_proj_weight), cast(out_proj_bias)
+        from .mamba_inner import _bmm_w
+        from .conv1d_interface import runmask_for
+        batch, seqlen, _ = hidden_states.shape
+        d_inner = in_proj_weight.shape[0] // 2
+        dt_rank, d_state, width = delta_proj_weight.shape[1], A.shape[1], conv1d_weight.shape[-1]
+        k = width - 1
+        hidden_states = hidden_states.contiguous()
+        hT = hidden_states.transpose(1, 2)
+        x = _bmm_w(in_proj_weight[:d_inner], hT)
+        z = _bmm_w(in_proj_weight[d_inner:], hT)
+        if in_proj_bias is not None:
+            x = x + in_proj_bias[:d_inner, None].to(x.dtype)
+            z = z + in_proj_bias[d_inner:, None].to(z.dtype)
+        cw = conv1d_weight.reshape(d_inner, width).contiguous()
+        cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
+        g = step.geometry(x.device)
+        conv0, ssm0 = step.initial(layer, (d_inner, k), (d_inner, d_state), x.dtype, x.device)
+        runmask = runmask_for(x, cw, position_ids)
+        xc, conv_final = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)
+        x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
+        delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
+        Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()
+        Cm = x_dbl[..., dt_rank + d_state:].transpose(1, 2).contiguous()
+        ssm_init, a_saved, P_all = ssm0, None, None
+        if g["depth_at"]:
+            pick = _row_picker(g)
+            _, a_saved, fin0 = torch.ops.packloader.selective_scan_fwd(
+                pick(xc), pick(delta), A, pick(Bm), pick(Cm), D, pick(z), delta_bias, g["pass_a_pos"], True,
+                g["pass_a_slots"], ssm0, step.num_slots)
+            P_all = _middle_decays(step, g, delta, delta_bias, A)
+            ssm_init = _chain_forward(fin0, P_all, ssm0, g)
+        out_z, saved, ssm_final = torch.ops.packloader.selective_scan_fwd(
+            xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, g["slots"], ssm_init, step.num_slots)
+        y = torch.bmm(out_z.transpose(1, 2), out_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
+        if out_proj_bias is not None:
+            y = y + out_proj_bias.to(y.dtype)
+        step.keep(layer, conv_final, ssm_final)
+        ctx.step, ctx.g, ctx.k = step, g, k
+        ctx.has_in_bias, ctx.has_out_bias, ctx.has_conv_bias = (
+            in_proj_bias is not None, out_proj_bias is not None, conv1d_bias is not None)
+        ctx.has_D, ctx.has_db = D is not None, delta_bias is not None
+        ctx.conv_shape = conv1d_weight.shape
+        ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
+                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0,
+                              ssm_init, a_saved, P_all)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .mamba_inner import _bmm_w, _wgrad
+        (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
+         Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0, ssm_init, a_saved, P_all) = ctx.saved_tensors
+        step, g, k = ctx.step, ctx.g, ctx.k
+        batch, seqlen, _ = hidden_states.shape
+        d_inner, dt_rank, d_state = x.shape[1], delta_proj_weight.shape[1], A.shape[1]
+        w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
+        dy = dy.contiguous().to(x.dtype)
+        xc, _ = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)   # recomputed
+        delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
+        dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))
+        dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
+        dxc, ddelta, dA, dB, dC, dD, dz, ddb, out_z, dinit = torch.ops.packloader.selective_scan_bwd(
+            xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, saved, dout_y, True, g["slots"], ssm_init,
+            None)
+        dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)
+        del out_z
+        if a_saved is not None:   # back through the chain, the middle pieces' decays and the first pass
+            g_fin0, g_P = _chain_backward(dinit, P_all, ssm_init, g)
+            slices = [delta[row, :, c0:c0 + n].detach().requires_grad_(True) for _, row, c0, n in step.middle]
+            if slices:
+                with torch.enable_grad():
+                    db_leaf = delta_bias.detach().requires_grad_(True)
+                    A_leaf = A.detach().requires_grad_(True)
+                    P_mid = _decays(slices, db_leaf, A_leaf)
+                    got = torch.autograd.grad(P_mid, slices + [db_leaf, A_leaf], g_P[g["middle"]].to(P_mid.dtype))
+                for (_, row, c0, n), gs in zip(step.middle, got[:len(slices)]):
+                    ddelta[row, :, c0:c0 + n] += gs.to(ddelta.dtype)
+                ddb = ddb + got[-2].to(ddb.dtype)
+                dA = dA + got[-1].to(dA.dtype)
+            pick, rows = _row_picker(g), g["pass_a_rows"]
+            xcA = pick(xc)
+            gA = torch.ops.packloader.selective_scan_bwd(
+                xcA, pick(delta), A, pick(Bm), pick(Cm), D, pick(z), delta_bias, g["pass_a_pos"], True, a_saved,
+                torch.zeros_like(xcA), False, g["pass_a_slots"], ssm0, g_fin0)
+            for full, part in ((dxc, gA[0]), (ddelta, gA[1]), (dB, gA[3]), (dC, gA[4])):
+                if rows is None:
+                    full += part.to(full.dtype)
+                else:
+                    full.index_add_(0, rows, part.to(full.dtype))
+            dA = dA + gA[2]
+            if ctx.has_db:
+                ddb = ddb + gA[7]
+        dx_dbl = torch.empty_like(x_dbl)
+        dx_dbl[..., dt_rank:dt_rank + d_state] = dB.reshape(batch, d_state, seqlen).transpose(1, 2)
+        dx_dbl[..., dt_rank + d_state:] = dC.reshape(batch, d_state, seqlen).transpose(1, 2)
+        ddelta = ddelta.to(x_dbl.dtype)
+        ddelta_proj_weight = _wgrad(ddelta, x_dbl[..., :dt_rank], w_dtype_dt)
+        dx_dbl[..., :dt_rank] = torch.bmm(ddelta.transpose(1, 2), delta_proj_weight.unsqueeze(0).expand(batch, -1, -1))
+        dx_proj_weight = _wgrad(dx_dbl.transpose(1, 2), xc.transpose(1, 2), w_dtype_xp)
+        dxc = dxc.to(xc.dtype)
+        dxc.baddbmm_(x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1), dx_dbl.transpose(1, 2))
+        # conv: the spliced outputs' gradient goes through the states' small recomputation, the rest to the kernel
+        flat, valid = _splice_geometry(g, k)
+        dtok = _tokens_of(dxc, flat)                                             # (K, k, d)
+        has3 = g["has"][:, None, None]
+        _put_tokens(dxc, flat, torch.where(valid[..., None] | has3, 0.0, dtok).to(dxc.dtype))
+        dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
+        dx = dx.contiguous()
+        fflat, inside = _final_geometry(g, k)
+        with torch.enable_grad():
+            xg = _tokens_of(x, flat).detach().requires_grad_(True)
+            xf = _tokens_of(x, fflat).detach().requires_grad_(True)
+            cw_leaf = cw.detach().requires_grad_(True)
+            cb_leaf = cb.detach().requires_grad_(True) if cb is not None else None
+            ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+            vals = _splice_values(xg, _conv_chain(xf, inside, conv0, g, k), cw_leaf, cb_leaf, ct)
+            loss = (vals * torch.where(valid[:, None, :], dtok.permute(0, 2, 1).to(ct), 0.0)).sum()
+            leaves = [xg, xf, cw_leaf] + ([cb_leaf] if cb_leaf is not None else [])
+            got = torch.autograd.grad(loss, leaves, allow_unused=True)
+        for tok, gt in ((flat, got[0]), (fflat, got[1])):
+            if gt is not None:
+                _put_tokens(dx, tok, gt.to(dx.dtype), accumulate=True)
+        dcw = dcw + got[2].to(dcw.dtype)
+        if cb is not None:
+            dcb = dcb + got[3].to(dcb.dtype)
+        dz = dz.contiguous().to(z.dtype)
+        din_proj_weight = torch.empty(in_proj_weight.shape, dtype=w_dtype_in, device=dx.device)
+        _wgrad(dx, hidden_states, w_dtype_in, out=din_proj_weight[:d_inner])
+        _wgrad(dz, hidden_states, w_dtype_in, out=din_proj_weight[d_inner:])
+        dhidden = torch.bmm(dx.transpose(1, 2), in_proj_weight[:d_inner].unsqueeze(0).expand(batch, -1, -1))
+        dhidden.baddbmm_(dz.transpose(1, 2), in_proj_weight[d_inner:].unsqueeze(0).expand(batch, -1, -1))
+        din_proj_bias = None
+        if ctx.has_in_bias:
+            din_proj_bias = torch.cat([dx.sum(dim=(0, 2)), dz.sum(dim=(0, 2))]).to(w_dtype_in)
+        return (dhidden.to(h_dtype), din_proj_weight, din_proj_bias, dcw.reshape(ctx.conv_shape).to(w_dtype_conv),
+                (dcb.to(cb.dtype) if ctx.has_conv_bias else None), dx_proj_weight, ddelta_proj_weight,
+                dout_proj_weight, dout_proj_bias, dA, dD if ctx.has_D else None, ddb if ctx.has_db else None,
+                None, None, None)
+
+
+def _tokens_of(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """t (b, d, L) at the flattened tokens ``flat`` -> flat.shape + (d,)."""
+    L = t.shape[2]
+    return t[flat // L, :, flat % L]
+
+
+def _row_picker(g: dict):
+    rows = g["pass_a_rows"]
+    return (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows).contiguous())
+
+
+def _conv_with_states(x, cw, cb, pos, runmask, conv0, g, k):
+    """(xc, conv_final): the conv kernel's output with each continued slot's first k outputs recomputed from its
+    state (the states chained through the batch), and every slot's last k inputs."""
+    fflat, inside = _final_geometry(g, k)
+    xf = _tokens_of(x, fflat)
+    conv_init = _conv_chain(xf, inside, conv0, g, k)
+    xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
+    flat, valid = _splice_geometry(g, k)
+    vals = _splice_values(_tokens_of(x, flat), conv_init, cw, cb, xc.dtype)       # (K, d, k)
+    first = torch.where(g["has"][:, None, None], vals[..., :1], _tokens_of(xc, g["start"][:, None]).permute(0, 2, 1))
+    _put_tokens(xc, flat, torch.where(valid[:, None, :], vals, first).permute(0, 2, 1))
+    return xc, _finals_from(xf, inside, conv_init, g, k)
+
+
+def _chain_backward(dinit, P_all, ssm_init, g):
+    """The gradients of the first pass's final states and of the decays, from the gradient of the initial states
+    (``_chain_forward`` run backwards, deepest first)."""
+    g_tf = torch.zeros_like(dinit)
+    g_fin0 = torch.zeros_like(dinit)
+    g_P = torch.zeros_like(dinit)
+    g_init = dinit.clone()
+    at_all = torch.zeros(dinit.shape[0], dtype=torch.bool, device=dinit.device)
+    for at in reversed(g["depth_at"]):
+        at3 = at[:, None, None]
+        at_all |= at
+        # true_final(s) = fin0(s) + P(s) init(s) for s at this depth
+        g_fin0 = torch.where(at3, g_fin0 + g_tf, g_fin0)
+        g_P = torch.where(at3, g_P + g_tf * ssm_init, g_P)
+        g_init = torch.where(at3, g_init + g_tf * P_all, g_init)
+        # init(s) = true_final(pred(s))
+        g_tf = g_tf.index_add(0, g["pred"][at], g_init[at])
+        g_tf = torch.where(at3, 0.0, g_tf)
+    # slots at depth 0: true_final = fin0
+    return g_fin0 + torch.where(at_all[:, None, None], 0.0, g_tf), g_P

@@ -180,3 +180,34 @@ def test_layers_that_cannot_carry_refuse_a_continuation():
         with pytest.raises(ops.CarryError, match="cannot carry its state"):
             model(ids, position_ids=batch["position_ids"], carry=ops.StateCache().step(batch))
         model(ids, position_ids=batch["position_ids"], carry=ops.StateCache().step(plain))
+
+
+def test_fused_mixer_with_states_matches_the_composed_one(seed):
+    """CarriedMambaInnerFn (the fused mixer, hand-written backward through the chain) against the functional ops
+    composed with autograd, float64: a batch whose pieces continue from the cache and from each other (a middle piece
+    of one token, a piece shorter than the conv width, a chain of three rows), outputs and every gradient."""
+    from ops.carry import carried_mamba_inner
+    torch.manual_seed(seed)
+    cache = ops.StateCache()
+    layer = ops.PackedMamba(8, d_state=4, layer_idx=0, dtype=F64)
+    first = [[(6, 5, 0, True), (10, -1, 0, False)]]
+    b1 = _batch(first, None)
+    carried_mamba_inner(layer, torch.randn(1, 16, 8, dtype=F64), b1["position_ids"], cache.step(b1))
+    rows = [[(2, 5, 1, True), (5, 6, 0, True), (9, -1, 0, False)], [(1, 6, 1, True), (15, 5, 2, False)],
+            [(16, 6, 2, True)], [(4, 6, 3, False), (12, -1, 0, False)]]
+    b2 = _batch(rows, None)
+    cache.commit()
+    h = torch.randn(4, 16, 8, dtype=F64, requires_grad=True)
+    weights = torch.randn(4, 16, 8, dtype=F64)
+    res = {}
+    for fused in (True, False):
+        step = ops.CarryStep(b2, cache)
+        y = carried_mamba_inner(layer, h, b2["position_ids"], step, fused=fused)
+        grads = torch.autograd.grad((y * weights).sum(), [h] + list(layer.parameters()))
+        res[fused] = (y, grads, step._finals)
+    torch.testing.assert_close(res[True][0], res[False][0], rtol=1e-12, atol=1e-12)
+    for (name, _), a, b in zip([("h", None)] + list(layer.named_parameters()), res[True][1], res[False][1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+    for doc in res[False][2]:   # the states kept for the next step agree too
+        for x, y in zip(res[True][2][doc][0], res[False][2][doc][0]):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
