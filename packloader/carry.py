@@ -40,6 +40,9 @@ saved under ``"carry"`` in the loader's ``state_dict`` (the same on every rank).
   interrupted chain continues on the rank that had it, with ``has_initial_state=True``; the model's state
   cache, saved by that rank in the same checkpoint, supplies its state. With the same ``batch_size`` too
   the batches are exactly those of the uninterrupted run.
+* **A successor the saving run dropped** (``drop_last``; its predecessor said ``continues_after=False``, so the
+  model kept no state): a resumed schedule that delivers it (another ``batch_size`` or ``drop_last``) restarts that
+  chain from zero, as below, and warns.
 * **Another world size**: the chains that were interrupted by the checkpoint (some pieces consumed, some
   not) *restart*: their next piece comes with ``has_initial_state=False`` (state from zero, as with
   ``overflow="split"``) although its ``piece_index > 0``; the pieces after it carry the state as usual.
@@ -212,7 +215,9 @@ class CarrySchedule:
         for r in open_rows.tolist():
             pred = int(p[r])
             if self.row_step[pred] >= 0:
-                pins.append([r, int(self.row_rank[pred])])
+                # a successor this schedule drops (drop_last) was announced as not following (continues_after=False):
+                # the model kept no state for it, so a resumed schedule that delivers it restarts its chain
+                pins.append([r, int(self.row_rank[pred]) if self.row_step[r] >= 0 else -1])
             else:  # consumed before this schedule began: keep the saved pin (or its restart)
                 w = start_pins.get(r, -1)
                 pins.append([r, w if same_world and w < self.world_size else -1])

@@ -448,10 +448,12 @@ class PackedDataLoader:
             self._dl._iterator = None
         resumed = self.dataset.carry(epoch, 1)
         if resumed.restarted_docs:
-            warnings.warn(f"PackedDataLoader: resuming on world_size={self.world_size} (saved with "
-                          f"{saved['world_size']}): {resumed.restarted_docs} chain(s) interrupted by the checkpoint "
-                          "restart from a zero state: their next piece has has_initial_state=False although "
-                          "piece_index > 0 (see packloader.carry)", stacklevel=3)
+            why = (f"on world_size={self.world_size} (saved with {saved['world_size']})"
+                   if saved["world_size"] != self.world_size else
+                   "where the saving run had dropped their next piece (drop_last) and said no piece follows")
+            warnings.warn(f"PackedDataLoader: resuming {why}: {resumed.restarted_docs} chain(s) interrupted by the "
+                          "checkpoint restart from a zero state: their next piece has has_initial_state=False "
+                          "although piece_index > 0 (see packloader.carry)", stacklevel=3)
         return 1, 0
 
 

@@ -289,3 +289,18 @@ def test_batches_have_the_documented_carry_keys(carry_shards):
             assert shape == "[S]" and tuple(b[key].shape) == (S,) and str(b[key].dtype) == f"torch.{dtype}"
         assert ((b["piece_index"] > 0) == b["has_initial_state"]).all()
         assert ((b["piece_doc_ids"] == -1) <= (b["piece_index"] == 0)).all()
+
+
+def test_resume_after_a_dropped_successor_restarts_its_chain():
+    """drop_last drops a continuation, so its predecessor says continues_after=False and the model keeps no state;
+    a checkpoint taken then and resumed with drop_last=False delivers that continuation as a restart
+    (has_initial_state=False), never as a continuation of a state nobody kept (review reproducer)."""
+    import numpy as np
+    from packloader.carry import CarrySchedule
+    pred = np.array([-1, 0, 0, -1, -1])    # row 0 holds piece 0 of two chains, rows 1 and 2 continue them
+    saving = CarrySchedule(np.full(5, 8), pred, world_size=2, batch_size=1, drop_last=True)
+    assert not saving.delivered()[2]       # dropped: row 0's second piece says continues_after=False
+    state = saving.state_at(1)
+    assert [2, -1] in state["pins"] and [1, 0] in state["pins"]
+    resumed = CarrySchedule(np.full(5, 8), pred, 2, 1, False, {**state, "pins": [tuple(p) for p in state["pins"]]})
+    assert resumed.delivered()[2] and resumed.restarted[2] and not resumed.restarted[1]
