@@ -420,25 +420,17 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         dev = hidden_states.device.type
         ctx.dtypes = (in_proj_weight.dtype, conv1d_weight.dtype, x_proj_weight.dtype, delta_proj_weight.dtype,
                       out_proj_weight.dtype, hidden_states.dtype)
-        if torch.is_autocast_enabled(dev):
-            dt_ = torch.get_autocast_dtype(dev)
-            cast = lambda t: None if t is None else t.to(dt_)  # noqa: E731
-            hidden_states, in_proj_weight, in_proj_bias = cast(hidden_states), cast(in_proj_weight), cast(in_proj_bias)
-            x_proj_weight, delta_proj_weight = cast(x_proj_weight), cast(delta_proj_weight)
-            out_proj_weight, out_proj_bias = cast(out_proj_weight), cast(out_proj_bias)
-        from .mamba_inner import _bmm_w
+        from .mamba_inner import _autocast_weights, _bmm_w, _in_proj
         from .conv1d_interface import runmask_for
+        (hidden_states, in_proj_weight, in_proj_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+         out_proj_bias) = _autocast_weights(dev, hidden_states, in_proj_weight, in_proj_bias, x_proj_weight,
+                                            delta_proj_weight, out_proj_weight, out_proj_bias)
         batch, seqlen, _ = hidden_states.shape
         d_inner = in_proj_weight.shape[0] // 2
         dt_rank, d_state, width = delta_proj_weight.shape[1], A.shape[1], conv1d_weight.shape[-1]
         k = width - 1
         hidden_states = hidden_states.contiguous()
-        hT = hidden_states.transpose(1, 2)
-        x = _bmm_w(in_proj_weight[:d_inner], hT)
-        z = _bmm_w(in_proj_weight[d_inner:], hT)
-        if in_proj_bias is not None:
-            x = x + in_proj_bias[:d_inner, None].to(x.dtype)
-            z = z + in_proj_bias[d_inner:, None].to(z.dtype)
+        x, z = _in_proj(hidden_states, in_proj_weight, in_proj_bias, d_inner)
         cw = conv1d_weight.reshape(d_inner, width).contiguous()
         cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
         g = step.geometry(x.device)
@@ -475,12 +467,11 @@ class CarriedMambaInnerFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .mamba_inner import _bmm_w, _wgrad
+        from .mamba_inner import _bmm_w, _in_proj_backward, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
          Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0, ssm_init, a_saved, P_all) = ctx.saved_tensors
         step, g, k = ctx.step, ctx.g, ctx.k
-        batch, seqlen, _ = hidden_states.shape
-        d_inner, dt_rank, d_state = x.shape[1], delta_proj_weight.shape[1], A.shape[1]
+        dt_rank = delta_proj_weight.shape[1]
         w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)
         xc, _ = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)   # recomputed
@@ -518,15 +509,8 @@ class CarriedMambaInnerFn(torch.autograd.Function):
             dA = dA + gA[2]
             if ctx.has_db:
                 ddb = ddb + gA[7]
-        dx_dbl = torch.empty_like(x_dbl)
-        dx_dbl[..., dt_rank:dt_rank + d_state] = dB.reshape(batch, d_state, seqlen).transpose(1, 2)
-        dx_dbl[..., dt_rank + d_state:] = dC.reshape(batch, d_state, seqlen).transpose(1, 2)
-        ddelta = ddelta.to(x_dbl.dtype)
-        ddelta_proj_weight = _wgrad(ddelta, x_dbl[..., :dt_rank], w_dtype_dt)
-        dx_dbl[..., :dt_rank] = torch.bmm(ddelta.transpose(1, 2), delta_proj_weight.unsqueeze(0).expand(batch, -1, -1))
-        dx_proj_weight = _wgrad(dx_dbl.transpose(1, 2), xc.transpose(1, 2), w_dtype_xp)
-        dxc = dxc.to(xc.dtype)
-        dxc.baddbmm_(x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1), dx_dbl.transpose(1, 2))
+        dx_proj_weight, ddelta_proj_weight, dxc = _x_proj_backward(dB, dC, ddelta, dxc, x_dbl, xc, x_proj_weight,
+                                                                   delta_proj_weight, w_dtype_xp, w_dtype_dt)
         # conv: the spliced outputs' gradient goes through the states' small recomputation, the rest to the kernel
         flat, valid = _splice_geometry(g, k)
         dtok = _tokens_of(dxc, flat)                                             # (K, k, d)
@@ -552,14 +536,8 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         if cb is not None:
             dcb = dcb + got[3].to(dcb.dtype)
         dz = dz.contiguous().to(z.dtype)
-        din_proj_weight = torch.empty(in_proj_weight.shape, dtype=w_dtype_in, device=dx.device)
-        _wgrad(dx, hidden_states, w_dtype_in, out=din_proj_weight[:d_inner])
-        _wgrad(dz, hidden_states, w_dtype_in, out=din_proj_weight[d_inner:])
-        dhidden = torch.bmm(dx.transpose(1, 2), in_proj_weight[:d_inner].unsqueeze(0).expand(batch, -1, -1))
-        dhidden.baddbmm_(dz.transpose(1, 2), in_proj_weight[d_inner:].unsqueeze(0).expand(batch, -1, -1))
-        din_proj_bias = None
-        if ctx.has_in_bias:
-            din_proj_bias = torch.cat([dx.sum(dim=(0, 2)), dz.sum(dim=(0, 2))]).to(w_dtype_in)
+        dhidden, din_proj_weight, din_proj_bias = _in_proj_backward(dx, dz, hidden_states, in_proj_weight,
+                                                                    w_dtype_in, ctx.has_in_bias)
         return (dhidden.to(h_dtype), din_proj_weight, din_proj_bias, dcw.reshape(ctx.conv_shape).to(w_dtype_conv),
                 (dcb.to(cb.dtype) if ctx.has_conv_bias else None), dx_proj_weight, ddelta_proj_weight,
                 dout_proj_weight, dout_proj_bias, dA, dD if ctx.has_D else None, ddb if ctx.has_db else None,

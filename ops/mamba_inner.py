@@ -66,6 +66,61 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, out: Option
     return out
 
 
+def _autocast_weights(dev, hidden_states, in_proj_weight, in_proj_bias, x_proj_weight, delta_proj_weight,
+                      out_proj_weight, out_proj_bias):
+    """Under autocast (CUDA in training, CPU alike) the activations and the projection weights in its one dtype."""
+    if not torch.is_autocast_enabled(dev):
+        return hidden_states, in_proj_weight, in_proj_bias, x_proj_weight, delta_proj_weight, out_proj_weight, \
+            out_proj_bias
+    dt_ = torch.get_autocast_dtype(dev)
+    cast = lambda t: None if t is None else t.to(dt_)  # noqa: E731
+    return tuple(cast(t) for t in (hidden_states, in_proj_weight, in_proj_bias, x_proj_weight, delta_proj_weight,
+                                   out_proj_weight, out_proj_bias))
+
+
+def _in_proj(hidden_states, in_proj_weight, in_proj_bias, d_inner):
+    """x, z (b, d_inner, l) contiguous, from (b, l, d_model) hidden states."""
+    hT = hidden_states.transpose(1, 2)  # (b, d_model, l) view
+    x = _bmm_w(in_proj_weight[:d_inner], hT)
+    z = _bmm_w(in_proj_weight[d_inner:], hT)
+    if in_proj_bias is not None:
+        x = x + in_proj_bias[:d_inner, None].to(x.dtype)
+        z = z + in_proj_bias[d_inner:, None].to(z.dtype)
+    return x, z
+
+
+def _x_proj_backward(dB, dC, ddelta, dxc, x_dbl, xc, x_proj_weight, delta_proj_weight, w_dtype_xp, w_dtype_dt):
+    """(dx_proj_weight, ddelta_proj_weight, dxc): x_proj's and dt_proj's gradients from the scan's dB, dC, ddelta;
+    x_proj's input gradient added into the scan's dxc."""
+    batch, seqlen = x_dbl.shape[:2]
+    dt_rank = delta_proj_weight.shape[1]
+    d_state = (x_dbl.shape[2] - dt_rank) // 2
+    dx_dbl = torch.empty_like(x_dbl)  # (b, l, r + 2n)
+    dx_dbl[..., dt_rank:dt_rank + d_state] = dB.reshape(batch, d_state, seqlen).transpose(1, 2)
+    dx_dbl[..., dt_rank + d_state:] = dC.reshape(batch, d_state, seqlen).transpose(1, 2)
+    ddelta = ddelta.to(x_dbl.dtype)
+    ddelta_proj_weight = _wgrad(ddelta, x_dbl[..., :dt_rank], w_dtype_dt)  # (d_inner, r)
+    dx_dbl[..., :dt_rank] = torch.bmm(ddelta.transpose(1, 2), delta_proj_weight.unsqueeze(0).expand(batch, -1, -1))
+    dx_proj_weight = _wgrad(dx_dbl.transpose(1, 2), xc.transpose(1, 2), w_dtype_xp)  # (r+2n, d_inner)
+    # in place (the out-of-place form copies its input first): dxc is the backward's own tensor
+    dxc = dxc.to(xc.dtype)
+    dxc.baddbmm_(x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1), dx_dbl.transpose(1, 2))
+    return dx_proj_weight, ddelta_proj_weight, dxc
+
+
+def _in_proj_backward(dx, dz, hidden_states, in_proj_weight, w_dtype_in, has_in_bias):
+    """(dhidden, din_proj_weight, din_proj_bias) from the gradients of x and z."""
+    batch = hidden_states.shape[0]
+    d_inner = dx.shape[1]
+    din_proj_weight = torch.empty(in_proj_weight.shape, dtype=w_dtype_in, device=dx.device)
+    _wgrad(dx, hidden_states, w_dtype_in, out=din_proj_weight[:d_inner])
+    _wgrad(dz, hidden_states, w_dtype_in, out=din_proj_weight[d_inner:])
+    dhidden = torch.bmm(dx.transpose(1, 2), in_proj_weight[:d_inner].unsqueeze(0).expand(batch, -1, -1))
+    dhidden.baddbmm_(dz.transpose(1, 2), in_proj_weight[d_inner:].unsqueeze(0).expand(batch, -1, -1))
+    din_proj_bias = torch.cat([dx.sum(dim=(0, 2)), dz.sum(dim=(0, 2))]).to(w_dtype_in) if has_in_bias else None
+    return dhidden, din_proj_weight, din_proj_bias
+
+
 class PackedMambaInnerFn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -90,25 +145,16 @@ class PackedMambaInnerFn(torch.autograd.Function):
         # the gradients' dtypes: the parameters' own (float32 master weights under autocast), not the compute dtype
         ctx.dtypes = (in_proj_weight.dtype, conv1d_weight.dtype, x_proj_weight.dtype, delta_proj_weight.dtype,
                       out_proj_weight.dtype, hidden_states.dtype)
-        if torch.is_autocast_enabled(dev):   # CUDA autocast (training) and CPU autocast alike: one compute dtype
-            dt_ = torch.get_autocast_dtype(dev)
-            cast = lambda t: None if t is None else t.to(dt_)  # noqa: E731
-            hidden_states, in_proj_weight, in_proj_bias = cast(hidden_states), cast(in_proj_weight), cast(in_proj_bias)
-            x_proj_weight, delta_proj_weight = cast(x_proj_weight), cast(delta_proj_weight)
-            out_proj_weight, out_proj_bias = cast(out_proj_weight), cast(out_proj_bias)
+        (hidden_states, in_proj_weight, in_proj_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+         out_proj_bias) = _autocast_weights(dev, hidden_states, in_proj_weight, in_proj_bias, x_proj_weight,
+                                            delta_proj_weight, out_proj_weight, out_proj_bias)
         batch, seqlen, d_model = hidden_states.shape
         d_inner = in_proj_weight.shape[0] // 2
         dt_rank = delta_proj_weight.shape[1]
         d_state = A.shape[1]
         width = conv1d_weight.shape[-1]
         hidden_states = hidden_states.contiguous()
-        hT = hidden_states.transpose(1, 2)  # (b, d_model, l) view
-        w_x, w_z = in_proj_weight[:d_inner], in_proj_weight[d_inner:]
-        x = _bmm_w(w_x, hT)  # (b, d_inner, l) contiguous
-        z = _bmm_w(w_z, hT)
-        if in_proj_bias is not None:
-            x = x + in_proj_bias[:d_inner, None].to(x.dtype)
-            z = z + in_proj_bias[d_inner:, None].to(z.dtype)
+        x, z = _in_proj(hidden_states, in_proj_weight, in_proj_bias, d_inner)
         cw = conv1d_weight.reshape(d_inner, width).contiguous()
         cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
         # the conv's boundary words, made once for its forward, its recomputation and its backward
@@ -144,10 +190,7 @@ class PackedMambaInnerFn(torch.autograd.Function):
     def backward(ctx, dy):
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
          out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, xc, delta, runmask) = ctx.saved_tensors
-        batch, seqlen, d_model = hidden_states.shape
-        d_inner = x.shape[1]
         dt_rank = delta_proj_weight.shape[1]
-        d_state = A.shape[1]
         w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)
         if xc is None:
@@ -163,30 +206,15 @@ class PackedMambaInnerFn(torch.autograd.Function):
         dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)  # (d_model, d_inner)
         del out_z
         # x_proj / dt_proj
-        dx_dbl = torch.empty_like(x_dbl)  # (b, l, r + 2n)
-        dx_dbl[..., dt_rank:dt_rank + d_state] = dB.reshape(batch, d_state, seqlen).transpose(1, 2)
-        dx_dbl[..., dt_rank + d_state:] = dC.reshape(batch, d_state, seqlen).transpose(1, 2)
-        ddelta = ddelta.to(x_dbl.dtype)
-        ddelta_proj_weight = _wgrad(ddelta, x_dbl[..., :dt_rank], w_dtype_dt)  # (d_inner, r)
-        dx_dbl[..., :dt_rank] = torch.bmm(
-            ddelta.transpose(1, 2), delta_proj_weight.unsqueeze(0).expand(batch, -1, -1))
-        dx_proj_weight = _wgrad(dx_dbl.transpose(1, 2), xc.transpose(1, 2), w_dtype_xp)  # (r+2n, d_inner)
-        # in place (the out-of-place form copies its input first): dxc and dhidden are this backward's own tensors
-        dxc = dxc.to(xc.dtype)
-        dxc.baddbmm_(x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1), dx_dbl.transpose(1, 2))
+        dx_proj_weight, ddelta_proj_weight, dxc = _x_proj_backward(dB, dC, ddelta, dxc, x_dbl, xc, x_proj_weight,
+                                                                   delta_proj_weight, w_dtype_xp, w_dtype_dt)
         # conv
         dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
         dx = dx.contiguous()
         dz = dz.contiguous().to(z.dtype)
         # in_proj
-        din_proj_weight = torch.empty(in_proj_weight.shape, dtype=w_dtype_in, device=dx.device)
-        _wgrad(dx, hidden_states, w_dtype_in, out=din_proj_weight[:d_inner])
-        _wgrad(dz, hidden_states, w_dtype_in, out=din_proj_weight[d_inner:])
-        dhidden = torch.bmm(dx.transpose(1, 2), in_proj_weight[:d_inner].unsqueeze(0).expand(batch, -1, -1))
-        dhidden.baddbmm_(dz.transpose(1, 2), in_proj_weight[d_inner:].unsqueeze(0).expand(batch, -1, -1))
-        din_proj_bias = None
-        if ctx.has_in_bias:
-            din_proj_bias = torch.cat([dx.sum(dim=(0, 2)), dz.sum(dim=(0, 2))]).to(w_dtype_in)
+        dhidden, din_proj_weight, din_proj_bias = _in_proj_backward(dx, dz, hidden_states, in_proj_weight,
+                                                                    w_dtype_in, ctx.has_in_bias)
         return (
             dhidden.to(h_dtype),
             din_proj_weight,
