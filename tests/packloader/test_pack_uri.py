@@ -75,10 +75,20 @@ def test_pack_from_s3_writes_the_local_bytes(s3_store, tmp_path, fmt, kw):
     rep = pack_dataset([pattern], tmp_path / "s3", **kw)
     assert_same_packing(tmp_path / "local", tmp_path / "s3", uris)
     assert rep.reused_files == 0
-    # a re-run: up to date, nothing rewritten
-    before = {n: os.stat(tmp_path / "s3" / n).st_mtime_ns for n in os.listdir(tmp_path / "s3")}
+    # a re-run: up to date, no file rewritten (the run's lock comes and goes in .packloader/, by design)
+    before = _file_mtimes(tmp_path / "s3")
     assert pack_dataset(uris, tmp_path / "s3", **kw).reused_files == rep.files
-    assert {n: os.stat(tmp_path / "s3" / n).st_mtime_ns for n in os.listdir(tmp_path / "s3")} == before
+    assert _file_mtimes(tmp_path / "s3") == before
+
+
+def _file_mtimes(root) -> dict:
+    """{relative path: mtime} of every file below ``root``."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            path = os.path.join(d, f)
+            out[os.path.relpath(path, root)] = os.stat(path).st_mtime_ns
+    return out
 
 
 def test_pack_rerun_after_a_crash_and_a_changed_object(s3_store, tmp_path):
