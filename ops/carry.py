@@ -250,13 +250,11 @@ def _middle_decays(step: CarryStep, g: dict, delta: torch.Tensor, dbias: torch.T
     """P (K, d, n): the product of the decays over each middle piece's tokens, ``exp(A sum_t softplus(delta_t +
     dbias))`` (zeros for the other slots: their P is never used), summed slice by slice (only those tokens)."""
     ct = torch.promote_types(delta.dtype, torch.float32)
-    sums = [F.softplus(delta[row, :, c0:c0 + n].to(ct) + dbias.to(ct)[:, None]).sum(-1)
-            for _, row, c0, n in step.middle]
-    total = torch.zeros(step.num_slots, delta.shape[1], dtype=ct, device=delta.device)
-    if sums:
-        total = total.index_put((g["middle"],), torch.stack(sums))
-    P = torch.exp(total[..., None] * A.to(ct))
-    return torch.where((total != 0)[..., None], P, 0.0)
+    P = torch.zeros(step.num_slots, delta.shape[1], A.shape[1], dtype=ct, device=delta.device)
+    if not step.middle:
+        return P
+    slices = [delta[row, :, c0:c0 + n] for _, row, c0, n in step.middle]
+    return P.index_put((g["middle"],), _decays(slices, dbias, A))
 
 
 def _mixer_dims(mixer):
@@ -327,12 +325,7 @@ def carried_mamba_inner_ref(mixer, hidden_states: torch.Tensor, pos: torch.Tenso
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
         a_args = (pick(xc), pick(args[1]), A, pick(Bm), pick(Cm), D, pick(args[6]), dbias, g["pass_a_pos"], True)
         _, _, fin0 = selective_scan_fwd(*a_args, g["pass_a_slots"], ssm0, step.num_slots)
-        P = _middle_decays(step, g, delta, dbias, A)
-        true_final = fin0
-        for at in g["depth_at"]:
-            at = at[:, None, None]
-            ssm_init = torch.where(at, true_final[g["pred"]], ssm_init)
-            true_final = torch.where(at, fin0 + P * ssm_init, true_final)
+        ssm_init = _chain_forward(fin0, _middle_decays(step, g, delta, dbias, A), ssm0, g)
     y, _, ssm_final = selective_scan_fwd(*args, g["slots"], ssm_init, step.num_slots)
     step.keep(layer, conv_final, ssm_final)
     return F.linear(y.transpose(1, 2), mixer.out_proj.weight, mixer.out_proj.bias)
