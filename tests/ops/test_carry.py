@@ -28,6 +28,15 @@ class Stack(torch.nn.Module):
         return h
 
 
+def assert_grad_close(got, want, name):
+    """float64 gradients to 1e-9; those of the float32 parameters (A_log and D are always float32) to float32's
+    rounding: each scan's contribution to them is rounded to float32 once, and the carry sums more contributions."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9, msg=name)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10, msg=name)
+
+
 def _batch(rows, segs):
     """rows: per row, a list of (length, doc_id, piece_index, continues_after) segments; the carry keys follow."""
     pos = torch.stack([torch.cat([torch.arange(s[0]) for s in row]) for row in rows])
@@ -81,7 +90,7 @@ def test_pieces_in_one_step_give_the_whole_documents_outputs_and_gradients(seed,
     torch.testing.assert_close(got_doc, whole, rtol=1e-10, atol=1e-10)
     got = torch.autograd.grad((got_doc * g).sum(), [doc] + params)
     for name, x, y in zip(["doc"] + [n for n, _ in model.named_parameters()], got, want):
-        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10, msg=name)
+        assert_grad_close(x, y, name)
     assert len(cache.state_dict()["states"]) == 0   # the document ended in this step: nothing kept
 
 
@@ -164,7 +173,7 @@ def test_converted_lm_carries_the_state_between_rows_of_a_step(seed):
     torch.testing.assert_close(got_doc, whole, rtol=1e-10, atol=1e-10)
     got = torch.autograd.grad(got_doc.square().sum(), params)
     for (name, _), x, y in zip(model.named_parameters(), got, want):
-        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10, msg=name)
+        assert_grad_close(x, y, name)
 
 
 def test_layers_that_cannot_carry_refuse_a_continuation():
@@ -207,7 +216,7 @@ def test_fused_mixer_with_states_matches_the_composed_one(seed):
         res[fused] = (y, grads, step._finals)
     torch.testing.assert_close(res[True][0], res[False][0], rtol=1e-12, atol=1e-12)
     for (name, _), a, b in zip([("h", None)] + list(layer.named_parameters()), res[True][1], res[False][1]):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+        assert_grad_close(a, b, name)
     for doc in res[False][2]:   # the states kept for the next step agree too
         for x, y in zip(res[True][2][doc][0], res[False][2][doc][0]):
             torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
