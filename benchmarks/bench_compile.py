@@ -1,6 +1,6 @@
 """Eager vs torch.compile step time of ``ops.PackedMamba``, forward + backward over packed rows.
 
-    python benchmarks/bench_compile.py --out benchmarks/results/compile.json     # the GPU run (default shapes)
+    python benchmarks/bench_compile.py --out benchmarks/results/compile/compile_h200.json  # the GPU run (default shapes)
     python benchmarks/bench_compile.py --quick                                   # smoke run on any machine (CPU)
 
 Default shapes (issue 12): one ``PackedMamba(d_model=1024)`` layer, 4 rows x 4096 tokens with 10-20 sequences per

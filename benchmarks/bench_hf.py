@@ -1,6 +1,6 @@
 """Training throughput of Hugging Face ``MambaForCausalLM`` converted by ``ops.enable_packing``, on packed rows.
 
-    python benchmarks/bench_hf.py --out benchmarks/results/hf_mamba.json        # GPU: the 1.4B width
+    python benchmarks/bench_hf.py --out benchmarks/results/hf/hf_mamba_h200.json        # GPU: the 1.4B width
     python benchmarks/bench_hf.py --layers 8 --out /tmp/hf8.json                # fewer layers, same width
     python benchmarks/bench_hf.py --quick                                       # CPU smoke run, any machine
 

@@ -25,7 +25,7 @@ Usage::
     python benchmarks/bench_loader.py                          # ~64 M tokens, about a minute
     python benchmarks/bench_loader.py --quick                  # seconds (smoke test)
     python benchmarks/bench_loader.py --profile stream         # cProfile of one epoch of a case
-    python benchmarks/bench_loader.py --out benchmarks/results/loader.json
+    python benchmarks/bench_loader.py --out benchmarks/results/loader/loader.json
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=os.path.join(ROOT, ".bench_data", "loader"),
                    help="where the synthetic data is kept (git-ignored)")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "loader.json"),
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "loader", "loader.json"),
                    help="JSON results file")
     a = p.parse_args(argv)
     if a.quick:

@@ -1,6 +1,6 @@
 """Throughput of a 4-layer Mamba-1 stack, forward + backward over packed rows.
 
-    python benchmarks/bench_mamba_stack.py --out benchmarks/results/mamba_stack.json
+    python benchmarks/bench_mamba_stack.py --out benchmarks/results/mamba_stack/mamba_stack_h200.json
     python benchmarks/bench_mamba_stack.py --device cpu --tiny            # smoke run, any machine
 
 Default shapes (the issue's): d_model 2048 (Mamba 1.4B width: d_inner 4096, d_state 16, d_conv 4),

@@ -1,6 +1,6 @@
 """Benchmark of the packed kernels (the torch.ops.packloader ops on CUDA tensors: ops._cuda) against upstream mamba-ssm / causal-conv1d on one GPU.
 
-    python benchmarks/bench_ops.py --out benchmarks/results/ops.json
+    python benchmarks/bench_ops.py --out benchmarks/results/ops/ops_h200.json
 
 Shapes (the issue's): selective scan B=8, D=4096, L=4096, dstate 16, bf16, with z, D, delta_bias and
 delta_softplus (as Mamba calls it), ~10-20 sequences per packed row; causal conv1d B=8, D=4096, L=4096, width 4,

@@ -1,6 +1,6 @@
 """Benchmark of the packer_algos algorithms (CPU) against lightbinpack and Graphcore's published figures.
 
-    python benchmarks/bench_packing.py                     # full run, JSON to benchmarks/results/packing.json
+    python benchmarks/bench_packing.py                     # full run, JSON to benchmarks/results/packing/packing.json
     python benchmarks/bench_packing.py --quick --out /tmp/p.json   # small sizes, a few seconds
 
 Two data sets, one run, every timing taken after JIT warm-up as the best (minimum) of ``--repeat`` runs
@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from packer_algos import pack  # noqa: E402
 
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "packing.json"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "packing" / "packing.json"
 DEFAULT_SHARED = ROOT.parent / "shared" / "data"
 WIKI_FILE = "graphcore_wikipedia_lengths.json"
 ALGOS = ("bfd", "ffd", "first_fit", "next_fit", "online")

@@ -20,14 +20,14 @@ With ``--engine ray`` it compares the engines instead, on the Arrow shards: ``pa
 engine="local", workers=W)`` (W processes) against ``engine="ray", workers=W`` (W Ray tasks in flight on
 one local Ray instance with 2 CPUs, started once, outside the timed runs: its start-up time is reported
 apart) for W = 1 and 2, in one run; both outputs are checked equal byte for byte. Writes
-``benchmarks/results/prepack_ray.json``.
+``benchmarks/results/prepack/prepack_ray.json``.
 
 With ``--s3-moto`` it compares reading the shards from local paths with reading the same shards from
 ``s3://`` URIs (pyarrow's S3 filesystem) served by a ``moto`` S3 server on 127.0.0.1, run as a separate
 process (``pip install 'moto[server]' boto3``), one packing process, per format. This is a LOCAL EMULATION:
 moto is a Python web server keeping objects in memory, on the same 2 cores as the packer; its numbers say
 what the URI path costs next to a memory map on this machine, not what S3 delivers (per-connection
-bandwidth, latency, parallel streams). Writes ``benchmarks/results/prepack_s3_moto.json``.
+bandwidth, latency, parallel streams). Writes ``benchmarks/results/prepack/prepack_s3_moto.json``.
 
 Usage::
 
@@ -36,7 +36,7 @@ Usage::
     python benchmarks/bench_prepack.py --quick               # seconds (smoke test)
     python benchmarks/bench_prepack.py --s3-moto --tokens 5e7 --shards 4 --formats arrow,tar,parquet
     python benchmarks/bench_prepack.py --tokens 4e8 --shards 16 --formats arrow,tar,parquet \\
-        --out benchmarks/results/prepack.json
+        --out benchmarks/results/prepack/prepack.json
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def parse_args(argv=None):
                    help="where the synthetic shards are kept (git-ignored)")
     p.add_argument("--out-dir", default=None, help="where packed outputs go (default DATA_DIR/out)")
     p.add_argument("--out", default=None,
-                   help="JSON results file (default benchmarks/results/prepack.json, or prepack_ray.json "
+                   help="JSON results file (default benchmarks/results/prepack/prepack.json, or prepack_ray.json "
                         "with --engine ray)")
     p.add_argument("--engine", choices=["local", "ray"], default="local",
                    help="local: one process per format; ray: local vs Ray engine, 1 and 2 workers (Arrow)")
@@ -91,7 +91,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.out is None:
         name = "prepack_ray.json" if a.engine == "ray" else "prepack_s3_moto.json" if a.s3_moto else "prepack.json"
-        a.out = os.path.join(ROOT, "benchmarks", "results", name)
+        a.out = os.path.join(ROOT, "benchmarks", "results", "prepack", name)
     if a.engine == "ray":
         a.formats = "arrow"
     if a.quick:

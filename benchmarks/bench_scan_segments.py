@@ -10,7 +10,7 @@ same tensors without boundaries (when installed). Rows:
 - ``lognormal``: lengths lognormal(5.5, 0.9) clipped to [8, 2048], packed in order;
 - ``one``: one sequence a row (nothing to cut: later segments are empty; the worst case of a plan).
 
-    python3 benchmarks/bench_scan_segments.py --out benchmarks/results/scan_segments.json
+    python3 benchmarks/bench_scan_segments.py --out benchmarks/results/scan_segments/scan_segments.json
     python3 benchmarks/bench_scan_segments.py --shapes 1x1024x2048,2x5120x4096 --rows packed
 
 Each time is the median of --iters runs after --warmup, CUDA events. Prints a table and writes JSON.

@@ -22,7 +22,8 @@ Lengths: GSM8K question + answer tokenized with the GPT-NeoX-20B tokenizer (``..
 lengths via --gsm8k-lengths, written by --write-gsm8k-lengths where ``tokenizers`` is installed), and
 lognormal(5.5, 0.9) clipped to [8, 2048].
 
-    python benchmarks/bench_train.py --out benchmarks/results/train_h200.json --plot benchmarks/results/train_h200.png
+    python benchmarks/bench_train.py --out benchmarks/results/train/train_h200.json \\
+        --plot benchmarks/results/train/train_h200.png
 
 ``--profile-steps N`` runs N more steps of each mode under ``torch.profiler`` and adds, per mode, the GPU time per step
 by kernel and by kind (GEMM, scan forward/backward, conv, norm, loss, optimizer, elementwise): where packed and dense

@@ -27,12 +27,12 @@ Run from the repository root::
 
     python benchmarks/fault_injection.py --pack-trials 25 --fuzz-cases 1000 --loader-trials 5   # docs/reliability.md
     python benchmarks/fault_injection.py --pack-trials 0 --fuzz-cases 0 --loader-trials 0 \
-        --concurrency-trials 10 --duplicate-trials 25 --json benchmarks/results/fault_injection_issue36.json
+        --concurrency-trials 10 --duplicate-trials 25 --json benchmarks/results/fault_injection/fault_injection_issue36.json
     python benchmarks/fault_injection.py --pack-trials 2 --fuzz-cases 200 --loader-trials 1   # quick
     python benchmarks/fault_injection.py --pack-trials 0 --fuzz-cases 0 --loader-trials 0 --ray-trials 10 \
-        --json benchmarks/results/fault_injection_ray.json                                  # Ray only
+        --json benchmarks/results/fault_injection/fault_injection_ray.json                      # Ray only
 
-Prints the table and writes ``benchmarks/results/fault_injection.json``.
+Prints the table and writes ``benchmarks/results/fault_injection/fault_injection.json``.
 """
 from __future__ import annotations
 
@@ -389,7 +389,8 @@ def main(argv=None) -> int:
     ap.add_argument("--duplicate-trials", type=int, default=25,
                     help="one file under two names, and a tar key given twice, each")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "fault_injection.json"))
+    ap.add_argument("--json",
+                    default=os.path.join(ROOT, "benchmarks", "results", "fault_injection", "fault_injection.json"))
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     fuzz = fuzz_campaign(a.fuzz_cases, a.seed)
