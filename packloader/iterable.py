@@ -28,7 +28,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from packloader.batch import collate_raw  # (imports packloader._numba: Numba's cache fallback) first
-from packloader.distributed import assign_rows, current_worker, worker_batch_indices
+from packloader.distributed import (assign_rows, assign_rows_by_cost, current_worker, row_costs,
+                                    worker_batch_indices)
 from packloader.carry import CarrySchedule, segment_keys
 
 __all__ = ["PackedIterable"]
@@ -46,6 +47,8 @@ class PackedIterable(IterableDataset):
         self.drop_last, self.seed, self.shuffle = drop_last, seed, shuffle
         self.hf_compat, self.return_ids = hf_compat, return_ids
         self.control = torch.zeros(3, dtype=torch.int64)
+        #: None: ranks balanced by tokens; a float: by row_costs(..., attention_factor) (balance="compute")
+        self.attention_factor: float | None = None
         self._sched: tuple[tuple[int, int], np.ndarray] | None = None
         self._info: tuple[int, tuple[int, str]] | None = None
         #: overflow="carry": the source's rows form chains (see packloader.carry)
@@ -112,10 +115,20 @@ class PackedIterable(IterableDataset):
             return self.carry(epoch, offset).rows[self.rank]
         key = (int(epoch), int(offset))
         if self._sched is None or self._sched[0] != key:
-            tokens = self.rows.epoch_rows(self.seed, epoch, self.shuffle)
-            sched = assign_rows(tokens, self.world_size, self.batch_size, self.drop_last, offset)[self.rank]
+            if self.attention_factor is None:
+                tokens = self.rows.epoch_rows(self.seed, epoch, self.shuffle)
+                sched = assign_rows(tokens, self.world_size, self.batch_size, self.drop_last, offset)[self.rank]
+            else:
+                sched = assign_rows_by_cost(self.row_costs(epoch), self.world_size, self.batch_size, self.drop_last,
+                                            offset)[self.rank]
             self._sched = (key, np.ascontiguousarray(sched))
         return self._sched[1]
+
+    def row_costs(self, epoch: int) -> np.ndarray:
+        """float64 [N]: the estimated cost of each plan row of the epoch (:func:`packloader.distributed.row_costs`
+        with :attr:`attention_factor`, 0 when None)."""
+        off, _, _, length = self.rows.epoch_pieces(self.seed, epoch, self.shuffle)
+        return row_costs(off, length, self.attention_factor or 0.0)
 
     def epoch_info(self, epoch: int) -> tuple[int, str]:
         """``(rows, digest)`` of the epoch's plan: its row count and a hash of its rows' token counts, in

@@ -78,7 +78,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import packloader._numba  # noqa: F401  (first: Numba's cache fallback, before packer_algos compiles)
-from packloader.distributed import resolve_rank_world, resume_point  # isort: skip
+from packloader.distributed import data_parallel_rank_world, resolve_rank_world, resume_point  # isort: skip
 from packloader.errors import DataError
 from packloader.iterable import PackedIterable
 from packloader.place import warm_up
@@ -161,6 +161,24 @@ class PackedDataLoader:
             compare with the checksums in ``index.json`` (reads all the data; default False). Without it the
             loader still checks, reading no data, each file's size, row count, schema and the job hash it
             carries against ``index.json``.
+        balance: how each global step's rows are split over ranks: ``"tokens"`` (default: equal real
+            tokens per rank, right for pure Mamba models, whose cost is linear in tokens) or ``"compute"``
+            (equal estimated cost, ``sum(n) + attention_factor * sum(n^2)`` over each row's sequences: for
+            hybrids with attention layers, where one long sequence costs more than many short ones of the
+            same tokens; see :func:`packloader.distributed.assign_rows_by_cost`). Steps are the same rows
+            either way, so resume stays exact and elastic, and ``balance`` may change between save and load.
+        attention_factor: with ``balance="compute"`` (required there, else None): the cost of one
+            query-key pair in units of one token, measured by
+            :func:`packloader.distributed.calibrate_attention_factor`.
+        context_parallel_size: ranks per context-parallel group (``C``, a divisor of the world size).
+            The ``C`` consecutive ranks ``k * C ... k * C + C - 1`` (the ``"cp"`` dimension of
+            ``init_device_mesh(device, (world // C, C), mesh_dim_names=("dp", "cp"))``) get the same batches
+            in the same order, each of them whole (split the sequence dimension over the group yourself, or
+            with the model's context-parallel mode); rows are partitioned over the ``world // C``
+            data-parallel groups (:attr:`dp_rank` of :attr:`dp_size`) as over ranks without CP. The state
+            counts rows over the data-parallel groups (its ``world_size`` is :attr:`dp_size`), so it resumes
+            exactly with the same ``dp_size`` and ``batch_size`` whatever ``C``, and elastically with another
+            ``dp_size``. For another rank layout pass ``rank=dp_rank, world_size=dp_size`` and leave this at 1.
 
     Raises:
         packloader.errors.DataError: the source is missing, unreadable or empty (names it), or a
@@ -185,7 +203,8 @@ class PackedDataLoader:
                  hf_compat: bool = False, return_ids: bool = False, shard_cache: int = 3,
                  pin_memory: bool = False, persistent_workers: bool = False, prefetch_factor: int | None = None,
                  timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
-                 pin_memory_device: str = "", verify: bool = False):
+                 pin_memory_device: str = "", verify: bool = False, balance: str = "tokens",
+                 attention_factor: float | None = None, context_parallel_size: int = 1):
         for name, value in (("batch_size", batch_size), ("buffer_size", buffer_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -205,6 +224,20 @@ class PackedDataLoader:
             raise DataError("not a finished pre-packed directory (written by 'packloader pack', but no "
                             "index.json: packing incomplete, failed, or still running)", path=source)
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
+        self.context_parallel_size = context_parallel_size
+        self.dp_rank, self.dp_size = data_parallel_rank_world(self.rank, self.world_size, context_parallel_size)
+        if balance not in ("tokens", "compute"):
+            raise ValueError(f"balance must be 'tokens' or 'compute', got {balance!r}")
+        if balance == "compute":
+            if isinstance(attention_factor, bool) or not isinstance(attention_factor, (int, float, np.number)) \
+                    or not np.isfinite(attention_factor) or attention_factor < 0:
+                raise ValueError("balance='compute' needs attention_factor, a finite number >= 0 (measure it "
+                                 "with packloader.distributed.calibrate_attention_factor), got "
+                                 f"{attention_factor!r}")
+        elif attention_factor is not None:
+            raise ValueError(f"attention_factor={attention_factor!r} is only used with balance='compute'")
+        self.balance = balance
+        self.attention_factor = float(attention_factor) if balance == "compute" else None
         self.batch_size, self.seed, self.shuffle = int(batch_size), int(seed), bool(shuffle)
         self.drop_last, self.num_workers = bool(drop_last), int(num_workers)
 
@@ -246,9 +279,13 @@ class PackedDataLoader:
         self._overflow_counts = dict(rows.overflow_counts)
         self._warn_overflow()
         self.hf_compat, self.return_ids = bool(hf_compat), bool(return_ids)
-        self.dataset = PackedIterable(rows, rank=self.rank, world_size=self.world_size,
+        if self.balance == "compute" and getattr(rows, "overflow", None) == "carry":
+            raise ValueError("balance='compute' does not combine with overflow='carry' (the carry rule places "
+                             "a document's pieces itself); use balance='tokens'")
+        self.dataset = PackedIterable(rows, rank=self.dp_rank, world_size=self.dp_size,
                                        batch_size=self.batch_size, drop_last=self.drop_last, seed=self.seed,
                                        shuffle=self.shuffle, hf_compat=self.hf_compat, return_ids=self.return_ids)
+        self.dataset.attention_factor = self.attention_factor
         if self.num_workers > 0:
             self.dataset.share_control()
             warm_up()  # the placer, loaded once here instead of in every worker of every epoch
@@ -351,13 +388,15 @@ class PackedDataLoader:
             return
         self._warned.add(epoch)
         n_rows = len(self.dataset.rows.epoch_rows(self.seed, epoch, self.shuffle))
-        step = self.world_size * self.batch_size
+        step = self.dp_size * self.batch_size
         if n == 0:
             warnings.warn(f"PackedDataLoader: epoch {epoch} has no batches: the source packs into {n_rows} "
                           f"row(s), fewer than world_size * batch_size = {step}, and drop_last=True drops "
                           "them; use drop_last=False or a smaller batch_size / world_size", stacklevel=3)
         else:
-            warnings.warn(f"PackedDataLoader: rank {self.rank} of {self.world_size} gets no data in epoch "
+            who = (f"rank {self.rank} of {self.world_size}" if self.context_parallel_size == 1 else
+                   f"data-parallel group {self.dp_rank} of {self.dp_size} (rank {self.rank})")
+            warnings.warn(f"PackedDataLoader: {who} gets no data in epoch "
                           f"{epoch}: the source packs into {n_rows} row(s), fewer than world_size * "
                           f"batch_size = {step}; this rank yields {n} batch(es) of padding rows only "
                           "(num_loss_tokens == 0)", stacklevel=3)
@@ -369,7 +408,9 @@ class PackedDataLoader:
             "source": self.dataset.rows.fingerprint,
             "capacity": self.capacity,
             "batch_size": self.batch_size,
-            "world_size": self.world_size,
+            "world_size": self.dp_size,   # data-parallel groups: the rows are partitioned over them
+            "context_parallel_size": self.context_parallel_size,
+            "balance": self.balance if self.attention_factor is None else f"compute:{self.attention_factor!r}",
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
@@ -422,7 +463,7 @@ class PackedDataLoader:
         if self.dataset.carries:
             offset, start = self._carry_resume(state, epoch, n_rows)
         else:
-            offset, start = resume_point(done, n_rows, self.world_size, self.batch_size, self.drop_last)
+            offset, start = resume_point(done, n_rows, self.dp_size, self.batch_size, self.drop_last)
         self._epoch, self._offset, self._consumed, self._resume = epoch, offset, start, start
         self._iter_gen += 1  # an iterator still open from before no longer counts
 
@@ -448,8 +489,8 @@ class PackedDataLoader:
             self._dl._iterator = None
         resumed = self.dataset.carry(epoch, 1)
         if resumed.restarted_docs:
-            why = (f"on world_size={self.world_size} (saved with {saved['world_size']})"
-                   if saved["world_size"] != self.world_size else
+            why = (f"on world_size={self.dp_size} (saved with {saved['world_size']})"
+                   if saved["world_size"] != self.dp_size else
                    "where the saving run had dropped their next piece (drop_last) and said no piece follows")
             warnings.warn(f"PackedDataLoader: resuming {why}: {resumed.restarted_docs} chain(s) interrupted by the "
                           "checkpoint restart from a zero state: their next piece has has_initial_state=False "
