@@ -43,6 +43,7 @@ from .boundaries import (
     validate_position_ids,
 )
 from .carry import CarryError, CarryStep, StateCache
+from .context_parallel import ContextParallelError, all_reduce_gradients, context_parallel, shard_batch
 from .conv1d_interface import causal_conv1d_ref, packed_causal_conv1d
 from .convert import enable_packing
 from .isolation import IsolationReport, check_isolation
@@ -63,6 +64,10 @@ __all__ = [
     "StateCache",
     "CarryStep",
     "CarryError",
+    "context_parallel",
+    "shard_batch",
+    "all_reduce_gradients",
+    "ContextParallelError",
     "check_isolation",
     "IsolationReport",
     "seq_idx_to_position_ids",

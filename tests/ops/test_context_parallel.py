@@ -1,0 +1,158 @@
+"""ops.context_parallel: packed rows split along their tokens over 2-4 processes (gloo, the reference kernels,
+float64) give the unsplit rows' outputs, input gradients and weight gradients of one process; sequences cross one
+and several cuts, start inside a chunk's last width-1 tokens, are shorter than the conv width, and one fills a row.
+GPU: 2 and 4 GPUs over NCCL (``-m gpu``; needs that many GPUs)."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ops
+
+F64 = torch.float64
+L = 24   # divisible by 2, 3 and 4 ranks; chunks of 6..12 tokens >= width - 1 = 3
+ROWS = [
+    [24],                    # one sequence, crossing every cut (the decays P chain over all ranks)
+    [1, 2, 7, 1, 13],        # short ones; a length-1 sequence inside a chunk's last 3 tokens; a long one crossing
+    [5, 1, 6, 6, 6],         # sequences starting exactly at the cuts (nothing continues there)
+]
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, d_model=8, n=2, dtype=F64, device=None):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            ops.PackedMamba(d_model, d_state=4, d_conv=4, expand=2, layer_idx=i, dtype=dtype, device=device)
+            for i in range(n))
+
+    def forward(self, h, position_ids):
+        for layer in self.layers:
+            h = h + layer(h, position_ids=position_ids)
+        return h
+
+
+def _inputs(device="cpu", dtype=F64):
+    torch.manual_seed(1234)   # the same model and data in every process
+    model = Stack(dtype=dtype, device=device)
+    with torch.no_grad():
+        for m in model.layers:   # a slower decay so that states carry over whole chunks
+            m.A_log.mul_(0.3)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ROWS]).to(device)
+    h = torch.randn(len(ROWS), L, 8, dtype=dtype, device=device)
+    dy = torch.randn(len(ROWS), L, 8, dtype=dtype, device=device)
+    return model, pos, h, dy
+
+
+def _reference(model, pos, h, dy):
+    h = h.clone().requires_grad_(True)
+    out = model(h, position_ids=pos)
+    (out * dy).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out.detach(), h.grad, grads
+
+
+def _check_rank(rank, world, device, dtype, tol):
+    model, pos, h, dy = _inputs(device, dtype)
+    want_out, want_dh, want_grads = _reference(model, pos, h, dy)
+    group = dist.group.WORLD
+    ops.context_parallel(model, group)
+    n = L // world
+    cut = slice(rank * n, (rank + 1) * n)
+    _, pos_k, _ = ops.shard_batch(group, torch.zeros_like(pos), pos)
+    h_k = h[:, cut].clone().requires_grad_(True)
+    out = model(h_k, position_ids=pos_k)
+    (out * dy[:, cut]).sum().backward()
+    ops.all_reduce_gradients(model, group)
+    torch.testing.assert_close(out.detach(), want_out[:, cut], rtol=tol, atol=tol, msg="outputs")
+    torch.testing.assert_close(h_k.grad, want_dh[:, cut], rtol=tol, atol=tol, msg="input gradients")
+    for name, p in model.named_parameters():
+        # A_log and D are float32 parameters: their gradients sum per-rank float32 contributions (float32's rounding)
+        t = max(tol, 2e-6) if p.dtype == torch.float32 else tol
+        torch.testing.assert_close(p.grad, want_grads[name], rtol=t, atol=t * 1e-3, msg=f"gradient of {name}")
+
+
+def _check_labels(rank, world):
+    """The shifted labels of the chunks, summed over ranks, make the unsplit rows' next-token loss."""
+    torch.manual_seed(7)
+    ids = torch.randint(0, 50, (len(ROWS), L))
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ROWS])
+    logits = torch.randn(len(ROWS), L, 50, dtype=F64)
+    labels = ids.clone()
+    labels[1, 3] = -100
+    ce = torch.nn.functional.cross_entropy
+    want = 0.0
+    for r, row in enumerate(ROWS):   # each sequence alone: predict token t+1 from t, inside the sequence
+        s = 0
+        for n in row:
+            tgt = labels[r, s + 1:s + n]
+            if tgt.numel():
+                want += float(ce(logits[r, s:s + n - 1], tgt, ignore_index=-100, reduction="sum"))
+            s += n
+    with pytest.raises(ops.ContextParallelError, match="not divisible"):
+        ops.shard_batch(dist.group.WORLD, torch.zeros(2, world * 3 + 1, dtype=torch.long))
+    _, _, lab_k = ops.shard_batch(dist.group.WORLD, ids, pos, labels)
+    n = L // world
+    mine = ce(logits[:, rank * n:(rank + 1) * n].flatten(0, 1), lab_k.flatten(), ignore_index=-100, reduction="sum")
+    total = mine.clone()
+    dist.all_reduce(total)
+    assert abs(float(total) - want) < 1e-9 * max(1.0, abs(want)), (float(total), want)
+
+
+def _worker(rank, world, init_file, backend, device_kind):
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        if device_kind == "cuda":
+            torch.cuda.set_device(rank)
+            _check_rank(rank, world, f"cuda:{rank}", torch.float32, 2e-5)
+        else:
+            _check_rank(rank, world, "cpu", F64, 1e-9)
+            _check_labels(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world, backend, device_kind):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, os.path.join(d, "init"), backend, device_kind), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_equals_one_process(world):
+    _spawn(world, "gloo", "cpu")
+
+
+def test_bad_arguments():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
+        try:
+            group = dist.group.WORLD
+            with pytest.raises(ops.ContextParallelError, match="no Mamba-1 mixer"):
+                ops.context_parallel(torch.nn.Linear(2, 2), group)
+            with pytest.raises(ops.ContextParallelError, match="position_ids must be"):
+                ops.shard_batch(group, torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
+            with pytest.raises(ops.BoundaryError):
+                ops.shard_batch(group, torch.zeros(1, 4, dtype=torch.long), torch.tensor([[0, 1, 3, 4]]))
+            model, pos, h, _ = _inputs()
+            ops.context_parallel(model, group)
+            with pytest.raises(ops.ContextParallelError, match="position_ids"):
+                model.layers[0](h, seq_idx=torch.zeros_like(pos))
+            # one rank: the context-parallel mixer is the plain one
+            model2, pos2, h2, dy2 = _inputs()
+            want = model2(h2, position_ids=pos2)
+            torch.testing.assert_close(model(h, position_ids=pos), want, rtol=1e-12, atol=1e-12)
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_gpus(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _spawn(world, "nccl", "cuda")
