@@ -187,6 +187,13 @@ class PackedMamba(nn.Module):
                     "boundaries (position_ids / seq_idx / cu_seqlens); generate one sequence per row"
                 )
             return self._forward_inference(hidden_states, inference_params)
+        cp_group = getattr(self, "_packloader_cp_group", None)
+        if cp_group is not None:   # ops.context_parallel: this rank's chunk of every row
+            from ..context_parallel import context_parallel_mamba_inner, ContextParallelError
+            if carry is not None or seq_idx is not None or cu_seqlens is not None:
+                raise ContextParallelError("PackedMamba (context-parallel): takes position_ids (the rows' ids over "
+                                           "this rank's chunk) only, not seq_idx / cu_seqlens / carry")
+            return context_parallel_mamba_inner(self, hidden_states, position_ids, cp_group)
         # resolved once here and handed down as int32 position_ids; the ops below do not check again. Validation
         # (one host sync) runs when validate_boundaries is set, never under torch.compile; a model converted by
         # ops.enable_packing validates at its entry and switches it off in its mixers.
