@@ -30,9 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..boundaries import resolve_boundaries, row_positions
-from ..conv1d_interface import causal_conv1d_ref
+from ..conv1d_interface import packed_causal_conv1d
+from ..decode import mamba_step
 from ..mamba_inner import packed_mamba_inner_fn, packed_mamba_inner_ref
-from ..selective_scan_interface import selective_scan_ref
+from ..selective_scan_interface import packed_selective_scan
 
 __all__ = ["PackedMamba"]
 
@@ -190,9 +191,10 @@ class PackedMamba(nn.Module):
         cp_group = getattr(self, "_packloader_cp_group", None)
         if cp_group is not None:   # ops.context_parallel: this rank's chunk of every row
             from ..context_parallel import context_parallel_mamba_inner, ContextParallelError
-            if carry is not None or seq_idx is not None or cu_seqlens is not None:
+            # (a converted model hands down seq_idx beside position_ids: the ids are what counts here)
+            if carry is not None or (position_ids is None and (seq_idx is not None or cu_seqlens is not None)):
                 raise ContextParallelError("PackedMamba (context-parallel): takes position_ids (the rows' ids over "
-                                           "this rank's chunk) only, not seq_idx / cu_seqlens / carry")
+                                           "this rank's chunk), not seq_idx / cu_seqlens alone, nor carry")
             return context_parallel_mamba_inner(self, hidden_states, position_ids, cp_group)
         # resolved once here and handed down as int32 position_ids; the ops below do not check again. Validation
         # (one host sync) runs when validate_boundaries is set, never under torch.compile; a model converted by
@@ -241,39 +243,34 @@ class PackedMamba(nn.Module):
         if inference_params.seqlen_offset > 0:
             out, _, _ = self.step(hidden_states, conv_state, ssm_state)
             return out
+        # the prompt: one sequence per row through the packed ops (the kernels on CUDA tensors), keeping each row's
+        # last d_conv conv inputs and its final scan state for the steps
         xz = self.in_proj(hidden_states).transpose(1, 2)
         x, z = xz.chunk(2, dim=1)
         conv_state.copy_(F.pad(x, (self.d_conv - x.shape[-1], 0)))
-        x = causal_conv1d_ref(x, self.conv1d.weight, self.conv1d.bias, "silu")
+        x = packed_causal_conv1d(x.contiguous(), self.conv1d.weight, self.conv1d.bias, "silu", validate=False)
         x_dbl = self.x_proj(x.transpose(1, 2))
         dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)
         A = -torch.exp(_ssm_float(self.A_log))
-        y, last = selective_scan_ref(
-            x, dt, A, B.transpose(1, 2), C.transpose(1, 2), _ssm_float(self.D), z,
-            _ssm_float(self.dt_proj.bias), True, return_last_state=True,
+        y, last = packed_selective_scan(
+            x, dt, A, B.transpose(1, 2), C.transpose(1, 2), _ssm_float(self.D), z.contiguous(),
+            _ssm_float(self.dt_proj.bias), True, output_final_state=True, validate=False,
+            has_initial_state=torch.zeros(batch, dtype=torch.bool, device=x.device),
         )
         ssm_state.copy_(last)
         return self.out_proj(y.transpose(1, 2))
 
     def step(self, hidden_states, conv_state, ssm_state):
-        """One decoding step: hidden_states (batch, 1, d_model); states updated in place."""
-        dtype = hidden_states.dtype
-        if hidden_states.shape[1] != 1:
-            raise ValueError("step decodes one token at a time")
-        x, z = self.in_proj(hidden_states.squeeze(1)).chunk(2, dim=-1)  # (b, d_inner)
-        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
-        conv_state[:, :, -1] = x
-        x = (conv_state * self.conv1d.weight[:, 0]).sum(-1)
-        if self.conv1d.bias is not None:
-            x = x + self.conv1d.bias
-        x = F.silu(x).to(dtype)
-        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        dt = F.softplus(F.linear(dt, self.dt_proj.weight) + self.dt_proj.bias.to(dt.dtype))
-        A = -torch.exp(_ssm_float(self.A_log))
-        dA = torch.exp(dt.unsqueeze(-1) * A)
-        dB = dt.unsqueeze(-1) * B.unsqueeze(1)
-        ssm_state.copy_(ssm_state * dA + x.unsqueeze(-1) * dB)
-        y = (ssm_state.to(dtype) * C.unsqueeze(1)).sum(-1) + self.D.to(dtype) * x
-        y = y * F.silu(z)
-        return self.out_proj(y).unsqueeze(1), conv_state, ssm_state
+        """One decoding step: hidden_states (batch, 1, d_model) -> (out (batch, 1, d_model), conv_state, ssm_state),
+        the states (batch, d_inner, d_conv) / (batch, d_inner, d_state) updated in place.
+
+        Runs the fused state updates of :mod:`ops.decode` (Triton kernels on CUDA tensors, the torch math of
+        mamba-ssm's ``Mamba.step`` elsewhere): no host sync and no allocation but the outputs, so mamba-ssm's
+        ``generate(..., cg=True)`` and ``torch.compile(mode="reduce-overhead")`` capture it. No gradients.
+        """
+        if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
+            raise ValueError(f"step decodes one token at a time: hidden_states must be (batch, 1, d_model), got "
+                             f"{tuple(hidden_states.shape)}")
+        out = mamba_step(self, hidden_states, conv_state, ssm_state)
+        return out, conv_state, ssm_state
