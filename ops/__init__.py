@@ -46,6 +46,7 @@ from .carry import CarryError, CarryStep, StateCache
 from .context_parallel import ContextParallelError, all_reduce_gradients, context_parallel, shard_batch
 from .conv1d_interface import causal_conv1d_ref, packed_causal_conv1d
 from .convert import enable_packing
+from .generate import PackedEvalCallback, PackedEvalResult, evaluate_packed, generate_packed  # issue 33
 from .isolation import IsolationReport, check_isolation
 from .mamba_inner import PackedMambaInnerFn, packed_mamba_inner_fn, packed_mamba_inner_ref
 from .modules.mamba_simple import PackedMamba

@@ -1,0 +1,864 @@
+"""After training: generate from many variable-length prompts (packed prefill, batched decoding) and evaluate a
+held-out set through packed rows.
+
+:func:`generate_packed` packs the prompts into rows with :mod:`packer_algos`, runs one packed forward per group of
+rows (no padding between prompts, nothing leaks across them) that leaves every prompt's final conv and scan states
+(the carry path of :mod:`ops.carry`, each prompt a piece that "continues after"), builds the model's own decoding
+cache from those states and decodes all prompts together, one token per step, through the model's usual decode path
+(mamba-ssm's ``InferenceParams`` with ``seqlen_offset > 0``; transformers' cache)::
+
+    prompts      [ p0 p0 p0 p0 ]  [ p1 p1 ]  [ p2 p2 p2 ]         any lengths
+    packed row   [ p0 p0 p0 p0 | p1 p1 | p2 p2 p2 | pad ]         one forward, the states of p0, p1, p2 kept
+    decode       batch of 3 rows, one token per step from those states; a prompt leaves the batch when it stops
+
+    >>> out = ops.generate_packed(model, [[5, 7, 9], [3], [8, 8, 8, 8]], max_new_tokens=16)
+    >>> out[1]                                         # tensor([3, <16 new tokens>]) (fewer after a stop token)
+
+:func:`evaluate_packed` gives each held-out sequence's summed loss, token count, mean loss and perplexity from
+packed rows (the same numbers as running each sequence alone), and :class:`PackedEvalCallback` runs it from a
+``transformers.Trainer`` (``packloader.hf.PackedTrainer``).
+
+Models: a mamba-ssm ``MambaLMHeadModel`` with Mamba-1 mixers and transformers' ``MambaForCausalLM`` and
+``FalconMambaForCausalLM``, each converted by :func:`ops.enable_packing`. Mamba-2 mixers (mamba-ssm's or
+transformers' ``Mamba2ForCausalLM`` and the hybrids) are refused by :func:`generate_packed`: the carry path that gives
+the per-prompt states holds Mamba-1 states only. :func:`evaluate_packed` takes every model ``enable_packing``
+converts.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import types
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["generate_packed", "evaluate_packed", "PackedEvalResult", "PackedEvalCallback", "pack_prompts"]
+
+Prompts = Sequence[Union[Sequence[int], torch.Tensor]]
+
+_DEFAULT_CAPACITY = 2048        # tokens per packed row when capacity=None (raised to the longest prompt)
+_DEFAULT_PREFILL_TOKENS = 65536  # tokens per packed forward when prefill_tokens=None
+
+
+# --------------------------------------------------------------------------------------------------
+# input checks and packing
+
+
+def _as_token_list(seqs, name: str) -> List[torch.Tensor]:
+    """``seqs`` (token-id lists or 1-D integer tensors) as 1-D int64 CPU tensors; a clear error naming ``name``."""
+    if isinstance(seqs, torch.Tensor):
+        raise TypeError(f"{name} must be a list of token-id lists or 1-D tensors (one per sequence), got a tensor of "
+                        f"shape {tuple(seqs.shape)}; pass list(tensor) for a batch of equal-length rows")
+    if isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__len__"):
+        raise TypeError(f"{name} must be a list of token-id lists or 1-D tensors, got {type(seqs).__name__}")
+    if len(seqs) == 0:
+        raise ValueError(f"{name} is empty")
+    out = []
+    for i, s in enumerate(seqs):
+        if isinstance(s, (str, bytes)):
+            raise TypeError(f"{name}[{i}] is text; tokenize it first (token ids are expected)")
+        t = s if isinstance(s, torch.Tensor) else torch.as_tensor(np.asarray(s))
+        if t.dim() != 1:
+            raise ValueError(f"{name}[{i}] must be 1-D (one sequence of token ids), got shape {tuple(t.shape)}")
+        if t.numel() == 0:
+            raise ValueError(f"{name}[{i}] is empty: every sequence needs at least one token")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{name}[{i}] must hold integer token ids, got dtype {t.dtype}")
+        t = t.detach().to("cpu", torch.int64)
+        if int(t.min()) < 0:
+            raise ValueError(f"{name}[{i}] has a negative token id ({int(t.min())})")
+        out.append(t)
+    return out
+
+
+def _check_vocab(seqs: List[torch.Tensor], vocab: Optional[int], name: str) -> None:
+    if vocab is None:
+        return
+    for i, t in enumerate(seqs):
+        if int(t.max()) >= vocab:
+            raise ValueError(f"{name}[{i}] has token id {int(t.max())}, outside the model's vocabulary of {vocab}")
+
+
+def _capacity(lengths: np.ndarray, capacity: Optional[int], what: str) -> int:
+    longest = int(lengths.max())
+    if capacity is None:
+        return max(longest, min(_DEFAULT_CAPACITY, int(lengths.sum())))
+    if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
+        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    if longest > capacity:
+        i = int(lengths.argmax())
+        raise ValueError(f"capacity={capacity} is shorter than {what}[{i}] ({longest} tokens); raise capacity "
+                         f"(or leave it None: the longest {what[:-1]} at least)")
+    return int(capacity)
+
+
+def pack_prompts(lengths, capacity: int, algorithm: str = "bfd") -> List[List[int]]:
+    """Rows of sequence indices (each row's sequences in the order they are laid out), from
+    :func:`packer_algos.pack` on ``lengths`` (every length <= ``capacity``).
+
+    Example::
+
+        >>> pack_prompts([5, 3, 7, 2], capacity=10)
+        [[2, 1], [0, 3]]
+    """
+    from packer_algos import pack
+    plan = pack(np.asarray(lengths, dtype=np.int64), capacity=int(capacity), algorithm=algorithm)
+    rows = []
+    for b in range(plan.n_bins):
+        items, _, _ = plan.bin(b)
+        rows.append([int(i) for i in items])
+    return rows
+
+
+def _row_groups(rows: List[List[int]], lengths: np.ndarray, capacity: int, tokens_per_forward: int):
+    """Consecutive groups of rows, each at most ``tokens_per_forward`` tokens (rows x capacity; one row at least)."""
+    per = max(1, int(tokens_per_forward) // capacity)
+    return [rows[i:i + per] for i in range(0, len(rows), per)]
+
+
+def _packed_batch(seqs: List[torch.Tensor], rows: List[List[int]], device, pad_id: int = 0):
+    """The packed tensors of ``rows`` (lists of indices into ``seqs``), each row as long as the group's fullest:
+    ``input_ids`` / ``position_ids`` (R, L) (padding: its own segment, positions 0, 1, ...), ``seg`` (per segment in
+    ``cu_seqlens`` order: the sequence index, -1 for padding), ``flat_start`` (per sequence in ``order``: the flat
+    index of its first token), ``order`` (the sequence indices in layout order)."""
+    fills = [sum(int(seqs[i].numel()) for i in r) for r in rows]
+    L = max(fills)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.int64)
+    pos = torch.zeros((len(rows), L), dtype=torch.int64)
+    seg, order, flat_start = [], [], []
+    for r, row in enumerate(rows):
+        c = 0
+        for i in row:
+            n = int(seqs[i].numel())
+            ids[r, c:c + n] = seqs[i]
+            pos[r, c:c + n] = torch.arange(n)
+            seg.append(i)
+            order.append(i)
+            flat_start.append(r * L + c)
+            c += n
+        if c < L:
+            pos[r, c:] = torch.arange(L - c)
+            seg.append(-1)
+    return ids.to(device), pos.to(device), seg, order, flat_start
+
+
+# --------------------------------------------------------------------------------------------------
+# model families
+
+
+@dataclass
+class _Family:
+    kind: str                  # "mamba_ssm" (MambaLMHeadModel, enable_packing) or "hf" (transformers)
+    mixers: list               # the Mamba-1 mixers, in layer order
+    falcon: bool = False       # transformers' FalconMamba (norms on dt, B, C)
+
+
+def _model_vocab(model) -> Optional[int]:
+    head = getattr(model, "lm_head", None)
+    w = getattr(head, "weight", None)
+    return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+def _model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _family(model, what: str = "generate_packed") -> _Family:
+    """Which decode path ``model`` takes, checking it was converted and its mixers carry states."""
+    from .convert import is_mamba2_mixer
+    from .hf import _falcon_norms, _mixer_kind, is_transformers_model
+    from .modules.mamba_simple import PackedMamba
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    if is_transformers_model(model):
+        conv = model.__dict__.get("_packloader_conversion")
+        if conv is None:
+            raise ValueError(f"{what}: {type(model).__name__} is not converted; call ops.enable_packing(model) first "
+                             "(an unconverted model ignores the packed boundaries and its prompts leak into each "
+                             "other)")
+        if conv.get("mamba2") or conv.get("attention"):
+            raise NotImplementedError(
+                f"{what}: {type(model).__name__} has Mamba-2 layers ({', '.join(conv['mamba2'][:4])}...); packed "
+                "prefill needs each prompt's final states, which the carry path (ops.carry) gives for Mamba-1 "
+                "mixers only. Generate with model.generate() (one prompt per row) instead")
+        layers = getattr(getattr(model, "backbone", model), "layers", None)
+        mixers = [b.mixer for b in layers] if layers is not None else []
+        if not mixers or any(_mixer_kind(m) != "mamba1" for m in mixers):
+            raise NotImplementedError(f"{what}: {type(model).__name__}: only transformers' MambaForCausalLM and "
+                                      "FalconMambaForCausalLM (every layer a Mamba-1 mixer) are supported")
+        falcon = bool(_falcon_norms(mixers[0]))
+        return _Family("hf", mixers, falcon)
+    conv = getattr(model, "_packloader_conversion", None)
+    if conv is None or not hasattr(model, "backbone"):
+        raise ValueError(f"{what}: expected a mamba-ssm MambaLMHeadModel converted by ops.enable_packing(model) or a "
+                         f"converted transformers Mamba / FalconMamba model, got {type(model).__name__}"
+                         + ("" if conv is not None else " (not converted: call ops.enable_packing(model) first)"))
+    mixers = [b.mixer for b in model.backbone.layers]
+    m2 = [i for i, m in enumerate(mixers) if is_mamba2_mixer(m)]
+    if m2:
+        raise NotImplementedError(
+            f"{what}: layers {m2} are Mamba-2 mixers; packed prefill needs each prompt's final states, which the "
+            "carry path (ops.carry) gives for Mamba-1 mixers only. Use mamba-ssm's generate() (one prompt per row)")
+    other = [f"{i} ({type(m).__name__})" for i, m in enumerate(mixers) if not isinstance(m, PackedMamba)]
+    if other:
+        raise NotImplementedError(f"{what}: layers {', '.join(other)} are not Mamba-1 mixers (attention?); packed "
+                                  "prefill with per-prompt states needs every layer to be one")
+    return _Family("mamba_ssm", mixers)
+
+
+class _KeepPositions:
+    """A forward pre-hook on the LM head that keeps only the given flat token positions of its input (the logits of
+    the last prompt tokens: (1, P, vocab) instead of (rows, L, vocab))."""
+
+    def __init__(self, head, flat_index: torch.Tensor):
+        self.flat_index = flat_index
+        self.handle = head.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        h = args[0]
+        return (h.reshape(-1, h.shape[-1]).index_select(0, self.flat_index).unsqueeze(0),) + tuple(args[1:])
+
+    def remove(self):
+        self.handle.remove()
+
+
+def _logits_of(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# packed prefill: last-token logits and every prompt's final states
+
+
+def _carry_keys(seg: List[int], device):
+    n = len(seg)
+    doc = torch.tensor([i if i >= 0 else -1 - k for k, i in enumerate(seg)], dtype=torch.int64)
+    return {"piece_doc_ids": doc, "piece_index": torch.zeros(n, dtype=torch.int64),
+            "has_initial_state": torch.zeros(n, dtype=torch.bool),
+            "continues_after": torch.tensor([i >= 0 for i in seg], dtype=torch.bool)}
+
+
+def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[List[int]], device):
+    """One packed forward over ``rows``: {prompt index: (last-token logits (vocab,), [(conv (d, w-1), ssm (d, n))
+    per layer])}."""
+    from .carry import StateCache
+    ids, pos, seg, order, flat_start = _packed_batch(seqs, rows, device)
+    last = torch.tensor([s + int(seqs[i].numel()) - 1 for i, s in zip(order, flat_start)], device=device)
+    keys = _carry_keys(seg, device)
+    hook = _KeepPositions(model.lm_head, last) if hasattr(model, "lm_head") else None
+    cache = StateCache()
+    try:
+        if fam.kind == "mamba_ssm":
+            step = cache.step(dict(keys, position_ids=pos))
+            logits = _logits_of(model(ids, position_ids=pos, carry=step))
+        elif fam.falcon:
+            logits, finals = _falcon_prefill(model, fam, ids, pos, seg)
+        else:
+            saved = model.__dict__.get("_packloader_state_cache")
+            model.__dict__["_packloader_state_cache"] = cache
+            try:
+                logits = _logits_of(model(input_ids=ids, position_ids=pos, **keys))
+            finally:
+                if saved is None:
+                    model.__dict__.pop("_packloader_state_cache", None)
+                else:
+                    model.__dict__["_packloader_state_cache"] = saved
+    finally:
+        if hook is not None:
+            hook.remove()
+    if hook is not None:
+        logits = logits.reshape(-1, logits.shape[-1])
+    else:
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, last)
+    if not fam.falcon:
+        cache.commit()
+        finals = {}
+        for i in order:
+            finals[i] = []
+            for m in fam.mixers:
+                got = cache.get(i, m.layer_idx)
+                if got is None:
+                    raise RuntimeError(f"generate_packed: the packed prefill left no state for prompt {i} at layer "
+                                       f"{m.layer_idx} ({type(m).__name__}); this mixer did not take the carry path")
+                finals[i].append(got)
+    return {i: (logits[k], finals[i]) for k, i in enumerate(order)}
+
+
+def _falcon_prefill(model, fam: _Family, ids, pos, seg):
+    """FalconMamba (whose norms the carry path does not take): the model's own forward with every mixer's forward
+    replaced, for this call, by the packed conv + scan that also returns each prompt's final states."""
+    import ops
+    from .hf import _falcon_norms, _weightless_rms
+    from .states import sequence_spans
+    n_seg = len(seg)
+    prompt_k = [k for k, i in enumerate(seg) if i >= 0]
+    finals: Dict[int, list] = {i: [] for i in seg if i >= 0}
+
+    def packed_mixer(mixer):
+        def forward(hidden_states, *args, **kwargs):
+            dtype = hidden_states.dtype
+            d_inner, k = mixer.intermediate_size, mixer.conv_kernel_size - 1
+            A = -torch.exp(mixer.A_log.float())
+            conv_bias = mixer.conv1d.bias if getattr(mixer, "use_conv_bias", True) else None
+            xz = mixer.in_proj(hidden_states)
+            x = xz[..., :d_inner].transpose(1, 2).contiguous()
+            z = xz[..., d_inner:].transpose(1, 2).contiguous()
+            start, length = sequence_spans(pos, n_seg)
+            j = torch.arange(k, device=x.device)
+            flat = start[:, None] + length[:, None] - k + j
+            inside = flat >= start[:, None]
+            L = x.shape[2]
+            flat = torch.where(inside, flat, start[:, None])
+            conv_fin = torch.where(inside[:, None, :], x[flat // L, :, flat % L].permute(0, 2, 1), 0.0)
+            xc = ops.packed_causal_conv1d(x, mixer.conv1d.weight.to(x.dtype), None if conv_bias is None else
+                                          conv_bias.to(x.dtype), activation="silu", position_ids=pos, validate=False)
+            dt, B, C = torch.split(mixer.x_proj(xc.transpose(1, 2)),
+                                   [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1)
+            norms = _falcon_norms(mixer)
+            if norms == "modules":
+                B, C, dt = mixer.b_layernorm(B), mixer.c_layernorm(C), mixer.dt_layernorm(dt)
+            else:
+                B, C, dt = (_weightless_rms(t, mixer.rms_eps) for t in (B, C, dt))
+            delta = torch.matmul(mixer.dt_proj.weight, dt.transpose(1, 2))
+            y, ssm_fin = ops.packed_selective_scan(
+                xc, delta, A, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(), D=mixer.D.float(),
+                z=z, delta_bias=mixer.dt_proj.bias.float(), delta_softplus=True, position_ids=pos, validate=False,
+                has_initial_state=torch.zeros(n_seg, dtype=torch.bool, device=x.device), output_final_state=True)
+            for kk in prompt_k:
+                finals[seg[kk]].append((conv_fin[kk], ssm_fin[kk]))
+            return mixer.out_proj(y.transpose(1, 2).to(dtype))
+        return forward
+
+    for m in fam.mixers:
+        m.forward = packed_mixer(m)
+    try:
+        # the model's own (unconverted) code around the mixers: no boundaries reach it, our mixers use ``pos``
+        logits = _logits_of(model(input_ids=ids, use_cache=False))
+    finally:
+        for m in fam.mixers:
+            del m.forward
+    return logits, finals
+
+
+# --------------------------------------------------------------------------------------------------
+# decoding caches
+
+
+class _InferenceParams:
+    """mamba-ssm's ``InferenceParams`` (``utils.generation``), for when mamba-ssm is not installed (the stand-in
+    models of the tests): the fields its mixers read."""
+
+    def __init__(self, max_seqlen: int, max_batch_size: int):
+        self.max_seqlen = max_seqlen
+        self.max_batch_size = max_batch_size
+        self.seqlen_offset = 0
+        self.batch_size_offset = 0
+        self.key_value_memory_dict: dict = {}
+        self.lengths_per_sample = None
+
+
+def _new_inference_params(max_seqlen: int, batch: int):
+    try:
+        from mamba_ssm.utils.generation import InferenceParams
+        return InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch)
+    except ImportError:
+        return _InferenceParams(max_seqlen, batch)
+
+
+def _fill_state(conv_dst: torch.Tensor, ssm_dst: torch.Tensor, states: List[tuple], what: str) -> None:
+    """Write the prefill's final states into a decode cache's tensors: conv (b, d, w) gets the last w-1 inputs in its
+    last w-1 columns (a decode step shifts left and appends the new input), ssm (b, d, n)."""
+    conv = torch.stack([c for c, _ in states])
+    ssm = torch.stack([s for _, s in states])
+    if conv_dst.shape[:2] != conv.shape[:2] or conv_dst.shape[-1] < conv.shape[-1] or ssm_dst.shape != ssm.shape:
+        raise RuntimeError(f"generate_packed: {what}: the decode cache's states {tuple(conv_dst.shape)} / "
+                           f"{tuple(ssm_dst.shape)} do not fit the prefill's {tuple(conv.shape)} / {tuple(ssm.shape)}")
+    conv_dst.zero_()
+    conv_dst[..., conv_dst.shape[-1] - conv.shape[-1]:] = conv.to(conv_dst.dtype)
+    ssm_dst.copy_(ssm.to(ssm_dst.dtype))
+
+
+class _MambaSSMDecoder:
+    """Batched decoding through mamba-ssm's cache (``InferenceParams``, ``seqlen_offset > 0``: each mixer's
+    ``step``)."""
+
+    def __init__(self, model, fam: _Family, states: List[list], max_seqlen: int):
+        b = len(states)
+        self.model = model
+        self.params = _new_inference_params(max_seqlen, b)
+        for li, m in enumerate(fam.mixers):
+            conv, ssm = m.allocate_inference_cache(b, max_seqlen)
+            _fill_state(conv, ssm, [s[li] for s in states], f"layer {m.layer_idx}")
+            self.params.key_value_memory_dict[m.layer_idx] = (conv, ssm)
+        self.params.seqlen_offset = 1   # > 0: the mixers step from the cache
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.model(tokens[:, None], inference_params=self.params, num_last_tokens=1)
+        self.params.seqlen_offset += 1
+        return _logits_of(out)[:, -1]
+
+    def keep(self, idx: torch.Tensor) -> None:
+        d = self.params.key_value_memory_dict
+        for k, (conv, ssm) in list(d.items()):
+            d[k] = (conv.index_select(0, idx).contiguous(), ssm.index_select(0, idx).contiguous())
+        self.params.max_batch_size = int(idx.numel())
+
+
+def _hf_layer_states(cache, layer: int):
+    """(conv (b, d, w), ssm (b, d, n)) of ``layer`` in transformers' cache: 5.24+'s ``DynamicCache`` of linear
+    attention layers, or 5.0-5.23's ``MambaCache``."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None and hasattr(layers[layer], "conv_states"):
+        lay = layers[layer]
+        return lay.conv_states[0], lay.recurrent_states[0]
+    if hasattr(cache, "conv_states") and hasattr(cache, "ssm_states"):
+        return cache.conv_states[layer], cache.ssm_states[layer]
+    raise NotImplementedError(f"generate_packed: this transformers version's cache ({type(cache).__name__}) is not "
+                              "one packloader knows (MambaCache, or DynamicCache with conv / recurrent states)")
+
+
+def _hf_set_layer_states(cache, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+    layers = getattr(cache, "layers", None)
+    if layers is not None and hasattr(layers[layer], "conv_states"):
+        layers[layer].conv_states[0] = conv
+        layers[layer].recurrent_states[0] = ssm
+    else:
+        cache.conv_states[layer] = conv
+        cache.ssm_states[layer] = ssm
+        if hasattr(cache, "max_batch_size"):
+            cache.max_batch_size = conv.shape[0]
+
+
+class _HFDecoder:
+    """Batched decoding through transformers' own cache path. The cache is made by transformers itself (a one-token
+    forward with ``use_cache=True``), then its states are overwritten with the prefill's."""
+
+    def __init__(self, model, fam: _Family, states: List[list], first_tokens: torch.Tensor):
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "cache_params"
+        self.takes_position = "cache_position" in params
+        out = model(input_ids=first_tokens[:, None], use_cache=True)
+        cache = getattr(out, "cache", None)
+        if cache is None:
+            cache = getattr(out, "cache_params", None)
+        if cache is None:
+            raise NotImplementedError("generate_packed: this transformers version returned no cache from "
+                                      f"{type(model).__name__}(..., use_cache=True)")
+        self.cache = cache
+        self.layers = [m.layer_idx for m in fam.mixers]
+        for li, layer in enumerate(self.layers):
+            conv, ssm = _hf_layer_states(cache, layer)
+            _fill_state(conv, ssm, [s[li] for s in states], f"layer {layer}")
+        self.position = max(fam.mixers[0].conv_kernel_size, 2)   # > 0 and past the conv window: a decode step
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        kw = {self.cache_kw: self.cache, "use_cache": True}
+        if self.takes_position:
+            kw["cache_position"] = torch.tensor([self.position], device=tokens.device)
+        out = self.model(input_ids=tokens[:, None], **kw)
+        self.position += 1
+        return _logits_of(out)[:, -1]
+
+    def keep(self, idx: torch.Tensor) -> None:
+        for layer in self.layers:
+            conv, ssm = _hf_layer_states(self.cache, layer)
+            _hf_set_layer_states(self.cache, layer, conv.index_select(0, idx).contiguous(),
+                                 ssm.index_select(0, idx).contiguous())
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling
+
+
+def _check_sampling(temperature, top_k, top_p, seed):
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, (int, np.integer)) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be None or a positive int, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or isinstance(top_p, bool)
+                              or not 0.0 < float(top_p) <= 1.0):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}")
+    if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)):
+        raise ValueError(f"seed must be None or an int, got {seed!r}")
+
+
+def _next_tokens(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float],
+                 generator: Optional[torch.Generator]) -> torch.Tensor:
+    """(b,) next tokens from (b, vocab) logits: argmax when ``temperature == 0``, else a draw from the softmax of
+    ``logits / temperature`` restricted to the ``top_k`` most likely tokens and the smallest set whose probability
+    reaches ``top_p``."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    scores = logits.float() / float(temperature)
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, int(top_k), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= float(top_p)     # the tokens after the set reached top_p (never the first)
+        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
+    probs = scores.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# generate_packed
+
+
+def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence[int]], *,
+                    capacity: Optional[int] = None, temperature: float = 0.0, top_k: Optional[int] = None,
+                    top_p: Optional[float] = None, seed: Optional[int] = None,
+                    stop_token_ids: Optional[Sequence[int]] = None, eos_token_id: Optional[int] = None,
+                    batch_size: Optional[int] = None, prefill_tokens: Optional[int] = None,
+                    algorithm: str = "bfd") -> List[torch.Tensor]:
+    """Generate a continuation of every prompt: packed prefill, then all prompts decoded together.
+
+    The prompts are packed into rows of ``capacity`` tokens (:mod:`packer_algos`, no padding between prompts); one
+    packed forward per group of rows gives each prompt's last-token logits and its final conv and scan states (the
+    carry path, :mod:`ops.carry`); the model's decoding cache is filled with those states and all prompts of a batch
+    decode together, one token per step, through the model's usual decode path (mamba-ssm: ``InferenceParams`` with
+    ``seqlen_offset > 0``; transformers: its cache). A prompt leaves the batch when it has its ``max_new_tokens`` or
+    produced a stop token. Greedy outputs equal generating each prompt alone (fp32; the decode path is the same, the
+    prefill differs from a single-sequence forward only by rounding).
+
+    Example::
+
+        >>> import ops, transformers
+        >>> model = ops.enable_packing(transformers.MambaForCausalLM(config)).eval()
+        >>> outs = ops.generate_packed(model, [[12, 7, 99], [5, 5]], max_new_tokens=8, eos_token_id=0)
+        >>> [o.tolist() for o in outs]            # each prompt, then its new tokens (up to and with a stop token)
+
+    Args:
+        model: a mamba-ssm ``MambaLMHeadModel`` (Mamba-1 mixers) or a transformers ``MambaForCausalLM`` /
+            ``FalconMambaForCausalLM``, converted by :func:`ops.enable_packing`. Run in eval mode under
+            ``torch.no_grad`` (its mode is restored after). Mamba-2 models are refused (the carry path holds Mamba-1
+            states only).
+        prompts: token-id lists or 1-D integer tensors, any lengths (>= 1 token each).
+        max_new_tokens: new tokens per prompt, an int for all or one int per prompt (0: the prompt comes back as it
+            is).
+        capacity: tokens per packed row (default: 2048, or fewer when all prompts fit in fewer, but at least the
+            longest prompt). A prompt longer than ``capacity`` is an error.
+        temperature: 0 (default) decodes greedily (argmax); > 0 samples from ``softmax(logits / temperature)``.
+        top_k: sample among the ``top_k`` most likely tokens only (None: all).
+        top_p: sample among the smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus;
+            None or 1.0: all).
+        seed: seeds the sampling generator: the same arguments give the same tokens. The draws depend on the batch
+            (which prompts decode together), so a prompt sampled alone with the same seed gets other tokens.
+        stop_token_ids: token ids that end a prompt's generation (the stop token is kept in the output).
+        eos_token_id: one more stop token (e.g. the tokenizer's end of text); None: only ``stop_token_ids``.
+        batch_size: prompts decoded together (default: all); prompts go in batches of this many, in the given order,
+            each packed and prefilled on its own.
+        prefill_tokens: tokens per packed forward (rows x capacity; default 65536, one row at least); bounds the
+            prefill's activation memory.
+        algorithm: the :func:`packer_algos.pack` algorithm ("bfd", "ffd", "first_fit", "next_fit").
+
+    Returns:
+        one 1-D int64 tensor per prompt, on the model's device: the prompt followed by its new tokens.
+
+    Raises:
+        ValueError / TypeError: bad prompts (empty, not 1-D, not integers, token ids outside the vocabulary),
+            ``max_new_tokens``, ``capacity``, sampling arguments or ``batch_size``, naming the argument; a model not
+            converted by :func:`ops.enable_packing`.
+        NotImplementedError: a model whose layers cannot give per-prompt states (Mamba-2, attention).
+    """
+    fam = _family(model)
+    seqs = _as_token_list(prompts, "prompts")
+    n = len(seqs)
+    _check_vocab(seqs, _model_vocab(model), "prompts")
+    if isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens, bool):
+        budgets = [int(max_new_tokens)] * n
+    elif isinstance(max_new_tokens, (list, tuple, np.ndarray, torch.Tensor)):
+        budgets = [int(v) for v in max_new_tokens]
+        if len(budgets) != n:
+            raise ValueError(f"max_new_tokens has {len(budgets)} entries for {n} prompts")
+    else:
+        raise TypeError(f"max_new_tokens must be an int or one int per prompt, got {type(max_new_tokens).__name__}")
+    if any(b < 0 for b in budgets):
+        raise ValueError(f"max_new_tokens must be >= 0, got {min(budgets)}")
+    _check_sampling(temperature, top_k, top_p, seed)
+    if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be None or a positive int, got {batch_size!r}")
+    if prefill_tokens is not None and (not isinstance(prefill_tokens, (int, np.integer)) or prefill_tokens < 1):
+        raise ValueError(f"prefill_tokens must be None or a positive int, got {prefill_tokens!r}")
+    stops = set(int(t) for t in (stop_token_ids or ()))
+    if eos_token_id is not None:
+        stops.add(int(eos_token_id))
+    lengths = np.array([int(s.numel()) for s in seqs], dtype=np.int64)
+    cap = _capacity(lengths, capacity, "prompts")
+    device = _model_device(model)
+    generator = None
+    if seed is not None and temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(seed))
+    stop_tensor = torch.tensor(sorted(stops), dtype=torch.int64, device=device) if stops else None
+    new_tokens: List[List[torch.Tensor]] = [[] for _ in range(n)]
+    todo = [i for i in range(n) if budgets[i] > 0]
+    bs = len(todo) if batch_size is None else int(batch_size)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for b0 in range(0, len(todo), max(bs, 1)):
+                chunk = todo[b0:b0 + bs]
+                _generate_batch(model, fam, seqs, chunk, budgets, cap, prefill_tokens or _DEFAULT_PREFILL_TOKENS,
+                                algorithm, temperature, top_k, top_p, generator, stop_tensor, new_tokens, device)
+    finally:
+        model.train(was_training)
+    outs = []
+    for i in range(n):
+        parts = [seqs[i].to(device)] + new_tokens[i]
+        outs.append(torch.cat(parts))
+    return outs
+
+
+def _generate_batch(model, fam, seqs, chunk, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
+                    generator, stop_tensor, new_tokens, device):
+    sub = [seqs[i] for i in chunk]
+    lengths = np.array([int(s.numel()) for s in sub], dtype=np.int64)
+    rows = pack_prompts(lengths, cap, algorithm)
+    got = {}
+    for group in _row_groups(rows, lengths, cap, prefill_tokens):
+        got.update(_prefill_group(model, fam, sub, group, device))
+    logits = torch.stack([got[k][0] for k in range(len(chunk))])
+    states = [got[k][1] for k in range(len(chunk))]
+    tok = _next_tokens(logits, temperature, top_k, top_p, generator)
+    active = torch.arange(len(chunk), device=device)          # positions in ``chunk`` still decoding
+    left = torch.tensor([budgets[i] for i in chunk], device=device)
+    decoder = None
+    while True:
+        for k, t in zip(active.tolist(), tok.unbind(0)):
+            new_tokens[chunk[k]].append(t.reshape(1))
+        left_now = left.index_select(0, active) - 1
+        left.index_copy_(0, active, left_now)
+        done = left_now <= 0
+        if stop_tensor is not None:
+            done = done | torch.isin(tok, stop_tensor)
+        keep = (~done).nonzero().squeeze(-1)
+        if keep.numel() == 0:
+            return
+        if decoder is None:   # the cache of the prompts still going, from the prefill's states
+            keep_list = keep.tolist()
+            live_states = [states[active[k].item()] for k in keep_list]
+            tok = tok.index_select(0, keep)
+            active = active.index_select(0, keep)
+            if fam.kind == "mamba_ssm":
+                decoder = _MambaSSMDecoder(model, fam, live_states, int(lengths.max()) + max(budgets))
+            else:
+                decoder = _HFDecoder(model, fam, live_states, tok)
+        elif keep.numel() < active.numel():
+            decoder.keep(keep)
+            tok = tok.index_select(0, keep)
+            active = active.index_select(0, keep)
+        tok = _next_tokens(decoder.step(tok), temperature, top_k, top_p, generator)
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluation
+
+
+@dataclass
+class PackedEvalResult:
+    """Per-sequence losses of :func:`evaluate_packed` (CPU tensors, in the order of the sequences given).
+
+    Attributes:
+        loss_sum: (n,) float64: each sequence's summed next-token cross-entropy (nats).
+        num_tokens: (n,) int64: the tokens it was summed over (labels other than -100 after the first position).
+    """
+
+    loss_sum: torch.Tensor
+    num_tokens: torch.Tensor
+
+    @property
+    def mean_loss(self) -> torch.Tensor:
+        """(n,) float64: loss_sum / num_tokens (nan for a sequence without loss tokens)."""
+        return self.loss_sum / self.num_tokens.to(torch.float64)
+
+    @property
+    def perplexity(self) -> torch.Tensor:
+        """(n,) float64: exp(mean_loss)."""
+        return torch.exp(self.mean_loss)
+
+    @property
+    def total_mean_loss(self) -> float:
+        """The token-weighted mean loss of the whole set."""
+        return float(self.loss_sum.sum() / max(int(self.num_tokens.sum()), 1))
+
+    @property
+    def total_perplexity(self) -> float:
+        return math.exp(self.total_mean_loss)
+
+    def metrics(self, prefix: str = "eval_packed") -> Dict[str, float]:
+        """{prefix_loss, prefix_perplexity, prefix_tokens, prefix_sequences}: for a trainer's logs."""
+        return {f"{prefix}_loss": self.total_mean_loss, f"{prefix}_perplexity": self.total_perplexity,
+                f"{prefix}_tokens": int(self.num_tokens.sum()), f"{prefix}_sequences": int(self.num_tokens.numel())}
+
+
+def _packed_logits(model, ids, pos):
+    from .hf import is_transformers_model
+    if is_transformers_model(model):
+        return _logits_of(model(input_ids=ids, position_ids=pos))
+    return _logits_of(model(ids, position_ids=pos))
+
+
+def evaluate_packed(model, sequences: Prompts, labels: Optional[Prompts] = None, *, capacity: Optional[int] = None,
+                    eval_tokens: Optional[int] = None, algorithm: str = "bfd") -> PackedEvalResult:
+    """Each sequence's next-token loss, from packed rows (no padding between sequences, nothing leaks across them).
+
+    The sequences are packed into rows of ``capacity`` tokens, run through the converted model with their
+    ``position_ids`` in forwards of at most ``eval_tokens`` tokens, and each token's cross-entropy (float32 log-softmax,
+    summed in float64) goes to its sequence. The result equals running each sequence alone (fp32: within 1e-5).
+
+    Example::
+
+        >>> res = ops.evaluate_packed(model, held_out_token_lists, capacity=2048)
+        >>> res.mean_loss[:3], res.perplexity[:3], res.total_perplexity
+
+    Args:
+        model: any model :func:`ops.enable_packing` converted whose forward returns logits (a mamba-ssm
+            ``MambaLMHeadModel``, transformers' Mamba / FalconMamba / Mamba-2 models and hybrids), or any module
+            whose ``forward(input_ids, position_ids=...)`` returns logits and isolates packed sequences. Evaluated
+            in eval mode under ``torch.no_grad`` (its mode is restored after).
+        sequences: token-id lists or 1-D integer tensors (>= 1 token each).
+        labels: optional, one per sequence, of the same length: the target of position ``t`` is ``labels[t + 1]``
+            (transformers' convention: labels are not shifted by the caller); -100 excludes a token (e.g. the
+            prompt of a question-answer pair). Default: the sequence itself.
+        capacity: tokens per packed row (default: 2048, at least the longest sequence, fewer when everything fits).
+        eval_tokens: tokens per forward (rows x capacity; default 16384, one row at least): bounds the logits'
+            memory (eval_tokens x vocab floats).
+        algorithm: the :func:`packer_algos.pack` algorithm.
+
+    Returns:
+        :class:`PackedEvalResult`: ``loss_sum``, ``num_tokens``, ``mean_loss``, ``perplexity`` per sequence, and
+        ``total_mean_loss`` / ``total_perplexity`` / ``metrics()`` over the set.
+
+    Raises:
+        ValueError / TypeError: bad sequences or labels (empty, not 1-D, lengths that differ, token ids outside the
+            vocabulary), a bad ``capacity`` / ``eval_tokens``, naming the argument; an unconverted model.
+    """
+    from .hf import is_transformers_model
+    if is_transformers_model(model) or hasattr(model, "backbone"):
+        if "_packloader_conversion" not in model.__dict__:
+            raise ValueError(f"evaluate_packed: {type(model).__name__} is not converted; call "
+                             "ops.enable_packing(model) first (an unconverted model lets packed sequences leak)")
+    seqs = _as_token_list(sequences, "sequences")
+    n = len(seqs)
+    _check_vocab(seqs, _model_vocab(model), "sequences")
+    if labels is None:
+        labs = seqs
+    else:
+        if isinstance(labels, torch.Tensor) or len(labels) != n:
+            raise ValueError(f"labels must be a list of {n} label sequences (one per sequence)")
+        labs = []
+        for i, l in enumerate(labels):
+            t = l if isinstance(l, torch.Tensor) else torch.as_tensor(np.asarray(l))
+            if t.dim() != 1 or t.numel() != seqs[i].numel():
+                raise ValueError(f"labels[{i}] must be 1-D with the length of sequences[{i}] ({seqs[i].numel()}), "
+                                 f"got shape {tuple(t.shape)}")
+            labs.append(t.to("cpu", torch.int64))
+    if eval_tokens is not None and (not isinstance(eval_tokens, (int, np.integer)) or eval_tokens < 1):
+        raise ValueError(f"eval_tokens must be None or a positive int, got {eval_tokens!r}")
+    lengths = np.array([int(s.numel()) for s in seqs], dtype=np.int64)
+    cap = _capacity(lengths, capacity, "sequences")
+    device = _model_device(model)
+    rows = pack_prompts(lengths, cap, algorithm)
+    loss_sum = torch.zeros(n, dtype=torch.float64, device=device)
+    count = torch.zeros(n, dtype=torch.int64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for group in _row_groups(rows, lengths, cap, eval_tokens or 16384):
+                ids, pos, _, order, flat_start = _packed_batch(seqs, group, device)
+                R, L = ids.shape
+                target = torch.full((R * L,), -100, dtype=torch.int64)
+                owner = torch.zeros(R * L, dtype=torch.int64)
+                for i, s in zip(order, flat_start):
+                    m = int(seqs[i].numel())
+                    target[s:s + m - 1] = labs[i][1:]       # position t predicts labels[t + 1]
+                    owner[s:s + m] = i
+                target, owner = target.to(device), owner.to(device)
+                logits = _packed_logits(model, ids, pos).reshape(R * L, -1)
+                tok_loss = F.cross_entropy(logits.float(), target.clamp(min=0), reduction="none")
+                valid = target != -100
+                loss_sum.index_add_(0, owner[valid], tok_loss[valid].to(torch.float64))
+                count.index_add_(0, owner[valid], torch.ones_like(owner[valid]))
+    finally:
+        model.train(was_training)
+    return PackedEvalResult(loss_sum.cpu(), count.cpu())
+
+
+class PackedEvalCallback:
+    """A ``transformers.TrainerCallback`` that evaluates a held-out set with :func:`evaluate_packed` from a trainer's
+    loop (``packloader.hf.PackedTrainer`` or any ``Trainer``).
+
+    - ``trainer.evaluate()`` (and Trainer's own evaluation steps) gain ``{prefix}_loss``, ``{prefix}_perplexity``,
+      ``{prefix}_tokens`` and ``{prefix}_sequences`` in their metrics;
+    - with ``eval_steps``, it also evaluates every ``eval_steps`` optimizer steps by itself (no ``eval_dataset``
+      needed) and logs the metrics through ``trainer.log`` (when attached with :meth:`attach`; else into
+      ``state.log_history``).
+
+    Example::
+
+        cb = ops.PackedEvalCallback(held_out, capacity=2048, eval_steps=100)
+        trainer = PackedTrainer(model=model, args=args, train_loader=loader)
+        cb.attach(trainer)                          # trainer.add_callback(cb), logs through trainer.log
+        trainer.train()                             # every 100 steps: eval_packed_loss, eval_packed_perplexity
+
+    Args:
+        sequences, labels, capacity, eval_tokens: as :func:`evaluate_packed`.
+        eval_steps: evaluate every this many steps by itself (None: only when the trainer evaluates).
+        prefix: the metrics' name prefix.
+
+    It is a duck-typed ``TrainerCallback`` (every other ``on_*`` event does nothing), so ``import ops`` does not
+    import transformers.
+    """
+
+    def __init__(self, sequences: Prompts, labels: Optional[Prompts] = None, *, capacity: Optional[int] = None,
+                 eval_tokens: Optional[int] = None, eval_steps: Optional[int] = None, prefix: str = "eval_packed"):
+        if eval_steps is not None and (not isinstance(eval_steps, int) or eval_steps < 1):
+            raise ValueError(f"eval_steps must be None or a positive int, got {eval_steps!r}")
+        self.sequences, self.labels = sequences, labels
+        self.capacity, self.eval_tokens, self.eval_steps, self.prefix = capacity, eval_tokens, eval_steps, prefix
+        self.trainer = None
+        self.history: List[dict] = []
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):     # the other TrainerCallback events: nothing to do
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def attach(self, trainer) -> "PackedEvalCallback":
+        """Add this callback to ``trainer`` and log through ``trainer.log``."""
+        self.trainer = trainer
+        trainer.add_callback(self)
+        return self
+
+    def evaluate(self, model) -> Dict[str, float]:
+        res = evaluate_packed(model, self.sequences, self.labels, capacity=self.capacity,
+                              eval_tokens=self.eval_tokens)
+        return res.metrics(self.prefix)
+
+    def on_evaluate(self, args, state, control, model=None, metrics=None, **kwargs):
+        if model is not None and metrics is not None:
+            metrics.update(self.evaluate(model))
+        return control
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.eval_steps and model is not None and state.global_step % self.eval_steps == 0:
+            got = self.evaluate(model)
+            self.history.append(dict(got, step=state.global_step))
+            if self.trainer is not None:
+                self.trainer.log(dict(got))
+            else:
+                state.log_history.append(dict(got, step=state.global_step))
+        return control
