@@ -1,0 +1,366 @@
+"""ops.decode: the single-token state updates (causal_conv1d_step, selective_state_step) and PackedMamba.step.
+
+CPU: the reference equals the torch step PackedMamba ran before (mamba-ssm's Mamba.step math) bit for bit, in
+float64 and float32; the custom ops pass torch.library.opcheck (schema, fake impl, mutation); decoding step by step
+equals a full forward; the ops trace under torch.compile(fullgraph=True); bad arguments are named.
+GPU (gpu marker): the Triton kernels against the float64 reference (fp32 to 1e-5, bf16 / fp16 to their rounding),
+CUDA-graph capture and replay equal eager, torch.compile(mode="reduce-overhead"), mamba-ssm's generate(cg=True) on a
+converted model gives the unconverted model's tokens.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ops
+from ops import PackedMamba
+from ops.decode import (causal_conv1d_step, causal_conv1d_step_ref, mamba_step, selective_state_step,
+                        selective_state_step_ref)
+
+F64 = torch.float64
+
+
+def _previous_step(layer, hidden_states, conv_state, ssm_state):
+    """PackedMamba.step as it was before ops.decode (the torch math of mamba-ssm's Mamba.step without kernels)."""
+    dtype = hidden_states.dtype
+    x, z = layer.in_proj(hidden_states.squeeze(1)).chunk(2, dim=-1)
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+    conv_state[:, :, -1] = x
+    x = (conv_state * layer.conv1d.weight[:, 0]).sum(-1)
+    if layer.conv1d.bias is not None:
+        x = x + layer.conv1d.bias
+    x = F.silu(x).to(dtype)
+    dt, B, C = torch.split(layer.x_proj(x), [layer.dt_rank, layer.d_state, layer.d_state], dim=-1)
+    dt = F.softplus(F.linear(dt, layer.dt_proj.weight) + layer.dt_proj.bias.to(dt.dtype))
+    A = -torch.exp(layer.A_log if layer.A_log.dtype == F64 else layer.A_log.float())
+    dA = torch.exp(dt.unsqueeze(-1) * A)
+    dB = dt.unsqueeze(-1) * B.unsqueeze(1)
+    ssm_state.copy_(ssm_state * dA + x.unsqueeze(-1) * dB)
+    y = (ssm_state.to(dtype) * C.unsqueeze(1)).sum(-1) + layer.D.to(dtype) * x
+    y = y * F.silu(z)
+    return layer.out_proj(y).unsqueeze(1)
+
+
+def _layer(dtype=F64, d_model=16, d_state=8, d_conv=4, conv_bias=True, bias=False, device="cpu", layer_idx=0):
+    layer = PackedMamba(d_model, d_state=d_state, d_conv=d_conv, conv_bias=conv_bias, bias=bias, layer_idx=layer_idx,
+                        device=device)
+    layer = layer.to(dtype)
+    with torch.no_grad():   # move A_log / D / biases off their init so each matters
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer.eval()
+
+
+def _random_states(layer, batch, dtype, device="cpu"):
+    conv = torch.randn(batch, layer.d_inner, layer.d_conv, dtype=dtype, device=device)
+    ssm = torch.randn(batch, layer.d_inner, layer.d_state, dtype=dtype, device=device)
+    return conv, ssm
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("conv_bias,bias,d_conv", [(True, False, 4), (False, True, 3), (True, True, 2)])
+def test_step_equals_the_previous_torch_step(seed, dtype, conv_bias, bias, d_conv):
+    layer = _layer(dtype, d_state=5, d_conv=d_conv, conv_bias=conv_bias, bias=bias)
+    conv, ssm = _random_states(layer, 3, dtype)
+    conv_prev, ssm_prev = conv.clone(), ssm.clone()
+    with torch.no_grad():
+        for _ in range(3):   # several steps from random states: the states feed back
+            h = torch.randn(3, 1, layer.d_model, dtype=dtype)
+            out, c_ret, s_ret = layer.step(h, conv, ssm)
+            expected = _previous_step(layer, h, conv_prev, ssm_prev)
+            assert c_ret is conv and s_ret is ssm   # in place, the same tensors returned
+            assert torch.equal(out, expected)
+            assert torch.equal(conv, conv_prev) and torch.equal(ssm, ssm_prev)
+    assert out.dtype == dtype and out.shape == (3, 1, layer.d_model)
+
+
+def test_low_precision_states_match_the_previous_step(seed):
+    """A bfloat16 module with bfloat16 states (mamba-ssm's generate allocates them in the model dtype)."""
+    layer = _layer(torch.float32).to(torch.bfloat16)
+    layer.A_log.data, layer.D.data = layer.A_log.data.float(), layer.D.data.float()
+    conv, ssm = _random_states(layer, 2, torch.bfloat16)
+    conv_prev, ssm_prev = conv.clone(), ssm.clone()
+    h = torch.randn(2, 1, layer.d_model, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = layer.step(h, conv, ssm)[0]
+        expected = _previous_step(layer, h, conv_prev, ssm_prev)
+    assert torch.equal(out, expected) and torch.equal(conv, conv_prev) and torch.equal(ssm, ssm_prev)
+
+
+def test_ops_with_and_without_optional_arguments_against_float64_math(seed):
+    """The two ops on their own: conv window and scan step written out as sums, every optional argument absent."""
+    b, d, n, w = 2, 6, 3, 4
+    x = torch.randn(b, d, dtype=F64)
+    state = torch.randn(b, d, w, dtype=F64)
+    weight = torch.randn(d, w, dtype=F64)
+    window = torch.cat([state[:, :, 1:], x[:, :, None]], dim=-1)
+    out = causal_conv1d_step(x, state, weight, None, activation=None)
+    torch.testing.assert_close(out, (window * weight).sum(-1), rtol=1e-12, atol=1e-12)
+    assert torch.equal(state, window)
+    h = torch.randn(b, d, n, dtype=F64)
+    dt, A_log, B, C = torch.rand(b, d, dtype=F64), torch.randn(d, n, dtype=F64), torch.randn(b, n, dtype=F64), \
+        torch.randn(b, n, dtype=F64)
+    expected_h = h * torch.exp(-dt[:, :, None] * torch.exp(A_log)) + dt[:, :, None] * B[:, None, :] * x[:, :, None]
+    y = selective_state_step(h, x, dt, A_log, B, C, dt_softplus=False)
+    torch.testing.assert_close(h, expected_h, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, (expected_h * C[:, None, :]).sum(-1), rtol=1e-12, atol=1e-12)
+
+
+def _op_samples(dtype=F64, device="cpu", strided=False):
+    b, d, n, w, r = 3, 8, 4, 4, 3
+    g = dict(dtype=dtype, device=device)
+    conv_state = torch.randn(b, d, w, **g)
+    ssm_state = torch.randn(b, d, n, **g)
+    if strided:   # channel-last states: any strides are taken
+        conv_state = torch.randn(b, w, d, **g).transpose(1, 2)
+        ssm_state = torch.randn(b, n, d, **g).transpose(1, 2)
+    xdbl = torch.randn(b, r + 2 * n, **g)
+    dt, B, C = torch.split(xdbl, [r, n, n], dim=-1)   # strided slices, as x_proj's output gives them
+    f32 = dict(dtype=F64 if dtype == F64 else torch.float32, device=device)
+    conv = [(torch.randn(b, d, **g), conv_state, torch.randn(d, w, **g), torch.randn(d, **g), True),
+            (torch.randn(b, d, **g), conv_state.clone(), torch.randn(d, w, **g), None, False)]
+    state = [(ssm_state, torch.randn(b, d, **g), dt, torch.randn(d, n, **f32), B, C, torch.randn(d, **f32),
+              torch.randn(b, d, **g), torch.randn(d, **g), 0.3 * torch.randn(d, r, **g), True),
+             (ssm_state.clone(), torch.randn(b, d, **g), torch.randn(b, d, **g), torch.randn(d, n, **f32), B, C,
+              None, None, None, None, False)]
+    return conv, state
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_opcheck(seed, strided):
+    conv, state = _op_samples(strided=strided)
+    for args in conv:
+        torch.library.opcheck(torch.ops.packloader.causal_conv1d_step.default, args)
+    for args in state:
+        torch.library.opcheck(torch.ops.packloader.selective_state_step.default, args)
+
+
+def test_fake_impl_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    conv, state = _op_samples()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        c = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in conv[0]]
+        s = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in state[0]]
+        out_c = torch.ops.packloader.causal_conv1d_step(*c)
+        out_s = torch.ops.packloader.selective_state_step(*s)
+    assert out_c.shape == conv[0][0].shape and out_c.dtype == conv[0][0].dtype and out_c.is_contiguous()
+    assert out_s.shape == state[0][1].shape and out_s.dtype == state[0][1].dtype
+
+
+def test_compiled_step_traces_without_graph_breaks(seed):
+    """The step under torch.compile(fullgraph=True) (aot_eager: tracing and functionalization, no compiler run):
+    the same outputs and in-place state updates as eager, three steps in a row."""
+    layer = _layer(torch.float32)
+    conv, ssm = _random_states(layer, 2, torch.float32)
+    conv_e, ssm_e = conv.clone(), ssm.clone()
+    compiled = torch.compile(lambda h, c, s: layer.step(h, c, s)[0], backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for _ in range(3):
+            h = torch.randn(2, 1, layer.d_model)
+            got = compiled(h, conv, ssm)
+            expected = layer.step(h, conv_e, ssm_e)[0]
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(conv, conv_e, rtol=0, atol=0)
+            torch.testing.assert_close(ssm, ssm_e, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch,prompt", [(1, 1), (3, 5), (2, 9)])
+def test_decoding_step_by_step_equals_the_full_forward(seed, batch, prompt):
+    """Prefill ``prompt`` tokens through inference_params, then one token at a time: float32 outputs equal the
+    outputs of one forward over the whole sequence (prompts shorter and longer than the conv width)."""
+    layer = _layer(torch.float32, d_model=24, d_state=16)
+    L = prompt + 6
+    h = torch.randn(batch, L, layer.d_model)
+    params = types.SimpleNamespace(key_value_memory_dict={}, seqlen_offset=0)
+    with torch.no_grad():
+        full = layer(h)
+        outs = [layer(h[:, :prompt], inference_params=params)]
+        for t in range(prompt, L):
+            params.seqlen_offset = t
+            outs.append(layer(h[:, t:t + 1], inference_params=params))
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_converted_lm_decodes_as_its_full_forward(seed):
+    """A converted (mirror) MambaLMHeadModel decoded the way mamba-ssm's generate() drives it."""
+    from tests.ops._helpers import MambaLMHeadModel
+
+    model = MambaLMHeadModel(d_model=16, n_layer=3, vocab_size=40).eval()
+    ops.enable_packing(model)
+    ids = torch.randint(0, 40, (2, 10))
+    params = types.SimpleNamespace(key_value_memory_dict={}, seqlen_offset=0)
+    with torch.no_grad():
+        full = model(ids).logits
+        got = [model(ids[:, :4], inference_params=params, num_last_tokens=1).logits]
+        for t in range(4, 10):
+            params.seqlen_offset = t
+            got.append(model(ids[:, t:t + 1], position_ids=torch.full((2, 1), t), inference_params=params,
+                             num_last_tokens=1).logits)
+    torch.testing.assert_close(torch.cat(got, 1), full[:, 3:], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_are_named():
+    conv, state = _op_samples(dtype=torch.float32)
+    x, conv_state, w, bias, _ = conv[0]
+    with pytest.raises(ValueError, match=r"weight must have shape \(8, 4\)"):
+        causal_conv1d_step(x, conv_state, w[:, :3], bias)
+    with pytest.raises(ValueError, match=r"x must have shape \(3, 8\)"):
+        causal_conv1d_step(x[:2], conv_state, w, bias)
+    with pytest.raises(ValueError, match="activation must be"):
+        causal_conv1d_step(x, conv_state, w, bias, activation="relu")
+    with pytest.raises(ValueError, match=r"conv_state must be \(batch, dim, width\)"):
+        causal_conv1d_step(x, conv_state[0], w, bias)
+    ssm_state, xs, dt, A_log, B, C, D, z, dt_bias, dtw, _ = state[0]
+    with pytest.raises(ValueError, match=r"B must have shape \(3, 4\)"):
+        selective_state_step(ssm_state, xs, dt, A_log, B[:, :2], C, D=D, z=z, dt_bias=dt_bias, dt_proj_weight=dtw)
+    with pytest.raises(ValueError, match=r"dt must have shape \(3, 8\)"):
+        selective_state_step(ssm_state, xs, dt, A_log, B, C)   # low-rank dt without dt_proj_weight
+    with pytest.raises(ValueError, match=r"dt_proj_weight must be \(dim=8, rank\)"):
+        selective_state_step(ssm_state, xs, dt, A_log, B, C, dt_proj_weight=dtw.T)
+    with pytest.raises(TypeError, match="z must be a float tensor"):
+        selective_state_step(ssm_state, xs, dt, A_log, B, C, z=torch.ones(3, 8, dtype=torch.long), dt_proj_weight=dtw)
+    layer = _layer(torch.float32)
+    with pytest.raises(ValueError, match="one token at a time"):
+        layer.step(torch.randn(1, 2, layer.d_model), *_random_states(layer, 1, torch.float32))
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU
+
+
+def _kernel_vs_reference(dtype, strided, cuda):
+    conv, state = _op_samples(dtype, cuda, strided)
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
+    for args in conv:
+        ref_args = [a.double().clone() if isinstance(a, torch.Tensor) else a for a in args]
+        kern_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        out = torch.ops.packloader.causal_conv1d_step(*kern_args)
+        expected = torch.ops.packloader.causal_conv1d_step(*ref_args)
+        torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol)
+        torch.testing.assert_close(kern_args[1].double(), ref_args[1], rtol=0, atol=0)   # the shift is exact
+    for args in state:
+        ref_args = [a.double().clone() if isinstance(a, torch.Tensor) else a for a in args]
+        kern_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        out = torch.ops.packloader.selective_state_step(*kern_args)
+        expected = torch.ops.packloader.selective_state_step(*ref_args)
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol * scale)
+        hscale = ref_args[0].abs().max().item()
+        torch.testing.assert_close(kern_args[0].double(), ref_args[0], rtol=rtol, atol=rtol * hscale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_triton_kernels_match_the_float64_reference(seed, cuda, dtype, strided):
+    from ops.decode import HAS_TRITON
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    _kernel_vs_reference(dtype, strided, cuda)
+    # a layer's real sizes, through the whole mixer step (dt_rank 48 > one block of the fused projection)
+    layer = _layer(torch.float32, d_model=768, d_state=16, device=cuda)
+    ref = copy.deepcopy(layer).double()
+    conv, ssm = _random_states(layer, 4, torch.float32, cuda)
+    conv_r, ssm_r = conv.double(), ssm.double()
+    with torch.no_grad():
+        for _ in range(4):
+            h = torch.randn(4, 1, 768, device=cuda)
+            out = layer.step(h, conv, ssm)[0]
+            with ops.use_backend("reference"):
+                expected = ref.step(h.double(), conv_r, ssm_r)[0]
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(ssm.double(), ssm_r, rtol=1e-5, atol=1e-5 * ssm_r.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_cuda_unsupported_cases_name_the_override(cuda):
+    layer = _layer(F64, device=cuda)
+    conv, ssm = _random_states(layer, 2, F64, cuda)
+    h = torch.randn(2, 1, layer.d_model, dtype=F64, device=cuda)
+    with pytest.raises(ops.KernelUnsupportedError, match=r'use_backend\("reference"\)'):
+        with torch.no_grad():
+            layer.step(h, conv, ssm)
+    with torch.no_grad(), ops.use_backend("reference"):
+        conv_p, ssm_p = conv.clone(), ssm.clone()
+        assert torch.equal(layer.step(h, conv, ssm)[0], _previous_step(layer, h, conv_p, ssm_p))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_equals_eager(seed, cuda, dtype):
+    """The step captured once in a CUDA graph, replayed on new inputs: the eager step's outputs and states."""
+    layer = _layer(torch.float32, d_model=64, d_state=16, device=cuda).to(dtype)
+    layer.A_log.data, layer.D.data = layer.A_log.data.float(), layer.D.data.float()
+    batch = 3
+    conv, ssm = _random_states(layer, batch, dtype, cuda)
+    conv_e, ssm_e = conv.clone(), ssm.clone()
+    h_static = torch.randn(batch, 1, layer.d_model, dtype=dtype, device=cuda)
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):   # warm-up (Triton compiles here, not during capture) on copies of the states
+            for _ in range(2):
+                layer.step(h_static, conv.clone(), ssm.clone())
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_static = layer.step(h_static, conv, ssm)[0]
+        conv.copy_(conv_e), ssm.copy_(ssm_e)   # capture does not run the kernels; start from the same states
+        for _ in range(4):
+            h = torch.randn(batch, 1, layer.d_model, dtype=dtype, device=cuda)
+            h_static.copy_(h)
+            graph.replay()
+            expected = layer.step(h, conv_e, ssm_e)[0]
+            assert torch.equal(out_static, expected)
+            assert torch.equal(conv, conv_e) and torch.equal(ssm, ssm_e)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_compile_equals_eager(seed, cuda):
+    layer = _layer(torch.float32, d_model=64, d_state=16, device=cuda)
+    conv, ssm = _random_states(layer, 2, torch.float32, cuda)
+    conv_e, ssm_e = conv.clone(), ssm.clone()
+    torch._dynamo.mark_static_address(conv)
+    torch._dynamo.mark_static_address(ssm)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda h: layer.step(h, conv, ssm)[0], mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(5):
+            h = torch.randn(2, 1, layer.d_model, device=cuda)
+            got = compiled(h).clone()
+            expected = layer.step(h, conv_e, ssm_e)[0]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ssm, ssm_e, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(conv, conv_e, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None, reason="mamba-ssm is not installed")
+@pytest.mark.parametrize("cg", [False, True])
+def test_mamba_ssm_generate_tokens_identical(cuda, cg):
+    """mamba-ssm's MambaLMHeadModel and generate(): the converted model gives the unconverted model's greedy tokens
+    (fp32 weights, TF32 off)."""
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    torch.manual_seed(0)
+    cfg = MambaConfig(d_model=256, n_layer=4, vocab_size=512, ssm_cfg={"layer": "Mamba1"}, rms_norm=True,
+                      fused_add_norm=False, residual_in_fp32=True)
+    model = MambaLMHeadModel(cfg, device=cuda, dtype=torch.float32).eval()
+    converted = ops.enable_packing(copy.deepcopy(model))
+    prompt = torch.randint(0, 512, (2, 12), device=cuda)
+    kw = dict(max_length=12 + 24, cg=cg, top_k=1, return_dict_in_generate=True)
+    expected = model.generate(prompt, **kw).sequences
+    got = converted.generate(prompt, **kw).sequences
+    assert torch.equal(got, expected)
