@@ -213,19 +213,22 @@ def context_parallel(model: torch.nn.Module, group) -> torch.nn.Module:
     _group_rank_world(group)
     found = 0
     for name, m in model.named_modules():
-        if isinstance(m, PackedMamba) or type(m).__name__ == "MambaMixer":
-            if type(m).__name__ == "MambaMixer" and not getattr(type(m), "_packloader_packed", False):
+        classes = {c.__name__ for c in type(m).__mro__}
+        if is_mamba2_mixer(m) or classes & {"Mamba2Mixer", "FalconMambaMixer", "BambaMixer", "Zamba2MambaMixer"}:
+            raise ContextParallelError(f"{name} ({type(m).__name__}): context parallelism covers Mamba-1 mixers "
+                                       "(mamba-ssm's Mamba, transformers' MambaMixer) only")
+        if isinstance(m, PackedMamba) or "MambaMixer" in classes:
+            if not isinstance(m, PackedMamba) and not getattr(type(m), "_packloader_packed", False):
                 raise ContextParallelError(f"{name}: a Hugging Face MambaMixer not converted: call "
                                            "ops.enable_packing(model) first")
             m._packloader_cp_group = group
             found += 1
-        elif is_mamba2_mixer(m) or type(m).__name__ in ("Mamba2Mixer", "FalconMambaMixer"):
-            raise ContextParallelError(f"{name} ({type(m).__name__}): context parallelism covers Mamba-1 mixers only")
     if not found:
         raise ContextParallelError(f"{type(model).__name__} holds no Mamba-1 mixer to run context-parallel")
-    for m in model.modules():
+    for m in model.modules():   # the model's entry check (mamba-ssm and Hugging Face conversions): off
         if hasattr(m, "_packloader_validate"):
             m._packloader_validate = False
+    model._packloader_validate = False
     model._packloader_cp_group = group
     return model
 

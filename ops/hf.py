@@ -447,6 +447,8 @@ def _mamba1_forward(self, base_forward, args, kwargs):
         return base_forward(self, *args, **kwargs)
     bounds, hidden_states, mask = call
     carry = bounds[2] if len(bounds) > 2 else None
+    if self.__dict__.get("_packloader_cp_group") is not None:   # ops.context_parallel
+        return _outside_cpu_autocast(_mamba1_context_parallel, self, hidden_states, (bounds[0], carry), mask)
     if carry is not None and carry.has_continuations:
         return _outside_cpu_autocast(_mamba1_carried, self, hidden_states, (bounds[0], carry), mask)
     return _outside_cpu_autocast(_mamba1_packed, self, hidden_states, bounds[0], mask)
@@ -461,6 +463,16 @@ def _mamba1_carried(mixer, hidden_states, pos_and_carry, attention_mask):
                          "norms or a padding attention_mask; pack with overflow='split'")
     pos, carry = pos_and_carry
     return carried_mamba_inner(mixer, hidden_states, pos, carry).to(hidden_states.dtype)
+
+
+def _mamba1_context_parallel(mixer, hidden_states, pos_and_carry, attention_mask):
+    """A Mamba-1 mixer over this rank's chunk of every row (``ops.context_parallel``)."""
+    from .context_parallel import ContextParallelError, context_parallel_mamba_inner
+    pos, carry = pos_and_carry
+    if _falcon_norms(mixer) or attention_mask is not None or carry is not None:
+        raise ContextParallelError(f"{type(mixer).__name__}: context parallelism does not take FalconMamba's norms, a "
+                                   "padding attention_mask or carried states")
+    return context_parallel_mamba_inner(mixer, hidden_states, pos, mixer._packloader_cp_group).to(hidden_states.dtype)
 
 
 def _outside_cpu_autocast(fn, mixer, hidden_states, pos, mask):
