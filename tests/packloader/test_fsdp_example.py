@@ -1,0 +1,111 @@
+"""examples/train_fsdp.py on the CPU with gloo (issue 35): a tiny Hugging Face Mamba sharded with FSDP2 over
+2 processes takes the same steps as one process with the same global batch (up to the order of the
+reductions), and a run resumed from its torch.distributed.checkpoint continues to the bit.
+
+The processes are forked from the test (torch already imported: a few seconds, not torchrun's start-up);
+each runs the example's ``main`` with torchrun's environment variables. Float32 parameters
+(``--mixed-precision fp32``) so the comparison is tight; the bf16 policy is what the GPU runs."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import multiprocessing as mp
+import os
+import re
+import socket
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "train_fsdp.py")
+STEP = re.compile(r"^step (\d+) loss (\S+) loss_tokens (\d+)", re.M)
+DEADLINE_S = 180
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="forks processes"),
+    pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                       reason="torch.distributed with gloo is not available"),
+    pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (hf extra)"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_fsdp_example", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, argv: list, out_file: str):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    buf = io.StringIO()
+    code = 1
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            code = _example().main(argv)
+    except BaseException:
+        import traceback
+
+        buf.write(traceback.format_exc())
+    with open(out_file, "w") as f:
+        f.write(buf.getvalue())
+    os._exit(code or 0)
+
+
+def launch(tmp_path, world: int, argv: list, tag: str) -> list[tuple[int, str, int]]:
+    """Run the example on ``world`` forked processes; rank 0's ``(step, loss repr, loss tokens)``."""
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    outs = [str(tmp_path / f"{tag}-rank{r}.log") for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(r, world, port, argv, outs[r])) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + DEADLINE_S
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    logs = [open(o).read() if os.path.exists(o) else "(no output)" for o in outs]
+    assert not hung and all(p.exitcode == 0 for p in procs), f"{tag}: hung {hung}\n" + "\n".join(logs)
+    return [(int(m[1]), m[2], int(m[3])) for m in STEP.finditer(logs[0])]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fsdp")
+    _example().demo_shards(str(d / "work"))  # tokenized once, before any fork
+    return str(d / "work")
+
+
+def test_fsdp_two_processes_match_one_and_resume_exactly(workdir, tmp_path):
+    torch.set_num_threads(1)
+    base = ["--device", "cpu", "--d-model", "32", "--layers", "2", "--d-state", "8", "--capacity", "128",
+            "--workdir", workdir, "--mixed-precision", "fp32", "--threads", "1", "--lr", "3e-3", "--steps", "4"]
+    ckpt = str(tmp_path / "ckpt")
+    two = launch(tmp_path, 2, base + ["--batch-size", "2", "--save", ckpt, "--save-at", "2"], "two")
+    assert [s for s, _, _ in two] == [1, 2, 3, 4]
+    assert os.path.isfile(os.path.join(ckpt, "train_state.json")) and os.path.isfile(os.path.join(ckpt, ".metadata"))
+    # one process, the same global batch (2 ranks x 2 rows = 4 rows): the same rows, so the same steps
+    one = launch(tmp_path, 1, base + ["--batch-size", "4"], "one")
+    assert [(s, n) for s, _, n in one] == [(s, n) for s, _, n in two]
+    for (s, a, _), (_, b, _) in zip(one, two):
+        assert abs(float(a) - float(b)) <= 1e-5 * abs(float(a)), (s, a, b)
+    assert float(two[0][1]) == pytest.approx(10.83, abs=0.6)  # ln(50280): untrained, about uniform
+    # resumed from the checkpoint of step 2 on 2 processes: steps 3 and 4 to the bit
+    rest = launch(tmp_path, 2, base + ["--batch-size", "2", "--resume", ckpt], "rest")
+    assert rest == two[2:]
