@@ -126,6 +126,29 @@ def _chunk_geometry(pos: torch.Tensor, rank: int) -> dict:
     }
 
 
+class _ChunkDecay(torch.autograd.Function):
+    """P (b, d, n) = exp(A * sum_t softplus(delta + delta_bias)) over each row, zero where ``keep`` is False; saves
+    nothing of the row's size beyond ``delta`` (which the scan keeps anyway)."""
+
+    @staticmethod
+    def forward(ctx, delta, delta_bias, A, keep, dtype):
+        dt_sum = F.softplus(delta.to(dtype) + delta_bias.to(dtype)[:, None]).sum(-1)            # (b, d)
+        P = torch.exp(dt_sum[..., None] * A.to(dtype)) * keep.to(dtype)[:, None, None]
+        ctx.save_for_backward(delta, delta_bias, A, P, dt_sum)
+        return P
+
+    @staticmethod
+    def backward(ctx, dP):
+        delta, delta_bias, A, P, dt_sum = ctx.saved_tensors
+        At = A.to(P.dtype)
+        g = dP * P                                                                           # d/d(exponent)
+        d_sum = (g * At).sum(-1)                                                             # (b, d)
+        dA = (g * dt_sum[..., None]).sum(0)
+        sig = torch.sigmoid(delta.to(P.dtype) + delta_bias.to(P.dtype)[:, None])             # softplus'
+        d_pre = d_sum[..., None] * sig                                                       # (b, d, L)
+        return (d_pre.to(delta.dtype), d_pre.sum((0, 2)).to(delta_bias.dtype), dA.to(A.dtype), None, None)
+
+
 def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_ids: Optional[torch.Tensor],
                                  group) -> torch.Tensor:
     """A Mamba-1 mixer (:class:`ops.PackedMamba` or transformers' ``MambaMixer``) over this rank's chunk of every row.
@@ -174,8 +197,7 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
     # pass A: every row's last segment from zero -> h_end; its decays -> P (zero unless it spans the whole chunk
     # and continues from the rank before)
     _, _, h_end = selective_scan_fwd(*args, g["pass_a"], None, b)                          # (b, d, n)
-    dt = F.softplus(delta.to(st) + dbias.to(st)[:, None])
-    P = torch.exp(dt.sum(-1)[..., None] * A.to(st)) * g["whole_row"].to(st)[:, None, None]
+    P = _ChunkDecay.apply(delta, dbias, A, g["whole_row"], st)
     pairs = _all_gather(torch.stack([P, h_end.to(st)]), group)                             # (world, 2, b, d, n)
     # the true initial state of this rank's first sequence: h(k) = P(k-1) h(k-1) + h_end(k-1), h(0) = 0; every
     # rank's graph reads the gathered pairs (rank 0 with weight 0) so that every rank joins their backward
