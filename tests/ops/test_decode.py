@@ -364,3 +364,51 @@ def test_mamba_ssm_generate_tokens_identical(cuda, cg):
     expected = model.generate(prompt, **kw).sequences
     got = converted.generate(prompt, **kw).sequences
     assert torch.equal(got, expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face generate, and the benchmark's smoke mode
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def test_hf_generate_tokens_identical_after_conversion(family):
+    """transformers' greedy generate on a converted float32 model gives the unconverted model's tokens (the cache
+    path runs transformers' own code: ops.hf converts the packed path only)."""
+    transformers = pytest.importorskip("transformers", exc_type=ImportError)
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    kw = dict(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+              eos_token_id=None, pad_token_id=0)
+    if family == "mamba":
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(**kw))
+    else:
+        model = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**kw))
+    model.eval().generation_config.eos_token_id = None
+    converted = ops.enable_packing(copy.deepcopy(model))
+    prompt = torch.randint(1, 64, (3, 7))
+    gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(prompt, **gen)
+        got = converted.generate(prompt, **gen)
+    assert expected.shape == (3, 19)
+    assert torch.equal(got, expected)
+
+
+def test_bench_generate_smoke(tmp_path):
+    pytest.importorskip("transformers", exc_type=ImportError)
+    import importlib.util as iu
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_generate.py"
+    spec = iu.spec_from_file_location("bench_generate", path)
+    bench = iu.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "decode.json"
+    result = bench.main(["--smoke", "--impl", "hf", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == json.loads(json.dumps(result["rows"]))
+    assert [(r["batch"], r["cg"]) for r in saved["rows"]] == [(1, False), (3, False)]
+    for r in saved["rows"]:
+        assert r["identical"] and r["tokens_differing"] == 0
+        assert r["unconverted_tok_s"] > 0 and r["converted_tok_s"] > 0

@@ -1,0 +1,263 @@
+"""Decode speed of a model converted by ``ops.enable_packing`` against the unconverted one (issue 33, part 1).
+
+    python benchmarks/bench_generate.py                       # GPU: mamba-ssm if it imports, else transformers
+    python benchmarks/bench_generate.py --impl both --widths 768,2560 --layers 8,24
+    python benchmarks/bench_generate.py --smoke --out /tmp/decode_smoke.json      # CPU, tiny, any machine
+
+Models (random init, ``--dtype`` parameters, bf16 by default; d_state 16, d_conv 4, expand 2, vocab 50280):
+
+- ``mamba_ssm``: mamba-ssm's ``MambaLMHeadModel`` (Mamba-1 mixers, RMSNorm, fused add-norm, residual in fp32)
+  and its ``generate`` (greedy, ``top_k=1``), without and with CUDA graphs (``cg=True``). The unconverted model
+  decodes with upstream's ``causal_conv1d_update`` + Triton ``selective_state_update`` (when causal-conv1d is
+  installed); the converted one with ``ops.decode``'s fused steps (``PackedMamba.step``).
+- ``hf``: transformers' ``MambaForCausalLM`` and its ``generate`` (greedy, no CUDA graphs). A converted
+  transformers model decodes with transformers' own code (``ops.hf`` leaves the cache path alone), so this
+  checks that conversion costs nothing there.
+
+For every (model, width, layers, batch, graphs) the same prompt (``--prompt`` random tokens) is generated to
+``--new`` tokens by both models; the time is the median of ``--repeats`` runs after one warm-up (which also
+captures the graphs). ``tok/s`` counts new tokens of the whole ``generate`` call (prefill included);
+``decode tok/s`` takes the prefill out: (new - 1) tokens over the time of the full call minus the time of a call
+that generates one token (the prefill and the first token). ``identical`` compares the greedy tokens of the two
+models. Table on stdout, JSON to ``--out`` (default ``benchmarks/results/generation/decode_<gpu>.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import ops  # noqa: E402
+
+TARGET = 1.0   # converted / unconverted decode tokens/s (issue 33)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device, repeats):
+    """(median seconds, last result) of ``repeats`` calls of ``fn`` after one warm-up call."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+# --------------------------------------------------------------------------------------------------
+# models
+
+
+def mamba_ssm_models(d_model, n_layer, vocab, device, dtype, seed):
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    torch.manual_seed(seed)
+    fused = device.type == "cuda"
+    cfg = MambaConfig(d_model=d_model, n_layer=n_layer, vocab_size=vocab, ssm_cfg={"layer": "Mamba1"},
+                      rms_norm=True, fused_add_norm=fused, residual_in_fp32=True)
+    model = MambaLMHeadModel(cfg, device=device, dtype=dtype).eval()
+    return model, ops.enable_packing(copy.deepcopy(model))
+
+
+def hf_models(d_model, n_layer, vocab, device, dtype, seed):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = transformers.MambaConfig(vocab_size=vocab, hidden_size=d_model, state_size=16, num_hidden_layers=n_layer,
+                                   expand=2, conv_kernel=4, use_conv_bias=True, eos_token_id=None, pad_token_id=0)
+    model = transformers.MambaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model, ops.enable_packing(copy.deepcopy(model))
+
+
+def mamba_ssm_generate(model, prompt, new, cg):
+    def run(n):
+        out = model.generate(prompt, max_length=prompt.shape[1] + n, cg=cg, top_k=1, return_dict_in_generate=True)
+        return out.sequences
+    return run
+
+
+def hf_generate(model, prompt, new, cg):
+    if cg:
+        raise ValueError("the transformers path runs without CUDA graphs")
+
+    def run(n):
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return run
+
+
+IMPLS = {"mamba_ssm": (mamba_ssm_models, mamba_ssm_generate), "hf": (hf_models, hf_generate)}
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def measure(impl, d_model, n_layer, batch, cg, args, device, dtype, models):
+    _, make_gen = IMPLS[impl]
+    g = torch.Generator().manual_seed(args.seed + batch)
+    prompt = torch.randint(1, args.vocab, (batch, args.prompt), generator=g).to(device)
+    row = {"impl": impl, "d_model": d_model, "n_layer": n_layer, "batch": batch, "cg": cg,
+           "prompt": args.prompt, "new_tokens": args.new}
+    seqs = {}
+    for name, model in zip(("unconverted", "converted"), models):
+        run = make_gen(model, prompt, args.new, cg)
+        t_full, seq = _timed(lambda: run(args.new), device, args.repeats)   # the first call captures the graphs
+        t_one, _ = _timed(lambda: run(1), device, args.repeats)             # (a shorter max_length reuses them)
+        seqs[name] = seq
+        row[f"{name}_tok_s"] = batch * args.new / t_full
+        # None where timing noise hides the decode (tiny CPU runs)
+        row[f"{name}_decode_tok_s"] = batch * (args.new - 1) / (t_full - t_one) if t_full > t_one else None
+        row[f"{name}_s"] = t_full
+    row["ratio"] = row["converted_tok_s"] / row["unconverted_tok_s"]
+    dec = (row["converted_decode_tok_s"], row["unconverted_decode_tok_s"])
+    row["decode_ratio"] = dec[0] / dec[1] if None not in dec else None
+    a, b = seqs["unconverted"], seqs["converted"]
+    row["identical"] = bool(a.shape == b.shape and torch.equal(a, b))
+    row["tokens_differing"] = int((a != b).sum()) if a.shape == b.shape else -1
+    return row
+
+
+def _gpu_tag(device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for tag in ("h200", "h100", "a100", "l40s", "a10"):
+        if tag in name:
+            return tag
+    return name.replace(" ", "_")
+
+
+def _versions():
+    out = {"torch": torch.__version__, "python": platform.python_version()}
+    for mod in ("mamba_ssm", "causal_conv1d", "transformers", "triton"):
+        try:
+            out[mod] = __import__(mod).__version__ if importlib.util.find_spec(mod) else None
+        except Exception as e:  # a broken install: say so
+            out[mod] = f"import failed: {type(e).__name__}"
+    try:
+        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        out["commit"] = None
+    return out
+
+
+def table(rows) -> str:
+    head = (f"{'impl':<9} {'d_model':>7} {'layers':>6} {'batch':>5} {'cg':>3} | {'unconv tok/s':>12} "
+            f"{'conv tok/s':>10} {'ratio':>6} | {'unconv dec/s':>12} {'conv dec/s':>10} {'ratio':>6} | same")
+    lines = [head, "-" * len(head)]
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    for r in rows:
+        lines.append(f"{r['impl']:<9} {r['d_model']:>7} {r['n_layer']:>6} {r['batch']:>5} {'y' if r['cg'] else 'n':>3} | "
+                     f"{r['unconverted_tok_s']:>12.0f} {r['converted_tok_s']:>10.0f} {r['ratio']:>6.3f} | "
+                     f"{f(r['unconverted_decode_tok_s'], '>12.0f'):>12} {f(r['converted_decode_tok_s'], '>10.0f'):>10} "
+                     f"{f(r['decode_ratio'], '>6.3f'):>6} | "
+                     f"{'yes' if r['identical'] else 'NO (%d)' % r['tokens_differing']}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--impl", choices=("auto", "mamba_ssm", "hf", "both"), default="auto",
+                    help="auto: mamba_ssm where it imports, else hf")
+    ap.add_argument("--widths", default="768,1024,1536,2048,2560", help="d_model values")
+    ap.add_argument("--layers", default="8", help="layer counts")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=128, help="new tokens per sequence")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=50280)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-cg", action="store_true", help="skip the CUDA-graph runs")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes on the CPU (d_model 32, 2 layers, vocab 64, 6 new tokens, fp32)")
+    ap.add_argument("--out", default=None, help="JSON output (default benchmarks/results/generation/decode_<gpu>.json)")
+    args = ap.parse_args(argv)
+
+    if args.smoke:
+        device = torch.device("cpu")
+        args.widths, args.layers, args.batches = "32", "2", "1,3"
+        args.prompt, args.new, args.repeats, args.vocab, args.dtype = 5, 6, 2, 64, "fp32"
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype]
+    has_mamba_ssm = importlib.util.find_spec("mamba_ssm") is not None
+    if args.impl == "auto":
+        impls = ["mamba_ssm"] if has_mamba_ssm else ["hf"]
+    elif args.impl == "both":
+        impls = ["mamba_ssm", "hf"]
+    else:
+        impls = [args.impl]
+    if "mamba_ssm" in impls and not has_mamba_ssm:
+        raise SystemExit("--impl mamba_ssm: mamba_ssm does not import here")
+    if "hf" in impls and importlib.util.find_spec("transformers") is None:
+        raise SystemExit("--impl hf: transformers is not installed")
+
+    widths = [int(v) for v in args.widths.split(",")]
+    layer_counts = [int(v) for v in args.layers.split(",")]
+    batches = [int(v) for v in args.batches.split(",")]
+    graphs = [False] + ([True] if device.type == "cuda" and not args.no_cg else [])
+    rows = []
+    for impl in impls:
+        make_models, _ = IMPLS[impl]
+        for n_layer in layer_counts:
+            for d_model in widths:
+                models = make_models(d_model, n_layer, args.vocab, device, dtype, args.seed)
+                for batch in batches:
+                    for cg in graphs:
+                        if cg and impl == "hf":
+                            continue
+                        row = measure(impl, d_model, n_layer, batch, cg, args, device, dtype, models)
+                        rows.append(row)
+                        print(table([row]).splitlines()[-1], flush=True)
+                del models
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print()
+    print(table(rows))
+    worst = min((r["decode_ratio"] for r in rows if r["decode_ratio"] is not None), default=float("nan"))
+    print(f"\nworst decode ratio (converted / unconverted): {worst:.3f} (target >= {TARGET}); "
+          f"greedy tokens identical in {sum(r['identical'] for r in rows)}/{len(rows)} cases")
+    result = {
+        "benchmark": "bench_generate", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype, "smoke": args.smoke, "versions": _versions(), "target_decode_ratio": TARGET,
+        "settings": {k: getattr(args, k) for k in ("widths", "layers", "batches", "prompt", "new", "repeats", "vocab")},
+        "rows": rows,
+    }
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generation",
+                                   f"decode_{_gpu_tag(device)}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
