@@ -109,3 +109,22 @@ def test_fsdp_two_processes_match_one_and_resume_exactly(workdir, tmp_path):
     # resumed from the checkpoint of step 2 on 2 processes: steps 3 and 4 to the bit
     rest = launch(tmp_path, 2, base + ["--batch-size", "2", "--resume", ckpt], "rest")
     assert rest == two[2:]
+
+
+def test_bench_fsdp_smoke_runs_and_reports(tmp_path):
+    """benchmarks/bench_fsdp.py --smoke: 1 and 2 gloo processes, a tiny model, the table and its JSON."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_fsdp
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    doc = bench_fsdp.main(["--smoke", "--out-dir", str(tmp_path)])
+    assert os.path.isfile(tmp_path / "fsdp.json") and doc["launches"] == [1, 2]
+    rows = {(r["gpus"], r["mode"]): r for r in doc["rows"]}
+    assert set(rows) == {(1, "packed"), (1, "dense"), (2, "packed"), (2, "dense")}
+    for r in rows.values():
+        assert r["tokens_per_s_per_gpu"] > 0 and r["ms_per_step"] > 0
+    two = rows[(2, "packed")]
+    assert len(two["losses"]) == 2 and len(two["reference_losses"]) == 2
+    assert two["loss_vs_1gpu_max_rel"] < 1e-3, two  # the same global batch on one process
+    assert two["packed_over_dense"] is not None and "| 2 | packed |" in doc["table"]
