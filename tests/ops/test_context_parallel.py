@@ -196,3 +196,31 @@ def test_context_parallel_gpus(world):
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     _spawn(world, "nccl", "cuda")
+
+
+def _losses(cmd, cwd):
+    import re
+    import subprocess
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return [float(v) for v in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+
+
+def test_example_context_parallel_matches_one_process(tmp_path):
+    """examples/train_context_parallel.py: 2 ranks of one context-parallel group train with the losses of one
+    process on the same rows (float32; the runs' sums differ only in order)."""
+    import socket
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "examples", "train_context_parallel.py")
+    common = ["--steps", "3", "--threads", "1", "--capacity", "512", "--workdir", str(tmp_path / "w")]
+    one = _losses([sys.executable, script] + common, root)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = _losses([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(port), script, "--cp", "2"] + common, root)
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert abs(a - b) < 2e-5, (one, two)
+    assert one[0] != one[-1]   # it trains

@@ -1,0 +1,310 @@
+"""Context parallelism on the GPUs of one node: exactness, scaling and reach (``ops.context_parallel``).
+
+One launch covers 1, 2 and 4 GPUs (sub-groups of the world)::
+
+    torchrun --nproc_per_node 4 benchmarks/bench_context_parallel.py --out benchmarks/results/context_parallel
+
+Parts (``--parts``, default all):
+
+- ``exact``: a smaller stack (fp32 and bf16) on one row of packed sequences (one crossing every cut): the chunks'
+  outputs, the input gradients and every weight gradient against one GPU's run of the whole row; in bf16 next to one
+  GPU's own bf16 error (both against the fp32 run).
+- ``scaling``: a residual stack of ``PackedMamba`` layers with RMS norms (``--layers``, ``--d-model``; 48 x 2048 is
+  the 1.4B width) on one sequence of ``N x L`` tokens over ``N`` GPUs, forward + backward (bf16 autocast, fp32
+  weights): tokens/s per GPU against one GPU at ``L`` tokens with the plain (non-CP) packed model.
+- ``reach``: the longest sequence that trains (forward + backward) on 1 and on 4 GPUs at the same width: peak memory
+  measured at two lengths, the longest length predicted from it, then run to confirm (and stepped down until it does).
+
+Writes ``context_parallel.json`` into ``--out`` and prints the tables. Needs ``N`` GPUs for the ``N``-GPU rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import ops  # noqa: E402
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, d, device=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d, device=device))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight).to(x.dtype)
+
+
+class Stack(torch.nn.Module):
+    """Pre-norm residual Mamba-1 blocks (what MambaLMHeadModel's backbone is, without the embedding and head)."""
+
+    def __init__(self, d_model, layers, device, checkpoint=False):
+        super().__init__()
+        self.norms = torch.nn.ModuleList(RMSNorm(d_model, device=device) for _ in range(layers))
+        self.mixers = torch.nn.ModuleList(ops.PackedMamba(d_model, layer_idx=i, device=device) for i in range(layers))
+        self.checkpoint = checkpoint
+
+    def forward(self, h, position_ids):
+        for norm, mixer in zip(self.norms, self.mixers):
+            if self.checkpoint:
+                h = h + torch.utils.checkpoint.checkpoint(lambda x, m=mixer, n=norm: m(n(x), position_ids=position_ids),
+                                                          h, use_reentrant=False)
+            else:
+                h = h + mixer(norm(h), position_ids=position_ids)
+        return h
+
+
+def _model(args, d_model, layers, seed=0):
+    torch.manual_seed(seed)
+    return Stack(d_model, layers, "cuda", checkpoint=args.checkpoint)
+
+
+def _set_cp(model, group):
+    for m in model.mixers:
+        if group is None:
+            m.__dict__.pop("_packloader_cp_group", None)
+        else:
+            m._packloader_cp_group = group
+
+
+def _step(model, h, pos, dtype):
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        out = model(h, pos)
+    out.float().pow(2).mean().backward()
+    return out
+
+
+def _chunk(t, rank, world, dim=1):
+    n = t.shape[dim] // world
+    return t.narrow(dim, rank * n, n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def part_exact(args, rank, world, groups):
+    """fp32 / bf16 on 2 and 4 GPUs against one GPU's whole row."""
+    rows = []
+    d_model, layers, L = args.exact_d_model, args.exact_layers, args.exact_length
+    lengths = [L // 2 + 5, 1, 2, L // 4 - 10, L - (L // 2 + 5) - 3 - (L // 4 - 10)]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    torch.manual_seed(1)
+    h = torch.randn(1, L, d_model, device="cuda")
+
+    def run(model, hh, pp, dtype):
+        hh = hh.clone().requires_grad_(True)
+        out = _step(model, hh, pp, dtype)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out.detach().float(), hh.grad.float(), grads
+
+    model = _model(args, d_model, layers, seed=3)
+    ref = {dt: run(model, h, pos, dt) for dt in (torch.float32, torch.bfloat16)}
+    for n in (2, 4):
+        if n > world:
+            continue
+        if rank < n:
+            _set_cp(model, groups[n])
+            for dt in (torch.float32, torch.bfloat16):
+                out, dh, grads = run(model, _chunk(h, rank, n), _chunk(pos, rank, n), dt)
+                for p in grads.values():
+                    dist.all_reduce(p, group=groups[n])
+                want_out, want_dh, want_g = ref[torch.float32]
+                own_out, own_dh, own_g = ref[dt]
+
+                def rel(a, b):
+                    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                err = {"out": rel(out, _chunk(want_out, rank, n)), "dinput": rel(dh, _chunk(want_dh, rank, n)),
+                       "dweights": max(rel(grads[k], want_g[k]) for k in grads)}
+                own = {"out": rel(_chunk(own_out, rank, n), _chunk(want_out, rank, n)),
+                       "dinput": rel(_chunk(own_dh, rank, n), _chunk(want_dh, rank, n)),
+                       "dweights": max(rel(own_g[k], want_g[k]) for k in own_g)}
+                t = torch.tensor([err["out"], err["dinput"], err["dweights"]], device="cuda")
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups[n])
+                err = dict(zip(err, t.tolist()))
+                rows.append({"gpus": n, "dtype": str(dt).split(".")[-1], "cp_vs_one_gpu_fp32": err,
+                             "one_gpu_vs_one_gpu_fp32": own})
+            _set_cp(model, None)
+        dist.barrier()
+    return {"d_model": d_model, "layers": layers, "length": L, "sequence_lengths": lengths, "rows": rows}
+
+
+def _timed(model, h, pos, iters, warmup):
+    for _ in range(warmup):
+        _step(model, h, pos, torch.bfloat16)
+        model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        _step(model, h, pos, torch.bfloat16)
+        model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters, torch.cuda.max_memory_allocated() / 2**30
+
+
+def part_scaling(args, rank, world, groups):
+    rows = []
+    model = _model(args, args.d_model, args.layers)
+    L = args.length_per_gpu
+    for n in (1, 2, 4):
+        if n > world:
+            continue
+        if rank < n:
+            torch.manual_seed(2)
+            h = torch.randn(1, n * L, args.d_model, device="cuda")
+            pos = torch.arange(n * L, device="cuda")[None]
+            if n == 1:   # the plain packed model on one GPU: the baseline
+                _set_cp(model, None)
+                sec, mem = _timed(model, h, pos, args.iters, args.warmup)
+                rows.append({"gpus": 1, "mode": "one GPU (no CP)", "tokens": L, "step_s": sec, "peak_gib": mem,
+                             "tokens_per_s_per_gpu": L / sec})
+            _set_cp(model, groups[n])
+            sec, mem = _timed(model, _chunk(h, rank, n).contiguous(), _chunk(pos, rank, n).contiguous(), args.iters,
+                              args.warmup)
+            t = torch.tensor([sec, mem], device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups[n])
+            sec, mem = t.tolist()
+            rows.append({"gpus": n, "mode": f"context-parallel over {n}", "tokens": n * L, "step_s": sec,
+                         "peak_gib": mem, "tokens_per_s_per_gpu": L / sec})
+            _set_cp(model, None)
+            del h
+            torch.cuda.empty_cache()
+        dist.barrier()
+    base = rows[0]["tokens_per_s_per_gpu"] if rows else None
+    for r in rows:
+        r["per_gpu_vs_one_gpu"] = r["tokens_per_s_per_gpu"] / base if base else None
+    return {"d_model": args.d_model, "layers": args.layers, "length_per_gpu": L, "checkpoint": args.checkpoint,
+            "rows": rows}
+
+
+def _peak(model, n, rank, group, total):
+    """Peak GiB of one forward + backward of a ``total``-token sequence over ``n`` GPUs (None: out of memory)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    ok = torch.ones(1, device="cuda")
+    try:
+        h = torch.randn(1, total // n, model.norms[0].weight.shape[0], device="cuda")
+        pos = (torch.arange(total // n, device="cuda") + rank * (total // n))[None]
+        _step(model, h, pos, torch.bfloat16)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError:
+        ok.zero_()
+        model.zero_grad(set_to_none=True)
+    h = pos = None
+    if n > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.empty_cache()
+    return peak if bool(ok.item()) else None
+
+
+def part_reach(args, rank, world, groups):
+    rows = []
+    model = _model(args, args.d_model, args.layers)
+    cap = torch.cuda.get_device_properties(0).total_memory / 2**30
+    for n in (1, 4):
+        if n > world:
+            continue
+        if rank < n:
+            _set_cp(model, groups[n] if n > 1 else None)
+            step = 1024 * n
+            a, b = args.reach_probe * n, 2 * args.reach_probe * n
+            pa, pb = _peak(model, n, rank, groups[n], a), _peak(model, n, rank, groups[n], b)
+            per_token = (pb - pa) / (b - a)
+            fixed = pa - per_token * a
+            guess = int((cap * args.reach_fraction - fixed) / per_token) // step * step
+            got, tried = None, []
+            while guess > b and got is None:
+                peak = _peak(model, n, rank, groups[n], guess)
+                tried.append({"tokens": guess, "peak_gib": peak})
+                if peak is not None:
+                    got = guess
+                else:
+                    guess = int(guess * 0.95) // step * step
+            rows.append({"gpus": n, "probe_peaks_gib": [pa, pb], "gib_per_1k_tokens": per_token * 1024,
+                         "predicted_tokens": int((cap * args.reach_fraction - fixed) / per_token), "tried": tried,
+                         "longest_trained_tokens": got})
+            _set_cp(model, None)
+        dist.barrier()
+    one = next((r["longest_trained_tokens"] for r in rows if r["gpus"] == 1), None)
+    four = next((r["longest_trained_tokens"] for r in rows if r["gpus"] == 4), None)
+    return {"d_model": args.d_model, "layers": args.layers, "checkpoint": args.checkpoint, "gpu_gib": cap,
+            "rows": rows, "four_over_one": (four / one) if one and four else None}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/context_parallel")
+    ap.add_argument("--parts", default="exact,scaling,reach")
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--length-per-gpu", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block (all modes)")
+    ap.add_argument("--exact-d-model", type=int, default=512)
+    ap.add_argument("--exact-layers", type=int, default=4)
+    ap.add_argument("--exact-length", type=int, default=8192)
+    ap.add_argument("--reach-probe", type=int, default=4096, help="tokens per GPU of the first memory probe")
+    ap.add_argument("--reach-fraction", type=float, default=0.92, help="of the GPU's memory the prediction aims at")
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    groups = {n: dist.new_group(list(range(n))) for n in (1, 2, 4) if n <= world}
+    res = {"gpu": torch.cuda.get_device_name(0), "world": world, "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    for part in args.parts.split(","):
+        t0 = time.time()
+        res[part] = {"exact": part_exact, "scaling": part_scaling, "reach": part_reach}[part](args, rank, world, groups)
+        if rank == 0:
+            print(f"[{part}: {time.time() - t0:.0f} s]", flush=True)
+    if rank == 0:
+        _print(res)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "context_parallel.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    dist.destroy_process_group()
+
+
+def _print(res):
+    print(f"GPU: {res['gpu']} x {res['world']}")
+    if "exact" in res:
+        e = res["exact"]
+        print(f"\nexactness (d_model {e['d_model']}, {e['layers']} layers, {e['length']} tokens; max |diff| / max |ref| "
+              "against one GPU's fp32 run)")
+        print("| GPUs | dtype | out | d input | d weights | one GPU's own: out | d input | d weights |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in e["rows"]:
+            c, o = r["cp_vs_one_gpu_fp32"], r["one_gpu_vs_one_gpu_fp32"]
+            print(f"| {r['gpus']} | {r['dtype']} | {c['out']:.1e} | {c['dinput']:.1e} | {c['dweights']:.1e} | "
+                  f"{o['out']:.1e} | {o['dinput']:.1e} | {o['dweights']:.1e} |")
+    if "scaling" in res:
+        s = res["scaling"]
+        print(f"\nscaling (d_model {s['d_model']}, {s['layers']} layers, {s['length_per_gpu']} tokens per GPU, "
+              f"fwd+bwd bf16{', checkpointing' if s['checkpoint'] else ''})")
+        print("| GPUs | mode | tokens | step (s) | peak GiB | tokens/s per GPU | vs one GPU |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in s["rows"]:
+            print(f"| {r['gpus']} | {r['mode']} | {r['tokens']} | {r['step_s']:.3f} | {r['peak_gib']:.1f} | "
+                  f"{r['tokens_per_s_per_gpu']:,.0f} | {r['per_gpu_vs_one_gpu']:.3f} |")
+    if "reach" in res:
+        r = res["reach"]
+        print(f"\nreach (d_model {r['d_model']}, {r['layers']} layers, {r['gpu_gib']:.0f} GiB GPUs"
+              f"{', checkpointing' if r['checkpoint'] else ''})")
+        print("| GPUs | GiB per 1k tokens (per GPU) | longest trained (tokens) |")
+        print("| ---: | ---: | ---: |")
+        for row in r["rows"]:
+            print(f"| {row['gpus']} | {row['gib_per_1k_tokens']:.3f} | {row['longest_trained_tokens']} |")
+        print(f"4 GPUs over 1: {r['four_over_one']}")
+
+
+if __name__ == "__main__":
+    main()
