@@ -128,3 +128,35 @@ def test_bench_fsdp_smoke_runs_and_reports(tmp_path):
     assert len(two["losses"]) == 2 and len(two["reference_losses"]) == 2
     assert two["loss_vs_1gpu_max_rel"] < 1e-3, two  # the same global batch on one process
     assert two["packed_over_dense"] is not None and "| 2 | packed |" in doc["table"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_example_on_two_gpus_bf16(workdir, tmp_path):
+    """torchrun on 2 GPUs (NCCL, bf16 MixedPrecisionPolicy, mamba-ssm's model when it imports): the first
+    losses equal one GPU's with the same global batch up to bf16 reduction order; the resumed run within
+    the run-to-run spread of the GPU kernels (their backward may use atomics)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    base = [EXAMPLE, "--device", "cuda", "--d-model", "256", "--layers", "4", "--capacity", "512",
+            "--workdir", workdir, "--steps", "4"]
+
+    def run(n, extra):
+        cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
+               + base + extra)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return [(int(m[1]), float(m[2]), int(m[3])) for m in STEP.finditer(proc.stdout)]
+
+    ckpt = str(tmp_path / "ckpt")
+    two = run(2, ["--batch-size", "2", "--save", ckpt, "--save-at", "2"])
+    one = run(1, ["--batch-size", "4"])
+    assert [(s, n) for s, _, n in one] == [(s, n) for s, _, n in two] and len(two) == 4
+    for (s, a, _), (_, b, _) in zip(one, two):
+        assert abs(a - b) <= 2e-3 * abs(a), (s, a, b)
+    rest = run(2, ["--batch-size", "2", "--resume", ckpt])
+    assert [s for s, _, _ in rest] == [3, 4]
+    for (s, a, _), (_, b, _) in zip(rest, two[2:]):
+        assert abs(a - b) <= 2e-3 * abs(a), (s, a, b)
