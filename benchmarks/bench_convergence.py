@@ -166,8 +166,12 @@ def compact_vocab(examples, vocab):
     """Map token ids to a vocabulary of ``vocab`` entries (toy size): the ``vocab - 1`` most frequent tokens keep
     an id of their own (by rank: 0 the most frequent), every other token becomes ``vocab - 1``. Labels -100 stay.
 
-    Example: tokens ``[7, 7, 9, 3]`` with ``vocab=3`` -> ``[0, 0, 1, 2]`` (7 and 9 ranked, 3 mapped to the
-    shared id; ties go to the smaller id)."""
+    Example: tokens ``[7, 7, 9, 9, 9, 3]`` with ``vocab=3`` -> ``[1, 1, 0, 0, 0, 2]`` (9 and 7 ranked, 3 mapped to
+    the shared id; ties go to the smaller id).
+
+    Args:
+        examples: ``(input_ids, labels)`` int64 array pairs.
+        vocab: the size of the compact vocabulary (>= 2)."""
     if vocab < 2:
         raise ValueError(f"vocab must be >= 2 to compact a vocabulary, got {vocab}")
     ids = np.concatenate([x for x, _ in examples])
