@@ -11,7 +11,10 @@ Generation runs a mixer once per new token on ``(batch, 1, d_model)``. Between `
 
 Both are ``torch.library.custom_op``s (``torch.ops.packloader.causal_conv1d_step`` /
 ``selective_state_step``) that mutate their state argument and return a new tensor, with a fake implementation
-(so ``torch.compile`` traces them) and three implementations picked as the other ops of :mod:`ops.backends` are:
+(so ``torch.compile`` traces them) and three implementations picked as the other ops of :mod:`ops.backends` are.
+The checked entry points :func:`causal_conv1d_step` / :func:`selective_state_step` call the op under
+``torch.compile`` and its implementation directly in eager mode (the dispatcher's Python round trip of a custom op
+costs tens of microseconds, more than the kernel at batch 1; same code, same results):
 
 - the reference (every device but CUDA, any float dtype; also CUDA tensors under
   ``ops.use_backend("reference")``): the torch math of mamba-ssm's ``Mamba.step`` without its kernels, op for op
@@ -381,7 +384,12 @@ def causal_conv1d_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.
     _check("x", x, (batch, dim), conv_state.device)
     _check("weight", weight, (dim, width), conv_state.device)
     _check("bias", bias, (dim,), conv_state.device)
-    return _conv_step_op(x, conv_state, weight, bias, activation is not None)
+    if torch.compiler.is_compiling():
+        return _conv_step_op(x, conv_state, weight, bias, activation is not None)
+    # eager (CUDA-graph capture included): what the op would dispatch to, without the dispatcher's Python round trip
+    # (tens of microseconds a call, per layer and token)
+    impl = _conv_step_cuda if conv_state.is_cuda else causal_conv1d_step_ref
+    return impl(x, conv_state, weight, bias, activation is not None)
 
 
 def selective_state_step(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor,
@@ -431,7 +439,10 @@ def selective_state_step(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Ten
     _check("D", D, (dim,), dev)
     _check("z", z, (batch, dim), dev)
     _check("dt_bias", dt_bias, (dim,), dev)
-    return _state_step_op(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weight, bool(dt_softplus))
+    args = (ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weight, bool(dt_softplus))
+    if torch.compiler.is_compiling():
+        return _state_step_op(*args)
+    return (_state_step_cuda if ssm_state.is_cuda else selective_state_step_ref)(*args)   # eager: as above
 
 
 def mamba_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,

@@ -444,7 +444,8 @@ def _packed_call(mixer, args, kwargs):
 def _mamba1_forward(self, base_forward, args, kwargs):
     call = _packed_call(self, args, kwargs)
     if call is None:
-        return base_forward(self, *args, **kwargs)
+        out = _mamba1_decode_step(self, args, kwargs)
+        return base_forward(self, *args, **kwargs) if out is None else out
     bounds, hidden_states, mask = call
     carry = bounds[2] if len(bounds) > 2 else None
     if self.__dict__.get("_packloader_cp_group") is not None:   # ops.context_parallel
@@ -452,6 +453,35 @@ def _mamba1_forward(self, base_forward, args, kwargs):
     if carry is not None and carry.has_continuations:
         return _outside_cpu_autocast(_mamba1_carried, self, hidden_states, (bounds[0], carry), mask)
     return _outside_cpu_autocast(_mamba1_packed, self, hidden_states, bounds[0], mask)
+
+
+def _mamba1_decode_step(mixer, args, kwargs):
+    """A single-token step on a filled transformers cache through ``ops.decode``'s fused state updates (what
+    transformers' recurrent form computes: conv update, x_proj, FalconMamba's norms before dt_proj, state update),
+    or None where transformers' own code runs: not such a step, a padding mask, gradients enabled, a quantized model,
+    or a cache without the ``has_previous_state`` / ``layers[i].conv_states`` API (5.0's ``MambaCache``)."""
+    hidden_states = args[0] if args else kwargs.get("hidden_states")
+    cache = kwargs.get("cache", kwargs.get("cache_params", args[1] if len(args) > 1 else None))
+    mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+    if (cache is None or mask is not None or not isinstance(hidden_states, torch.Tensor)
+            or hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or torch.is_grad_enabled()
+            or hasattr(getattr(mixer, "config", None), "_is_quantized")
+            or not (hasattr(cache, "has_previous_state") and hasattr(cache, "layers"))):
+        return None
+    idx = mixer.layer_idx
+    if not cache.has_previous_state(idx) or getattr(cache.layers[idx], "record_past", False):
+        return None
+    layer = cache.layers[idx]
+    norms = _falcon_norms(mixer)
+    if norms == "modules":
+        def norm(dt, B, C):
+            return mixer.dt_layernorm(dt), mixer.b_layernorm(B), mixer.c_layernorm(C)
+    elif norms is None:
+        norm = None
+    else:
+        return None
+    from .decode import mamba_step
+    return mamba_step(mixer, hidden_states, layer.conv_states[0], layer.recurrent_states[0], bc_dt_norm=norm)
 
 
 def _mamba1_carried(mixer, hidden_states, pos_and_carry, attention_mask):

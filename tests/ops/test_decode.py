@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import types
+import warnings
 
 import pytest
 import torch
@@ -371,10 +372,13 @@ def test_mamba_ssm_generate_tokens_identical(cuda, cg):
 
 
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
-def test_hf_generate_tokens_identical_after_conversion(family):
-    """transformers' greedy generate on a converted float32 model gives the unconverted model's tokens (the cache
-    path runs transformers' own code: ops.hf converts the packed path only)."""
+def test_hf_generate_tokens_identical_after_conversion(family, monkeypatch):
+    """transformers' greedy generate on a converted float32 model gives the unconverted model's tokens; where the
+    transformers version's cache has the has_previous_state / layers API (5.x after 5.0), every single-token step
+    runs through ops.decode (mamba_step), else transformers' own code."""
     transformers = pytest.importorskip("transformers", exc_type=ImportError)
+    import ops.decode
+
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     kw = dict(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
@@ -385,13 +389,29 @@ def test_hf_generate_tokens_identical_after_conversion(family):
         model = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**kw))
     model.eval().generation_config.eos_token_id = None
     converted = ops.enable_packing(copy.deepcopy(model))
+    calls = []
+    real = ops.decode.mamba_step
+    monkeypatch.setattr(ops.decode, "mamba_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     prompt = torch.randint(1, 64, (3, 7))
     gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         expected = model.generate(prompt, **gen)
+        assert not calls   # the unconverted model never reaches ops.decode
         got = converted.generate(prompt, **gen)
     assert expected.shape == (3, 19)
     assert torch.equal(got, expected)
+    cache = transformers.DynamicCache(config=model.config) if hasattr(transformers, "DynamicCache") else None
+    if cache is None or not (hasattr(cache, "has_previous_state") and hasattr(cache, "layers")):
+        assert not calls   # 5.0's MambaCache: transformers' own code
+        return
+    assert len(calls) == 2 * 11   # two layers, every new token after the first
+    # a step with gradients enabled runs transformers' code (ops.decode computes none)
+    calls.clear()
+    out = converted(prompt, use_cache=True)
+    with warnings.catch_warnings():   # transformers >= 5.24 renames cache_params to cache (FutureWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        step = converted(prompt[:, :1], cache_params=out.cache_params, use_cache=True)
+    assert not calls and step.logits.requires_grad
 
 
 def test_bench_generate_smoke(tmp_path):
