@@ -157,10 +157,7 @@ def train_step(model, opt, micro_batches, mode, device, world):
                      dtype=torch.float64)
     dist.all_reduce(n)
     total = torch.zeros((), device=device, dtype=torch.float64)
-    for k, b in enumerate(micro_batches):
-        last = k == len(micro_batches) - 1
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(last)
+    for b in micro_batches:  # (gradients reduced after every micro-batch: accumulated in float32 shards)
         s = loss_sum(model, b, mode, device)
         (s * (world / n.clamp(min=1))).backward()
         total += s.detach().double()
