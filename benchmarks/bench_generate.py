@@ -10,9 +10,9 @@ Models (random init, ``--dtype`` parameters, bf16 by default; d_state 16, d_conv
   and its ``generate`` (greedy, ``top_k=1``), without and with CUDA graphs (``cg=True``). The unconverted model
   decodes with upstream's ``causal_conv1d_update`` + Triton ``selective_state_update`` (when causal-conv1d is
   installed); the converted one with ``ops.decode``'s fused steps (``PackedMamba.step``).
-- ``hf``: transformers' ``MambaForCausalLM`` and its ``generate`` (greedy, no CUDA graphs). A converted
-  transformers model decodes with transformers' own code (``ops.hf`` leaves the cache path alone), so this
-  checks that conversion costs nothing there.
+- ``hf``: transformers' ``MambaForCausalLM`` and its ``generate`` (greedy, no CUDA graphs). The unconverted
+  model's single-token steps run transformers' recurrent form (mamba-ssm's / causal-conv1d's kernels where they
+  import, its PyTorch fallbacks otherwise), the converted model's ``ops.decode`` (``ops.hf._mamba1_decode_step``).
 
 For every (model, width, layers, batch, graphs) the same prompt (``--prompt`` random tokens) is generated to
 ``--new`` tokens by both models; the time is the median of ``--repeats`` runs after one warm-up (which also

@@ -62,7 +62,8 @@ recomputes with the same boundaries::
           MambaMixer.forward(hidden_states, ...)                 packed path
 
 Without boundaries the converted model runs transformers' own code, unchanged; generation
-(``cache_params``) too. Conversion swaps classes only: parameters, ``state_dict`` keys and
+(``cache_params``) too, except a Mamba-1 / FalconMamba mixer's single-token step on a filled cache, which runs
+``ops.decode``'s fused state updates (``_mamba1_decode_step``: the same math, our Triton kernels). Conversion swaps classes only: parameters, ``state_dict`` keys and
 checkpoints are untouched. Hybrids carry the boundaries the same way (a shared slot set by the
 model's forward, lent to the SSM mixers by every converted layer on the way, as a keyword argument of
 that layer's call so checkpointing replays it, Zamba2's nested layers included). Other hybrids (Jamba,

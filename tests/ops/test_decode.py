@@ -304,6 +304,7 @@ def test_cuda_graph_replay_equals_eager(seed, cuda, dtype):
     layer = _layer(torch.float32, d_model=64, d_state=16, device=cuda).to(dtype)
     layer.A_log.data, layer.D.data = layer.A_log.data.float(), layer.D.data.float()
     batch = 3
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     conv, ssm = _random_states(layer, batch, dtype, cuda)
     conv_e, ssm_e = conv.clone(), ssm.clone()
     h_static = torch.randn(batch, 1, layer.d_model, dtype=dtype, device=cuda)
@@ -323,8 +324,10 @@ def test_cuda_graph_replay_equals_eager(seed, cuda, dtype):
             h_static.copy_(h)
             graph.replay()
             expected = layer.step(h, conv_e, ssm_e)[0]
-            assert torch.equal(out_static, expected)
-            assert torch.equal(conv, conv_e) and torch.equal(ssm, ssm_e)
+            # the same kernels on the same inputs (cuBLAS may pick another algorithm inside a capture: not bitwise)
+            torch.testing.assert_close(out_static, expected, rtol=tol, atol=tol)
+            torch.testing.assert_close(ssm, ssm_e, rtol=tol, atol=tol)
+            torch.testing.assert_close(conv, conv_e, rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu
