@@ -715,8 +715,8 @@ def evaluate_packed(model, sequences: Prompts, labels: Optional[Prompts] = None,
     """Each sequence's next-token loss, from packed rows (no padding between sequences, nothing leaks across them).
 
     The sequences are packed into rows of ``capacity`` tokens, run through the converted model with their
-    ``position_ids`` in forwards of at most ``eval_tokens`` tokens, and each token's cross-entropy (float32 log-softmax,
-    summed in float64) goes to its sequence. The result equals running each sequence alone (fp32: within 1e-5).
+    ``position_ids`` in forwards of at most ``eval_tokens`` tokens, and each token's cross-entropy (log-softmax in float32, or
+    float64 for a float64 model; summed in float64) goes to its sequence. The result equals running each sequence alone (fp32: within 1e-5).
 
     Example::
 
@@ -788,7 +788,8 @@ def evaluate_packed(model, sequences: Prompts, labels: Optional[Prompts] = None,
                     owner[s:s + m] = i
                 target, owner = target.to(device), owner.to(device)
                 logits = _packed_logits(model, ids, pos).reshape(R * L, -1)
-                tok_loss = F.cross_entropy(logits.float(), target.clamp(min=0), reduction="none")
+                ct = torch.promote_types(logits.dtype, torch.float32)    # float32 at least; a float64 model: float64
+                tok_loss = F.cross_entropy(logits.to(ct), target.clamp(min=0), reduction="none")
                 valid = target != -100
                 loss_sum.index_add_(0, owner[valid], tok_loss[valid].to(torch.float64))
                 count.index_add_(0, owner[valid], torch.ones_like(owner[valid]))

@@ -1,0 +1,407 @@
+"""ops.generate_packed and ops.evaluate_packed (issue 33): packed prefill through the carry path and batched decoding
+give each prompt's greedy tokens exactly as generating it alone (fp32); stop tokens, per-prompt lengths, seeded
+sampling; per-sequence losses from packed rows equal to each sequence run alone; bad input is refused naming the
+argument. mamba-ssm models through the stand-ins of tests/ops/_helpers.py (mamba-ssm's structure and signatures),
+transformers' Mamba / FalconMamba through transformers itself. GPU tests at the end (marked gpu)."""
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ops
+from ops.generate import _InferenceParams, _next_tokens, pack_prompts
+
+from ._helpers import MambaLMHeadModel
+
+VOCAB = 48
+
+
+def mamba_ssm_model(seed, dtype=torch.float32, n_layer=2, d_conv=4):
+    """A converted stand-in MambaLMHeadModel whose greedy continuations do not collapse at once (larger weights)."""
+    torch.manual_seed(seed)
+    model = MambaLMHeadModel(d_model=16, n_layer=n_layer, vocab_size=VOCAB, d_state=4, d_conv=d_conv)
+    with torch.no_grad():
+        model.backbone.embedding.weight.normal_(0, 1.0)
+        for layer in model.backbone.layers:
+            layer.mixer.out_proj.weight.mul_(3.0)
+    return ops.enable_packing(model.to(dtype)).eval()
+
+
+def prompts_of(lengths, seed, vocab=VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def greedy_alone_plain(model, prompt, n):
+    """Greedy continuation of one prompt by re-running the whole sequence, no boundaries, no cache (the plain path)."""
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(ids[None]).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt[None]])
+    return ids
+
+
+def greedy_alone_cached(model, prompt, n):
+    """Greedy continuation of one prompt through mamba-ssm's cache (prefill with inference_params, then steps)."""
+    params = _InferenceParams(len(prompt) + n, 1)
+    with torch.no_grad():
+        logits = model(prompt[None], inference_params=params, num_last_tokens=1).logits[:, -1]
+        out = [prompt]
+        for t in range(n):
+            nxt = logits.argmax(-1)
+            out.append(nxt)
+            params.seqlen_offset = len(prompt) + t
+            logits = model(nxt[:, None], inference_params=params, num_last_tokens=1).logits[:, -1]
+    return torch.cat(out)
+
+
+LENGTHS = [5, 1, 2, 9, 3, 12, 4, 7]          # 1 and 2: shorter than the conv's state (d_conv - 1 = 3)
+
+
+@pytest.mark.parametrize("capacity,batch_size,prefill_tokens", [(12, None, None), (16, 3, 16), (None, None, None)])
+def test_mamba_ssm_greedy_equals_one_by_one(seed, capacity, batch_size, prefill_tokens):
+    """Several rows, several prefill forwards (prefill_tokens), decode batches of 3: every prompt's tokens are those of
+    generating it alone, by the plain path (whole sequence re-run) and by mamba-ssm's cache path."""
+    model = mamba_ssm_model(seed)
+    prompts = prompts_of(LENGTHS, seed)
+    n_new = 7
+    out = ops.generate_packed(model, prompts, n_new, capacity=capacity, batch_size=batch_size,
+                              prefill_tokens=prefill_tokens)
+    assert len(out) == len(prompts)
+    for i, (p, o) in enumerate(zip(prompts, out)):
+        assert o.dtype == torch.int64 and o.dim() == 1
+        assert torch.equal(o[:len(p)], p)
+        assert o.tolist() == greedy_alone_plain(model, p, n_new).tolist(), f"prompt {i} (length {len(p)})"
+        assert o.tolist() == greedy_alone_cached(model, p, n_new).tolist(), f"prompt {i} (length {len(p)})"
+    # the outputs are not degenerate: the test could fail
+    assert len({tuple(o[len(p):].tolist()) for p, o in zip(prompts, out)}) > 2
+
+
+def test_mamba_ssm_float64_and_conv_width_2(seed):
+    """float64 model, d_conv = 2 (a one-column conv state) and d_conv = 3."""
+    for d_conv in (2, 3):
+        model = mamba_ssm_model(seed, torch.float64, d_conv=d_conv)
+        prompts = prompts_of([3, 1, 6, 2], seed + d_conv)
+        out = ops.generate_packed(model, prompts, 5, capacity=8)
+        for p, o in zip(prompts, out):
+            assert o.tolist() == greedy_alone_plain(model, p, 5).tolist()
+
+
+def test_states_for_every_layer_and_the_conv_convention(seed):
+    """The packed prefill's states, as the decode cache holds them, equal mamba-ssm's own prefill of each prompt
+    alone: conv (d_inner, d_conv) whose last d_conv - 1 columns are the prompt's last inputs, ssm (d_inner, d_state);
+    every layer."""
+    from ops.generate import _MambaSSMDecoder, _family, _packed_batch, _prefill_group
+    model = mamba_ssm_model(seed, torch.float64, n_layer=3)
+    prompts = prompts_of([4, 1, 7, 2], seed)
+    fam = _family(model)
+    got = _prefill_group(model, fam, prompts, pack_prompts([len(p) for p in prompts], 9), torch.device("cpu"))
+    dec = _MambaSSMDecoder(model, fam, [got[i][1] for i in range(len(prompts))], 32)
+    for i, p in enumerate(prompts):
+        params = _InferenceParams(16, 1)
+        with torch.no_grad():
+            logits = model(p[None], inference_params=params, num_last_tokens=1).logits[0, -1]
+        torch.testing.assert_close(got[i][0], logits, rtol=1e-10, atol=1e-12)
+        assert sorted(params.key_value_memory_dict) == [m.layer_idx for m in fam.mixers]
+        for layer, (conv, ssm) in params.key_value_memory_dict.items():
+            mine_conv, mine_ssm = dec.params.key_value_memory_dict[layer]
+            # mamba-ssm keeps the last d_conv inputs; a decode step drops the first column before it reads
+            torch.testing.assert_close(mine_conv[i, :, 1:], conv[0, :, 1:], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(mine_ssm[i], ssm[0], rtol=1e-10, atol=1e-12)
+    del _packed_batch
+
+
+def test_stop_tokens_and_per_prompt_lengths(seed):
+    model = mamba_ssm_model(seed)
+    prompts = prompts_of([6, 2, 9, 4], seed)
+    budgets = [5, 0, 8, 1]
+    free = ops.generate_packed(model, prompts, budgets, capacity=12)
+    for p, o, b in zip(prompts, free, budgets):
+        assert len(o) == len(p) + b
+        assert o.tolist() == greedy_alone_plain(model, p, b).tolist()
+    # a stop token: the first new token of prompt 2's free run at step 3; every prompt stops at its first occurrence
+    stop = int(free[2][len(prompts[2]) + 3])
+    out = ops.generate_packed(model, prompts, budgets, capacity=12, stop_token_ids=[stop])
+    out_eos = ops.generate_packed(model, prompts, budgets, capacity=12, eos_token_id=stop)
+    for p, o, f, oe in zip(prompts, out, free, out_eos):
+        new = f[len(p):].tolist()
+        want = new[:new.index(stop) + 1] if stop in new else new
+        assert o[len(p):].tolist() == want
+        assert torch.equal(o, oe)
+    assert len(out[2]) <= len(prompts[2]) + 4
+
+
+def test_seeded_sampling_is_reproducible(seed):
+    model = mamba_ssm_model(seed)
+    prompts = prompts_of([6, 2, 9, 4, 3], seed)
+    kw = dict(capacity=12, temperature=4.0, seed=1234)
+    a = ops.generate_packed(model, prompts, 8, **kw)
+    b = ops.generate_packed(model, prompts, 8, **kw)
+    c = ops.generate_packed(model, prompts, 8, **dict(kw, seed=99))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert any(not torch.equal(x, y) for x, y in zip(a, c))
+    greedy = ops.generate_packed(model, prompts, 8, capacity=12)
+    assert any(not torch.equal(x, y) for x, y in zip(a, greedy))
+    for top in (dict(top_k=1), dict(top_p=1e-9)):   # a support of one token is greedy
+        s = ops.generate_packed(model, prompts, 8, **kw, **top)
+        assert all(torch.equal(x, y) for x, y in zip(s, greedy))
+
+
+def test_next_tokens_restricts_the_support():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 30)
+    g = torch.Generator().manual_seed(0)
+    top5 = torch.topk(logits, 5, dim=-1).indices
+    for _ in range(50):
+        t = _next_tokens(logits, 1.0, 5, None, g)
+        assert all(int(t[b]) in top5[b].tolist() for b in range(4))
+    # top_p: the smallest prefix of the sorted probabilities reaching p
+    probs = logits.softmax(-1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    for _ in range(50):
+        t = _next_tokens(logits, 1.0, None, 0.5, g)
+        for b in range(4):
+            k = int((sorted_p[b].cumsum(0) < 0.5).sum()) + 1
+            assert int(t[b]) in order[b, :k].tolist()
+    assert torch.equal(_next_tokens(logits, 0.0, None, None, None), logits.argmax(-1))
+
+
+def test_bad_input(seed):
+    model = mamba_ssm_model(seed)
+    ok = [[1, 2, 3]]
+    with pytest.raises(ValueError, match="prompts is empty"):
+        ops.generate_packed(model, [], 4)
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        ops.generate_packed(model, [[1], []], 4)
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be 1-D"):
+        ops.generate_packed(model, [torch.ones(2, 3, dtype=torch.long)], 4)
+    with pytest.raises(TypeError, match="prompts must be a list"):
+        ops.generate_packed(model, torch.ones(2, 3, dtype=torch.long), 4)
+    with pytest.raises(TypeError, match=r"prompts\[0\] must hold integer"):
+        ops.generate_packed(model, [torch.ones(3)], 4)
+    with pytest.raises(TypeError, match="tokenize"):
+        ops.generate_packed(model, ["hello"], 4)
+    with pytest.raises(ValueError, match="negative token id"):
+        ops.generate_packed(model, [[1, -2]], 4)
+    with pytest.raises(ValueError, match=f"outside the model's vocabulary of {VOCAB}"):
+        ops.generate_packed(model, [[1, VOCAB]], 4)
+    with pytest.raises(ValueError, match=r"capacity=2 is shorter than prompts\[0\]"):
+        ops.generate_packed(model, ok, 4, capacity=2)
+    with pytest.raises(ValueError, match="max_new_tokens has 2 entries for 1 prompts"):
+        ops.generate_packed(model, ok, [1, 2])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        ops.generate_packed(model, ok, -1)
+    with pytest.raises(ValueError, match="temperature"):
+        ops.generate_packed(model, ok, 4, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        ops.generate_packed(model, ok, 4, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        ops.generate_packed(model, ok, 4, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        ops.generate_packed(model, ok, 4, batch_size=0)
+    with pytest.raises(ValueError, match="not converted"):
+        ops.generate_packed(MambaLMHeadModel(d_model=8, n_layer=1, vocab_size=VOCAB, d_state=4), ok, 4)
+    m2 = ops.enable_packing(MambaLMHeadModel(d_model=8, n_layer=2, vocab_size=VOCAB, mixers=("Mamba1", "Mamba2"),
+                                             d_state=4))
+    with pytest.raises(NotImplementedError, match=r"layers \[1\] are Mamba-2 mixers.*Mamba-1 mixers only"):
+        ops.generate_packed(m2, ok, 4)
+    # max_new_tokens=0: the prompts come back
+    assert ops.generate_packed(model, [[3, 4], [5]], 0)[1].tolist() == [5]
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluation
+
+
+def loss_alone(model, seq, labels=None):
+    labels = seq if labels is None else labels
+    with torch.no_grad():
+        logits = model(seq[None]).logits[0].double()
+    tgt = labels[1:]
+    keep = tgt != -100
+    if len(seq) < 2 or not bool(keep.any()):
+        return 0.0, 0
+    return float(F.cross_entropy(logits[:-1][keep], tgt[keep], reduction="sum")), int(keep.sum())
+
+
+def test_eval_equals_each_sequence_alone(seed):
+    model = mamba_ssm_model(seed)
+    seqs = prompts_of([5, 1, 2, 17, 3, 12, 8, 30, 4], seed)
+    labels = [s.clone() for s in seqs]
+    labels[3][:9] = -100          # a prompt excluded from the loss
+    labels[5][:] = -100           # no loss token at all
+    res = ops.evaluate_packed(model, seqs, labels, capacity=32, eval_tokens=64)
+    for i, s in enumerate(seqs):
+        want, n = loss_alone(model, s, labels[i])
+        assert int(res.num_tokens[i]) == n
+        assert abs(float(res.loss_sum[i]) - want) <= 1e-5 * max(1.0, abs(want)), (i, float(res.loss_sum[i]), want)
+    assert torch.isnan(res.mean_loss[5]) and torch.isnan(res.mean_loss[1])
+    want_total = sum(loss_alone(model, s, l)[0] for s, l in zip(seqs, labels)) / int(res.num_tokens.sum())
+    assert res.total_mean_loss == pytest.approx(want_total, rel=1e-6)
+    m = res.metrics("ev")
+    assert m["ev_perplexity"] == pytest.approx(torch.exp(torch.tensor(want_total)).item(), rel=1e-6)
+    assert m["ev_sequences"] == len(seqs)
+    # float64: to rounding
+    model64 = mamba_ssm_model(seed, torch.float64)
+    res64 = ops.evaluate_packed(model64, seqs, capacity=40)
+    for i, s in enumerate(seqs):
+        assert float(res64.loss_sum[i]) == pytest.approx(loss_alone(model64, s)[0], rel=1e-10, abs=1e-10)
+
+
+def test_eval_bad_input(seed):
+    model = mamba_ssm_model(seed)
+    with pytest.raises(ValueError, match=r"labels\[0\] must be 1-D with the length of sequences\[0\]"):
+        ops.evaluate_packed(model, [[1, 2, 3]], [[1, 2]])
+    with pytest.raises(ValueError, match="labels must be a list of 1"):
+        ops.evaluate_packed(model, [[1, 2, 3]], [[1, 2, 3], [1]])
+    with pytest.raises(ValueError, match=r"capacity=3 is shorter than sequences\[1\]"):
+        ops.evaluate_packed(model, [[1, 2], [1, 2, 3, 4]], capacity=3)
+    with pytest.raises(ValueError, match="not converted"):
+        ops.evaluate_packed(MambaLMHeadModel(d_model=8, n_layer=1, vocab_size=VOCAB, d_state=4), [[1, 2]])
+
+
+def test_eval_callback(seed):
+    """PackedEvalCallback as a trainer calls it: on_evaluate adds the metrics, on_step_end evaluates every
+    eval_steps into the log history; the model's training mode is restored."""
+    model = mamba_ssm_model(seed).train()
+    seqs = prompts_of([5, 9, 3], seed)
+    cb = ops.PackedEvalCallback(seqs, capacity=16, eval_steps=2, prefix="ho")
+    metrics = {"eval_loss": 1.0}
+    cb.on_evaluate(None, None, "control", model=model, metrics=metrics)
+    want = ops.evaluate_packed(model, seqs).metrics("ho")
+    assert metrics["ho_loss"] == pytest.approx(want["ho_loss"]) and metrics["eval_loss"] == 1.0
+    assert model.training
+    state = types.SimpleNamespace(global_step=1, log_history=[])
+    cb.on_step_end(None, state, None, model=model)
+    assert state.log_history == []
+    state.global_step = 2
+    cb.on_step_end(None, state, None, model=model)
+    assert state.log_history[0]["ho_loss"] == pytest.approx(want["ho_loss"]) and state.log_history[0]["step"] == 2
+    assert cb.on_train_begin(None, state, None) is None        # the other events do nothing
+    with pytest.raises(ValueError, match="eval_steps"):
+        ops.PackedEvalCallback(seqs, eval_steps=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers
+
+
+def _hf():
+    return pytest.importorskip("transformers", reason="transformers is not installed", exc_type=ImportError)
+
+
+def hf_model(kind, seed, dtype=torch.float32):
+    transformers = _hf()
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cls, cfg_cls = {"mamba": (transformers.MambaForCausalLM, transformers.MambaConfig),
+                    "falcon": (transformers.FalconMambaForCausalLM, transformers.FalconMambaConfig)}[kind]
+    cfg = cfg_cls(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4,
+                  time_step_rank=4, use_cache=True)
+    model = cls(cfg).to(dtype).eval()
+    with torch.no_grad():
+        model.backbone.embeddings.weight.normal_(0, 1.0)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["mamba", "falcon"])
+def test_hf_greedy_equals_transformers_generate(seed, kind):
+    """transformers' MambaForCausalLM / FalconMambaForCausalLM: the packed run's tokens are transformers' own
+    generate() of each prompt alone on the unconverted model (its cache path; an explicit all-ones attention_mask,
+    else generate() would take prompt tokens equal to pad_token_id for padding); eval losses equal each alone."""
+    model = hf_model(kind, seed)
+    plain = copy.deepcopy(model)
+    plain.generation_config.eos_token_id = None    # no stop (and no end-of-text suppression) in the reference
+    ops.enable_packing(model)
+    prompts = prompts_of([5, 1, 2, 9, 3, 7], seed)
+    budgets = [6, 4, 6, 1, 6, 5]
+    out = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=4)
+    with torch.no_grad():
+        for i, (p, o, b) in enumerate(zip(prompts, out, budgets)):
+            ref = plain.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=b,
+                                 do_sample=False, pad_token_id=0)[0]
+            assert o.tolist() == ref.tolist(), f"prompt {i}"
+    res = ops.evaluate_packed(model, prompts)
+    for i, p in enumerate(prompts):
+        want, n = loss_alone(plain, p)
+        assert int(res.num_tokens[i]) == n
+        assert abs(float(res.loss_sum[i]) - want) <= 1e-5 * max(1.0, abs(want))
+    # the model's own state cache (a training run's) is left as it was
+    assert "_packloader_state_cache" not in model.__dict__
+
+
+def test_hf_mamba2_is_refused(seed):
+    transformers = _hf()
+    cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=16, state_size=8, num_hidden_layers=1, expand=2,
+                                    conv_kernel=4, head_dim=8, num_heads=4, n_groups=2, chunk_size=8)
+    model = ops.enable_packing(transformers.Mamba2ForCausalLM(cfg))
+    with pytest.raises(NotImplementedError, match="Mamba-2 layers.*Mamba-1 mixers only"):
+        ops.generate_packed(model, [[1, 2, 3]], 2)
+    with pytest.raises(ValueError, match="not converted"):
+        ops.generate_packed(hf_model("mamba", seed), [[1, 2, 3]], 2)
+    # evaluation takes Mamba-2: equal to each sequence alone
+    seqs = prompts_of([4, 7, 2], seed)
+    res = ops.evaluate_packed(model, seqs, capacity=13)
+    for i, s in enumerate(seqs):
+        assert float(res.loss_sum[i]) == pytest.approx(loss_alone(model, s)[0], rel=1e-5, abs=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU (the CUDA kernels: the carried prefill's fused mixer, the decode step)
+
+
+@pytest.mark.gpu
+def test_gpu_mamba_ssm_greedy_equals_one_by_one(cuda, seed):
+    """A real mamba-ssm MambaLMHeadModel when installed (else the stand-in), fp32 on CUDA: packed prefill + batched
+    decode give the tokens of mamba-ssm's own generation of each prompt alone on the unconverted model."""
+    try:
+        from mamba_ssm.models.config_mamba import MambaConfig
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel as Upstream
+    except ImportError:
+        Upstream = None
+    torch.manual_seed(seed)
+    if Upstream is not None:
+        cfg = MambaConfig(d_model=256, n_layer=4, vocab_size=512, ssm_cfg={"layer": "Mamba1"}, rms_norm=True,
+                          fused_add_norm=False, residual_in_fp32=True)
+        model = Upstream(cfg, device=cuda, dtype=torch.float32).eval()
+        plain = copy.deepcopy(model)
+        vocab = 512
+    else:
+        model = mamba_ssm_model(seed).to(cuda)
+        plain = None
+        vocab = VOCAB
+    ops.enable_packing(model)
+    prompts = [p.to(cuda) for p in prompts_of([37, 1, 2, 150, 64, 9, 200, 3], seed, vocab)]
+    out = ops.generate_packed(model, prompts, 24, capacity=256)
+    for i, (p, o) in enumerate(zip(prompts, out)):
+        if plain is not None:
+            ref = plain.generate(p[None], max_length=len(p) + 24, cg=False, top_k=1)
+            ref = ref.sequences[0] if hasattr(ref, "sequences") else ref[0]
+        else:
+            ref = greedy_alone_plain(model, p, 24)
+        assert o.tolist() == ref.tolist(), f"prompt {i}"
+    res = ops.evaluate_packed(model, prompts, capacity=256)
+    for i, p in enumerate(prompts):
+        want, _ = loss_alone(plain if plain is not None else model, p)
+        assert abs(float(res.loss_sum[i]) - want) <= 1e-5 * max(1.0, abs(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mamba", "falcon"])
+def test_gpu_hf_greedy_equals_transformers_generate(cuda, seed, kind):
+    model = hf_model(kind, seed).to(cuda)
+    plain = copy.deepcopy(model)
+    plain.generation_config.eos_token_id = None
+    ops.enable_packing(model)
+    prompts = [p.to(cuda) for p in prompts_of([37, 1, 2, 90, 64, 9, 120, 3], seed)]
+    out = ops.generate_packed(model, prompts, 16, capacity=128)
+    with torch.no_grad():
+        for i, (p, o) in enumerate(zip(prompts, out)):
+            ref = plain.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=16,
+                                 do_sample=False, pad_token_id=0)[0]
+            assert o.tolist() == ref.tolist(), f"prompt {i}"
