@@ -161,49 +161,59 @@ if HAS_TRITON:
 
     @triton.jit
     def _state_step_kernel(state_ptr, x_ptr, dt_ptr, dtw_ptr, dtb_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, z_ptr, out_ptr,
-                           dim, dstate, rank,
+                           batch, dim, dstate, rank,
                            ss_b, ss_d, ss_n, sx_b, sx_d, sdt_b, sdt_k, sw_d, sw_r, sa_d, sa_n,
                            sb_b, sb_n, sc_b, sc_n, sz_b, sz_d, so_b, so_d,
                            DT_PROJ: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-                           HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                           HAS_D: tl.constexpr, HAS_Z: tl.constexpr, ROWS: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-        row = tl.program_id(0)
+        # one program: ROWS rows x BLOCK_D channels; what the rows share (A, D, dt bias, the dt_proj tiles, which the
+        # later rows read from L1) is loaded once per program
         ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         nn = tl.arange(0, BLOCK_N)
         mc = ch < dim
         mn = nn < dstate
         m2 = mc[:, None] & mn[None, :]
-        if DT_PROJ:  # dt = dt_low @ W.T, the low-rank projection fused here
-            dt = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for r0 in range(0, rank, BLOCK_R):
-                rr = r0 + tl.arange(0, BLOCK_R)
-                mr = rr < rank
-                low = tl.load(dt_ptr + row * sdt_b + rr * sdt_k, mask=mr, other=0.0).to(tl.float32)
-                w = tl.load(dtw_ptr + ch[:, None] * sw_d + rr[None, :] * sw_r, mask=mc[:, None] & mr[None, :],
-                            other=0.0).to(tl.float32)
-                dt += tl.sum(w * low[None, :], axis=1)
-        else:
-            dt = tl.load(dt_ptr + row * sdt_b + ch * sdt_k, mask=mc, other=0.0).to(tl.float32)
-        if HAS_DT_BIAS:
-            dt += tl.load(dtb_ptr + ch, mask=mc, other=0.0).to(tl.float32)
-        if SOFTPLUS:
-            dt = _softplus_f32(dt)
         a = -tl.exp(tl.load(alog_ptr + ch[:, None] * sa_d + nn[None, :] * sa_n, mask=m2, other=0.0).to(tl.float32))
-        bv = tl.load(b_ptr + row * sb_b + nn * sb_n, mask=mn, other=0.0).to(tl.float32)
-        cv = tl.load(c_ptr + row * sc_b + nn * sc_n, mask=mn, other=0.0).to(tl.float32)
-        xv = tl.load(x_ptr + row * sx_b + ch * sx_d, mask=mc, other=0.0).to(tl.float32)
-        sp = state_ptr + row * ss_b + ch[:, None] * ss_d + nn[None, :] * ss_n
-        h = tl.load(sp, mask=m2, other=0.0).to(tl.float32)
-        tl.debug_barrier()  # every thread holding a copy of an element has read it before any writes it
-        h = h * tl.exp(dt[:, None] * a) + (dt * xv)[:, None] * bv[None, :]
-        tl.store(sp, h.to(state_ptr.dtype.element_ty), mask=m2)
-        y = tl.sum(h * cv[None, :], axis=1)
+        if HAS_DT_BIAS:
+            dt_b = tl.load(dtb_ptr + ch, mask=mc, other=0.0).to(tl.float32)
         if HAS_D:
-            y += xv * tl.load(d_ptr + ch, mask=mc, other=0.0).to(tl.float32)
-        if HAS_Z:
-            zv = tl.load(z_ptr + row * sz_b + ch * sz_d, mask=mc, other=0.0).to(tl.float32)
-            y = y * zv * tl.sigmoid(zv)
-        tl.store(out_ptr + row * so_b + ch * so_d, y.to(out_ptr.dtype.element_ty), mask=mc)
+            d_skip = tl.load(d_ptr + ch, mask=mc, other=0.0).to(tl.float32)
+        for i in tl.static_range(ROWS):
+            row = tl.program_id(0) * ROWS + i
+            mcl = mc & ((row + 0 * ch) < batch)   # (a scalar condition broadcast as a block: Triton's interpreter
+            mnl = mn & ((row + 0 * nn) < batch)   # takes no scalar & block masks)
+            m2l = mcl[:, None] & mnl[None, :]
+            if DT_PROJ:  # dt = dt_low @ W.T, the low-rank projection fused here
+                dt = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for r0 in range(0, rank, BLOCK_R):
+                    rr = r0 + tl.arange(0, BLOCK_R)
+                    mr = (rr < rank) & ((row + 0 * rr) < batch)
+                    low = tl.load(dt_ptr + row * sdt_b + rr * sdt_k, mask=mr, other=0.0).to(tl.float32)
+                    w = tl.load(dtw_ptr + ch[:, None] * sw_d + rr[None, :] * sw_r, mask=mc[:, None] & mr[None, :],
+                                other=0.0).to(tl.float32)
+                    dt += tl.sum(w * low[None, :], axis=1)
+            else:
+                dt = tl.load(dt_ptr + row * sdt_b + ch * sdt_k, mask=mcl, other=0.0).to(tl.float32)
+            if HAS_DT_BIAS:
+                dt += dt_b
+            if SOFTPLUS:
+                dt = _softplus_f32(dt)
+            bv = tl.load(b_ptr + row * sb_b + nn * sb_n, mask=mnl, other=0.0).to(tl.float32)
+            cv = tl.load(c_ptr + row * sc_b + nn * sc_n, mask=mnl, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + row * sx_b + ch * sx_d, mask=mcl, other=0.0).to(tl.float32)
+            sp = state_ptr + row * ss_b + ch[:, None] * ss_d + nn[None, :] * ss_n
+            h = tl.load(sp, mask=m2l, other=0.0).to(tl.float32)
+            tl.debug_barrier()  # every thread holding a copy of an element has read it before any writes it
+            h = h * tl.exp(dt[:, None] * a) + (dt * xv)[:, None] * bv[None, :]
+            tl.store(sp, h.to(state_ptr.dtype.element_ty), mask=m2l)
+            y = tl.sum(h * cv[None, :], axis=1)
+            if HAS_D:
+                y += xv * d_skip
+            if HAS_Z:
+                zv = tl.load(z_ptr + row * sz_b + ch * sz_d, mask=mcl, other=0.0).to(tl.float32)
+                y = y * zv * tl.sigmoid(zv)
+            tl.store(out_ptr + row * so_b + ch * so_d, y.to(out_ptr.dtype.element_ty), mask=mcl)
 
 
 _SM_COUNT = {}
@@ -234,33 +244,40 @@ def _conv_step_triton(x, conv_state, weight, bias, silu, out):
     return out
 
 
-def _state_block_channels(batch: int, dim: int, n_sm: int) -> int:
-    """The most channels per program that still give every multiprocessor a program (16 at least)."""
-    for block in (64, 32):
-        if batch * -(-dim // block) >= n_sm:
-            return block
-    return 16
+def _state_launch_shape(batch: int, dim: int, n_sm: int) -> Tuple[int, int]:
+    """(channels, rows) per program: the most channels (64, 32, 16), then the most rows (4, 2, 1) that still give
+    every multiprocessor a program. Rows share a program's A, D, dt bias and dt_proj tiles."""
+    block_d = 16
+    for cand in (64, 32):
+        if batch * -(-dim // cand) >= n_sm:
+            block_d = cand
+            break
+    programs_d = -(-dim // block_d)
+    for rows in (4, 2):
+        if -(-batch // rows) * programs_d >= n_sm:
+            return block_d, rows
+    return block_d, 1
 
 
 def _state_step_triton(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weight, dt_softplus, out,
                        n_sm: int = 132):
     batch, dim, dstate = ssm_state.shape
-    block_d = _state_block_channels(batch, dim, n_sm)
+    block_d, rows = _state_launch_shape(batch, dim, n_sm)
     block_n = max(16, _next_pow2(dstate))
     rank = dt.shape[1] if dt_proj_weight is not None else 1
     block_r = min(32, max(16, _next_pow2(rank)))
     w = dt_proj_weight if dt_proj_weight is not None else A_log   # placeholders for absent pointers
-    grid = (batch, triton.cdiv(dim, block_d))
+    zz = z if z is not None else x
+    grid = (triton.cdiv(batch, rows), triton.cdiv(dim, block_d))
     _state_step_kernel[grid](
         ssm_state, x, dt, w, dt_bias if dt_bias is not None else A_log, A_log, B, C,
-        D if D is not None else A_log, z if z is not None else x, out,
-        dim, dstate, rank,
+        D if D is not None else A_log, zz, out,
+        batch, dim, dstate, rank,
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), x.stride(0), x.stride(1),
         dt.stride(0), dt.stride(1), w.stride(0), w.stride(1), A_log.stride(0), A_log.stride(1),
-        B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        (z if z is not None else x).stride(0), (z if z is not None else x).stride(1), out.stride(0), out.stride(1),
+        B.stride(0), B.stride(1), C.stride(0), C.stride(1), zz.stride(0), zz.stride(1), out.stride(0), out.stride(1),
         DT_PROJ=dt_proj_weight is not None, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-        HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_D=D is not None, HAS_Z=z is not None, ROWS=rows,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4,
     )
     return out

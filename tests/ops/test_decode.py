@@ -236,6 +236,58 @@ def test_bad_arguments_are_named():
         layer.step(torch.randn(1, 2, layer.d_model), *_random_states(layer, 1, torch.float32))
 
 
+_INTERPRETER_CHECK = r"""
+import sys, torch
+from ops import decode as dec
+assert dec.HAS_TRITON
+torch.manual_seed(0)
+F64 = torch.float64
+worst = 0.0
+for b, d, n, w, r, bias, proj, strided, n_sm in [(2, 40, 16, 4, 5, True, True, False, 4), (3, 70, 4, 3, 40, False, True, True, 4),
+                                                  (1, 33, 7, 2, 3, True, False, False, 4), (7, 40, 16, 4, 50, True, True, False, 2),
+                                                  (5, 33, 16, 4, 20, True, True, True, 1)]:
+    x = torch.randn(b, d)
+    cs = torch.randn(b, w, d).transpose(1, 2) if strided else torch.randn(b, d, w)
+    W, bb = torch.randn(d, w), (torch.randn(d) if bias else None)
+    cs_k, cs_r = cs.clone(), cs.double()
+    out = dec._conv_step_triton(x, cs_k, W, bb, True, torch.empty(b, d))
+    ref = dec.causal_conv1d_step_ref(x.double(), cs_r, W.double(), None if bb is None else bb.double(), True)
+    assert torch.equal(cs_k.double(), cs_r)
+    worst = max(worst, ((out.double() - ref).abs().max() / ref.abs().max()).item())
+    dt, B, C = torch.split(torch.randn(b, r + 2 * n), [r, n, n], dim=-1)
+    dt = dt if proj else torch.randn(b, d)
+    Wd = 0.3 * torch.randn(d, r) if proj else None
+    args = [dt, torch.randn(d, n), B, C, torch.randn(d), torch.randn(b, d), 0.5 * torch.randn(d), Wd, True]
+    h = torch.randn(b, n, d).transpose(1, 2) if strided else torch.randn(b, d, n)
+    h_k, h_r = h.clone(), h.double()
+    y = dec._state_step_triton(h_k, x, *args, torch.empty(b, d), n_sm=n_sm)
+    y_r = dec.selective_state_step_ref(h_r, x.double(), *[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+    worst = max(worst, ((y.double() - y_r).abs().max() / y_r.abs().max()).item(),
+                ((h_k.double() - h_r).abs().max() / h_r.abs().max()).item())
+print("worst", worst)
+"""
+
+
+def test_triton_kernels_in_the_interpreter():
+    """The Triton kernels' logic (shift, fused dt projection, several rows per program, tail rows, strided states)
+    on the CPU through Triton's interpreter, against the float64 reference; where Triton is installed."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(root)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    res = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    worst = float(res.stdout.split("worst")[-1])
+    assert worst < 1e-5, worst
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU
 
