@@ -147,10 +147,11 @@ def build_model(args, device):
 
     impl = attention_implementation(device)
     attn = [i for i in range(args.layers) if i % args.attn_every == args.attn_every - 1]
+    # mamba_d_state 16: the largest the CUDA scan of ops takes (ops.contract.MAX_DSTATE; without mamba-ssm)
     cfg = transformers.BambaConfig(vocab_size=args.vocab, hidden_size=args.d_model, num_hidden_layers=args.layers,
                                    num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
                                    intermediate_size=2 * args.d_model, attn_layer_indices=attn,
-                                   mamba_n_heads=2 * args.d_model // 64, mamba_d_head=64, mamba_d_state=64,
+                                   mamba_n_heads=2 * args.d_model // 64, mamba_d_head=64, mamba_d_state=16,
                                    mamba_n_groups=1, mamba_chunk_size=256, use_cache=False)
     cfg._attn_implementation = impl
     torch.manual_seed(args.seed)

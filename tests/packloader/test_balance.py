@@ -201,3 +201,36 @@ def test_calibrate_attention_factor_recovers_a_known_cost_model():
         calibrate_attention_factor(step, capacity=64, short_length=64)
     with pytest.raises(ValueError, match="repeats"):
         calibrate_attention_factor(step, capacity=64, repeats=0)
+
+
+def test_bench_balance_varlen_attention_is_per_sequence_causal_attention():
+    """The attention benchmarks/bench_balance.py gives the hybrid (CPU path: SDPA per sequence): equal, in
+    float64, to causal attention over each packed sequence alone (grouped key/value heads repeated)."""
+    import os
+    import sys
+
+    import torch
+    import torch.nn.functional as F
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+    sys.path.insert(0, here)
+    try:
+        import bench_balance
+    finally:
+        sys.path.remove(here)
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, L, D = 2, 4, 2, 24, 8
+    q, k, v = (torch.randn(B, h, L, D, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    lens = [[5, 11, 8], [24]]
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens])
+    out, _ = bench_balance.varlen_attention(None, q, k, v, None, position_ids=pos)
+    assert out.shape == (B, L, H, D)
+    for b, row in enumerate(lens):
+        s = 0
+        for n in row:
+            kk, vv = (t[b:b + 1, :, s:s + n].repeat_interleave(H // Hkv, 1) for t in (k, v))
+            ref = F.scaled_dot_product_attention(q[b:b + 1, :, s:s + n], kk, vv, is_causal=True)[0].transpose(0, 1)
+            torch.testing.assert_close(out[b, s:s + n], ref, rtol=1e-12, atol=1e-12)
+            s += n
+    with pytest.raises(ValueError, match="position_ids"):
+        bench_balance.varlen_attention(None, q, k, v, None)
