@@ -405,3 +405,25 @@ def test_gpu_hf_greedy_equals_transformers_generate(cuda, seed, kind):
             ref = plain.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=16,
                                  do_sample=False, pad_token_id=0)[0]
             assert o.tolist() == ref.tolist(), f"prompt {i}"
+
+
+# --------------------------------------------------------------------------------------------------
+# the example
+
+
+def test_example_runs_and_matches_one_by_one():
+    """examples/generate_packed.py at its smallest: GSM8K questions (embedded sample, GPT-NeoX tokens), packed
+    generation identical to transformers' generate() of each question alone, the packed evaluation's loss finite."""
+    _hf()
+    pytest.importorskip("tokenizers", exc_type=ImportError)
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "generate_packed.py")
+    spec = importlib.util.spec_from_file_location("generate_packed_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    got = example.main(["--num-prompts", "5", "--max-new-tokens", "4", "--check", "3", "--eval", "3", "--d-model",
+                        "16", "--layers", "1", "--capacity", "256", "--device", "cpu"])
+    assert got["prompts"] == 5 and got["new_tokens"] == 20
+    assert got["checked"] == 3 and got["identical"] == 3
+    assert 0 < got["eval_loss"] < 20 and got["eval_perplexity"] > 1
