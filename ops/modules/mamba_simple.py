@@ -248,7 +248,8 @@ class PackedMamba(nn.Module):
         xz = self.in_proj(hidden_states).transpose(1, 2)
         x, z = xz.chunk(2, dim=1)
         conv_state.copy_(F.pad(x, (self.d_conv - x.shape[-1], 0)))
-        x = packed_causal_conv1d(x.contiguous(), self.conv1d.weight, self.conv1d.bias, "silu", validate=False)
+        conv_bias = self.conv1d.bias.to(x.dtype) if self.conv1d.bias is not None else None
+        x = packed_causal_conv1d(x.contiguous(), self.conv1d.weight.to(x.dtype), conv_bias, "silu", validate=False)
         x_dbl = self.x_proj(x.transpose(1, 2))
         dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)
