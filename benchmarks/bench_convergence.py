@@ -441,17 +441,27 @@ def write_step_shards(directory, rows_per_step, capacity):
     return paths, most
 
 
-def train_hf(model, lay, examples, args, device, seed, workdir):
-    """The ``hf`` mode: ``PackedTrainer`` on ``model`` (a converted ``MambaForCausalLM``), fed by a
-    ``PackedDataLoader`` over a pre-packed directory of the packed mode's rows. Returns (losses, wall seconds,
-    positions, per step the sorted example ids of the rows the Trainer was handed, filler rows)."""
-    import transformers
+def hf_loader(lay, examples, capacity, seed, workdir):
+    """The ``hf`` mode's data: the packed mode's rows written step by step as token shards
+    (:func:`write_step_shards`), packed by ``packloader pack`` (``pack_dataset``) and read back by a
+    ``PackedDataLoader`` (``shuffle=False``, one step of rows per batch).
 
-    from packloader import PackedDataLoader, pack_dataset
-    from packloader.hf import PackedTrainer
+    Args:
+        lay: :func:`layouts`' output (its ``"rows"``: the packed batch and the examples of each row, per step).
+        examples: the ``(input_ids, labels)`` pairs the rows' example ids index.
+        capacity: tokens per row.
+        seed: the loader's seed (unused without shuffling; recorded in its state).
+        workdir: an empty folder for the shards and the pre-packed directory.
 
-    transformers.logging.set_verbosity_error()
-    expected = {}   # row digest -> example ids ([] for a filler row)
+    Returns:
+        ``(loader, expected, rows)``: the loader, ``{row digest (row_key): example ids of the row}`` for every
+        packed row and the filler row (``[]``), and the rows per step."""
+    from packloader import PackedDataLoader, collate_packed, pack_dataset
+
+    filler = collate_packed(np.zeros((1, capacity), np.int32), np.full((1, capacity), IGNORE_INDEX, np.int32),
+                            np.array([0, 1]), np.array([capacity], np.int32))
+    # a filler row as the loader collates it: one sequence without a label
+    expected = {row_key(filler["input_ids"][0], filler["labels"][0], filler["position_ids"][0]): []}
     rows_per_step = []
     for batch, row_examples in lay["rows"]:
         for r, ex in enumerate(row_examples):
@@ -459,12 +469,25 @@ def train_hf(model, lay, examples, args, device, seed, workdir):
         rows_per_step.append([[examples[i] for i in ex] for ex in row_examples])
     shards = os.path.join(workdir, "tokens")
     os.makedirs(shards)
-    paths, rows = write_step_shards(shards, rows_per_step, args.capacity)
+    paths, rows = write_step_shards(shards, rows_per_step, capacity)
     packed_dir = os.path.join(workdir, "packed")
-    pack_dataset(paths, packed_dir, capacity=args.capacity, algorithm="bfd", quiet=True, progress=False)
+    pack_dataset(paths, packed_dir, capacity=capacity, algorithm="bfd", quiet=True, progress=False)
     loader = PackedDataLoader(packed_dir, batch_size=rows, shuffle=False, seed=seed, num_workers=0)
-    if len(loader) != args.steps:
-        raise AssertionError(f"the pre-packed directory gives {len(loader)} steps, not {args.steps}")
+    if len(loader) != len(rows_per_step):
+        raise AssertionError(f"the pre-packed directory gives {len(loader)} steps, not {len(rows_per_step)}")
+    return loader, expected, rows
+
+
+def train_hf(model, lay, examples, args, device, seed, workdir):
+    """The ``hf`` mode: ``PackedTrainer`` on ``model`` (a converted ``MambaForCausalLM``), fed by
+    :func:`hf_loader`. Returns (losses, wall seconds, positions, per step the sorted example ids of the rows the
+    Trainer was handed (None for a step with a row that is none of the packed rows), checks)."""
+    import transformers
+
+    from packloader.hf import PackedTrainer
+
+    transformers.logging.set_verbosity_error()
+    loader, expected, rows = hf_loader(lay, examples, args.capacity, seed, workdir)
     seen, losses = [], []
 
     class Recording(PackedTrainer):
@@ -597,29 +620,30 @@ def compare(runs, seeds, modes, window, last_k):
 
 
 def print_table(runs, seeds, modes, last_k, comparison, stream=sys.stdout):
-    print(f"\n{'mode':44s} {'seed':>5s} {f'loss, last {last_k}':>14s} {'held-out':>9s} {'wall s':>8s} "
+    """The table: per mode, one line per seed and one of mean ± std over seeds; then each mode against padded."""
+    w = max(len(MODE_TITLES[m]) for m in modes)
+    sd = (lambda v: float(np.std(v, ddof=1)) if len(v) > 1 else float("nan"))
+    print(f"\n{'mode':{w}s} {'seed':>5s} {f'loss, last {last_k} steps':>19s} {'held-out loss':>17s} {'wall s':>12s} "
           f"{'positions':>10s}", file=stream)
     for mode in modes:
         for s in seeds:
             r = runs[mode][s]
-            print(f"{MODE_TITLES[mode]:44s} {s:5d} {r['last_k']:14.4f} {r['heldout']:9.4f} {r['wall_s']:8.1f} "
+            print(f"{MODE_TITLES[mode]:{w}s} {s:5d} {r['last_k']:19.4f} {r['heldout']:17.4f} {r['wall_s']:12.1f} "
                   f"{r['positions']:10d}", file=stream)
-        lk = [runs[mode][s]["last_k"] for s in seeds]
-        ho = [runs[mode][s]["heldout"] for s in seeds]
-        wall = [runs[mode][s]["wall_s"] for s in seeds]
-        sd = (lambda v: np.std(v, ddof=1) if len(v) > 1 else float("nan"))
-        print(f"{'':44s} {'mean':>5s} {np.mean(lk):8.4f}±{sd(lk):.3f} {np.mean(ho):9.4f} {np.mean(wall):8.1f}"
-              f"   held-out std {sd(ho):.4f}", file=stream)
+        lk, ho, wall = ([runs[mode][s][k] for s in seeds] for k in ("last_k", "heldout", "wall_s"))
+        print(f"{'':{w}s} {'mean':>5s} {np.mean(lk):10.4f} ± {sd(lk):6.4f} {np.mean(ho):8.4f} ± {sd(ho):6.4f} "
+              f"{np.mean(wall):6.1f} ± {sd(wall):3.1f}", file=stream)
     sp = comparison["padded_seed_spread"]
-    print(f"\nyardstick: the padded run's seed-to-seed spread (std over {len(seeds)} seeds) of its windowed mean loss "
-          f"{sp['window_std_mean']:.4f}; of its held-out loss {sp['heldout_std']:.4f}", file=stream)
-    print(f"{'mode - padded (same seed)':44s} {'max |window|':>12s} {'/ spread':>9s} {'held-out':>9s}", file=stream)
+    print(f"\nyardstick: the padded run's seed-to-seed spread (std over {len(seeds)} seeds): of its windowed mean loss "
+          f"{sp['window_std_mean']:.4f} (mean over windows), of its held-out loss {sp['heldout_std']:.4f}", file=stream)
+    print(f"{'mode - padded, same seed':{w}s} {'max |window diff|':>18s} {'/ spread':>9s} {'max |step diff|':>16s} "
+          f"{'held-out diff':>14s}", file=stream)
     for mode in modes:
         if mode == "padded":
             continue
         c = comparison[mode]
-        print(f"{MODE_TITLES[mode]:44s} {c['max_abs_window_diff']:12.5f} {c['max_abs_window_diff_over_spread']:9.3f} "
-              f"{np.mean(c['heldout_diff']):+9.4f}", file=stream)
+        print(f"{MODE_TITLES[mode]:{w}s} {c['max_abs_window_diff']:18.5f} {c['max_abs_window_diff_over_spread']:9.3f} "
+              f"{c['max_abs_step_diff']:16.2e} {np.mean(c['heldout_diff']):+14.4f}", file=stream)
 
 
 def plot(runs, seeds, modes, window, comparison, path, title):

@@ -97,6 +97,30 @@ def test_convergence_compact_vocab_ranks_by_frequency():
         bench.compact_vocab(ex, 1)
 
 
+def test_convergence_hf_loader_gives_the_packed_rows_step_by_step(tmp_path):
+    """The Hugging Face mode's data: the loader over the pre-packed directory hands out each step's packed rows
+    (matched by content), topped up with filler rows without labels where a step packs into fewer rows."""
+    ex = _examples([40, 60, 25, 50, 61, 17, 44, 30, 12, 58, 33, 20], seed=2)
+    steps = [np.array([0, 1, 2]), np.array([3, 4, 5, 6]), np.array([8, 11]), np.array([7, 9, 10])]
+    lay = bench.layouts(ex, steps, 64, "hf")
+    counts = [len(rows) for _, rows in lay["rows"]]
+    assert len(set(counts)) > 1   # the steps pack into different numbers of rows: fillers are needed
+    loader, expected, most = bench.hf_loader(lay, ex, 64, 0, str(tmp_path))
+    assert most == max(counts)
+    got = []
+    for batch in loader:
+        assert batch["input_ids"].shape == (most, 64)
+        rows = [expected.get(bench.row_key(batch["input_ids"][r], batch["labels"][r], batch["position_ids"][r]))
+                for r in range(most)]
+        assert all(r is not None for r in rows)   # every row is a packed row or a filler
+        assert int(batch["num_loss_tokens"]) == lay["label_tokens"][len(got)]   # fillers add no label
+        got.append(rows)
+    assert len(got) == len(steps)
+    for k, rows in enumerate(got):
+        assert sorted(x for r in rows for x in r) == sorted(steps[k].tolist())
+        assert sum(r == [] for r in rows) == most - counts[k]
+
+
 def test_convergence_bad_arguments_are_named():
     with pytest.raises(SystemExit):
         bench.parse_args(["--smoke", "--seeds", "3"])          # one seed: no spread
