@@ -601,7 +601,7 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
         generator = torch.Generator(device=device)
         generator.manual_seed(int(seed))
     stop_tensor = torch.tensor(sorted(stops), dtype=torch.int64, device=device) if stops else None
-    new_tokens: List[List[torch.Tensor]] = [[] for _ in range(n)]
+    new_tokens: List[List[int]] = [[] for _ in range(n)]
     todo = [i for i in range(n) if budgets[i] > 0]
     bs = len(todo) if batch_size is None else int(batch_size)
     was_training = model.training
@@ -614,11 +614,7 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
                                 algorithm, temperature, top_k, top_p, generator, stop_tensor, new_tokens, device)
     finally:
         model.train(was_training)
-    outs = []
-    for i in range(n):
-        parts = [seqs[i].to(device)] + new_tokens[i]
-        outs.append(torch.cat(parts))
-    return outs
+    return [torch.cat([seqs[i], torch.tensor(new_tokens[i], dtype=torch.int64)]).to(device) for i in range(n)]
 
 
 def _generate_batch(model, fam, seqs, chunk, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
@@ -635,9 +631,21 @@ def _generate_batch(model, fam, seqs, chunk, budgets, cap, prefill_tokens, algor
     active = torch.arange(len(chunk), device=device)          # positions in ``chunk`` still decoding
     left = torch.tensor([budgets[i] for i in chunk], device=device)
     decoder = None
+    records = []          # (active, tokens) of every step, read back to the host once at the end
+    try:
+        _decode_loop(model, fam, chunk, budgets, lengths, states, tok, active, left, records, temperature, top_k,
+                     top_p, generator, stop_tensor)
+    finally:
+        for act, t in records:
+            for k, v in zip(act.tolist(), t.tolist()):
+                new_tokens[chunk[k]].append(v)
+
+
+def _decode_loop(model, fam, chunk, budgets, lengths, states, tok, active, left, records, temperature, top_k, top_p,
+                 generator, stop_tensor):
+    decoder = None
     while True:
-        for k, t in zip(active.tolist(), tok.unbind(0)):
-            new_tokens[chunk[k]].append(t.reshape(1))
+        records.append((active, tok))
         left_now = left.index_select(0, active) - 1
         left.index_copy_(0, active, left_now)
         done = left_now <= 0
