@@ -471,6 +471,39 @@ def test_hf_generate_tokens_identical_after_conversion(family, monkeypatch):
     assert not calls and step.logits.requires_grad
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def test_hf_generate_on_cuda_tokens_identical(cuda, family, monkeypatch):
+    """transformers' generate on CUDA (float32, TF32 off): the converted model's steps run the Triton kernels and give
+    the unconverted model's greedy tokens."""
+    transformers = pytest.importorskip("transformers", exc_type=ImportError)
+    import ops.decode
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    kw = dict(vocab_size=256, hidden_size=128, state_size=16, num_hidden_layers=3, expand=2, conv_kernel=4,
+              eos_token_id=None, pad_token_id=0)
+    if family == "mamba":
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(**kw))
+    else:
+        model = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**kw))
+    model = model.to(cuda).eval()
+    model.generation_config.eos_token_id = None
+    converted = ops.enable_packing(copy.deepcopy(model))
+    calls = []
+    real = ops.decode.mamba_step
+    monkeypatch.setattr(ops.decode, "mamba_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompt = torch.randint(1, 256, (4, 9), device=cuda)
+    gen = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(prompt, **gen)
+        got = converted.generate(prompt, **gen)
+    assert torch.equal(got, expected)
+    cache = transformers.DynamicCache(config=model.config)
+    if hasattr(cache, "has_previous_state") and hasattr(cache, "layers"):
+        assert len(calls) == 3 * 19
+
+
 def test_bench_generate_smoke(tmp_path):
     pytest.importorskip("transformers", exc_type=ImportError)
     import importlib.util as iu
