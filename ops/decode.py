@@ -193,6 +193,8 @@ if HAS_TRITON:
                     w = tl.load(dtw_ptr + ch[:, None] * sw_d + rr[None, :] * sw_r, mask=mc[:, None] & mr[None, :],
                                 other=0.0).to(tl.float32)
                     dt += tl.sum(w * low[None, :], axis=1)
+                # rounded to dt's dtype, as F.linear's output is (the reference, and mamba-ssm's step)
+                dt = dt.to(dt_ptr.dtype.element_ty).to(tl.float32)
             else:
                 dt = tl.load(dt_ptr + row * sdt_b + ch * sdt_k, mask=mcl, other=0.0).to(tl.float32)
             if HAS_DT_BIAS:
