@@ -76,6 +76,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 IGNORE_INDEX = -100
@@ -280,6 +281,74 @@ def have_mamba_ssm():
         return False
 
 
+def have_transformers():
+    try:
+        import accelerate  # noqa: F401  (Trainer needs it)
+        import transformers  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def choose_backend(requested, device):
+    """``auto``: mamba-ssm's model on a GPU where it imports, else transformers' ``MambaForCausalLM`` where
+    transformers (and accelerate) import, else the project's own modules (:class:`OpsLM`)."""
+    if requested == "auto":
+        if device.type == "cuda" and have_mamba_ssm():
+            return "mamba_ssm"
+        return "hf" if have_transformers() else "ops"
+    if requested == "mamba_ssm" and not have_mamba_ssm():
+        raise SystemExit("--backend mamba_ssm: mamba_ssm does not import here")
+    if requested == "hf" and not have_transformers():
+        raise SystemExit("--backend hf: transformers (and accelerate) do not import here")
+    return requested
+
+
+class OpsLM(nn.Module):
+    """The project's own Mamba LM (``--backend ops``, or when neither mamba-ssm nor transformers imports):
+    embedding, pre-norm residual ``ops.PackedMamba`` blocks with RMS norms, a final norm and the tied head.
+
+    Example::
+
+        model = OpsLM(vocab=256, d_model=16, n_layer=2, d_state=8)
+        logits = model(input_ids, position_ids=position_ids).logits     # [B, L, vocab]
+
+    Args:
+        vocab: vocabulary size.
+        d_model: width.
+        n_layer: Mamba blocks.
+        d_state: SSM state size.
+        device: where the parameters are made.
+    """
+
+    def __init__(self, vocab, d_model, n_layer, d_state, device=None):
+        import ops
+
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d_model, device=device)
+        self.norms = nn.ModuleList(nn.RMSNorm(d_model, eps=1e-5, device=device) for _ in range(n_layer))
+        self.mixers = nn.ModuleList(ops.PackedMamba(d_model, d_state=d_state, layer_idx=i, device=device)
+                                    for i in range(n_layer))
+        self.norm_f = nn.RMSNorm(d_model, eps=1e-5, device=device)
+        nn.init.normal_(self.embedding.weight, std=0.02)
+
+    def forward(self, input_ids, position_ids=None):
+        h = self.embedding(input_ids)
+        for norm, mixer in zip(self.norms, self.mixers):
+            h = h + mixer(norm(h), position_ids=position_ids)
+
+        class Out:
+            pass
+
+        out = Out()
+        out.logits = F.linear(self.norm_f(h), self.embedding.weight)
+        return out
+
+
+def build_ops(args, device):
+    return OpsLM(args.vocab, args.d_model, args.layers, args.d_state, device=device)
+
+
 def build_mamba_ssm(args, device):
     from mamba_ssm.models.config_mamba import MambaConfig
     from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
@@ -309,15 +378,19 @@ def hf_state_from_mamba_ssm(state):
 
 
 def new_model(kind, args, init, device):
-    """A converted model (``ops.enable_packing``) of ``kind`` (``"mamba_ssm"`` or ``"hf"``) holding ``init``."""
+    """A converted model (``ops.enable_packing``) of ``kind`` (``"mamba_ssm"``, ``"hf"`` or ``"ops"``, whose
+    ``PackedMamba`` layers need no conversion) holding ``init``."""
     import ops
 
-    model = build_mamba_ssm(args, device) if kind == "mamba_ssm" else build_hf(args, device)
+    model = BUILDERS[kind](args, device)
     missing, unexpected = model.load_state_dict(init, strict=False)
     tied = {"lm_head.weight"}
     if unexpected or set(missing) - tied:
         raise RuntimeError(f"initial weights do not fit the {kind} model: missing {missing}, unexpected {unexpected}")
-    return ops.enable_packing(model).train()
+    return (model if kind == "ops" else ops.enable_packing(model)).train()
+
+
+BUILDERS = {"mamba_ssm": build_mamba_ssm, "hf": build_hf, "ops": build_ops}
 
 
 def make_optimizer(model, args):
@@ -373,7 +446,7 @@ def layouts(examples, steps, capacity, backend):
     Returns ``{mode: [(batch, boundaries, step_example_ids), ...]}``, plus ``"rows"``: the packed rows of each step
     (for the ``hf`` mode) and ``"label_tokens"`` per step."""
     out = {"padded": [], "packed": [], "naive": [], "rows": [], "label_tokens": []}
-    own = backend == "hf"   # without mamba-ssm every mode passes position_ids (the same kernels everywhere)
+    own = backend != "mamba_ssm"   # without mamba-ssm every mode passes position_ids (the same kernels everywhere)
     for ids in steps:
         pad = padded_batch(examples, ids)
         packed, row_examples = packed_rows(examples, ids, capacity)
@@ -699,6 +772,9 @@ def parse_args(argv):
     ap.add_argument("--out-dir", default=None, help="where convergence.json and loss_curves.png go (default: "
                     "benchmarks/results/convergence at --size gpu, a temporary folder at --size toy)")
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    ap.add_argument("--backend", choices=["auto", "mamba_ssm", "hf", "ops"], default="auto",
+                    help="the model: mamba-ssm's MambaLMHeadModel, transformers' MambaForCausalLM or the project's "
+                         "own ops.PackedMamba stack (auto: the first that imports, mamba-ssm on a GPU only)")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping (max norm)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     for key, value in SIZES["gpu"].items():
@@ -753,7 +829,13 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    backend = "mamba_ssm" if (device.type == "cuda" and have_mamba_ssm()) else "hf"
+    backend = choose_backend(args.backend, device)
+    skipped = {}
+    if "hf" in args.mode_list and (backend == "ops" or not have_transformers()):
+        skipped["hf"] = ("transformers / accelerate do not import here" if not have_transformers() else
+                         "--backend ops: the Hugging Face mode needs transformers' model, not the project's own")
+        args.mode_list = [m for m in args.mode_list if m != "hf"]
+        print(f"note: mode hf skipped: {skipped['hf']}")
     jsonl, tok, source = data_files(args.data_dir)
     examples = load_examples(jsonl, tok, mask_prompt=args.mask_prompt, max_len=args.max_len, limit=args.limit)
     if args.vocab < 50280:
@@ -786,7 +868,7 @@ def main(argv=None):
             lay = layouts(examples, steps, args.capacity, backend)
             step_sets[seed] = [sorted(int(i) for i in ids) for ids in steps]
             torch.manual_seed(seed)
-            init_model = build_mamba_ssm(args, "cpu") if backend == "mamba_ssm" else build_hf(args, "cpu")
+            init_model = BUILDERS[backend](args, "cpu")
             n_params = sum(p.numel() for p in init_model.parameters())
             init = {k: v.detach().clone() for k, v in init_model.state_dict().items()}
             del init_model
@@ -805,7 +887,7 @@ def main(argv=None):
                     losses, wall, positions = train_own(model, lay[mode], args, device)
                     ids = [x[2] for x in lay[mode]]
                     boundaries = lay[mode][0][1]
-                ho = heldout_loss(model, examples, held, args, device, boundaries=boundaries or backend == "hf")
+                ho = heldout_loss(model, examples, held, args, device, boundaries=boundaries or backend != "mamba_ssm")
                 runs[mode][seed] = {"losses": losses, "last_k": float(np.mean(losses[-args.last_k:])), "heldout": ho,
                                     "wall_s": wall, "positions": int(positions), "step_examples": ids}
                 print(f"  seed {seed} {mode:7s} loss last {args.last_k} {runs[mode][seed]['last_k']:.4f}  held-out "
@@ -834,7 +916,8 @@ def main(argv=None):
         "benchmark": "convergence", "date": time.strftime("%Y-%m-%d"), "device": device_name,
         "torch": torch.__version__, "model_backend": backend, "parameters": n_params, "data": source,
         "examples": len(examples), "settings": {k: v for k, v in vars(args).items() if k not in ("seed_list",)},
-        "seeds": seeds, "modes": args.mode_list, "same_examples_per_step": same, "hf_checks": hf_checks,
+        "seeds": seeds, "modes": args.mode_list, "skipped_modes": skipped, "same_examples_per_step": same,
+        "hf_checks": hf_checks,
         "runs": {m: {str(s): {k: v for k, v in runs[m][s].items() if k != "step_examples"} for s in seeds}
                  for m in args.mode_list},
         "step_examples": {str(s): step_sets[s] for s in seeds},
@@ -843,7 +926,8 @@ def main(argv=None):
     json_path = os.path.join(out_dir, "convergence.json")
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
-    title = (f"{backend} Mamba-1, d_model {args.d_model}, {args.layers} layers; {args.examples_per_step} GSM8K examples "
+    names = {"mamba_ssm": "mamba-ssm MambaLMHeadModel", "hf": "transformers MambaForCausalLM", "ops": "ops.PackedMamba LM"}
+    title = (f"{names[backend]} (Mamba-1), d_model {args.d_model}, {args.layers} layers; {args.examples_per_step} GSM8K examples "
              f"a step, rows of {args.capacity}; {device_name}")
     png = plot(runs, seeds, args.mode_list, args.window, comparison, os.path.join(out_dir, "loss_curves.png"), title)
     print(f"wrote {json_path} and {png} ({result['total_s']:.0f} s in all)")

@@ -198,6 +198,18 @@ def test_convergence_packed_follows_padded_and_naive_does_not(toy):
             assert r["heldout"] < r["losses"][0] - 0.2, (mode, s)
 
 
+def test_convergence_with_the_projects_own_model(tmp_path):
+    """``--backend ops`` (no mamba-ssm, no transformers needed): the same comparison on an ``ops.PackedMamba``
+    stack; the Hugging Face mode is skipped and says why."""
+    res = bench.main(["--smoke", "--backend", "ops", "--steps", "8", "--out-dir", str(tmp_path)])
+    assert res["model_backend"] == "ops" and res["modes"] == ["padded", "packed", "naive"]
+    assert "hf" in res["skipped_modes"] and res["same_examples_per_step"]
+    c = res["comparison"]
+    assert c["packed"]["max_abs_step_diff"] < 1e-4
+    assert c["naive"]["max_abs_step_diff"] > 100 * max(c["packed"]["max_abs_step_diff"], 1e-7)
+    assert (tmp_path / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the mamba-ssm weights in transformers' model, and the GPU path end to end at a small size
 
