@@ -20,6 +20,10 @@ captures the graphs). ``tok/s`` counts new tokens of the whole ``generate`` call
 ``decode tok/s`` takes the prefill out: (new - 1) tokens over the time of the full call minus the time of a call
 that generates one token (the prefill and the first token). ``identical`` compares the greedy tokens of the two
 models. Table on stdout, JSON to ``--out`` (default ``benchmarks/results/generation/decode_<gpu>.json``).
+
+Before that, one mixer's single-token step alone (``mixer_step_us`` in the JSON; ``--mixer-iters`` steps per
+variant, eager and replayed from a CUDA graph): the previous torch step (``ops.decode``'s reference on the GPU, the
+math ``PackedMamba.step`` ran before), ``ops.decode``'s kernels, and mamba-ssm's ``Mamba.step`` where it imports.
 """
 from __future__ import annotations
 
@@ -138,6 +142,73 @@ def measure(impl, d_model, n_layer, batch, cg, args, device, dtype, models):
     return row
 
 
+def _step_time(fn, device, iters, graph):
+    """Mean microseconds of one ``fn()`` call over ``iters`` calls (after warm-up); with ``graph`` the
+    call is captured once in a CUDA graph and replayed."""
+    with torch.no_grad():
+        if graph:
+            s = torch.cuda.Stream(device)
+            s.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream(device).wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run = g.replay
+        else:
+            run = fn
+        for _ in range(3):
+            run()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        _sync(device)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def mixer_rows(args, device, dtype, widths, batches):
+    """One mixer's single-token step, microseconds: the previous torch step (ops.decode's reference: the math
+    PackedMamba.step ran before), ops.decode's kernels, and mamba-ssm's Mamba.step where it imports."""
+    from ops import PackedMamba
+
+    try:
+        from mamba_ssm.modules.mamba_simple import Mamba as UpstreamMamba
+    except Exception:  # not installed (or broken): no upstream column
+        UpstreamMamba = None
+    rows = []
+    graphs = [False] + ([True] if device.type == "cuda" and not args.no_cg else [])
+    for d_model in widths:
+        torch.manual_seed(args.seed)
+        layer = PackedMamba(d_model, layer_idx=0, device=device, dtype=dtype).eval()
+        upstream = None
+        if UpstreamMamba is not None and device.type == "cuda":
+            upstream = UpstreamMamba(d_model, layer_idx=0, device=device, dtype=dtype).eval()
+            upstream.load_state_dict(layer.state_dict())
+        for batch in batches:
+            conv, ssm = layer.allocate_inference_cache(batch, 0)
+            conv.normal_(), ssm.normal_()
+            h = torch.randn(batch, 1, d_model, device=device, dtype=dtype)
+
+            def previous():
+                with ops.use_backend("reference"):
+                    return layer.step(h, conv, ssm)
+
+            variants = {"previous_torch_step": previous, "ops_decode": lambda: layer.step(h, conv, ssm)}
+            if upstream is not None:
+                variants["mamba_ssm"] = lambda: upstream.step(h, conv, ssm)
+            for graph in graphs:
+                row = {"d_model": d_model, "batch": batch, "cg": graph}
+                for name, fn in variants.items():
+                    row[f"{name}_us"] = _step_time(fn, device, args.mixer_iters, graph)
+                rows.append(row)
+                print("mixer step " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in row.items()), flush=True)
+    return rows
+
+
 def _gpu_tag(device) -> str:
     if device.type != "cuda":
         return "cpu"
@@ -195,6 +266,8 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-cg", action="store_true", help="skip the CUDA-graph runs")
+    ap.add_argument("--mixer-iters", type=int, default=200,
+                    help="steps timed per variant in the mixer-step table (0: skip it)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes on the CPU (d_model 32, 2 layers, vocab 64, 6 new tokens, fp32)")
     ap.add_argument("--out", default=None, help="JSON output (default benchmarks/results/generation/decode_<gpu>.json)")
@@ -204,6 +277,7 @@ def main(argv=None):
         device = torch.device("cpu")
         args.widths, args.layers, args.batches = "32", "2", "1,3"
         args.prompt, args.new, args.repeats, args.vocab, args.dtype = 5, 6, 2, 64, "fp32"
+        args.mixer_iters = min(args.mixer_iters, 5)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype]
@@ -223,6 +297,7 @@ def main(argv=None):
     layer_counts = [int(v) for v in args.layers.split(",")]
     batches = [int(v) for v in args.batches.split(",")]
     graphs = [False] + ([True] if device.type == "cuda" and not args.no_cg else [])
+    mixer = mixer_rows(args, device, dtype, widths, batches) if args.mixer_iters > 0 else []
     rows = []
     for impl in impls:
         make_models, _ = IMPLS[impl]
@@ -240,6 +315,9 @@ def main(argv=None):
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     print()
+    for r in mixer:
+        print("mixer step (us): " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in r.items()))
     print(table(rows))
     worst = min((r["decode_ratio"] for r in rows if r["decode_ratio"] is not None), default=float("nan"))
     print(f"\nworst decode ratio (converted / unconverted): {worst:.3f} (target >= {TARGET}); "
@@ -248,7 +326,7 @@ def main(argv=None):
         "benchmark": "bench_generate", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype, "smoke": args.smoke, "versions": _versions(), "target_decode_ratio": TARGET,
         "settings": {k: getattr(args, k) for k in ("widths", "layers", "batches", "prompt", "new", "repeats", "vocab")},
-        "rows": rows,
+        "rows": rows, "mixer_step_us": mixer,
     }
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "generation",
                                    f"decode_{_gpu_tag(device)}.json")
