@@ -427,3 +427,23 @@ def test_example_runs_and_matches_one_by_one():
     assert got["prompts"] == 5 and got["new_tokens"] == 20
     assert got["checked"] == 3 and got["identical"] == 3
     assert 0 < got["eval_loss"] < 20 and got["eval_perplexity"] > 1
+
+
+def test_benchmark_smoke(tmp_path):
+    """benchmarks/bench_packed_generation.py --smoke, smaller still: every mode runs, the packed tokens equal the
+    padded (masked) and one-by-one ones, the packed evaluation's losses equal the padded evaluation's, JSON written."""
+    _hf()
+    pytest.importorskip("tokenizers", exc_type=ImportError)
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import bench_packed_generation as bench
+    out = tmp_path / "gen.json"
+    got = bench.main(["--smoke", "--model", "hf", "--device", "cpu", "--num-prompts", "5", "--max-new-tokens", "3",
+                      "--alone", "2", "--batch-size", "3", "--out", str(out)])
+    assert json.loads(out.read_text())["generation"] == got["generation"]
+    modes = {r["mode"]: r for r in got["generation"]}
+    assert modes["packed"]["new_tokens"] == 15 and modes["padded"]["identical_to_packed"] == 5
+    assert modes["one_by_one"]["identical_to_packed"] == 2 and modes["one_by_one"]["tokens_differing_from_packed"] == 0
+    assert got["evaluation"][0]["max_rel_loss_diff"] < 1e-5
