@@ -246,12 +246,14 @@ def _conv_step_triton(x, conv_state, weight, bias, silu, out):
     return out
 
 
-def _state_launch_shape(batch: int, dim: int, n_sm: int) -> Tuple[int, int]:
-    """(channels, rows) per program: the most channels (64, 32, 16), then the most rows (4, 2, 1) that still give
-    every multiprocessor a program. Rows share a program's A, D, dt bias and dt_proj tiles."""
-    block_d = 16
+def _state_launch_shape(batch: int, dim: int, n_sm: int, block_n: int = 16) -> Tuple[int, int]:
+    """(channels, rows) per program: the most channels (64, 32, 16; fewer for a large dstate, at most 1024 state
+    elements a program), then the most rows (4, 2, 1) that still give every multiprocessor a program. Rows share a
+    program's A, D, dt bias and dt_proj tiles."""
+    cap = max(1, 1024 // block_n)
+    block_d = min(16, cap)
     for cand in (64, 32):
-        if batch * -(-dim // cand) >= n_sm:
+        if cand <= cap and batch * -(-dim // cand) >= n_sm:
             block_d = cand
             break
     programs_d = -(-dim // block_d)
@@ -264,8 +266,8 @@ def _state_launch_shape(batch: int, dim: int, n_sm: int) -> Tuple[int, int]:
 def _state_step_triton(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weight, dt_softplus, out,
                        n_sm: int = 132):
     batch, dim, dstate = ssm_state.shape
-    block_d, rows = _state_launch_shape(batch, dim, n_sm)
     block_n = max(16, _next_pow2(dstate))
+    block_d, rows = _state_launch_shape(batch, dim, n_sm, block_n)
     rank = dt.shape[1] if dt_proj_weight is not None else 1
     block_r = min(32, max(16, _next_pow2(rank)))
     w = dt_proj_weight if dt_proj_weight is not None else A_log   # placeholders for absent pointers
