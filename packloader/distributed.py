@@ -38,7 +38,10 @@ How an epoch is split
    :func:`calibrate_attention_factor`): longest-processing-time greedy, then swaps between the most and
    the least loaded rank while they shrink the largest load. Steps stay the same windows of consecutive
    plan rows (the resume position is a prefix of the plan, so that exact and elastic resume hold
-   unchanged); only which rank of the step takes which row changes.
+   unchanged); only which rank of the step takes which row changes. To place rows *into steps* by cost
+   as well, the loader's ``cost_sort_window`` sorts the plan by cost inside windows of plan rows
+   (:class:`packloader.balance.CostSortedRows`: a plan of its own, independent of the layout), so that a
+   step holds rows of similar cost.
 7. Context-parallel groups (``context_parallel_size=C``, :func:`data_parallel_rank_world`): the ``C``
    consecutive ranks ``dp * C ... dp * C + C - 1`` form one CP group (the layout of
    ``init_device_mesh(device, (world // C, C), mesh_dim_names=("dp", "cp"))``) and get the same rows;

@@ -170,6 +170,12 @@ class PackedDataLoader:
         attention_factor: with ``balance="compute"`` (required there, else None): the cost of one
             query-key pair in units of one token, measured by
             :func:`packloader.distributed.calibrate_attention_factor`.
+        cost_sort_window: with ``balance="compute"``: also place rows *into steps* by cost: sort the plan by
+            estimated cost inside consecutive windows of this many rows (:class:`packloader.balance.CostSortedRows`),
+            so a step holds rows of similar cost and splits evenly over the ranks (a few global steps' rows,
+            e.g. ``16 * world_size * batch_size``). It changes the plan (the data order inside a window follows
+            cost), so it is part of the source's fingerprint: a state resumes only with the same window and
+            factor. Default None: plan order.
         context_parallel_size: ranks per context-parallel group (``C``, a divisor of the world size).
             The ``C`` consecutive ranks ``k * C ... k * C + C - 1`` (the ``"cp"`` dimension of
             ``init_device_mesh(device, (world // C, C), mesh_dim_names=("dp", "cp"))``) get the same batches
@@ -204,7 +210,8 @@ class PackedDataLoader:
                  pin_memory: bool = False, persistent_workers: bool = False, prefetch_factor: int | None = None,
                  timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
                  pin_memory_device: str = "", verify: bool = False, balance: str = "tokens",
-                 attention_factor: float | None = None, context_parallel_size: int = 1):
+                 attention_factor: float | None = None, cost_sort_window: int | None = None,
+                 context_parallel_size: int = 1):
         for name, value in (("batch_size", batch_size), ("buffer_size", buffer_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -238,6 +245,14 @@ class PackedDataLoader:
             raise ValueError(f"attention_factor={attention_factor!r} is only used with balance='compute'")
         self.balance = balance
         self.attention_factor = float(attention_factor) if balance == "compute" else None
+        if cost_sort_window is not None:
+            if balance != "compute":
+                raise ValueError(f"cost_sort_window={cost_sort_window!r} needs balance='compute' (and its "
+                                 "attention_factor)")
+            if isinstance(cost_sort_window, bool) or not isinstance(cost_sort_window, (int, np.integer)) \
+                    or cost_sort_window < 1:
+                raise ValueError(f"cost_sort_window must be an int >= 1, got {cost_sort_window!r}")
+        self.cost_sort_window = None if cost_sort_window is None else int(cost_sort_window)
         self.batch_size, self.seed, self.shuffle = int(batch_size), int(seed), bool(shuffle)
         self.drop_last, self.num_workers = bool(drop_last), int(num_workers)
 
@@ -282,6 +297,10 @@ class PackedDataLoader:
         if self.balance == "compute" and getattr(rows, "overflow", None) == "carry":
             raise ValueError("balance='compute' does not combine with overflow='carry' (the carry rule places "
                              "a document's pieces itself); use balance='tokens'")
+        if self.cost_sort_window is not None:
+            from packloader.balance import CostSortedRows
+
+            rows = CostSortedRows(rows, self.cost_sort_window, self.attention_factor)
         self.dataset = PackedIterable(rows, rank=self.dp_rank, world_size=self.dp_size,
                                        batch_size=self.batch_size, drop_last=self.drop_last, seed=self.seed,
                                        shuffle=self.shuffle, hf_compat=self.hf_compat, return_ids=self.return_ids)

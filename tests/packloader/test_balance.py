@@ -234,3 +234,74 @@ def test_bench_balance_varlen_attention_is_per_sequence_causal_attention():
             s += n
     with pytest.raises(ValueError, match="position_ids"):
         bench_balance.varlen_attention(None, q, k, v, None)
+
+
+def test_cost_sorted_order_sorts_inside_windows_only():
+    from packloader.balance import cost_sorted_order
+
+    rng = np.random.default_rng(7)
+    cost = rng.integers(0, 5, 103).astype(np.float64)  # many ties
+    for window in (1, 8, 50, 500):
+        order = cost_sorted_order(cost, window)
+        np.testing.assert_array_equal(np.sort(order), np.arange(103))
+        for lo in range(0, 103, window):
+            part = order[lo:lo + window]
+            assert part.min() >= lo and part.max() < lo + window  # rows never leave their window
+            c = cost[part]
+            assert (np.diff(c) <= 0).all()
+            for value in np.unique(c):  # ties keep plan order
+                assert (np.diff(part[c == value]) > 0).all()
+    np.testing.assert_array_equal(cost_sorted_order(cost, 1), np.arange(103))
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        cost_sorted_order(cost, 0)
+
+
+def test_loader_cost_sort_window_steps_cover_resume(tmp_path):
+    """Rows into steps by cost: every sequence once, less waiting than per-step balancing alone (the
+    summed slowest-rank cost of the steps), exact resume, elastic resume, a state of another plan refused."""
+    paths, seqs = skewed_corpus(tmp_path, 3)
+    af, world = 0.05, 2
+
+    def make(**kw):
+        return [loader(paths, rank=r, world_size=world, balance="compute", attention_factor=af, **kw)
+                for r in range(world)]
+
+    def cost_of(batch):
+        lens = batch["sample_ids"][:, 4].numpy().astype(np.float64)
+        return float((lens + af * lens * lens).sum())
+
+    sorted_ranks, plain_ranks = make(cost_sort_window=16), make()
+    runs = [list(x) for x in sorted_ranks]
+    plain = [list(x) for x in plain_ranks]
+    assert len(runs[0]) == len(runs[1]) == len(plain[0])
+    assert_exact_cover([tuple(p) for bs in runs for b in bs for p in b["sample_ids"][:, 1:].tolist()], seqs)
+
+    def slowest_sum(per_rank):
+        return np.array([[cost_of(b) for b in bs] for bs in per_rank]).max(0).sum()
+
+    print(f"summed slowest-rank cost: sorted {slowest_sum(runs):.0f}, per-step only {slowest_sum(plain):.0f}")
+    assert slowest_sum(runs) < 0.95 * slowest_sum(plain)
+    assert "cost-sorted:window=16" in sorted_ranks[0].state_dict()["settings"]["source"]
+    cut = len(runs[0]) // 2
+    states = []
+    for r in range(world):
+        it = iter(sorted_ranks[r])
+        for _ in range(cut):
+            next(it)
+        states.append(json.loads(json.dumps(sorted_ranks[r].state_dict())))
+        fresh = make(cost_sort_window=16)[r]
+        fresh.load_state_dict(states[-1])
+        assert [batch_fingerprint(b) for b in fresh] == [batch_fingerprint(b) for b in runs[r][cut:]]
+    rest = []
+    for r in range(3):  # elastic: 3 ranks
+        x = loader(paths, rank=r, world_size=3, balance="compute", attention_factor=af, cost_sort_window=16)
+        x.load_state_dict(states[0])
+        rest += list(x)
+    done = [b for bs in runs for b in bs[:cut]]
+    assert_exact_cover([tuple(p) for b in done + rest for p in b["sample_ids"][:, 1:].tolist()], seqs)
+    with pytest.raises(ValueError, match="'source'"):
+        make()[0].load_state_dict(states[0])
+    with pytest.raises(ValueError, match="needs balance='compute'"):
+        loader(paths, cost_sort_window=16)
+    with pytest.raises(ValueError, match="cost_sort_window must be an int >= 1"):
+        loader(paths, balance="compute", attention_factor=af, cost_sort_window=0)

@@ -113,8 +113,10 @@ def test_cp_state_resumes_exactly_and_elastically(corpus):
 
 
 def test_cp_with_workers_and_compute_balance(corpus):
-    """Members of a CP group agree whatever their num_workers, also with compute balancing."""
+    """Members of a CP group agree whatever their num_workers, also with compute balancing and rows sorted
+    into steps by cost (the sorted row source travels to the workers)."""
     paths, _ = corpus
-    a = [batch_fingerprint(b) for b in make(paths, 2, 4, 2, num_workers=2, balance="compute", attention_factor=0.01)]
-    b = [batch_fingerprint(b) for b in make(paths, 3, 4, 2, num_workers=0, balance="compute", attention_factor=0.01)]
+    kw = dict(balance="compute", attention_factor=0.01, cost_sort_window=8)
+    a = [batch_fingerprint(b) for b in make(paths, 2, 4, 2, num_workers=2, **kw)]
+    b = [batch_fingerprint(b) for b in make(paths, 3, 4, 2, num_workers=0, **kw)]
     assert a == b and a
