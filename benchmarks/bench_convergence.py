@@ -629,22 +629,21 @@ def heldout_loss(model, examples, held, args, device, boundaries):
     return total / count
 
 
-def warm_up(kind, args, init, device, lay, backend):
+def warm_up(args, init, device, lay, backend):
     """One forward and backward of each layout on a scratch model: kernel builds and autotuning stay out of the
     timed runs (GPU only)."""
     if device.type != "cuda":
         return
     for mode in ("padded", "packed", "naive"):
-        model = new_model(kind, args, init, device)
+        model = new_model(backend, args, init, device)
         batch, boundaries, _ = lay[mode][0]
         b = {k: batch[k].to(device) for k in ("input_ids", "labels", "position_ids")}
         with autocast(device):
             summed_loss(forward_logits(model, b, boundaries), b["labels"]).backward()
         del model
     if "hf" in args.mode_list:
-        hf_kind = "hf"
         hf_init = hf_state_from_mamba_ssm(init) if backend == "mamba_ssm" else init
-        model = new_model(hf_kind, args, hf_init, device)
+        model = new_model("hf", args, hf_init, device)
         batch, _ = lay["rows"][0]
         b = {k: batch[k].to(device) for k in ("input_ids", "labels", "position_ids")}
         with autocast(device):
@@ -873,7 +872,7 @@ def main(argv=None):
             init = {k: v.detach().clone() for k, v in init_model.state_dict().items()}
             del init_model
             if si == 0:
-                warm_up(backend, args, init, device, lay, backend)
+                warm_up(args, init, device, lay, backend)
             for mode in args.mode_list:
                 if mode == "hf":
                     hf_init = hf_state_from_mamba_ssm(init) if backend == "mamba_ssm" else init
