@@ -384,6 +384,14 @@ def _fill_state(conv_dst: torch.Tensor, ssm_dst: torch.Tensor, states: List[tupl
     ssm_dst.copy_(ssm.to(ssm_dst.dtype))
 
 
+def _new_rows(conv: torch.Tensor, ssm: torch.Tensor, states: List[tuple], what: str):
+    """Decode-cache rows (like ``conv`` / ``ssm``) holding the prefill's ``states``."""
+    new_conv = conv.new_zeros((len(states),) + tuple(conv.shape[1:]))
+    new_ssm = ssm.new_zeros((len(states),) + tuple(ssm.shape[1:]))
+    _fill_state(new_conv, new_ssm, states, what)
+    return new_conv, new_ssm
+
+
 class _MambaSSMDecoder:
     """Batched decoding through mamba-ssm's cache (``InferenceParams``, ``seqlen_offset > 0``: each mixer's
     ``step``)."""
@@ -391,6 +399,7 @@ class _MambaSSMDecoder:
     def __init__(self, model, fam: _Family, states: List[list], max_seqlen: int):
         b = len(states)
         self.model = model
+        self.mixers = fam.mixers
         self.params = _new_inference_params(max_seqlen, b)
         for li, m in enumerate(fam.mixers):
             conv, ssm = m.allocate_inference_cache(b, max_seqlen)
@@ -408,6 +417,15 @@ class _MambaSSMDecoder:
         for k, (conv, ssm) in list(d.items()):
             d[k] = (conv.index_select(0, idx).contiguous(), ssm.index_select(0, idx).contiguous())
         self.params.max_batch_size = int(idx.numel())
+
+    def add(self, states: List[list]) -> None:
+        """Append rows decoding from ``states`` (the prefill's, one list of per-layer pairs per prompt)."""
+        d = self.params.key_value_memory_dict
+        for li, m in enumerate(self.mixers):
+            conv, ssm = d[m.layer_idx]
+            new_conv, new_ssm = _new_rows(conv, ssm, [s[li] for s in states], f"layer {m.layer_idx}")
+            d[m.layer_idx] = (torch.cat([conv, new_conv]), torch.cat([ssm, new_ssm]))
+        self.params.max_batch_size = int(d[self.mixers[0].layer_idx][0].shape[0])
 
 
 def _hf_layer_states(cache, layer: int):
@@ -472,6 +490,12 @@ class _HFDecoder:
             _hf_set_layer_states(self.cache, layer, conv.index_select(0, idx).contiguous(),
                                  ssm.index_select(0, idx).contiguous())
 
+    def add(self, states: List[list]) -> None:
+        for li, layer in enumerate(self.layers):
+            conv, ssm = _hf_layer_states(self.cache, layer)
+            new_conv, new_ssm = _new_rows(conv, ssm, [s[li] for s in states], f"layer {layer}")
+            _hf_set_layer_states(self.cache, layer, torch.cat([conv, new_conv]), torch.cat([ssm, new_ssm]))
+
 
 # --------------------------------------------------------------------------------------------------
 # sampling
@@ -527,7 +551,7 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
     carry path, :mod:`ops.carry`); the model's decoding cache is filled with those states and all prompts of a batch
     decode together, one token per step, through the model's usual decode path (mamba-ssm: ``InferenceParams`` with
     ``seqlen_offset > 0``; transformers: its cache). A prompt leaves the batch when it has its ``max_new_tokens`` or
-    produced a stop token. Greedy outputs equal generating each prompt alone (fp32; the decode path is the same, the
+    produced a stop token, and a waiting prompt takes its place (``batch_size``). Greedy outputs equal generating each prompt alone (fp32; the decode path is the same, the
     prefill differs from a single-sequence forward only by rounding).
 
     Example::
@@ -555,8 +579,9 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
             (which prompts decode together), so a prompt sampled alone with the same seed gets other tokens.
         stop_token_ids: token ids that end a prompt's generation (the stop token is kept in the output).
         eos_token_id: one more stop token (e.g. the tokenizer's end of text); None: only ``stop_token_ids``.
-        batch_size: prompts decoded together (default: all); prompts go in batches of this many, in the given order,
-            each packed and prefilled on its own.
+        batch_size: the most prompts decoded together (default: all of them). Prompts enter in the given order;
+            when prompts stop, waiting ones are prefilled (packed, as a group, once an eighth of the batch is free)
+            and join the running batch (continuous batching).
         prefill_tokens: tokens per packed forward (rows x capacity; default 65536, one row at least); bounds the
             prefill's activation memory.
         algorithm: the :func:`packer_algos.pack` algorithm ("bfd", "ffd", "first_fit", "next_fit").
@@ -603,71 +628,83 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
     stop_tensor = torch.tensor(sorted(stops), dtype=torch.int64, device=device) if stops else None
     new_tokens: List[List[int]] = [[] for _ in range(n)]
     todo = [i for i in range(n) if budgets[i] > 0]
-    bs = len(todo) if batch_size is None else int(batch_size)
+    records: list = []          # (prompt indices, tokens) of every step, read back to the host once at the end
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for b0 in range(0, len(todo), max(bs, 1)):
-                chunk = todo[b0:b0 + bs]
-                _generate_batch(model, fam, seqs, chunk, budgets, cap, prefill_tokens or _DEFAULT_PREFILL_TOKENS,
-                                algorithm, temperature, top_k, top_p, generator, stop_tensor, new_tokens, device)
+            if todo:
+                _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens or _DEFAULT_PREFILL_TOKENS,
+                                 algorithm, temperature, top_k, top_p, generator, stop_tensor, device,
+                                 len(todo) if batch_size is None else int(batch_size), records)
     finally:
         model.train(was_training)
+    new_tokens: List[List[int]] = [[] for _ in range(n)]
+    for ids, t in records:
+        for i, v in zip(ids.tolist(), t.tolist()):
+            new_tokens[i].append(v)
     return [torch.cat([seqs[i], torch.tensor(new_tokens[i], dtype=torch.int64)]).to(device) for i in range(n)]
 
 
-def _generate_batch(model, fam, seqs, chunk, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
-                    generator, stop_tensor, new_tokens, device):
-    sub = [seqs[i] for i in chunk]
+def _prefill(model, fam, seqs, take, cap, prefill_tokens, algorithm, device):
+    """Packed prefill of the prompts ``take``: (last-token logits (len(take), vocab), their states, in order)."""
+    sub = [seqs[i] for i in take]
     lengths = np.array([int(s.numel()) for s in sub], dtype=np.int64)
-    rows = pack_prompts(lengths, cap, algorithm)
     got = {}
-    for group in _row_groups(rows, lengths, cap, prefill_tokens):
+    for group in _row_groups(pack_prompts(lengths, cap, algorithm), lengths, cap, prefill_tokens):
         got.update(_prefill_group(model, fam, sub, group, device))
-    logits = torch.stack([got[k][0] for k in range(len(chunk))])
-    states = [got[k][1] for k in range(len(chunk))]
-    tok = _next_tokens(logits, temperature, top_k, top_p, generator)
-    active = torch.arange(len(chunk), device=device)          # positions in ``chunk`` still decoding
-    left = torch.tensor([budgets[i] for i in chunk], device=device)
-    decoder = None
-    records = []          # (active, tokens) of every step, read back to the host once at the end
-    try:
-        _decode_loop(model, fam, chunk, budgets, lengths, states, tok, active, left, records, temperature, top_k,
-                     top_p, generator, stop_tensor)
-    finally:
-        for act, t in records:
-            for k, v in zip(act.tolist(), t.tolist()):
-                new_tokens[chunk[k]].append(v)
+    return torch.stack([got[k][0] for k in range(len(take))]), [got[k][1] for k in range(len(take))]
 
 
-def _decode_loop(model, fam, chunk, budgets, lengths, states, tok, active, left, records, temperature, top_k, top_p,
-                 generator, stop_tensor):
+def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
+                     generator, stop_tensor, device, batch_size, records):
+    """Decode ``todo`` with at most ``batch_size`` prompts in flight: prompts that stop leave the batch, and waiting
+    prompts (prefilled packed, a group at a time) take their places once an eighth of the batch is free."""
+    queue = list(todo)
+    budget = torch.tensor(budgets, dtype=torch.int64, device=device)
+    produced = torch.zeros(len(budgets), dtype=torch.int64, device=device)
+    refill_at = max(1, batch_size // 8)
+    max_seqlen = max(int(seqs[i].numel()) for i in todo) + max(budgets)
     decoder = None
-    while True:
-        records.append((active, tok))
-        left_now = left.index_select(0, active) - 1
-        left.index_copy_(0, active, left_now)
-        done = left_now <= 0
+    active = torch.zeros(0, dtype=torch.int64, device=device)      # the prompts in the decode batch, by row
+    tok = torch.zeros(0, dtype=torch.int64, device=device)
+
+    def finished(ids, t):
+        produced.index_add_(0, ids, torch.ones_like(ids))
+        done = produced.index_select(0, ids) >= budget.index_select(0, ids)
         if stop_tensor is not None:
-            done = done | torch.isin(tok, stop_tensor)
-        keep = (~done).nonzero().squeeze(-1)
-        if keep.numel() == 0:
+            done = done | torch.isin(t, stop_tensor)
+        return (~done).nonzero().squeeze(-1)
+
+    while True:
+        free = batch_size - active.numel()
+        if queue and (active.numel() == 0 or free >= refill_at):
+            take, queue = queue[:free], queue[free:]
+            logits, states = _prefill(model, fam, seqs, take, cap, prefill_tokens, algorithm, device)
+            ids = torch.tensor(take, dtype=torch.int64, device=device)
+            t_new = _next_tokens(logits, temperature, top_k, top_p, generator)
+            records.append((ids, t_new))
+            keep = finished(ids, t_new)
+            if keep.numel():
+                live = [states[k] for k in keep.tolist()]
+                t_new = t_new.index_select(0, keep)
+                if decoder is None:
+                    decoder = (_MambaSSMDecoder(model, fam, live, max_seqlen) if fam.kind == "mamba_ssm"
+                               else _HFDecoder(model, fam, live, t_new))
+                else:
+                    decoder.add(live)
+                active = torch.cat([active, ids.index_select(0, keep)])
+                tok = torch.cat([tok, t_new])
+            continue
+        if active.numel() == 0:
             return
-        if decoder is None:   # the cache of the prompts still going, from the prefill's states
-            keep_list = keep.tolist()
-            live_states = [states[active[k].item()] for k in keep_list]
-            tok = tok.index_select(0, keep)
-            active = active.index_select(0, keep)
-            if fam.kind == "mamba_ssm":
-                decoder = _MambaSSMDecoder(model, fam, live_states, int(lengths.max()) + max(budgets))
-            else:
-                decoder = _HFDecoder(model, fam, live_states, tok)
-        elif keep.numel() < active.numel():
+        tok = _next_tokens(decoder.step(tok), temperature, top_k, top_p, generator)
+        records.append((active, tok))
+        keep = finished(active, tok)
+        if keep.numel() < active.numel():
             decoder.keep(keep)
             tok = tok.index_select(0, keep)
             active = active.index_select(0, keep)
-        tok = _next_tokens(decoder.step(tok), temperature, top_k, top_p, generator)
 
 
 # --------------------------------------------------------------------------------------------------

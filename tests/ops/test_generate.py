@@ -124,6 +124,10 @@ def test_stop_tokens_and_per_prompt_lengths(seed):
     for p, o, b in zip(prompts, free, budgets):
         assert len(o) == len(p) + b
         assert o.tolist() == greedy_alone_plain(model, p, b).tolist()
+    # two in flight: prompts that stop make room for the waiting ones (prefilled, then appended to the batch)
+    for bs in (1, 2):
+        assert all(torch.equal(x, y) for x, y in zip(ops.generate_packed(model, prompts, budgets, capacity=12,
+                                                                           batch_size=bs), free))
     # a stop token: the first new token of prompt 2's free run at step 3; every prompt stops at its first occurrence
     stop = int(free[2][len(prompts[2]) + 3])
     out = ops.generate_packed(model, prompts, budgets, capacity=12, stop_token_ids=[stop])
