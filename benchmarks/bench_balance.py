@@ -13,9 +13,12 @@ balance="compute", attention_factor=af)`` places each global step's rows onto ra
    of one row of one long sequence against one of short ones);
 3. synthetic token shards with a skewed mix: ``--long-share`` of the tokens in long documents (0.5 to 1.0 x
    capacity), the rest in short ones (lognormal, median ``--short-median``), packed best-fit;
-4. for ``balance`` in (tokens, compute): every rank times forward + backward of each of its batches (no
-   gradient sync, so the time is the rank's own work); per step the slowest rank sets the pace of
-   synchronous data-parallel training.
+4. three placements: ``tokens`` (the default: equal tokens per rank in each step), ``compute`` (equal
+   estimated cost per rank in each step) and ``compute+sorted`` (also ``cost_sort_window`` of
+   ``--window-steps`` global steps' rows: rows of similar cost in the same steps). Every rank times forward +
+   backward of each of its batches (no gradient sync, so the time is the rank's own work); per step the
+   slowest rank sets the pace of synchronous data-parallel training. Every mode times the same plan rows
+   (the first ``--steps`` global steps, after warm-up steps).
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_balance.py
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_balance.py --device cpu --smoke   # CPU, gloo
@@ -213,7 +216,9 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=3_000_000, help="synthetic tokens")
     ap.add_argument("--long-share", type=float, default=0.4, help="share of tokens in long documents")
     ap.add_argument("--short-median", type=int, default=200, help="median length of the short documents")
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per balance mode")
+    ap.add_argument("--steps", type=int, default=32, help="timed steps per mode (a multiple of --window-steps)")
+    ap.add_argument("--window-steps", type=int, default=8,
+                    help="compute+sorted: cost_sort_window = this many global steps' rows")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per balance mode")
     ap.add_argument("--attention-factor", type=float, default=None, help="skip the calibration, use this")
     ap.add_argument("--seed", type=int, default=0, help="data, init and order seed")
@@ -222,9 +227,11 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "balance", "balance.json"), help="JSON")
     ap.add_argument("--smoke", action="store_true", help="a tiny configuration (seconds on a CPU)")
     args = ap.parse_args(argv)
+    if args.steps % args.window_steps:
+        ap.error("--steps must be a multiple of --window-steps (so every mode times the same rows)")
     if args.smoke:
         args.d_model, args.layers, args.heads, args.vocab, args.capacity = 64, 2, 4, 256, 256
-        args.tokens, args.steps, args.warmup, args.short_median = 20000, 3, 1, 16
+        args.tokens, args.steps, args.warmup, args.short_median, args.window_steps = 20000, 4, 1, 16, 2
         args.data_dir = args.data_dir + "_smoke"
         if args.out == ap.get_default("out"):
             args.out = os.path.join(args.data_dir, "balance.json")
@@ -274,46 +281,51 @@ def main(argv=None):
               + (f" (one long row {calibration['seconds_long'] * 1e3:.1f} ms, short rows "
                  f"{calibration['seconds_short'] * 1e3:.1f} ms)" if calibration else ""), flush=True)
 
+    from packloader.distributed import assign_rows, assign_rows_by_cost
+
+    window = args.window_steps * world * args.rows
+    modes = {"tokens": {}, "compute": {"balance": "compute", "attention_factor": af},
+             "compute+sorted": {"balance": "compute", "attention_factor": af, "cost_sort_window": window}}
     results = []
-    for balance in ("tokens", "compute"):
-        kw = {"balance": "compute", "attention_factor": af} if balance == "compute" else {}
+    for name, kw in modes.items():
         loader = PackedDataLoader(pattern, capacity=args.capacity, batch_size=args.rows, seed=args.seed,
                                   algorithm="bfd", overflow="split", **kw)
-        costs = loader.dataset.row_costs(0) if balance == "compute" else None
-        n = min(len(loader), args.warmup + args.steps)
-        times = []
-        for i, batch in zip(range(n), loader):
+        if len(loader) < args.steps:
+            raise SystemExit(f"error: {len(loader)} steps in the epoch, fewer than --steps {args.steps}: raise --tokens")
+
+        def timed(batch):
             ids, pos = batch["input_ids"].to(device), batch["position_ids"].to(device)
             dist.barrier()
             sync()
             t0 = time.perf_counter()
             fwd_bwd(model, ids, pos)
             sync()
-            dt = time.perf_counter() - t0
             model.zero_grad(set_to_none=True)
-            if i >= args.warmup:
-                times.append(dt)
+            return time.perf_counter() - t0
+
+        for _, batch in zip(range(args.warmup), loader):  # warm-up, then the epoch afresh: every mode times
+            timed(batch)                                  # the same rows (plan rows [0, steps * world * rows))
+        times = [timed(batch) for _, batch in zip(range(args.steps), loader)]
         t = torch.tensor(times, dtype=torch.float64, device=device)
         every = [torch.zeros_like(t) for _ in range(world)]
         dist.all_gather(every, t)
         per = torch.stack(every).cpu().numpy()  # [world, steps]
-        # the cost model's prediction for the same steps
-        from packloader.distributed import assign_rows, assign_rows_by_cost
-
+        # the cost model's prediction for the same steps (through the loader's own row source: sorted or not)
         off, _, _, length = loader.dataset.rows.epoch_pieces(args.seed, 0, True)
-        cost = row_costs(off, length, af) if costs is None else costs
+        cost = row_costs(off, length, af)
         tokens = loader.dataset.rows.epoch_rows(args.seed, 0, True)
-        sched = (assign_rows_by_cost(cost, world, args.rows, False) if balance == "compute"
-                 else assign_rows(tokens, world, args.rows, False))[:, args.warmup:n]
+        sched = (assign_rows_by_cost(cost, world, args.rows, False) if name != "tokens"
+                 else assign_rows(tokens, world, args.rows, False))[:, :args.steps]
         predicted = float(step_cost_spread(sched, cost).mean())
         slowest, mean = per.max(0), per.mean(0)
-        res = {"balance": balance, "steps": int(per.shape[1]), "slowest_ms": float(slowest.mean() * 1e3),
+        res = {"balance": name, "steps": int(per.shape[1]), "slowest_ms": float(slowest.mean() * 1e3),
                "mean_rank_ms": float(mean.mean() * 1e3), "spread": float((slowest / mean).mean()),
                "max_spread": float((slowest / mean).max()), "predicted_spread": predicted,
-               "waiting_ms": float((slowest - per.min(0)).mean() * 1e3), "per_rank_ms": (per * 1e3).tolist()}
+               "waiting_ms": float((slowest - per.min(0)).mean() * 1e3), "per_rank_ms": (per * 1e3).tolist(),
+               "cost_sort_window": kw.get("cost_sort_window")}
         results.append(res)
         if rank == 0:
-            print(f"balance={balance}: slowest rank {res['slowest_ms']:.1f} ms/step, mean {res['mean_rank_ms']:.1f}, "
+            print(f"{name}: slowest rank {res['slowest_ms']:.1f} ms/step, mean {res['mean_rank_ms']:.1f}, "
                   f"spread {res['spread']:.3f} (predicted {predicted:.3f})", flush=True)
     if rank == 0:
         base = results[0]["slowest_ms"]
