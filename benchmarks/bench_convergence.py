@@ -842,7 +842,6 @@ def main(argv=None):
     top = max(int(x.max()) for x, _ in examples)
     if top >= args.vocab:
         raise SystemExit(f"--vocab {args.vocab}: the data holds token id {top}")
-    n_params = None
     print(f"convergence: {source}, {len(examples)} examples; size {args.size}; model {backend} "
           f"(d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}); {args.steps} steps x "
           f"{args.examples_per_step} examples, rows of {args.capacity}; seeds {args.seed_list}; modes "
@@ -859,6 +858,9 @@ def main(argv=None):
     runs = {m: {} for m in args.mode_list}
     step_sets = {}
     hf_checks = {}
+    ctx = {"args": args, "runs": runs, "step_sets": step_sets, "hf_checks": hf_checks, "backend": backend,
+           "device": device, "n_params": None, "source": source, "n_examples": len(examples), "skipped": skipped,
+           "out_dir": out_dir, "t_start": t_start}
     try:
         for si, seed in enumerate(args.seed_list):
             t_seed = time.perf_counter()
@@ -868,7 +870,7 @@ def main(argv=None):
             step_sets[seed] = [sorted(int(i) for i in ids) for ids in steps]
             torch.manual_seed(seed)
             init_model = BUILDERS[backend](args, "cpu")
-            n_params = sum(p.numel() for p in init_model.parameters())
+            ctx["n_params"] = sum(p.numel() for p in init_model.parameters())
             init = {k: v.detach().clone() for k, v in init_model.state_dict().items()}
             del init_model
             if si == 0:
@@ -894,46 +896,60 @@ def main(argv=None):
                 del model
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            if si == 0 and len(args.seed_list) > 1:
+            if si == 0:
                 left = (time.perf_counter() - t_seed) * (len(args.seed_list) - 1)
                 print(f"expected runtime left: about {left:.0f} s ({len(args.seed_list) - 1} more seeds)", flush=True)
+            elif si < len(args.seed_list) - 1:
+                write_outputs(ctx, args.seed_list[:si + 1], final=False)   # a run stopped early keeps these
     finally:
         shutil.rmtree(workroot, ignore_errors=True)
 
-    seeds = args.seed_list
+    return write_outputs(ctx, args.seed_list, final=True)
+
+
+def write_outputs(ctx, seeds, *, final):
+    """Compare, write ``convergence.json`` and ``loss_curves.png`` for the ``seeds`` done so far (after every seed
+    from the second on, so that a run stopped early leaves its finished seeds behind), and at the end print the
+    table. Returns the result dict (with ``runs_full``: the runs with their examples per step)."""
+    args, runs, step_sets, hf_checks = ctx["args"], ctx["runs"], ctx["step_sets"], ctx["hf_checks"]
+    backend, device = ctx["backend"], ctx["device"]
     same = all(runs[m][s]["step_examples"] == step_sets[s] for m in args.mode_list for s in seeds)
     comparison = compare(runs, seeds, args.mode_list, args.window, args.last_k)
-    print_table(runs, seeds, args.mode_list, args.last_k, comparison)
-    print(f"the same examples in every step of every mode: {same}")
-    if hf_checks:
-        print("hf: rows the Trainer was handed that are not the packed mode's rows: "
-              f"{sum(c['unmatched_rows'] for c in hf_checks.values())}; filler rows (no loss tokens): "
-              f"{sum(c['filler_rows'] for c in hf_checks.values())} of "
-              f"{sum(c['rows_per_step'] for c in hf_checks.values()) * args.steps}")
+    checks = {s: hf_checks[s] for s in seeds if s in hf_checks}
+    if final:
+        print_table(runs, seeds, args.mode_list, args.last_k, comparison)
+        print(f"the same examples in every step of every mode: {same}")
+        if checks:
+            print("hf: rows the Trainer was handed that are not the packed mode's rows: "
+                  f"{sum(c['unmatched_rows'] for c in checks.values())}; filler rows (no loss tokens): "
+                  f"{sum(c['filler_rows'] for c in checks.values())} of "
+                  f"{sum(c['rows_per_step'] for c in checks.values()) * args.steps}")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     result = {
         "benchmark": "convergence", "date": time.strftime("%Y-%m-%d"), "device": device_name,
-        "torch": torch.__version__, "model_backend": backend, "parameters": n_params, "data": source,
-        "examples": len(examples), "settings": {k: v for k, v in vars(args).items() if k not in ("seed_list",)},
-        "seeds": seeds, "modes": args.mode_list, "skipped_modes": skipped, "same_examples_per_step": same,
-        "hf_checks": hf_checks,
+        "torch": torch.__version__, "model_backend": backend, "parameters": ctx["n_params"], "data": ctx["source"],
+        "examples": ctx["n_examples"], "settings": {k: v for k, v in vars(args).items() if k != "seed_list"},
+        "seeds": list(seeds), "complete": final, "modes": args.mode_list, "skipped_modes": ctx["skipped"],
+        "same_examples_per_step": same, "hf_checks": checks,
         "runs": {m: {str(s): {k: v for k, v in runs[m][s].items() if k != "step_examples"} for s in seeds}
                  for m in args.mode_list},
         "step_examples": {str(s): step_sets[s] for s in seeds},
-        "comparison": comparison, "total_s": time.perf_counter() - t_start,
+        "comparison": comparison, "total_s": time.perf_counter() - ctx["t_start"],
     }
-    json_path = os.path.join(out_dir, "convergence.json")
+    json_path = os.path.join(ctx["out_dir"], "convergence.json")
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
-    names = {"mamba_ssm": "mamba-ssm MambaLMHeadModel", "hf": "transformers MambaForCausalLM", "ops": "ops.PackedMamba LM"}
-    title = (f"{names[backend]} (Mamba-1), d_model {args.d_model}, {args.layers} layers; {args.examples_per_step} GSM8K examples "
-             f"a step, rows of {args.capacity}; {device_name}")
-    png = plot(runs, seeds, args.mode_list, args.window, comparison, os.path.join(out_dir, "loss_curves.png"), title)
-    print(f"wrote {json_path} and {png} ({result['total_s']:.0f} s in all)")
+    names = {"mamba_ssm": "mamba-ssm MambaLMHeadModel", "hf": "transformers MambaForCausalLM",
+             "ops": "ops.PackedMamba LM"}
+    title = (f"{names[backend]} (Mamba-1), d_model {args.d_model}, {args.layers} layers; {args.examples_per_step} "
+             f"GSM8K examples a step, rows of {args.capacity}; {device_name}")
+    png = plot(runs, seeds, args.mode_list, args.window, comparison, os.path.join(ctx["out_dir"], "loss_curves.png"),
+               title)
+    if final:
+        print(f"wrote {json_path} and {png} ({result['total_s']:.0f} s in all)")
     result["json_path"], result["png_path"] = json_path, png
     result["runs_full"] = runs
     return result
-
 
 if __name__ == "__main__":
     main()

@@ -148,7 +148,7 @@ def test_convergence_writes_json_and_png(toy):
     res, out = toy
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     got = json.loads((out / "convergence.json").read_text())
-    assert got["modes"] == list(bench.MODES) and got["seeds"] == [0, 1, 2]
+    assert got["modes"] == list(bench.MODES) and got["seeds"] == [0, 1, 2] and got["complete"]
     for mode in bench.MODES:
         for s in ("0", "1", "2"):
             r = got["runs"][mode][s]
