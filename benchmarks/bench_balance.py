@@ -180,7 +180,8 @@ def write_data(directory, args):
     from _synthetic import write_arrow_shard
 
     os.makedirs(directory, exist_ok=True)
-    tag = os.path.join(directory, f"done-{args.capacity}-{args.tokens}-{args.long_share}-{args.short_median}-{args.seed}")
+    tag = os.path.join(directory, f"done-{args.capacity}-{args.tokens}-{args.long_share}-{args.short_median}-"
+                                  f"{args.seed}")
     pattern = os.path.join(directory, "shard-*.arrow")
     if os.path.exists(tag):
         return pattern
@@ -291,7 +292,8 @@ def main(argv=None):
         loader = PackedDataLoader(pattern, capacity=args.capacity, batch_size=args.rows, seed=args.seed,
                                   algorithm="bfd", overflow="split", **kw)
         if len(loader) < args.steps:
-            raise SystemExit(f"error: {len(loader)} steps in the epoch, fewer than --steps {args.steps}: raise --tokens")
+            raise SystemExit(f"error: {len(loader)} steps in the epoch, fewer than --steps {args.steps}: "
+                             "raise --tokens")
 
         def timed(batch):
             ids, pos = batch["input_ids"].to(device), batch["position_ids"].to(device)

@@ -69,8 +69,8 @@ def build_model(kind: str, d_model: int, layers: int, vocab: int, d_state: int, 
         from mamba_ssm.models.config_mamba import MambaConfig
         from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 
-        cfg = MambaConfig(d_model=d_model, n_layer=layers, vocab_size=vocab, ssm_cfg={"layer": "Mamba1", "d_state": d_state},
-                          rms_norm=True, residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8)
+        cfg = MambaConfig(d_model=d_model, n_layer=layers, vocab_size=vocab,
+                          ssm_cfg={"layer": "Mamba1", "d_state": d_state}, rms_norm=True, residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8)
         model = MambaLMHeadModel(cfg, device=device, dtype=torch.float32)
     else:
         import transformers
@@ -173,7 +173,8 @@ def main(argv=None) -> int:
                    "embedded GSM8K demo corpus, tokenized into --workdir")
     p.add_argument("--workdir", default="demo_out/train_fsdp", help="where the demo corpus is tokenized")
     p.add_argument("--model", choices=["auto", "mamba_ssm", "hf"], default="auto",
-                   help="auto: mamba_ssm's MambaLMHeadModel on a GPU when it imports, else transformers' MambaForCausalLM")
+                   help="auto: mamba_ssm's MambaLMHeadModel on a GPU when it imports, else transformers' "
+                   "MambaForCausalLM")
     p.add_argument("--d-model", type=int, default=256, help="model width")
     p.add_argument("--layers", type=int, default=4, help="Mamba blocks")
     p.add_argument("--d-state", type=int, default=16, help="SSM state size")

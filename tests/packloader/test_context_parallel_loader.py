@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from packloader import PackedDataLoader
