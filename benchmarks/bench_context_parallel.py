@@ -74,10 +74,12 @@ def _set_cp(model, group):
             m._packloader_cp_group = group
 
 
-def _step(model, h, pos, dtype):
+def _step(model, h, pos, dtype, total=None):
+    """Forward + backward of a mean-square loss normalised by ``total`` elements (the whole row's, not the chunk's:
+    summed over the ranks it is the unsplit row's loss)."""
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
         out = model(h, pos)
-    out.float().pow(2).mean().backward()
+    (out.float().pow(2).sum() / (total or out.numel())).backward()
     return out
 
 
@@ -98,7 +100,7 @@ def part_exact(args, rank, world, groups):
 
     def run(model, hh, pp, dtype):
         hh = hh.clone().requires_grad_(True)
-        out = _step(model, hh, pp, dtype)
+        out = _step(model, hh, pp, dtype, total=h.numel())
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         return out.detach().float(), hh.grad.float(), grads
