@@ -150,6 +150,22 @@ def _timed(model, h, pos, iters, warmup):
     return (time.perf_counter() - t0) / iters, torch.cuda.max_memory_allocated() / 2**30
 
 
+def _profile(model, h, pos):
+    """The CUDA kernels of one context-parallel step on one GPU against the plain model's (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+    for label, group in (("plain", None), ("context-parallel over 1", model.mixers[0].__dict__.get("_packloader_cp_group"))):
+        _set_cp(model, group)
+        _step(model, h, pos, torch.bfloat16)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _step(model, h, pos, torch.bfloat16)
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        print(f"--- {label}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+
+
 def part_scaling(args, rank, world, groups):
     rows = []
     model = _model(args, args.d_model, args.layers)
@@ -167,6 +183,8 @@ def part_scaling(args, rank, world, groups):
                 rows.append({"gpus": 1, "mode": "one GPU (no CP)", "tokens": L, "step_s": sec, "peak_gib": mem,
                              "tokens_per_s_per_gpu": L / sec})
             _set_cp(model, groups[n])
+            if args.profile and n == 1:
+                _profile(model, h, pos)
             sec, mem = _timed(model, _chunk(h, rank, n).contiguous(), _chunk(pos, rank, n).contiguous(), args.iters,
                               args.warmup)
             t = torch.tensor([sec, mem], device="cuda")
@@ -250,6 +268,7 @@ def main():
     ap.add_argument("--length-per-gpu", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="print the CUDA kernels of one step, plain and CP over 1")
     ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block (all modes)")
     ap.add_argument("--exact-d-model", type=int, default=512)
     ap.add_argument("--exact-layers", type=int, default=4)
