@@ -14,7 +14,9 @@ Model: random weights at ``--d-model`` / ``--layers`` (default: 768 / 24, the Ma
 ``--dtype``; ``--model hf`` (transformers' ``MambaForCausalLM``, any machine) or ``mamba_ssm`` (mamba-ssm's
 ``MambaLMHeadModel``, needs mamba-ssm; ``auto``: mamba-ssm where importable). The baselines run the unconverted model
 (a copy made before ``ops.enable_packing``); every mode decodes greedily without stop tokens, ``--max-new-tokens``
-per prompt.
+per prompt (``--workloads fixed``) or each prompt's reference answer length, capped there (``answer``: what a
+trained model stopping at its end-of-text token would produce; padded batches then run until their longest is done,
+as transformers' generate() does, and count only the useful tokens).
 
 Modes (generation):
 
@@ -156,6 +158,46 @@ def padded_eval(model, seqs, labels, batch_size, device):
     return torch.tensor(sums, dtype=torch.float64)
 
 
+def run_generation(kind, model, plain, prompts, budgets, workload, args, skip, device):
+    """The generation modes on one workload (``budgets``: new tokens per prompt); rows of the table."""
+    rows = []
+    packed, t_packed = timed(device, lambda: ops.generate_packed(model, prompts, budgets, capacity=args.capacity,
+                                                                  batch_size=args.batch_size))
+    packed_new = [o[len(p):].tolist() for o, p in zip(packed, prompts)]
+    useful = sum(budgets)
+    assert sum(len(t) for t in packed_new) == useful
+    rows.append({"workload": workload, "mode": "packed", "prompts": len(prompts), "new_tokens": useful,
+                 "seconds": t_packed, "new_tokens_per_s": useful / t_packed})
+    if "padded" not in skip:
+        def run_padded():
+            out = []
+            for b0 in range(0, len(prompts), args.batch_size):
+                batch, want = prompts[b0:b0 + args.batch_size], budgets[b0:b0 + args.batch_size]
+                got = generate_padded(kind, plain, batch, max(want), args.cg, device)
+                out.extend(g[:w] for g, w in zip(got, want))     # a batch runs until its longest is done
+            return out
+        padded, t_pad = timed(device, run_padded)
+        same = sum(int(o.tolist() == p) for o, p in zip(padded, packed_new))
+        rows.append({"workload": workload, "mode": "padded", "prompts": len(prompts), "new_tokens": useful,
+                     "seconds": t_pad, "new_tokens_per_s": useful / t_pad,
+                     "identical_to_packed": same if kind == "hf" else None})
+    if "one_by_one" not in skip:
+        k = min(args.alone, len(prompts))
+        alone, t_alone = timed(device, lambda: [generate_alone(kind, plain, p, b, args.cg)
+                                                for p, b in zip(prompts[:k], budgets[:k])])
+        alone_new = [o[len(p):].tolist() for o, p in zip(alone, prompts)]
+        same = sum(int(a == b) for a, b in zip(alone_new, packed_new))
+        diff_tokens = sum(sum(int(x != y) for x, y in zip(a, b)) for a, b in zip(alone_new, packed_new))
+        n_alone = sum(budgets[:k])
+        rows.append({"workload": workload, "mode": "one_by_one", "prompts": k, "new_tokens": n_alone,
+                     "seconds": t_alone, "new_tokens_per_s": n_alone / t_alone, "identical_to_packed": same,
+                     "tokens_differing_from_packed": diff_tokens})
+    pad_tps = next((r["new_tokens_per_s"] for r in rows if r["mode"] == "padded"), None)
+    for r in rows:
+        r["vs_padded"] = r["new_tokens_per_s"] / pad_tps if pad_tps else None
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -173,6 +215,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--capacity", type=int, default=2048, help="tokens per packed row")
     ap.add_argument("--alone", type=int, default=16, help="prompts generated one by one (their speed stands for all)")
     ap.add_argument("--eval-batch", type=int, default=16, help="sequences per padded evaluation batch")
+    ap.add_argument("--workloads", default="fixed,answer",
+                    help="fixed: --max-new-tokens for every prompt; answer: each prompt's reference answer length "
+                         "(capped there), as if it stopped at an end-of-text token")
     ap.add_argument("--skip", default="", help="comma-separated modes to skip: padded, one_by_one, eval")
     ap.add_argument("--cg", action="store_true", help="mamba-ssm baselines: generate(cg=True) (CUDA graphs)")
     ap.add_argument("--seed", type=int, default=0)
@@ -213,37 +258,14 @@ def main(argv=None) -> dict:
         generate_alone(kind, plain, warm[0], 2, args.cg)
 
     rows = []
-    packed, t_packed = timed(device, lambda: ops.generate_packed(model, prompts, n_new, capacity=args.capacity,
-                                                                  batch_size=args.batch_size))
-    new_total = sum(len(o) - len(p) for o, p in zip(packed, prompts))
-    rows.append({"mode": "packed", "prompts": len(prompts), "new_tokens": new_total, "seconds": t_packed,
-                 "new_tokens_per_s": new_total / t_packed})
-    packed_new = [o[len(p):].tolist() for o, p in zip(packed, prompts)]
-
-    if "padded" not in skip:
-        def run_padded():
-            out = []
-            for b0 in range(0, len(prompts), args.batch_size):
-                out.extend(generate_padded(kind, plain, prompts[b0:b0 + args.batch_size], n_new, args.cg, device))
-            return out
-        padded, t_pad = timed(device, run_padded)
-        same = sum(int(o.tolist() == p) for o, p in zip(padded, packed_new))
-        rows.append({"mode": "padded", "prompts": len(prompts), "new_tokens": sum(len(o) for o in padded),
-                     "seconds": t_pad, "new_tokens_per_s": sum(len(o) for o in padded) / t_pad,
-                     "identical_to_packed": same if kind == "hf" else None})
-    if "one_by_one" not in skip:
-        k = min(args.alone, len(prompts))
-        alone, t_alone = timed(device, lambda: [generate_alone(kind, plain, p, n_new, args.cg) for p in prompts[:k]])
-        alone_new = [o[len(p):].tolist() for o, p in zip(alone, prompts)]
-        same = sum(int(a == b) for a, b in zip(alone_new, packed_new))
-        diff_tokens = sum(sum(int(x != y) for x, y in zip(a, b)) for a, b in zip(alone_new, packed_new))
-        rows.append({"mode": "one_by_one", "prompts": k, "new_tokens": sum(len(a) for a in alone_new),
-                     "seconds": t_alone, "new_tokens_per_s": sum(len(a) for a in alone_new) / t_alone,
-                     "identical_to_packed": same, "tokens_differing_from_packed": diff_tokens})
-    pad_tps = next((r["new_tokens_per_s"] for r in rows if r["mode"] == "padded"), None)
-    for r in rows:
-        r["vs_padded"] = r["new_tokens_per_s"] / pad_tps if pad_tps else None
-
+    for workload in [w for w in args.workloads.split(",") if w]:
+        if workload == "fixed":
+            budgets = [n_new] * len(prompts)
+        elif workload == "answer":
+            budgets = [max(1, min(len(a), n_new)) for a in ans]
+        else:
+            raise SystemExit(f"--workloads: unknown workload {workload!r} (fixed, answer)")
+        rows.extend(run_generation(kind, model, plain, prompts, budgets, workload, args, skip, device))
     evals = []
     if "eval" not in skip:
         seqs = [torch.tensor(q + a, device=device) for q, a in zip(qs, ans)]
@@ -260,15 +282,15 @@ def main(argv=None) -> dict:
                  {"mode": "eval padded to longest", "sequences": len(seqs), "tokens": tokens, "seconds": t_pad_e,
                   "tokens_per_s": tokens / t_pad_e, "vs_padded": 1.0, "max_rel_loss_diff": 0.0}]
 
-    print(f"\n| generation (batch {args.batch_size}) | prompts | new tokens | s | new tokens/s | vs padded | "
+    print(f"\n| workload | generation (batch {args.batch_size}) | prompts | new tokens | s | new tokens/s | vs padded | "
           "identical to packed |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         same = r.get("identical_to_packed")
         same = "-" if r["mode"] == "packed" else ("not compared (pad state leaks)" if same is None
                                                    else f"{same}/{r['prompts']}")
         vs = f"{r['vs_padded']:.2f}x" if r["vs_padded"] else "-"
-        print(f"| {r['mode']} | {r['prompts']} | {r['new_tokens']} | {r['seconds']:.2f} | "
+        print(f"| {r['workload']} | {r['mode']} | {r['prompts']} | {r['new_tokens']} | {r['seconds']:.2f} | "
               f"{r['new_tokens_per_s']:.0f} | {vs} | {same} |")
     if evals:
         print("\n| evaluation | sequences | tokens | s | tokens/s | vs padded | max rel. loss diff |")

@@ -447,7 +447,10 @@ def test_benchmark_smoke(tmp_path):
     got = bench.main(["--smoke", "--model", "hf", "--device", "cpu", "--num-prompts", "5", "--max-new-tokens", "3",
                       "--alone", "2", "--batch-size", "3", "--out", str(out)])
     assert json.loads(out.read_text())["generation"] == got["generation"]
-    modes = {r["mode"]: r for r in got["generation"]}
-    assert modes["packed"]["new_tokens"] == 15 and modes["padded"]["identical_to_packed"] == 5
-    assert modes["one_by_one"]["identical_to_packed"] == 2 and modes["one_by_one"]["tokens_differing_from_packed"] == 0
+    for workload in ("fixed", "answer"):
+        modes = {r["mode"]: r for r in got["generation"] if r["workload"] == workload}
+        assert modes["padded"]["identical_to_packed"] == 5 and modes["one_by_one"]["identical_to_packed"] == 2
+        assert modes["one_by_one"]["tokens_differing_from_packed"] == 0
+    fixed = [r for r in got["generation"] if r["workload"] == "fixed"]
+    assert fixed[0]["mode"] == "packed" and fixed[0]["new_tokens"] == 15
     assert got["evaluation"][0]["max_rel_loss_diff"] < 1e-5
