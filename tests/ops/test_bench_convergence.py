@@ -187,9 +187,9 @@ def test_convergence_packed_follows_padded_and_naive_does_not(toy):
         assert c["max_abs_window_diff"] < 0.01 * spread, mode
         assert max(abs(d) for d in c["heldout_diff"]) < 1e-4, mode
     naive, packed = cmp_["naive"], cmp_["packed"]
-    # without boundaries the examples see their neighbours: another computation (measured ~2e-3 to 1e-2 at this size,
-    # 1,000x packed's rounding differences)
-    assert naive["max_abs_step_diff"] > 1e-3
+    # without boundaries the examples see their neighbours: another computation (measured 2.3e-3 on the embedded
+    # sample, 3.5e-3 on ../shared's GSM8K at this size: over 1,000x packed's rounding differences)
+    assert naive["max_abs_step_diff"] > 5e-4
     assert naive["max_abs_step_diff"] > 100 * max(packed["max_abs_step_diff"], 1e-7)
     # and every mode learnt: the held-out loss is below the untrained model's first training loss
     for mode in bench.MODES:
