@@ -41,8 +41,8 @@ else the 4,000-problem sample and the tokenizer embedded in ``packloader/data``.
 Sizes:
 
 ``--size gpu``   84M parameters (12 layers, d_model 768, the full 50,280-token vocabulary), 32 examples a step, rows
-                 of 2,048 tokens (3 rows a step), 80 steps, 3 seeds, 500 held-out examples: about 3-4 minutes on one
-                 H100 (estimated before the run, measured after the first seed; both printed)
+                 of 2,048 tokens (3 rows a step), 80 steps, 3 seeds, 500 held-out examples: estimated at 3-4 minutes
+                 on one H100 (printed before the run; a measured estimate is printed after the first seed)
 ``--size toy``   (``--smoke``) the first 200 problems, d_model 16, 2 layers, the 255 most frequent tokens (others
                  mapped to one), examples truncated to 64 tokens, 4 a step, rows of 128, 16 steps, 3 seeds: about
                  10-20 s on a CPU
