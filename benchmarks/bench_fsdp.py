@@ -317,8 +317,6 @@ def report(out_dir: str) -> dict:
                 row["packed_over_dense"] = (r["tokens_per_s_per_gpu"] / dense["tokens_per_s_per_gpu"]
                                             if mode == "packed" and dense and not dense.get("oom") else None)
                 ref = one["reference_losses"].get(f"{width}:{n}") if one and n > 1 else None
-                if mode == "packed" and n == 1 and r["losses"]:
-                    ref = r["losses"]
                 if mode == "packed" and ref:
                     k = min(len(ref), len(r["losses"]))
                     row["loss_vs_1gpu_max_rel"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:k], ref[:k]))
