@@ -176,6 +176,9 @@ def _family(model, what: str = "generate_packed") -> _Family:
     from .modules.mamba_simple import PackedMamba
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
+    if not hasattr(model, "lm_head"):
+        raise ValueError(f"{what}: {type(model).__name__} has no lm_head; pass the language model "
+                         "(MambaLMHeadModel / *ForCausalLM), not its backbone")
     if is_transformers_model(model):
         conv = model.__dict__.get("_packloader_conversion")
         if conv is None:

@@ -210,6 +210,8 @@ def test_bad_input(seed):
         ops.generate_packed(model, ok, 4, batch_size=0)
     with pytest.raises(ValueError, match="not converted"):
         ops.generate_packed(MambaLMHeadModel(d_model=8, n_layer=1, vocab_size=VOCAB, d_state=4), ok, 4)
+    with pytest.raises(ValueError, match="has no lm_head; pass the language model"):
+        ops.generate_packed(model.backbone, ok, 4)
     m2 = ops.enable_packing(MambaLMHeadModel(d_model=8, n_layer=2, vocab_size=VOCAB, mixers=("Mamba1", "Mamba2"),
                                              d_state=4))
     with pytest.raises(NotImplementedError, match=r"layers \[1\] are Mamba-2 mixers.*Mamba-1 mixers only"):
@@ -454,3 +456,33 @@ def test_benchmark_smoke(tmp_path):
     fixed = [r for r in got["generation"] if r["workload"] == "fixed"]
     assert fixed[0]["mode"] == "packed" and fixed[0]["new_tokens"] == 15
     assert got["evaluation"][0]["max_rel_loss_diff"] < 1e-5
+
+
+def test_eval_callback_in_packed_trainer(tmp_path):
+    """PackedEvalCallback attached to a real PackedTrainer: every eval_steps it logs the packed evaluation of the model
+    as it is at that step (through trainer.log), and trainer.evaluate() gains the metrics."""
+    transformers = _hf()
+    pytest.importorskip("accelerate", exc_type=ImportError)
+    from packloader import PackedDataLoader
+    from packloader.hf import PackedTrainer
+    from tests.packloader.conftest import random_sequences, sft_labels, write_arrow
+    seqs = random_sequences(40, seed=3, min_len=2, max_len=30, vocab=VOCAB)
+    path = write_arrow(tmp_path / "shard-000.arrow", seqs, sft_labels(seqs))
+    model = ops.enable_packing(hf_model("mamba", 0).train())
+    held_out = prompts_of([7, 12, 3, 20], 5)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, learning_rate=5e-3,
+                                          logging_steps=100, save_steps=100, report_to=[], use_cpu=True, seed=0,
+                                          disable_tqdm=True)
+    loader = PackedDataLoader(path, capacity=64, batch_size=2, shuffle=True, seed=5, hf_compat=True)
+    trainer = PackedTrainer(model=model, args=args, train_loader=loader)
+    cb = ops.PackedEvalCallback(held_out, capacity=32, eval_steps=2).attach(trainer)
+    before = ops.evaluate_packed(model, held_out).total_mean_loss
+    trainer.train()
+    assert [h["step"] for h in cb.history] == [2, 4]
+    logged = [h for h in trainer.state.log_history if "eval_packed_loss" in h]
+    assert [h["step"] for h in logged] == [2, 4]
+    after = ops.evaluate_packed(model, held_out).total_mean_loss
+    assert logged[-1]["eval_packed_loss"] == pytest.approx(after, rel=1e-6)
+    assert after != before and model.training
+    metrics = trainer.evaluate(eval_dataset=[{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])
+    assert metrics["eval_packed_loss"] == pytest.approx(after, rel=1e-6)
