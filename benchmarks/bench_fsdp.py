@@ -180,11 +180,12 @@ def run_mode(kind, mode, width, args, pattern, device, mesh, rank, world):
 
     d_model, layers, rows = WIDTHS[width]
     d_model, layers, rows = args.d_model or d_model, args.layers or layers, args.rows or rows
-    model, opt = build(kind, mode, d_model, layers, args.vocab, args.seed, device, mesh, args.compile)
     loader = make_loader(pattern, args.capacity, rows, args.seed)
     it = iter(loader)
     losses, tokens = [], 0
-    try:
+    model = opt = None
+    try:  # (every rank holds the same amount: an out-of-memory error comes on all of them)
+        model, opt = build(kind, mode, d_model, layers, args.vocab, args.seed, device, mesh, args.compile)
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 sync(device)
