@@ -29,9 +29,9 @@ Modes (generation):
 - ``one_by_one``: each of the first ``--alone`` prompts alone through the model's own ``generate()``; its tokens/s
   stands for all prompts.
 
-Evaluation: ``ops.evaluate_packed`` (rows of ``--capacity``, or the longest sequence) against batches of ``--eval-batch`` sequences
-right-padded to their longest (unconverted model, per-sequence losses from the logits of the real tokens); the
-largest relative difference of the per-sequence losses is reported.
+Evaluation: ``ops.evaluate_packed`` (rows of ``--capacity``, or the longest sequence) against batches of
+``--eval-batch`` sequences right-padded to their longest (unconverted model, per-sequence losses from the logits of
+the real tokens); the largest relative difference of the per-sequence losses is reported.
 
 Table on stdout, JSON to ``--out`` (default ``benchmarks/results/generation/<device>_<model>.json``; ``--smoke``
 writes nothing unless ``--out`` is given). Timings: one run per mode after a short warm-up; CUDA synchronised.
@@ -282,8 +282,8 @@ def main(argv=None) -> dict:
                  {"mode": "eval padded to longest", "sequences": len(seqs), "tokens": tokens, "seconds": t_pad_e,
                   "tokens_per_s": tokens / t_pad_e, "vs_padded": 1.0, "max_rel_loss_diff": 0.0}]
 
-    print(f"\n| workload | generation (batch {args.batch_size}) | prompts | new tokens | s | new tokens/s | vs padded | "
-          "identical to packed |")
+    print(f"\n| workload | generation (batch {args.batch_size}) | prompts | new tokens | s | new tokens/s | "
+          "vs padded | identical to packed |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         same = r.get("identical_to_packed")

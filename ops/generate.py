@@ -10,6 +10,7 @@ cache from those states and decodes all prompts together, one token per step, th
     prompts      [ p0 p0 p0 p0 ]  [ p1 p1 ]  [ p2 p2 p2 ]         any lengths
     packed row   [ p0 p0 p0 p0 | p1 p1 | p2 p2 p2 | pad ]         one forward, the states of p0, p1, p2 kept
     decode       batch of 3 rows, one token per step from those states; a prompt leaves the batch when it stops
+                 and, with ``batch_size``, waiting prompts (prefilled the same way) take the free rows
 
     >>> out = ops.generate_packed(model, [[5, 7, 9], [3], [8, 8, 8, 8]], max_new_tokens=16)
     >>> out[1]                                         # tensor([3, <16 new tokens>]) (fewer after a stop token)
@@ -21,14 +22,14 @@ packed rows (the same numbers as running each sequence alone), and :class:`Packe
 Models: a mamba-ssm ``MambaLMHeadModel`` with Mamba-1 mixers and transformers' ``MambaForCausalLM`` and
 ``FalconMambaForCausalLM``, each converted by :func:`ops.enable_packing`. Mamba-2 mixers (mamba-ssm's or
 transformers' ``Mamba2ForCausalLM`` and the hybrids) are refused by :func:`generate_packed`: the carry path that gives
-the per-prompt states holds Mamba-1 states only. :func:`evaluate_packed` takes every model ``enable_packing``
-converts.
+the per-prompt states holds Mamba-1 states only; FalconMamba, whose norms the carry path does not take, gets its
+final states from the packed conv and scan (``output_final_state``) run in place of its mixers for the prefill.
+:func:`evaluate_packed` takes every model ``enable_packing`` converts. More: docs/generation.md.
 """
 from __future__ import annotations
 
 import inspect
 import math
-import types
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -554,8 +555,9 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
     carry path, :mod:`ops.carry`); the model's decoding cache is filled with those states and all prompts of a batch
     decode together, one token per step, through the model's usual decode path (mamba-ssm: ``InferenceParams`` with
     ``seqlen_offset > 0``; transformers: its cache). A prompt leaves the batch when it has its ``max_new_tokens`` or
-    produced a stop token, and a waiting prompt takes its place (``batch_size``). Greedy outputs equal generating each prompt alone (fp32; the decode path is the same, the
-    prefill differs from a single-sequence forward only by rounding).
+    produced a stop token, and a waiting prompt takes its place (``batch_size``). Greedy outputs equal generating each
+    prompt alone (fp32; the decode path is the same, the prefill differs from a single-sequence forward only by
+    rounding).
 
     Example::
 
@@ -763,8 +765,9 @@ def evaluate_packed(model, sequences: Prompts, labels: Optional[Prompts] = None,
     """Each sequence's next-token loss, from packed rows (no padding between sequences, nothing leaks across them).
 
     The sequences are packed into rows of ``capacity`` tokens, run through the converted model with their
-    ``position_ids`` in forwards of at most ``eval_tokens`` tokens, and each token's cross-entropy (log-softmax in float32, or
-    float64 for a float64 model; summed in float64) goes to its sequence. The result equals running each sequence alone (fp32: within 1e-5).
+    ``position_ids`` in forwards of at most ``eval_tokens`` tokens, and each token's cross-entropy (log-softmax in
+    float32, or float64 for a float64 model; summed in float64) goes to its sequence. The result equals running each
+    sequence alone (fp32: within 1e-5).
 
     Example::
 

@@ -96,7 +96,7 @@ def test_states_for_every_layer_and_the_conv_convention(seed):
     """The packed prefill's states, as the decode cache holds them, equal mamba-ssm's own prefill of each prompt
     alone: conv (d_inner, d_conv) whose last d_conv - 1 columns are the prompt's last inputs, ssm (d_inner, d_state);
     every layer."""
-    from ops.generate import _MambaSSMDecoder, _family, _packed_batch, _prefill_group
+    from ops.generate import _MambaSSMDecoder, _family, _prefill_group
     model = mamba_ssm_model(seed, torch.float64, n_layer=3)
     prompts = prompts_of([4, 1, 7, 2], seed)
     fam = _family(model)
@@ -113,7 +113,6 @@ def test_states_for_every_layer_and_the_conv_convention(seed):
             # mamba-ssm keeps the last d_conv inputs; a decode step drops the first column before it reads
             torch.testing.assert_close(mine_conv[i, :, 1:], conv[0, :, 1:], rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(mine_ssm[i], ssm[0], rtol=1e-10, atol=1e-12)
-    del _packed_batch
 
 
 def test_stop_tokens_and_per_prompt_lengths(seed):
