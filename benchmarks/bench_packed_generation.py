@@ -26,6 +26,8 @@ Modes (generation):
   ``attention_mask`` (transformers zeroes the padded positions' inputs to the conv and the scan, so the prompts'
   states stay exact: its tokens are compared with one-by-one's). mamba-ssm: ``generate()``, which takes no mask: the
   pad tokens' state leaks into every shorter prompt, so its tokens are not compared (timed only).
+- ``padded_converted``: the same on the converted model (its decode step is issue 33's fused one, where that
+  applies): the difference to ``packed`` is the packing alone.
 - ``one_by_one``: each of the first ``--alone`` prompts alone through the model's own ``generate()``; its tokens/s
   stands for all prompts.
 
@@ -168,17 +170,20 @@ def run_generation(kind, model, plain, prompts, budgets, workload, args, skip, d
     assert sum(len(t) for t in packed_new) == useful
     rows.append({"workload": workload, "mode": "packed", "prompts": len(prompts), "new_tokens": useful,
                  "seconds": t_packed, "new_tokens_per_s": useful / t_packed})
-    if "padded" not in skip:
+    for mode, which in (("padded", plain), ("padded_converted", model)):
+        if mode in skip:
+            continue
+
         def run_padded():
             out = []
             for b0 in range(0, len(prompts), args.batch_size):
                 batch, want = prompts[b0:b0 + args.batch_size], budgets[b0:b0 + args.batch_size]
-                got = generate_padded(kind, plain, batch, max(want), args.cg, device)
+                got = generate_padded(kind, which, batch, max(want), args.cg, device)
                 out.extend(g[:w] for g, w in zip(got, want))     # a batch runs until its longest is done
             return out
         padded, t_pad = timed(device, run_padded)
         same = sum(int(o.tolist() == p) for o, p in zip(padded, packed_new))
-        rows.append({"workload": workload, "mode": "padded", "prompts": len(prompts), "new_tokens": useful,
+        rows.append({"workload": workload, "mode": mode, "prompts": len(prompts), "new_tokens": useful,
                      "seconds": t_pad, "new_tokens_per_s": useful / t_pad,
                      "identical_to_packed": same if kind == "hf" else None})
     if "one_by_one" not in skip:
@@ -218,7 +223,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--workloads", default="fixed,answer",
                     help="fixed: --max-new-tokens for every prompt; answer: each prompt's reference answer length "
                          "(capped there), as if it stopped at an end-of-text token")
-    ap.add_argument("--skip", default="", help="comma-separated modes to skip: padded, one_by_one, eval")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated modes to skip: padded, padded_converted, one_by_one, eval")
     ap.add_argument("--cg", action="store_true", help="mamba-ssm baselines: generate(cg=True) (CUDA graphs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/generation/<device>_<model>)")
@@ -254,6 +260,8 @@ def main(argv=None) -> dict:
     ops.generate_packed(model, warm, 2, capacity=args.capacity)
     if "padded" not in skip:
         generate_padded(kind, plain, warm, 2, args.cg, device)
+    if "padded_converted" not in skip:
+        generate_padded(kind, model, warm, 2, args.cg, device)
     if "one_by_one" not in skip:
         generate_alone(kind, plain, warm[0], 2, args.cg)
 

@@ -451,6 +451,7 @@ def test_benchmark_smoke(tmp_path):
     for workload in ("fixed", "answer"):
         modes = {r["mode"]: r for r in got["generation"] if r["workload"] == workload}
         assert modes["padded"]["identical_to_packed"] == 5 and modes["one_by_one"]["identical_to_packed"] == 2
+        assert modes["padded_converted"]["identical_to_packed"] == 5
         assert modes["one_by_one"]["tokens_differing_from_packed"] == 0
     fixed = [r for r in got["generation"] if r["workload"] == "fixed"]
     assert fixed[0]["mode"] == "packed" and fixed[0]["new_tokens"] == 15
