@@ -785,7 +785,8 @@ def evaluate_packed(model, sequences: Prompts, labels: Optional[Prompts] = None,
             prompt of a question-answer pair). Default: the sequence itself.
         capacity: tokens per packed row (default: 2048, at least the longest sequence, fewer when everything fits).
         eval_tokens: tokens per forward (rows x capacity; default 16384, one row at least): bounds the logits'
-            memory (eval_tokens x vocab floats).
+            memory (at most eval_tokens x vocab floats: the LM head runs on the scored positions only, where the
+            model has an ``lm_head``).
         algorithm: the :func:`packer_algos.pack` algorithm.
 
     Returns:
@@ -837,13 +838,27 @@ def evaluate_packed(model, sequences: Prompts, labels: Optional[Prompts] = None,
                     m = int(seqs[i].numel())
                     target[s:s + m - 1] = labs[i][1:]       # position t predicts labels[t + 1]
                     owner[s:s + m] = i
-                target, owner = target.to(device), owner.to(device)
-                logits = _packed_logits(model, ids, pos).reshape(R * L, -1)
-                ct = torch.promote_types(logits.dtype, torch.float32)    # float32 at least; a float64 model: float64
-                tok_loss = F.cross_entropy(logits.to(ct), target.clamp(min=0), reduction="none")
                 valid = target != -100
-                loss_sum.index_add_(0, owner[valid], tok_loss[valid].to(torch.float64))
-                count.index_add_(0, owner[valid], torch.ones_like(owner[valid]))
+                where = valid.nonzero().squeeze(-1).to(device)
+                if where.numel() == 0:
+                    continue
+                target, owner = target[valid].to(device), owner[valid].to(device)
+                # the LM head runs on the scored positions only (a pre-hook): no logits for padding, for the last
+                # token of each sequence or for tokens labelled -100
+                hook = _KeepPositions(model.lm_head, where) if isinstance(getattr(model, "lm_head", None),
+                                                                          torch.nn.Module) else None
+                try:
+                    logits = _packed_logits(model, ids, pos)
+                finally:
+                    if hook is not None:
+                        hook.remove()
+                logits = logits.reshape(-1, logits.shape[-1])
+                if hook is None:
+                    logits = logits.index_select(0, where)
+                ct = torch.promote_types(logits.dtype, torch.float32)    # float32 at least; a float64 model: float64
+                tok_loss = F.cross_entropy(logits.to(ct), target, reduction="none")
+                loss_sum.index_add_(0, owner, tok_loss.to(torch.float64))
+                count.index_add_(0, owner, torch.ones_like(owner))
     finally:
         model.train(was_training)
     return PackedEvalResult(loss_sum.cpu(), count.cpu())
