@@ -155,6 +155,7 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         (batch, chunk, d_model).
     """
     from .carry import _mixer_dims
+    from .mamba_inner import _bmm_w, _in_proj
     from .conv1d_interface import _continue_from_states, _conv_final_states, packed_causal_conv1d
     from .selective_scan_interface import selective_scan_fwd
 
@@ -168,8 +169,8 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         position_ids = (torch.arange(L, device=hidden_states.device) + rank * L).expand(b, L)
     g = _chunk_geometry(position_ids.to(hidden_states.device), rank, world)
     A = -torch.exp(ssm_float(mixer.A_log))
-    xz = F.linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2)
-    x, z = xz[:, :d_inner], xz[:, d_inner:]
+    # the projections as the fused mixer lays them out: (b, channels, tokens) contiguous straight from the GEMMs
+    x, z = _in_proj(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias, d_inner)
     st = torch.float64 if x.dtype == torch.float64 else torch.float32
     ssm0 = conv0 = None
     if rank > 0:   # what the previous rank's chunk ended with: its scan state and its last width-1 conv inputs
@@ -180,11 +181,11 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
     xc = packed_causal_conv1d(x, conv_w, conv_bias, "silu", position_ids=g["pos"], validate=False)
     if conv0 is not None:
         xc = _continue_from_states(xc, x, conv_w, conv_bias, True, g["row_start"], g["first_len"], conv0, g["cont"])
-    x_dbl = F.linear(xc.transpose(1, 2), mixer.x_proj.weight)
-    dt_low, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=-1)
-    delta = F.linear(dt_low, mixer.dt_proj.weight).transpose(1, 2).contiguous()
-    Bm, Cm = Bm.transpose(1, 2).contiguous(), Cm.transpose(1, 2).contiguous()
-    args = (xc, delta, A, Bm, Cm, ssm_float(mixer.D), z.contiguous(), ssm_float(mixer.dt_proj.bias), g["pos"], True)
+    x_dbl = _bmm_w(mixer.x_proj.weight, xc)                                                # (b, r + 2n, L)
+    dt_low, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=1)
+    delta = _bmm_w(mixer.dt_proj.weight, dt_low)                                           # (b, d_inner, L)
+    args = (xc, delta, A, Bm.contiguous(), Cm.contiguous(), ssm_float(mixer.D), z, ssm_float(mixer.dt_proj.bias),
+            g["pos"], True)
     last = rank == world - 1
     y, _, ssm_final = selective_scan_fwd(*args, g["slots"], None if ssm0 is None else ssm0.contiguous(),
                                          0 if last else b)
