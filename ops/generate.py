@@ -156,6 +156,7 @@ class _Family:
     kind: str                  # "mamba_ssm" (MambaLMHeadModel, enable_packing) or "hf" (transformers)
     mixers: list               # the Mamba-1 mixers, in layer order
     falcon: bool = False       # transformers' FalconMamba (norms on dt, B, C)
+    mamba2: bool = False       # transformers' Mamba2ForCausalLM
 
 
 def _model_vocab(model) -> Optional[int]:
@@ -186,16 +187,19 @@ def _family(model, what: str = "generate_packed") -> _Family:
             raise ValueError(f"{what}: {type(model).__name__} is not converted; call ops.enable_packing(model) first "
                              "(an unconverted model ignores the packed boundaries and its prompts leak into each "
                              "other)")
-        if conv.get("mamba2") or conv.get("attention"):
+        if conv.get("attention") is not None or "hybrid" in [_mixer_kind(m) for m in model.modules()]:
             raise NotImplementedError(
-                f"{what}: {type(model).__name__} has Mamba-2 layers ({', '.join(conv['mamba2'][:4])}...); packed "
-                "prefill needs each prompt's final states, which the carry path (ops.carry) gives for Mamba-1 "
-                "mixers only. Generate with model.generate() (one prompt per row) instead")
+                f"{what}: {type(model).__name__} is a hybrid with attention layers; packed prefill needs every layer "
+                "to give per-prompt states (Mamba-1, FalconMamba and Mamba-2 models only). Use model.generate()")
         layers = getattr(getattr(model, "backbone", model), "layers", None)
         mixers = [b.mixer for b in layers] if layers is not None else []
-        if not mixers or any(_mixer_kind(m) != "mamba1" for m in mixers):
-            raise NotImplementedError(f"{what}: {type(model).__name__}: only transformers' MambaForCausalLM and "
-                                      "FalconMambaForCausalLM (every layer a Mamba-1 mixer) are supported")
+        kinds = {_mixer_kind(m) for m in mixers}
+        if kinds == {"mamba2"}:
+            return _Family("hf", mixers, mamba2=True)
+        if not mixers or kinds != {"mamba1"}:
+            raise NotImplementedError(f"{what}: {type(model).__name__}: only transformers' MambaForCausalLM, "
+                                      "FalconMambaForCausalLM and Mamba2ForCausalLM (every layer one kind of mixer) "
+                                      "are supported")
         falcon = bool(_falcon_norms(mixers[0]))
         return _Family("hf", mixers, falcon)
     conv = getattr(model, "_packloader_conversion", None)
@@ -261,8 +265,8 @@ def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[Lis
         if fam.kind == "mamba_ssm":
             step = cache.step(dict(keys, position_ids=pos))
             logits = _logits_of(model(ids, position_ids=pos, carry=step))
-        elif fam.falcon:
-            logits, finals = _falcon_prefill(model, fam, ids, pos, seg)
+        elif fam.falcon or fam.mamba2:
+            logits, finals = _swapped_prefill(model, fam, ids, pos, seg)
         else:
             saved = model.__dict__.get("_packloader_state_cache")
             model.__dict__["_packloader_state_cache"] = cache
@@ -280,7 +284,7 @@ def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[Lis
         logits = logits.reshape(-1, logits.shape[-1])
     else:
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, last)
-    if not fam.falcon:
+    if not (fam.falcon or fam.mamba2):
         cache.commit()
         finals = {}
         for i in order:
@@ -294,49 +298,99 @@ def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[Lis
     return {i: (logits[k], finals[i]) for k, i in enumerate(order)}
 
 
-def _falcon_prefill(model, fam: _Family, ids, pos, seg):
-    """FalconMamba (whose norms the carry path does not take): the model's own forward with every mixer's forward
-    replaced, for this call, by the packed conv + scan that also returns each prompt's final states."""
+def _last_inputs(x: torch.Tensor, pos: torch.Tensor, n_seg: int, k: int) -> torch.Tensor:
+    """Each segment's last ``k`` inputs (n_seg, channels, k) of ``x`` (b, channels, L), oldest first, zeros before a
+    shorter segment's first token: the conv state a decode step continues from."""
+    from .states import sequence_spans
+    start, length = sequence_spans(pos, n_seg)
+    flat = start[:, None] + length[:, None] - k + torch.arange(k, device=x.device)
+    inside = flat >= start[:, None]
+    flat = torch.where(inside, flat, start[:, None])
+    L = x.shape[2]
+    return torch.where(inside[:, None, :], x[flat // L, :, flat % L].permute(0, 2, 1), 0.0)
+
+
+def _falcon_mixer_prefill(mixer, hidden_states, pos, n_seg):
+    """FalconMamba's mixer on packed rows (its eval-mode computation: norms on dt before dt_proj, on B and C):
+    (output, conv states (n_seg, d_inner, w-1), scan states (n_seg, d_inner, d_state))."""
     import ops
     from .hf import _falcon_norms, _weightless_rms
-    from .states import sequence_spans
+    dtype = hidden_states.dtype
+    d_inner, k = mixer.intermediate_size, mixer.conv_kernel_size - 1
+    A = -torch.exp(mixer.A_log.float())
+    conv_bias = mixer.conv1d.bias if getattr(mixer, "use_conv_bias", True) else None
+    xz = mixer.in_proj(hidden_states)
+    x = xz[..., :d_inner].transpose(1, 2).contiguous()
+    z = xz[..., d_inner:].transpose(1, 2).contiguous()
+    conv_fin = _last_inputs(x, pos, n_seg, k)
+    xc = ops.packed_causal_conv1d(x, mixer.conv1d.weight.to(x.dtype), None if conv_bias is None else
+                                  conv_bias.to(x.dtype), activation="silu", position_ids=pos, validate=False)
+    dt, B, C = torch.split(mixer.x_proj(xc.transpose(1, 2)),
+                           [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1)
+    if _falcon_norms(mixer) == "modules":
+        B, C, dt = mixer.b_layernorm(B), mixer.c_layernorm(C), mixer.dt_layernorm(dt)
+    else:
+        B, C, dt = (_weightless_rms(t, mixer.rms_eps) for t in (B, C, dt))
+    delta = torch.matmul(mixer.dt_proj.weight, dt.transpose(1, 2))
+    y, ssm_fin = ops.packed_selective_scan(
+        xc, delta, A, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(), D=mixer.D.float(), z=z,
+        delta_bias=mixer.dt_proj.bias.float(), delta_softplus=True, position_ids=pos, validate=False,
+        has_initial_state=torch.zeros(n_seg, dtype=torch.bool, device=x.device), output_final_state=True)
+    return mixer.out_proj(y.transpose(1, 2).to(dtype)), conv_fin, ssm_fin
+
+
+def _mamba2_mixer_prefill(mixer, hidden_states, pos, n_seg):
+    """transformers' Mamba2Mixer on packed rows (the computation of ``ops.hf``'s packed Mamba-2 path: the SSD
+    recurrence as a selective scan with one A and dt per head), with every segment's final states in the layout of
+    transformers' cache: conv (n_seg, conv_dim, w-1), scan (n_seg, heads, head_dim, d_state)."""
+    import ops
+    batch, seqlen, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    proj = mixer.in_proj(hidden_states)
+    inner, conv_dim, heads, hd = mixer.intermediate_size, mixer.conv_dim, mixer.num_heads, mixer.head_dim
+    groups, dstate = mixer.n_groups, mixer.ssm_state_size
+    if proj.shape[-1] != inner + conv_dim + heads:
+        raise NotImplementedError(f"generate_packed: {type(mixer).__name__}.in_proj gives {proj.shape[-1]} features, "
+                                  f"expected {inner + conv_dim + heads}; this Mamba-2 variant is not supported")
+    gate, xBC, dt = proj.split([inner, conv_dim, heads], dim=-1)
+    xBC = xBC.transpose(1, 2).contiguous()
+    conv_fin = _last_inputs(xBC, pos, n_seg, mixer.conv_kernel_size - 1)
+    xBC = ops.packed_causal_conv1d(xBC, mixer.conv1d.weight.to(xBC.dtype),
+                                   None if mixer.conv1d.bias is None else mixer.conv1d.bias.to(xBC.dtype),
+                                   activation=mixer.activation, position_ids=pos, validate=False)
+    x, B, C = torch.split(xBC, [inner, groups * dstate, groups * dstate], dim=1)
+    lo, hi = mixer.time_step_limit if mixer.time_step_limit is not None else (0.0, float("inf"))
+    delta = F.softplus(dt.to(torch.promote_types(dt.dtype, torch.float32)) + mixer.dt_bias.float())
+    if lo > 0.0 or hi != float("inf"):
+        delta = delta.clamp(min=lo, max=hi)
+    delta = delta.transpose(1, 2).repeat_interleave(hd, dim=1)
+    A = (-torch.exp(mixer.A_log.float())).repeat_interleave(hd)[:, None].expand(heads * hd, dstate)
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y, ssm_fin = ops.packed_selective_scan(
+        x.to(cdt).contiguous(), delta.to(cdt).contiguous(), A.to(cdt).contiguous(),
+        B.to(cdt).reshape(batch, groups, dstate, seqlen).contiguous(),
+        C.to(cdt).reshape(batch, groups, dstate, seqlen).contiguous(), D=mixer.D.float().repeat_interleave(hd).to(cdt),
+        position_ids=pos, validate=False, has_initial_state=torch.zeros(n_seg, dtype=torch.bool, device=x.device),
+        output_final_state=True)
+    y = mixer.norm(y.transpose(1, 2), gate)
+    return mixer.out_proj(y.to(dtype)), conv_fin, ssm_fin.view(n_seg, heads, hd, dstate)
+
+
+def _swapped_prefill(model, fam: _Family, ids, pos, seg):
+    """Models whose mixers the carry path does not take (FalconMamba's norms, Mamba-2): the model's own forward with
+    every mixer's forward replaced, for this call, by its packed computation that also returns each segment's final
+    states."""
     n_seg = len(seg)
     prompt_k = [k for k, i in enumerate(seg) if i >= 0]
     finals: Dict[int, list] = {i: [] for i in seg if i >= 0}
+    run = _mamba2_mixer_prefill if fam.mamba2 else _falcon_mixer_prefill
 
     def packed_mixer(mixer):
         def forward(hidden_states, *args, **kwargs):
-            dtype = hidden_states.dtype
-            d_inner, k = mixer.intermediate_size, mixer.conv_kernel_size - 1
-            A = -torch.exp(mixer.A_log.float())
-            conv_bias = mixer.conv1d.bias if getattr(mixer, "use_conv_bias", True) else None
-            xz = mixer.in_proj(hidden_states)
-            x = xz[..., :d_inner].transpose(1, 2).contiguous()
-            z = xz[..., d_inner:].transpose(1, 2).contiguous()
-            start, length = sequence_spans(pos, n_seg)
-            j = torch.arange(k, device=x.device)
-            flat = start[:, None] + length[:, None] - k + j
-            inside = flat >= start[:, None]
-            L = x.shape[2]
-            flat = torch.where(inside, flat, start[:, None])
-            conv_fin = torch.where(inside[:, None, :], x[flat // L, :, flat % L].permute(0, 2, 1), 0.0)
-            xc = ops.packed_causal_conv1d(x, mixer.conv1d.weight.to(x.dtype), None if conv_bias is None else
-                                          conv_bias.to(x.dtype), activation="silu", position_ids=pos, validate=False)
-            dt, B, C = torch.split(mixer.x_proj(xc.transpose(1, 2)),
-                                   [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1)
-            norms = _falcon_norms(mixer)
-            if norms == "modules":
-                B, C, dt = mixer.b_layernorm(B), mixer.c_layernorm(C), mixer.dt_layernorm(dt)
-            else:
-                B, C, dt = (_weightless_rms(t, mixer.rms_eps) for t in (B, C, dt))
-            delta = torch.matmul(mixer.dt_proj.weight, dt.transpose(1, 2))
-            y, ssm_fin = ops.packed_selective_scan(
-                xc, delta, A, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(), D=mixer.D.float(),
-                z=z, delta_bias=mixer.dt_proj.bias.float(), delta_softplus=True, position_ids=pos, validate=False,
-                has_initial_state=torch.zeros(n_seg, dtype=torch.bool, device=x.device), output_final_state=True)
+            out, conv_fin, ssm_fin = run(mixer, hidden_states, pos, n_seg)
             for kk in prompt_k:
                 finals[seg[kk]].append((conv_fin[kk], ssm_fin[kk]))
-            return mixer.out_proj(y.transpose(1, 2).to(dtype))
+            return out
         return forward
 
     for m in fam.mixers:
@@ -488,16 +542,35 @@ class _HFDecoder:
         self.position += 1
         return _logits_of(out)[:, -1]
 
+    def _stacked(self) -> bool:
+        """transformers 5.0's Mamba2Cache: one (layers, batch, ...) tensor for all layers' conv / ssm states."""
+        return isinstance(getattr(self.cache, "conv_states", None), torch.Tensor)
+
     def keep(self, idx: torch.Tensor) -> None:
+        if self._stacked():
+            self.cache.conv_states = self.cache.conv_states.index_select(1, idx).contiguous()
+            self.cache.ssm_states = self.cache.ssm_states.index_select(1, idx).contiguous()
+            self.cache.batch_size = int(idx.numel())
+            return
         for layer in self.layers:
             conv, ssm = _hf_layer_states(self.cache, layer)
             _hf_set_layer_states(self.cache, layer, conv.index_select(0, idx).contiguous(),
                                  ssm.index_select(0, idx).contiguous())
 
     def add(self, states: List[list]) -> None:
+        news = []
         for li, layer in enumerate(self.layers):
             conv, ssm = _hf_layer_states(self.cache, layer)
-            new_conv, new_ssm = _new_rows(conv, ssm, [s[li] for s in states], f"layer {layer}")
+            news.append(_new_rows(conv, ssm, [s[li] for s in states], f"layer {layer}"))
+        if self._stacked():
+            if self.layers != list(range(len(self.layers))):
+                raise NotImplementedError("generate_packed: a stacked Mamba2Cache whose layers are not 0..n-1")
+            self.cache.conv_states = torch.cat([self.cache.conv_states, torch.stack([c for c, _ in news])], 1)
+            self.cache.ssm_states = torch.cat([self.cache.ssm_states, torch.stack([s for _, s in news])], 1)
+            self.cache.batch_size = int(self.cache.conv_states.shape[1])
+            return
+        for layer, (conv, ssm), (new_conv, new_ssm) in zip(self.layers, [_hf_layer_states(self.cache, layer)
+                                                                          for layer in self.layers], news):
             _hf_set_layer_states(self.cache, layer, torch.cat([conv, new_conv]), torch.cat([ssm, new_ssm]))
 
 

@@ -314,11 +314,24 @@ def hf_model(kind, seed, dtype=torch.float32):
     return model
 
 
+def assert_hf_reference(plain, prompts, out, budgets, conv_width=4):
+    """Each output equals the unconverted model's greedy continuation by its whole-sequence forward, and by
+    transformers' own generate() (its cache path) for prompts at least as long as the conv's state: transformers
+    5.0's cached generate() of a shorter prompt differs from its own whole-sequence forward (5.24's does not)."""
+    with torch.no_grad():
+        for i, (p, o, b) in enumerate(zip(prompts, out, budgets)):
+            assert o.tolist() == greedy_alone_plain(plain, p, b).tolist(), f"prompt {i}"
+            if len(p) >= conv_width - 1:
+                ref = plain.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=b,
+                                     do_sample=False, pad_token_id=0)[0]
+                assert o.tolist() == ref.tolist(), f"prompt {i}"
+
+
 @pytest.mark.parametrize("kind", ["mamba", "falcon"])
 def test_hf_greedy_equals_transformers_generate(seed, kind):
-    """transformers' MambaForCausalLM / FalconMambaForCausalLM: the packed run's tokens are transformers' own
-    generate() of each prompt alone on the unconverted model (its cache path; an explicit all-ones attention_mask,
-    else generate() would take prompt tokens equal to pad_token_id for padding); eval losses equal each alone."""
+    """transformers' MambaForCausalLM / FalconMambaForCausalLM: the packed run's tokens are those of the unconverted
+    model on each prompt alone (assert_hf_reference; generate() with an explicit all-ones attention_mask, else it
+    would take prompt tokens equal to pad_token_id for padding); eval losses equal each alone."""
     model = hf_model(kind, seed)
     plain = copy.deepcopy(model)
     plain.generation_config.eos_token_id = None    # no stop (and no end-of-text suppression) in the reference
@@ -326,11 +339,7 @@ def test_hf_greedy_equals_transformers_generate(seed, kind):
     prompts = prompts_of([5, 1, 2, 9, 3, 7], seed)
     budgets = [6, 4, 6, 1, 6, 5]
     out = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=4)
-    with torch.no_grad():
-        for i, (p, o, b) in enumerate(zip(prompts, out, budgets)):
-            ref = plain.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=b,
-                                 do_sample=False, pad_token_id=0)[0]
-            assert o.tolist() == ref.tolist(), f"prompt {i}"
+    assert_hf_reference(plain, prompts, out, budgets)
     res = ops.evaluate_packed(model, prompts)
     for i, p in enumerate(prompts):
         want, n = loss_alone(plain, p)
@@ -340,20 +349,49 @@ def test_hf_greedy_equals_transformers_generate(seed, kind):
     assert "_packloader_state_cache" not in model.__dict__
 
 
-def test_hf_mamba2_is_refused(seed):
+def hf_mamba2(seed, n_layers=2):
     transformers = _hf()
-    cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=16, state_size=8, num_hidden_layers=1, expand=2,
-                                    conv_kernel=4, head_dim=8, num_heads=4, n_groups=2, chunk_size=8)
-    model = ops.enable_packing(transformers.Mamba2ForCausalLM(cfg))
-    with pytest.raises(NotImplementedError, match="Mamba-2 layers.*Mamba-1 mixers only"):
-        ops.generate_packed(model, [[1, 2, 3]], 2)
-    with pytest.raises(ValueError, match="not converted"):
-        ops.generate_packed(hf_model("mamba", seed), [[1, 2, 3]], 2)
-    # evaluation takes Mamba-2: equal to each sequence alone
-    seqs = prompts_of([4, 7, 2], seed)
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=16, state_size=8, num_hidden_layers=n_layers,
+                                    expand=2, conv_kernel=4, head_dim=8, num_heads=4, n_groups=2, chunk_size=8,
+                                    use_cache=True)
+    model = transformers.Mamba2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.backbone.embeddings.weight.normal_(0, 1.0)
+    return model
+
+
+def test_hf_mamba2_greedy_equals_transformers_generate(seed):
+    """transformers' Mamba2ForCausalLM: the packed prefill (the SSD recurrence as a packed scan, in place of each
+    mixer for the call) leaves every prompt's states in transformers' cache layout; the tokens are transformers' own
+    generate() of each prompt alone (its chunked scan, then its recurrent steps), continuous batching included;
+    evaluate_packed equals each sequence alone."""
+    model = hf_mamba2(seed)
+    plain = copy.deepcopy(model)
+    plain.generation_config.eos_token_id = None
+    ops.enable_packing(model)
+    prompts = prompts_of([5, 1, 2, 9, 3, 11], seed)
+    budgets = [6, 3, 6, 1, 5, 6]
+    out = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=3)
+    assert_hf_reference(plain, prompts, out, budgets)
+    seqs = prompts_of([4, 7, 2, 12], seed + 1)
     res = ops.evaluate_packed(model, seqs, capacity=13)
     for i, s in enumerate(seqs):
-        assert float(res.loss_sum[i]) == pytest.approx(loss_alone(model, s)[0], rel=1e-5, abs=1e-5)
+        assert float(res.loss_sum[i]) == pytest.approx(loss_alone(plain, s)[0], rel=1e-5, abs=1e-5)
+
+
+def test_hf_unsupported_models(seed):
+    transformers = _hf()
+    with pytest.raises(ValueError, match="not converted"):
+        ops.generate_packed(hf_model("mamba", seed), [[1, 2, 3]], 2)
+    cfg = transformers.BambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=32, attn_layer_indices=[1],
+                                   mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+                                   mamba_chunk_size=8, attn_implementation="sdpa")
+    bamba = ops.enable_packing(transformers.BambaForCausalLM(cfg), allow_unprotected_attention=True)
+    with pytest.raises(NotImplementedError, match="hybrid with attention layers"):
+        ops.generate_packed(bamba, [[1, 2, 3]], 2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,11 +443,7 @@ def test_gpu_hf_greedy_equals_transformers_generate(cuda, seed, kind):
     ops.enable_packing(model)
     prompts = [p.to(cuda) for p in prompts_of([37, 1, 2, 90, 64, 9, 120, 3], seed)]
     out = ops.generate_packed(model, prompts, 16, capacity=128)
-    with torch.no_grad():
-        for i, (p, o) in enumerate(zip(prompts, out)):
-            ref = plain.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=16,
-                                 do_sample=False, pad_token_id=0)[0]
-            assert o.tolist() == ref.tolist(), f"prompt {i}"
+    assert_hf_reference(plain, prompts, out, [16] * len(prompts))
 
 
 # --------------------------------------------------------------------------------------------------
