@@ -19,11 +19,11 @@ cache from those states and decodes all prompts together, one token per step, th
 packed rows (the same numbers as running each sequence alone), and :class:`PackedEvalCallback` runs it from a
 ``transformers.Trainer`` (``packloader.hf.PackedTrainer``).
 
-Models: a mamba-ssm ``MambaLMHeadModel`` with Mamba-1 mixers and transformers' ``MambaForCausalLM`` and
-``FalconMambaForCausalLM``, each converted by :func:`ops.enable_packing`. Mamba-2 mixers (mamba-ssm's or
-transformers' ``Mamba2ForCausalLM`` and the hybrids) are refused by :func:`generate_packed`: the carry path that gives
-the per-prompt states holds Mamba-1 states only; FalconMamba, whose norms the carry path does not take, gets its
-final states from the packed conv and scan (``output_final_state``) run in place of its mixers for the prefill.
+Models: a mamba-ssm ``MambaLMHeadModel`` with Mamba-1 mixers and transformers' ``MambaForCausalLM``,
+``FalconMambaForCausalLM`` and ``Mamba2ForCausalLM``, each converted by :func:`ops.enable_packing`. Mamba-1 prompts get
+their final states from the carry path; FalconMamba (whose norms the carry path does not take) and Mamba-2 from their
+packed conv and scan (``output_final_state``), run in place of each mixer for the prefill call. mamba-ssm's Mamba-2
+mixers and the hybrids with attention layers are refused by :func:`generate_packed`.
 :func:`evaluate_packed` takes every model ``enable_packing`` converts. More: docs/generation.md.
 """
 from __future__ import annotations
@@ -205,14 +205,15 @@ def _family(model, what: str = "generate_packed") -> _Family:
     conv = getattr(model, "_packloader_conversion", None)
     if conv is None or not hasattr(model, "backbone"):
         raise ValueError(f"{what}: expected a mamba-ssm MambaLMHeadModel converted by ops.enable_packing(model) or a "
-                         f"converted transformers Mamba / FalconMamba model, got {type(model).__name__}"
+                         f"converted transformers Mamba / FalconMamba / Mamba-2 model, got {type(model).__name__}"
                          + ("" if conv is not None else " (not converted: call ops.enable_packing(model) first)"))
     mixers = [b.mixer for b in model.backbone.layers]
     m2 = [i for i, m in enumerate(mixers) if is_mamba2_mixer(m)]
     if m2:
         raise NotImplementedError(
-            f"{what}: layers {m2} are Mamba-2 mixers; packed prefill needs each prompt's final states, which the "
-            "carry path (ops.carry) gives for Mamba-1 mixers only. Use mamba-ssm's generate() (one prompt per row)")
+            f"{what}: layers {m2} are mamba-ssm Mamba-2 mixers; packed prefill needs each prompt's final states, which "
+            "the carry path (ops.carry) gives for Mamba-1 mixers only (transformers' Mamba2ForCausalLM is supported). "
+            "Use mamba-ssm's generate() (one prompt per row)")
     other = [f"{i} ({type(m).__name__})" for i, m in enumerate(mixers) if not isinstance(m, PackedMamba)]
     if other:
         raise NotImplementedError(f"{what}: layers {', '.join(other)} are not Mamba-1 mixers (attention?); packed "
@@ -641,9 +642,9 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
 
     Args:
         model: a mamba-ssm ``MambaLMHeadModel`` (Mamba-1 mixers) or a transformers ``MambaForCausalLM`` /
-            ``FalconMambaForCausalLM``, converted by :func:`ops.enable_packing`. Run in eval mode under
-            ``torch.no_grad`` (its mode is restored after). Mamba-2 models are refused (the carry path holds Mamba-1
-            states only).
+            ``FalconMambaForCausalLM`` / ``Mamba2ForCausalLM``, converted by :func:`ops.enable_packing`. Run in eval
+            mode under ``torch.no_grad`` (its mode is restored after). mamba-ssm's Mamba-2 mixers and hybrids with
+            attention layers are refused.
         prompts: token-id lists or 1-D integer tensors, any lengths (>= 1 token each).
         max_new_tokens: new tokens per prompt, an int for all or one int per prompt (0: the prompt comes back as it
             is).
@@ -671,7 +672,7 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
         ValueError / TypeError: bad prompts (empty, not 1-D, not integers, token ids outside the vocabulary),
             ``max_new_tokens``, ``capacity``, sampling arguments or ``batch_size``, naming the argument; a model not
             converted by :func:`ops.enable_packing`.
-        NotImplementedError: a model whose layers cannot give per-prompt states (Mamba-2, attention).
+        NotImplementedError: a model whose layers cannot give per-prompt states (mamba-ssm's Mamba-2, attention).
     """
     fam = _family(model)
     seqs = _as_token_list(prompts, "prompts")
