@@ -45,33 +45,30 @@ class RMSNorm(torch.nn.Module):
 class Stack(torch.nn.Module):
     """Pre-norm residual Mamba-1 blocks (what MambaLMHeadModel's backbone is, without the embedding and head)."""
 
-    def __init__(self, d_model, layers, device, checkpoint=False):
+    def __init__(self, d_model, layers, device):
         super().__init__()
         self.norms = torch.nn.ModuleList(RMSNorm(d_model, device=device) for _ in range(layers))
         self.mixers = torch.nn.ModuleList(ops.PackedMamba(d_model, layer_idx=i, device=device) for i in range(layers))
-        self.checkpoint = checkpoint
 
     def forward(self, h, position_ids):
         for norm, mixer in zip(self.norms, self.mixers):
-            if self.checkpoint:
-                h = h + torch.utils.checkpoint.checkpoint(lambda x, m=mixer, n=norm: m(n(x), position_ids=position_ids),
-                                                          h, use_reentrant=False)
-            else:
-                h = h + mixer(norm(h), position_ids=position_ids)
+            h = h + mixer(norm(h), position_ids=position_ids)
         return h
 
 
 def _model(args, d_model, layers, seed=0):
     torch.manual_seed(seed)
-    return Stack(d_model, layers, "cuda", checkpoint=args.checkpoint)
+    return Stack(d_model, layers, "cuda")
 
 
-def _set_cp(model, group):
+def _set_cp(model, group, recompute=False):
+    """Context-parallel over ``group`` (None: the plain packed model), as ops.context_parallel sets it."""
     for m in model.mixers:
         if group is None:
             m.__dict__.pop("_packloader_cp_group", None)
         else:
             m._packloader_cp_group = group
+            m._packloader_cp_recompute = recompute
 
 
 def _step(model, h, pos, dtype, total=None):
@@ -182,16 +179,18 @@ def part_scaling(args, rank, world, groups):
                 sec, mem = _timed(model, h, pos, args.iters, args.warmup)
                 rows.append({"gpus": 1, "mode": "one GPU (no CP)", "tokens": L, "step_s": sec, "peak_gib": mem,
                              "tokens_per_s_per_gpu": L / sec})
-            _set_cp(model, groups[n])
             if args.profile and n == 1:
+                _set_cp(model, groups[n])
                 _profile(model, h, pos)
-            sec, mem = _timed(model, _chunk(h, rank, n).contiguous(), _chunk(pos, rank, n).contiguous(), args.iters,
-                              args.warmup)
-            t = torch.tensor([sec, mem], device="cuda")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups[n])
-            sec, mem = t.tolist()
-            rows.append({"gpus": n, "mode": f"context-parallel over {n}", "tokens": n * L, "step_s": sec,
-                         "peak_gib": mem, "tokens_per_s_per_gpu": L / sec})
+            for recompute in (False, True):
+                _set_cp(model, groups[n], recompute)
+                sec, mem = _timed(model, _chunk(h, rank, n).contiguous(), _chunk(pos, rank, n).contiguous(),
+                                  args.iters, args.warmup)
+                t = torch.tensor([sec, mem], device="cuda")
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups[n])
+                sec, mem = t.tolist()
+                rows.append({"gpus": n, "mode": f"context-parallel over {n}" + (", recompute" if recompute else ""),
+                             "tokens": n * L, "step_s": sec, "peak_gib": mem, "tokens_per_s_per_gpu": L / sec})
             _set_cp(model, None)
             del h
             torch.cuda.empty_cache()
@@ -199,8 +198,7 @@ def part_scaling(args, rank, world, groups):
     base = rows[0]["tokens_per_s_per_gpu"] if rows else None
     for r in rows:
         r["per_gpu_vs_one_gpu"] = r["tokens_per_s_per_gpu"] / base if base else None
-    return {"d_model": args.d_model, "layers": args.layers, "length_per_gpu": L, "checkpoint": args.checkpoint,
-            "rows": rows}
+    return {"d_model": args.d_model, "layers": args.layers, "length_per_gpu": L, "rows": rows}
 
 
 def _peak(model, n, rank, group, total):
@@ -229,11 +227,13 @@ def part_reach(args, rank, world, groups):
     rows = []
     model = _model(args, args.d_model, args.layers)
     cap = torch.cuda.get_device_properties(0).total_memory / 2**30
-    for n in (1, 4):
+    configs = [(1, "one GPU (no CP)", None, False), (1, "CP over 1, recompute", 1, True),
+               (4, "CP over 4", 4, False), (4, "CP over 4, recompute", 4, True)]
+    for n, label, cp, recompute in configs:
         if n > world:
             continue
         if rank < n:
-            _set_cp(model, groups[n] if n > 1 else None)
+            _set_cp(model, groups[cp] if cp else None, recompute)
             step = 1024 * n
             a, b = args.reach_probe * n, 2 * args.reach_probe * n
             pa, pb = _peak(model, n, rank, groups[n], a), _peak(model, n, rank, groups[n], b)
@@ -248,15 +248,16 @@ def part_reach(args, rank, world, groups):
                     got = guess
                 else:
                     guess = int(guess * 0.95) // step * step
-            rows.append({"gpus": n, "probe_peaks_gib": [pa, pb], "gib_per_1k_tokens": per_token * 1024,
+            rows.append({"gpus": n, "mode": label, "probe_peaks_gib": [pa, pb], "gib_per_1k_tokens": per_token * 1024,
                          "predicted_tokens": int((cap * args.reach_fraction - fixed) / per_token), "tried": tried,
                          "longest_trained_tokens": got})
             _set_cp(model, None)
         dist.barrier()
-    one = next((r["longest_trained_tokens"] for r in rows if r["gpus"] == 1), None)
-    four = next((r["longest_trained_tokens"] for r in rows if r["gpus"] == 4), None)
-    return {"d_model": args.d_model, "layers": args.layers, "checkpoint": args.checkpoint, "gpu_gib": cap,
-            "rows": rows, "four_over_one": (four / one) if one and four else None}
+    best = {n: max((r["longest_trained_tokens"] or 0 for r in rows if r["gpus"] == n), default=0) for n in (1, 4)}
+    plain = next((r["longest_trained_tokens"] for r in rows if r["mode"] == "one GPU (no CP)"), None)
+    return {"d_model": args.d_model, "layers": args.layers, "gpu_gib": cap, "rows": rows,
+            "four_over_one_best": best[4] / best[1] if best[1] and best[4] else None,
+            "four_over_one_plain": best[4] / plain if plain and best[4] else None}
 
 
 def main():
@@ -269,7 +270,6 @@ def main():
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="print the CUDA kernels of one step, plain and CP over 1")
-    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block (all modes)")
     ap.add_argument("--exact-d-model", type=int, default=512)
     ap.add_argument("--exact-layers", type=int, default=4)
     ap.add_argument("--exact-length", type=int, default=8192)
@@ -310,7 +310,7 @@ def _print(res):
     if "scaling" in res:
         s = res["scaling"]
         print(f"\nscaling (d_model {s['d_model']}, {s['layers']} layers, {s['length_per_gpu']} tokens per GPU, "
-              f"fwd+bwd bf16{', checkpointing' if s['checkpoint'] else ''})")
+              "fwd+bwd bf16)")
         print("| GPUs | mode | tokens | step (s) | peak GiB | tokens/s per GPU | vs one GPU |")
         print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
         for r in s["rows"]:
@@ -318,13 +318,13 @@ def _print(res):
                   f"{r['tokens_per_s_per_gpu']:,.0f} | {r['per_gpu_vs_one_gpu']:.3f} |")
     if "reach" in res:
         r = res["reach"]
-        print(f"\nreach (d_model {r['d_model']}, {r['layers']} layers, {r['gpu_gib']:.0f} GiB GPUs"
-              f"{', checkpointing' if r['checkpoint'] else ''})")
-        print("| GPUs | GiB per 1k tokens (per GPU) | longest trained (tokens) |")
-        print("| ---: | ---: | ---: |")
+        print(f"\nreach (d_model {r['d_model']}, {r['layers']} layers, {r['gpu_gib']:.0f} GiB GPUs)")
+        print("| GPUs | mode | GiB per 1k tokens (per GPU) | longest trained (tokens) |")
+        print("| ---: | --- | ---: | ---: |")
         for row in r["rows"]:
-            print(f"| {row['gpus']} | {row['gib_per_1k_tokens']:.3f} | {row['longest_trained_tokens']} |")
-        print(f"4 GPUs over 1: {r['four_over_one']}")
+            print(f"| {row['gpus']} | {row['mode']} | {row['gib_per_1k_tokens']:.3f} | {row['longest_trained_tokens']} |")
+        print(f"4 GPUs over 1: {r['four_over_one_best']} (best of each), {r['four_over_one_plain']} (over the plain "
+              "one-GPU model)")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def _chunk_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
 
 
 def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_ids: Optional[torch.Tensor],
-                                 group) -> torch.Tensor:
+                                 group, recompute: bool = False) -> torch.Tensor:
     """A Mamba-1 mixer (:class:`ops.PackedMamba` or transformers' ``MambaMixer``) over this rank's chunk of every row.
 
     Receives, from the rank before, the scan state and the conv's last ``width - 1`` inputs at the end of its chunk
@@ -150,6 +150,9 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         position_ids: (batch, chunk) the rows' position ids over those tokens (not restarted at the chunk: a chunk
             whose first id is not 0 continues the sequence of the rank before); None: each row one sequence.
         group: the process group whose ranks hold the chunks, in rank order.
+        recompute: keep only the layer's inputs (hidden states, x, z and the received states) for the backward
+            and recompute the conv, the projections, the scan and out_proj there (the exchange is not repeated):
+            about half the layer's activation memory for one more forward of them.
 
     Returns:
         (batch, chunk, d_model).
@@ -177,22 +180,33 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         got = _RecvFromPrevious.apply(hidden_states, (b, d_inner, d_state + width - 1), st, group,
                                       _peer(group, rank - 1))
         ssm0, conv0 = got[..., :d_state], got[..., d_state:].to(x.dtype)
-    conv_w = mixer.conv1d.weight[:, 0]
-    xc = packed_causal_conv1d(x, conv_w, conv_bias, "silu", position_ids=g["pos"], validate=False)
-    if conv0 is not None:
-        xc = _continue_from_states(xc, x, conv_w, conv_bias, True, g["row_start"], g["first_len"], conv0, g["cont"])
-    x_dbl = _bmm_w(mixer.x_proj.weight, xc)                                                # (b, r + 2n, L)
-    dt_low, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=1)
-    delta = _bmm_w(mixer.dt_proj.weight, dt_low)                                           # (b, d_inner, L)
-    args = (xc, delta, A, Bm.contiguous(), Cm.contiguous(), ssm_float(mixer.D), z, ssm_float(mixer.dt_proj.bias),
-            g["pos"], True)
     last = rank == world - 1
-    y, _, ssm_final = selective_scan_fwd(*args, g["slots"], None if ssm0 is None else ssm0.contiguous(),
-                                         0 if last else b)
-    out = F.linear(y.transpose(1, 2), mixer.out_proj.weight, mixer.out_proj.bias)
+
+    def core(x, z, conv0, ssm0):
+        """conv (from the received inputs), projections, scan (from the received state), out_proj: no exchange
+        inside, so that it may be recomputed in the backward (``recompute``)."""
+        conv_w = mixer.conv1d.weight[:, 0]
+        xc = packed_causal_conv1d(x, conv_w, conv_bias, "silu", position_ids=g["pos"], validate=False)
+        if conv0 is not None:
+            xc = _continue_from_states(xc, x, conv_w, conv_bias, True, g["row_start"], g["first_len"], conv0,
+                                       g["cont"])
+        x_dbl = _bmm_w(mixer.x_proj.weight, xc)                                            # (b, r + 2n, L)
+        dt_low, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=1)
+        delta = _bmm_w(mixer.dt_proj.weight, dt_low)                                       # (b, d_inner, L)
+        y, _, ssm_final = selective_scan_fwd(
+            xc, delta, A, Bm.contiguous(), Cm.contiguous(), ssm_float(mixer.D), z, ssm_float(mixer.dt_proj.bias),
+            g["pos"], True, g["slots"], None if ssm0 is None else ssm0.contiguous(), 0 if last else b)
+        out = F.linear(y.transpose(1, 2), mixer.out_proj.weight, mixer.out_proj.bias)
+        return (out,) if last else (out, ssm_final)
+
+    if recompute and torch.is_grad_enabled():
+        res = torch.utils.checkpoint.checkpoint(core, x, z, conv0, ssm0, use_reentrant=False)
+    else:
+        res = core(x, z, conv0, ssm0)
+    out = res[0]
     if not last:   # (a chunk holds >= width - 1 tokens: its tail never reaches back into the previous chunk)
         tail = _conv_final_states(x, width, g["last_start"], g["last_len"], None, None)   # (b, d_inner, width-1)
-        sent = _SendToNext.apply(torch.cat([ssm_final.to(st), tail.to(st)], -1), group, _peer(group, rank + 1))
+        sent = _SendToNext.apply(torch.cat([res[1].to(st), tail.to(st)], -1), group, _peer(group, rank + 1))
         out = out + sent.to(out.dtype)
     return out
 
@@ -200,7 +214,7 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
 # ----------------------------------------------------------------------------------------------------------------
 # The model and the batch
 
-def context_parallel(model: torch.nn.Module, group) -> torch.nn.Module:
+def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False) -> torch.nn.Module:
     """Make ``model``'s Mamba-1 mixers run context-parallel over ``group`` (in place; returns ``model``).
 
     Every :class:`ops.PackedMamba` in ``model`` (what :func:`ops.enable_packing` puts in a mamba-ssm model) and every
@@ -212,6 +226,10 @@ def context_parallel(model: torch.nn.Module, group) -> torch.nn.Module:
         model: a module holding Mamba-1 mixers, converted by :func:`ops.enable_packing` where it is a mamba-ssm or
             Hugging Face model.
         group: a ``torch.distributed`` process group (NCCL on GPUs, gloo on the CPU); None: the default group.
+        recompute: each mixer keeps only its inputs and recomputes its conv, projections, scan and out_proj in the
+            backward (about half its activation memory, one more forward of those): the longest rows. (Activation
+            checkpointing of whole blocks with ``torch.utils.checkpoint`` would repeat the exchange in the backward,
+            which the other ranks do not answer: use this instead.)
 
     Raises:
         ContextParallelError: no Mamba-1 mixer found, a Mamba-2 mixer or a FalconMamba mixer with norms (not
@@ -232,6 +250,7 @@ def context_parallel(model: torch.nn.Module, group) -> torch.nn.Module:
                 raise ContextParallelError(f"{name}: a Hugging Face MambaMixer not converted: call "
                                            "ops.enable_packing(model) first")
             m._packloader_cp_group = group
+            m._packloader_cp_recompute = bool(recompute)
             found += 1
     if not found:
         raise ContextParallelError(f"{type(model).__name__} holds no Mamba-1 mixer to run context-parallel")

@@ -503,7 +503,8 @@ def _mamba1_context_parallel(mixer, hidden_states, pos_and_carry, attention_mask
     if _falcon_norms(mixer) or attention_mask is not None or carry is not None:
         raise ContextParallelError(f"{type(mixer).__name__}: context parallelism does not take FalconMamba's norms, a "
                                    "padding attention_mask or carried states")
-    return context_parallel_mamba_inner(mixer, hidden_states, pos, mixer._packloader_cp_group).to(hidden_states.dtype)
+    return context_parallel_mamba_inner(mixer, hidden_states, pos, mixer._packloader_cp_group,
+                                        mixer.__dict__.get("_packloader_cp_recompute", False)).to(hidden_states.dtype)
 
 
 def _outside_cpu_autocast(fn, mixer, hidden_states, pos, mask):

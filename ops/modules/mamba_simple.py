@@ -195,7 +195,8 @@ class PackedMamba(nn.Module):
             if carry is not None or (position_ids is None and (seq_idx is not None or cu_seqlens is not None)):
                 raise ContextParallelError("PackedMamba (context-parallel): takes position_ids (the rows' ids over "
                                            "this rank's chunk), not seq_idx / cu_seqlens alone, nor carry")
-            return context_parallel_mamba_inner(self, hidden_states, position_ids, cp_group)
+            return context_parallel_mamba_inner(self, hidden_states, position_ids, cp_group,
+                                                getattr(self, "_packloader_cp_recompute", False))
         # resolved once here and handed down as int32 position_ids; the ops below do not check again. Validation
         # (one host sync) runs when validate_boundaries is set, never under torch.compile; a model converted by
         # ops.enable_packing validates at its entry and switches it off in its mixers.

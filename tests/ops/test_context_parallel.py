@@ -57,11 +57,11 @@ def _reference(model, pos, h, dy):
     return out.detach(), h.grad, grads
 
 
-def _check_rank(rank, world, device, dtype, tol):
+def _check_rank(rank, world, device, dtype, tol, recompute=False):
     model, pos, h, dy = _inputs(device, dtype)
     want_out, want_dh, want_grads = _reference(model, pos, h, dy)
     group = dist.group.WORLD
-    ops.context_parallel(model, group)
+    ops.context_parallel(model, group, recompute=recompute)
     n = L // world
     cut = slice(rank * n, (rank + 1) * n)
     _, pos_k, _ = ops.shard_batch(group, torch.zeros_like(pos), pos)
@@ -154,8 +154,10 @@ def _worker(rank, world, init_file, backend, device_kind):
         if device_kind == "cuda":
             torch.cuda.set_device(rank)
             _check_rank(rank, world, f"cuda:{rank}", torch.float32, 2e-5)
+            _check_rank(rank, world, f"cuda:{rank}", torch.float32, 2e-5, recompute=True)
         else:
             _check_rank(rank, world, "cpu", F64, 1e-9)
+            _check_rank(rank, world, "cpu", F64, 1e-9, recompute=True)
             _check_labels(rank, world)
             if world == 2:
                 _check_hf(rank, world)
