@@ -213,7 +213,7 @@ def test_bad_input(seed):
         ops.generate_packed(model.backbone, ok, 4)
     m2 = ops.enable_packing(MambaLMHeadModel(d_model=8, n_layer=2, vocab_size=VOCAB, mixers=("Mamba1", "Mamba2"),
                                              d_state=4))
-    with pytest.raises(NotImplementedError, match=r"layers \[1\] are Mamba-2 mixers.*Mamba-1 mixers only"):
+    with pytest.raises(NotImplementedError, match=r"layers \[1\] are mamba-ssm Mamba-2 mixers.*Mamba-1 mixers only"):
         ops.generate_packed(m2, ok, 4)
     # max_new_tokens=0: the prompts come back
     assert ops.generate_packed(model, [[3, 4], [5]], 0)[1].tolist() == [5]
