@@ -367,12 +367,15 @@ def _mamba2_mixer_prefill(mixer, hidden_states, pos, n_seg):
     delta = delta.transpose(1, 2).repeat_interleave(hd, dim=1)
     A = (-torch.exp(mixer.A_log.float())).repeat_interleave(hd)[:, None].expand(heads * hd, dstate)
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    from .contract import MAX_DSTATE
+    # the CUDA scan takes d_state <= 16; Mamba-2's larger states run the reference scan on the GPU (the prefill only)
+    backend = "reference" if x.is_cuda and dstate > MAX_DSTATE else None
     y, ssm_fin = ops.packed_selective_scan(
         x.to(cdt).contiguous(), delta.to(cdt).contiguous(), A.to(cdt).contiguous(),
         B.to(cdt).reshape(batch, groups, dstate, seqlen).contiguous(),
         C.to(cdt).reshape(batch, groups, dstate, seqlen).contiguous(), D=mixer.D.float().repeat_interleave(hd).to(cdt),
         position_ids=pos, validate=False, has_initial_state=torch.zeros(n_seg, dtype=torch.bool, device=x.device),
-        output_final_state=True)
+        output_final_state=True, backend=backend)
     y = mixer.norm(y.transpose(1, 2), gate)
     return mixer.out_proj(y.to(dtype)), conv_fin, ssm_fin.view(n_seg, heads, hd, dstate)
 

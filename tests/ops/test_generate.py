@@ -520,3 +520,22 @@ def test_eval_callback_in_packed_trainer(tmp_path):
     assert after != before and model.training
     metrics = trainer.evaluate(eval_dataset=[{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])
     assert metrics["eval_packed_loss"] == pytest.approx(after, rel=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_hf_mamba2_greedy_equals_transformers(cuda, seed):
+    """transformers' Mamba2ForCausalLM on CUDA, d_state 64 (above the CUDA scan's 16: the prefill's scan runs the
+    reference there), fp32: the tokens of the unconverted model on each prompt alone."""
+    transformers = _hf()
+    torch.manual_seed(seed)
+    cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=64, state_size=64, num_hidden_layers=2, expand=2,
+                                    conv_kernel=4, head_dim=16, num_heads=8, n_groups=2, chunk_size=16, use_cache=True)
+    model = transformers.Mamba2ForCausalLM(cfg).to(cuda).eval()
+    with torch.no_grad():
+        model.backbone.embeddings.weight.normal_(0, 1.0)
+    plain = copy.deepcopy(model)
+    plain.generation_config.eos_token_id = None
+    ops.enable_packing(model)
+    prompts = [p.to(cuda) for p in prompts_of([37, 1, 2, 40, 9, 3], seed)]
+    out = ops.generate_packed(model, prompts, 8, capacity=64)
+    assert_hf_reference(plain, prompts, out, [8] * len(prompts))
