@@ -345,8 +345,12 @@ def test_hf_greedy_equals_transformers_generate(seed, kind):
         want, n = loss_alone(plain, p)
         assert int(res.num_tokens[i]) == n
         assert abs(float(res.loss_sum[i]) - want) <= 1e-5 * max(1.0, abs(want))
-    # the model's own state cache (a training run's) is left as it was
+    # the model's own state cache (a training run's, overflow="carry") is left as it was: none, or the same object
     assert "_packloader_state_cache" not in model.__dict__
+    training_cache = model.__dict__["_packloader_state_cache"] = ops.StateCache()
+    again = ops.generate_packed(model, prompts[:3], 2)
+    assert model.__dict__["_packloader_state_cache"] is training_cache and len(training_cache) == 0
+    assert all(torch.equal(a, o[:len(a)]) for a, o in zip(again, out))
 
 
 def hf_mamba2(seed, n_layers=2):
