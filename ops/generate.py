@@ -245,7 +245,9 @@ def _logits_of(out) -> torch.Tensor:
 # packed prefill: last-token logits and every prompt's final states
 
 
-def _carry_keys(seg: List[int], device):
+def _carry_keys(seg: List[int]):
+    """The carry keys of a prefill batch (one entry per segment in ``cu_seqlens`` order): every prompt is piece 0 of
+    its own document and continues after (so its final states are kept); padding segments carry nothing."""
     n = len(seg)
     doc = torch.tensor([i if i >= 0 else -1 - k for k, i in enumerate(seg)], dtype=torch.int64)
     return {"piece_doc_ids": doc, "piece_index": torch.zeros(n, dtype=torch.int64),
@@ -259,7 +261,7 @@ def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[Lis
     from .carry import StateCache
     ids, pos, seg, order, flat_start = _packed_batch(seqs, rows, device)
     last = torch.tensor([s + int(seqs[i].numel()) - 1 for i, s in zip(order, flat_start)], device=device)
-    keys = _carry_keys(seg, device)
+    keys = _carry_keys(seg)
     hook = _KeepPositions(model.lm_head, last) if hasattr(model, "lm_head") else None
     cache = StateCache()
     try:
