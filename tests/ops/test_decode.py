@@ -309,8 +309,11 @@ def _kernel_vs_reference(dtype, strided, cuda):
         out = torch.ops.packloader.selective_state_step(*kern_args)
         with ops.use_backend("reference"):
             expected = torch.ops.packloader.selective_state_step(*ref_args)
-        scale = expected.abs().max().item()
-        torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol * scale)
+        # beyond the dtype's range (a float16 sample can reach it) the kernel's output is an infinity of the sign
+        big = expected.abs() > torch.finfo(dtype).max
+        assert torch.equal(out.double()[big], expected[big].sign() * float("inf"))
+        scale = expected[~big].abs().max().item()
+        torch.testing.assert_close(out.double()[~big], expected[~big], rtol=rtol, atol=rtol * scale)
         hscale = ref_args[0].abs().max().item()
         torch.testing.assert_close(kern_args[0].double(), ref_args[0], rtol=rtol, atol=rtol * hscale)
 
