@@ -86,13 +86,13 @@ def write_shard(path, docs):
     return path
 
 
-def carry_loader(path, capacity, batch_size, seed):
+def carry_loader(path, capacity, batch_size, seed, one_piece_per_step=False):
     from packloader import PackedDataLoader
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the "cut into chains" notice
         return PackedDataLoader(path, capacity=capacity, batch_size=batch_size, shuffle=True, seed=seed,
-                                algorithm="bfd", overflow="carry")
+                                algorithm="bfd", overflow="carry", carry_one_piece_per_step=one_piece_per_step)
 
 
 def to_device(batch, device):
@@ -163,28 +163,33 @@ def part_cost(args, device):
     lens = rng.integers(16384, 65537, args.cost_docs)
     docs = [rng.integers(0, args.vocab, int(k)).astype(np.int32) for k in lens]
     tmp = tempfile.mkdtemp()
-    loader = carry_loader(write_shard(os.path.join(tmp, "docs.arrow"), docs), args.capacity, args.rows, 0)
-    batches = []
-    for batch in loader:
-        batches.append(batch)
-        if len(batches) >= args.cost_steps + args.warmup:
-            break
+    path = write_shard(os.path.join(tmp, "docs.arrow"), docs)
+    schedules = {}
+    for one in (False, True):   # pieces chained inside a step (default) / one piece of a document a step
+        schedules[one] = []
+        for batch in carry_loader(path, args.capacity, args.rows, 0, one_piece_per_step=one):
+            schedules[one].append(batch)
+            if len(schedules[one]) >= args.cost_steps + args.warmup:
+                break
     torch.manual_seed(0)
     model = LM(args.vocab, args.d_model, args.layers, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     results = {}
-    modes = ("split", "split_composed", "carry")
+    # "_1": the batches of carry_one_piece_per_step=True (every continuation from the cache: truncated backprop)
+    modes = ("split", "split_composed", "carry", "split_1", "carry_1")
     for mode in modes:
         for mixer in model.mixers:   # split_composed: the split rows through the unfused mixer the carry path uses
             mixer.use_fast_path = mode != "split_composed"
         try:
-            results[mode] = _time_mode(mode, model, opt, batches, args, device)
+            results[mode] = _time_mode(mode.removesuffix("_1"), model, opt, schedules[mode.endswith("_1")], args,
+                                       device)
         except torch.cuda.OutOfMemoryError:
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             results[mode] = {"tokens_per_s": float("nan"), "steps": 0, "peak_gb": float("nan"),
                              "batches_with_continuations": 0, "oom": True}
     results["carry_over_split"] = results["carry"]["tokens_per_s"] / results["split"]["tokens_per_s"]
+    results["carry_1_over_split_1"] = results["carry_1"]["tokens_per_s"] / results["split_1"]["tokens_per_s"]
     print(f"\ntraining steps, d_model {args.d_model}, {args.layers} layers, {args.rows} rows of {args.capacity}, "
           f"documents of 16k-64k tokens")
     print(f"{'mode':14s} {'tokens/s':>10s} {'peak GB':>8s} {'steps':>6s} {'carried':>8s}")
@@ -192,7 +197,8 @@ def part_cost(args, device):
         r = results[mode]
         print(f"{mode:14s} {r['tokens_per_s']:10.0f} {r['peak_gb']:8.1f} {r['steps']:6d} "
               f"{r['batches_with_continuations']:8d}" + ("  (out of memory)" if r.get("oom") else ""))
-    print(f"carry / split: {results['carry_over_split']:.3f}")
+    print(f"carry / split: {results['carry_over_split']:.3f} (pieces chained in a step); "
+          f"{results['carry_1_over_split_1']:.3f} (one piece of a document a step, state from the cache)")
     return results
 
 

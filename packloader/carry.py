@@ -23,7 +23,8 @@ except that a continuation row is *pinned* to the rank of its predecessor's row:
 
 Each step takes first the *deferred* rows (in plan order), then new rows in plan order. A row whose
 predecessor is not scheduled yet, or whose pinned rank has no room left in the step, is deferred to the
-next step; any other row goes to the rank with the fewest tokens in the step that still has room (ties to
+next step (with ``one_piece_per_step``, also a row whose predecessor is in the current step: then no step holds
+two pieces of one document, and every continuation takes its state from the model's cache); any other row goes to the rank with the fewest tokens in the step that still has room (ties to
 the lower rank). Inside a batch rows keep plan order, so a predecessor in the same batch is in an earlier
 row. A step is short only when the plan's rows run out while deferred rows wait for their rank: it is
 completed with padding rows (with ``drop_last=True`` the short steps at the end of the epoch are dropped,
@@ -74,7 +75,7 @@ def doc_keys(source_file, sequence) -> np.ndarray:
 
 @njit_cached(nogil=True)
 def _schedule_kernel(row_tokens, pred_row, world_size, batch_size, next_row, pending, pin_rank,
-                     row_step, row_rank, row_slot, restarted, step_next_row, step_rows):
+                     row_step, row_rank, row_slot, restarted, step_next_row, step_rows, one_piece_per_step):
     """Run the rule from the state (next_row, pending, pins) to the end of the epoch. ``row_step`` is -1 for
     rows not yet scheduled, -2 for rows consumed before; filled in: step, rank and slot of every row this
     schedule places, ``restarted`` for rows whose chain restarts, ``step_next_row[s]`` (plan position at the
@@ -117,6 +118,8 @@ def _schedule_kernel(row_tokens, pred_row, world_size, batch_size, next_row, pen
                             restarted[r] = True
                     else:
                         w = row_rank[p]
+                        if one_piece_per_step and row_step[p] == step:
+                            defer = True      # its predecessor is in this step: the next one
                 if w >= 0 and fill[w] >= batch_size:
                     defer = True
             if defer:
@@ -156,7 +159,7 @@ class CarrySchedule:
     """
 
     def __init__(self, row_tokens, pred_row, world_size: int, batch_size: int, drop_last: bool,
-                 start: dict | None = None):
+                 start: dict | None = None, one_piece_per_step: bool = False):
         row_tokens = np.ascontiguousarray(row_tokens, np.int64)
         self.pred_row = pred_row = np.ascontiguousarray(pred_row, np.int64)
         n = row_tokens.size
@@ -177,8 +180,10 @@ class CarrySchedule:
         restarted = np.zeros(n, bool)
         step_next_row = np.zeros(n + 2, np.int64)
         step_rows = np.zeros(n + 1, np.int64)
+        self.one_piece_per_step = bool(one_piece_per_step)
         n_steps = _schedule_kernel(row_tokens, pred_row, self.world_size, self.batch_size, next_row, pending,
-                                   pin_rank, row_step, row_rank, row_slot, restarted, step_next_row, step_rows)
+                                   pin_rank, row_step, row_rank, row_slot, restarted, step_next_row, step_rows,
+                                   self.one_piece_per_step)
         S = self.world_size * self.batch_size
         if drop_last:
             full = np.flatnonzero(step_rows[:n_steps] == S)
@@ -226,9 +231,9 @@ class CarrySchedule:
 
 
 def carry_schedule(row_tokens, pred_row, world_size: int, batch_size: int, drop_last: bool,
-                   start: dict | None = None) -> CarrySchedule:
+                   start: dict | None = None, one_piece_per_step: bool = False) -> CarrySchedule:
     """The epoch's schedule under the carry rule, from the beginning or from a saved state ``start``."""
-    return CarrySchedule(row_tokens, pred_row, world_size, batch_size, drop_last, start)
+    return CarrySchedule(row_tokens, pred_row, world_size, batch_size, drop_last, start, one_piece_per_step)
 
 
 def carry_state(schedule: CarrySchedule, batches: int) -> dict[str, Any]:

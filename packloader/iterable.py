@@ -54,6 +54,7 @@ class PackedIterable(IterableDataset):
         #: overflow="carry": the source's rows form chains (see packloader.carry)
         self.carries = getattr(rows, "overflow", None) == "carry"
         self.carry_start: dict | None = None   # the saved carry state an elastic resume starts from
+        self.carry_one_piece_per_step = False   # the loader's option (packloader.carry)
         self._carry: tuple | None = None
         self._chains: tuple | None = None
 
@@ -64,7 +65,8 @@ class PackedIterable(IterableDataset):
         if self._carry is None or self._carry[0] != key:
             tokens = self.rows.epoch_rows(self.seed, epoch, self.shuffle)
             sched = CarrySchedule(tokens, self.chains(epoch)[1].pred_row, self.world_size, self.batch_size,
-                                  self.drop_last, self.carry_start if from_start else None)
+                                  self.drop_last, self.carry_start if from_start else None,
+                                  self.carry_one_piece_per_step)
             self._carry = (key, sched)
         return self._carry[1]
 

@@ -176,6 +176,11 @@ class PackedDataLoader:
             e.g. ``16 * world_size * batch_size``). It changes the plan (the data order inside a window follows
             cost), so it is part of the source's fingerprint: a state resumes only with the same window and
             factor. Default None: plan order.
+        carry_one_piece_per_step: with ``overflow="carry"``: never two pieces of one document in one step, each
+            piece in a later step than the one before (on the same rank). Every continuation then starts from the
+            state the model's cache kept (truncated backpropagation at each cut; one scan a layer, about the cost
+            of ``"split"``), instead of from its predecessor in the same step (the gradient flows through the
+            chain, but the predecessor's rows are scanned twice). Default False.
         context_parallel_size: ranks per context-parallel group (``C``, a divisor of the world size).
             The ``C`` consecutive ranks ``k * C ... k * C + C - 1`` (the ``"cp"`` dimension of
             ``init_device_mesh(device, (world // C, C), mesh_dim_names=("dp", "cp"))``) get the same batches
@@ -211,7 +216,7 @@ class PackedDataLoader:
                  timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
                  pin_memory_device: str = "", verify: bool = False, balance: str = "tokens",
                  attention_factor: float | None = None, cost_sort_window: int | None = None,
-                 context_parallel_size: int = 1):
+                 context_parallel_size: int = 1, carry_one_piece_per_step: bool = False):
         for name, value in (("batch_size", batch_size), ("buffer_size", buffer_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -305,6 +310,9 @@ class PackedDataLoader:
                                        batch_size=self.batch_size, drop_last=self.drop_last, seed=self.seed,
                                        shuffle=self.shuffle, hf_compat=self.hf_compat, return_ids=self.return_ids)
         self.dataset.attention_factor = self.attention_factor
+        if carry_one_piece_per_step and not self.dataset.carries:
+            raise ValueError("carry_one_piece_per_step=True needs overflow='carry'")
+        self.dataset.carry_one_piece_per_step = bool(carry_one_piece_per_step)
         if self.num_workers > 0:
             self.dataset.share_control()
             warm_up()  # the placer, loaded once here instead of in every worker of every epoch

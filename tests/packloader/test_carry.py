@@ -100,6 +100,46 @@ def test_every_rank_gets_chains_in_order(carry_shards, world_size, algorithm):
     assert placed == n_tok
 
 
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_one_piece_per_step(carry_shards, world_size):
+    """carry_one_piece_per_step: the guarantees hold, every token comes once, and no step (all ranks' batches of
+    it) holds two pieces of one document: every continuation's predecessor is in an earlier step (which the
+    default schedule does not give)."""
+    paths, docs = carry_shards
+    per_rank = [list(ld) for ld in loaders(paths, world_size, carry_one_piece_per_step=True)]
+    check_guarantees(per_rank, docs)
+    n_tok = sum(len(s) for s in docs.values())
+    assert sum(int(b["sample_ids"][:, 4].sum()) for bs in per_rank for b in bs) == n_tok
+
+    def steps_with_two_pieces(per_rank):
+        count = 0
+        for step in range(len(per_rank[0])):
+            docs_in_step = [d for bs in per_rank for d in bs[step]["piece_doc_ids"].tolist() if d >= 0]
+            count += len(docs_in_step) != len(set(docs_in_step))
+        return count
+
+    assert steps_with_two_pieces(per_rank) == 0
+    assert steps_with_two_pieces([list(ld) for ld in loaders(paths, world_size)]) > 0
+    with pytest.raises(ValueError, match="needs overflow='carry'"):
+        loaders(paths, 1, overflow="split", carry_one_piece_per_step=True)
+
+
+def test_one_piece_per_step_resumes_exactly(carry_shards):
+    paths, _ = carry_shards
+    full = list(loaders(paths, 2, carry_one_piece_per_step=True)[0])
+    lds = loaders(paths, 2, carry_one_piece_per_step=True)
+    it = iter(lds[0])
+    head = [next(it) for _ in range(5)]
+    state = lds[0].state_dict()
+    ld = loaders(paths, 2, carry_one_piece_per_step=True)[0]
+    ld.load_state_dict(state)
+    rest = list(ld)
+    assert len(head) + len(rest) == len(full)
+    for x, y in zip(head + rest, full):
+        for k in ("input_ids", "piece_doc_ids", "piece_index", "has_initial_state", "continues_after"):
+            assert (x[k] == y[k]).all()
+
+
 def test_position_ids_restart_at_every_piece(carry_shards):
     paths, docs = carry_shards
     batch = next(b for b in loaders(paths, 1)[0] if (b["piece_index"] > 0).any())
