@@ -24,6 +24,12 @@ out=${1:?usage: run.sh OUTDIR}
 mkdir -p "$out"; out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 PACKLOADER_CACHE=${PACKLOADER_CACHE:-/tmp/plcache} PYTHONPATH=$PWD:/tmp/upsite${PYTHONPATH:+:$PYTHONPATH}
 log="$out/run.log"
+# packloader's pure-Python core dependencies the GPU image lacks (braceexpand; the image is offline): wheels fetched
+# beforehand into .whl/ (git-ignored; carry it), e.g. pip download --no-deps --only-binary=:all: -d .whl braceexpand
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/coresite .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/coresite
+fi
+python3 -c "import braceexpand" 2>/dev/null || echo "warning: braceexpand missing: the loader's tests and benchmarks fail (see .whl above)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,compute_cap --format=csv | tee "$log"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$log"
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')
