@@ -128,37 +128,6 @@ def num_batches(n_rows: int, world_size: int, batch_size: int, drop_last: bool) 
     return n_rows // step if drop_last else -(-n_rows // step)
 
 
-@njit(cache=True)
-def _assign_kernel(row_tokens, world_size, batch_size, n_steps, out):
-    n_rows = row_tokens.shape[0]
-    step_rows = world_size * batch_size
-    load = np.zeros(world_size, dtype=np.int64)
-    fill = np.zeros(world_size, dtype=np.int64)
-    for s in range(n_steps):
-        lo = s * step_rows
-        hi = min(lo + step_rows, n_rows)
-        load[:] = 0
-        fill[:] = 0
-        if hi > lo:
-            # stable sort by decreasing tokens: argsort of (-tokens) with index tie-break
-            keys = -row_tokens[lo:hi]
-            order = np.argsort(keys, kind="mergesort")
-            for i in range(hi - lo):
-                r = lo + order[i]
-                best = -1
-                for w in range(world_size):
-                    if fill[w] < batch_size and (best < 0 or load[w] < load[best]):
-                        best = w
-                out[best, s, fill[best]] = r
-                fill[best] += 1
-                load[best] += row_tokens[r]
-        # padding rows (-1) fill the rest; sort each rank's rows into plan order
-        for w in range(world_size):
-            for j in range(fill[w], batch_size):
-                out[w, s, j] = -1
-            out[w, s, : fill[w]] = np.sort(out[w, s, : fill[w]])
-
-
 def assign_rows(row_tokens: np.ndarray, world_size: int, batch_size: int, drop_last: bool,
                 offset: int = 0) -> np.ndarray:
     """Assign an epoch's packed rows to ranks and batches.
@@ -186,8 +155,10 @@ def assign_rows(row_tokens: np.ndarray, world_size: int, batch_size: int, drop_l
     n_steps = num_batches(len(row_tokens) - offset, world_size, batch_size, drop_last)
     out = np.empty((world_size, n_steps, batch_size), dtype=np.int64)
     if n_steps:
-        _assign_kernel(row_tokens[offset: offset + n_steps * world_size * batch_size], world_size, batch_size,
-                       n_steps, out)
+        # the cost rule with cost = tokens (exact in float64) and no swaps: decreasing tokens, each row to the
+        # least loaded rank with room
+        _assign_cost_kernel(row_tokens[offset: offset + n_steps * world_size * batch_size].astype(np.float64),
+                            world_size, batch_size, n_steps, out, 0)
         if offset:
             out[out >= 0] += offset
     return out
