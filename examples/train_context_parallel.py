@@ -28,40 +28,14 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 
 import ops  # noqa: E402
 from packloader import PackedDataLoader  # noqa: E402
 
-
-class TinyMambaLM(nn.Module):
-    """Embedding -> pre-norm residual ``ops.PackedMamba`` blocks -> norm; the LM head is the tied embedding."""
-
-    def __init__(self, vocab_size: int, d_model: int, n_layers: int):
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, d_model)
-        self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_layers))
-        self.mixers = nn.ModuleList(ops.PackedMamba(d_model, d_state=8, layer_idx=i) for i in range(n_layers))
-        self.norm_f = nn.LayerNorm(d_model)
-        nn.init.normal_(self.embed.weight, std=0.02)
-
-    def forward(self, input_ids, position_ids):
-        h = self.embed(input_ids)
-        for norm, mixer in zip(self.norms, self.mixers):
-            h = h + mixer(norm(h), position_ids=position_ids)
-        return self.norm_f(h)
-
-
-def demo_shards(workdir: str) -> str:
-    """The GSM8K sample embedded in packloader, tokenized into Arrow shards once."""
-    from packloader import prepare_jsonl
-    from packloader.demo import CORPUS, TOKENIZER, data_path
-    out = os.path.join(workdir, "tokens")
-    prepare_jsonl(data_path(CORPUS), out, tokenizer=data_path(TOKENIZER), mask_prompt=True, shard_size=500,
-                  limit=2000, quiet=True)
-    return os.path.join(out, "shard-*.arrow")
+# the model and the demo corpus of the single-GPU example beside this file (its TinyMambaLM: ops.PackedMamba blocks)
+from train_packed_mamba import TinyMambaLM, demo_shards  # noqa: E402
 
 
 def main(argv=None):
