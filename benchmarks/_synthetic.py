@@ -55,3 +55,20 @@ def write_result(path, doc: dict) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {path}")
+
+
+def init_distributed(device_kind: str):
+    """``torchrun`` process group for a benchmark: NCCL on this rank's GPU (``LOCAL_RANK``) or gloo on the CPU.
+    Returns ``(device, rank, world_size)``."""
+    import torch
+    import torch.distributed as dist
+
+    if device_kind == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device, dist.get_rank(), dist.get_world_size()

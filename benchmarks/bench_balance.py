@@ -243,15 +243,8 @@ def main(argv=None):
     from packloader import PackedDataLoader
     from packloader.distributed import calibrate_attention_factor, row_costs, step_cost_spread
 
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    from _synthetic import init_distributed
+    device, rank, world = init_distributed(args.device)
     if rank == 0:
         write_data(args.data_dir, args)
     dist.barrier()

@@ -246,15 +246,8 @@ def worker(args) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    from _synthetic import init_distributed
+    device, rank, world = init_distributed(args.device)
     mesh = init_device_mesh(device.type, (world,))
     kind = model_kind(device)
     if rank == 0:
