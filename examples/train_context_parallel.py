@@ -104,7 +104,7 @@ def main(argv=None):
               f"{args.capacity} tokens, {args.capacity // cp} a rank; device {device}")
 
     t0 = time.perf_counter()
-    epoch = 0
+    epoch = loader.epoch   # a resumed loader continues its saved epoch
     while step < args.steps:
         loader.set_epoch(epoch)
         for batch in loader:

@@ -8,7 +8,7 @@ mixers is token-wise; a mixer needs, for the one sequence of each row that cross
 - the scan: the state ``h`` that sequence had at the end of the previous rank's chunk.
 
 Each layer of rank ``k`` receives both from rank ``k - 1`` (one ``batch x d_inner x (d_state + width - 1)`` float32
-tensor: a few megabytes, not activations), runs once from them, and sends its own to rank ``k + 1``; the backward
+(float64 for a float64 model) tensor: a few megabytes, not activations), runs once from them, and sends its own to rank ``k + 1``; the backward
 sends the gradients back the same way::
 
     row (one sequence crossing every cut)  [ a0 ... a7 | a8 ... a15 | a16 ... a23 | b0 ... b7 ]
@@ -53,7 +53,17 @@ class ContextParallelError(ValueError):
 def _group_rank_world(group) -> Tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise ContextParallelError("context parallelism needs torch.distributed initialised (init_process_group)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ContextParallelError(f"this process (global rank {dist.get_rank()}) is not a member of the given "
+                                   "context-parallel group: give each rank the group it belongs to")
+    return rank, dist.get_world_size(group)
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward (where activation checkpointing recomputes a forward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,8 +172,15 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
     from .conv1d_interface import _continue_from_states, _conv_final_states, packed_causal_conv1d
     from .selective_scan_interface import selective_scan_fwd
 
+    group = group if group is not None else dist.group.WORLD
     rank, world = _group_rank_world(group)
+    if _in_backward():
+        raise ContextParallelError("a context-parallel mixer ran inside a backward (activation checkpointing of its "
+                                   "block recomputes it, and the exchange cannot be repeated): switch checkpointing "
+                                   "off and use ops.context_parallel(model, group, recompute=True)")
     b, L, _ = hidden_states.shape
+    if position_ids is not None and tuple(position_ids.shape) != (b, L):
+        raise ContextParallelError(f"position_ids must be (batch, chunk) = {(b, L)}, got {tuple(position_ids.shape)}")
     d_inner, d_state, width, dt_rank, conv_bias, ssm_float = _mixer_dims(mixer)
     if L < width - 1:
         raise ContextParallelError(f"each rank's chunk ({L} tokens) must hold at least the conv width - 1 = "
@@ -175,9 +192,14 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
     # the projections as the fused mixer lays them out: (b, channels, tokens) contiguous straight from the GEMMs
     x, z = _in_proj(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias, d_inner)
     st = torch.float64 if x.dtype == torch.float64 else torch.float32
+    # Whether the exchange runs a backward: the same rule on every rank (the sender and the receiver must agree),
+    # from what every rank shares: the input's requires_grad and the mixer's trainable parameters
+    trainable = [p for p in mixer.parameters() if p.requires_grad]
+    needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or bool(trainable))
+    anchor = hidden_states if hidden_states.requires_grad or not needs_grad else trainable[0]
     ssm0 = conv0 = None
     if rank > 0:   # what the previous rank's chunk ended with: its scan state and its last width-1 conv inputs
-        got = _RecvFromPrevious.apply(hidden_states, (b, d_inner, d_state + width - 1), st, group,
+        got = _RecvFromPrevious.apply(anchor, (b, d_inner, d_state + width - 1), st, group,
                                       _peer(group, rank - 1))
         ssm0, conv0 = got[..., :d_state], got[..., d_state:].to(x.dtype)
     last = rank == world - 1
@@ -206,7 +228,10 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
     out = res[0]
     if not last:   # (a chunk holds >= width - 1 tokens: its tail never reaches back into the previous chunk)
         tail = _conv_final_states(x, width, g["last_start"], g["last_len"], None, None)   # (b, d_inner, width-1)
-        sent = _SendToNext.apply(torch.cat([res[1].to(st), tail.to(st)], -1), group, _peer(group, rank + 1))
+        payload = torch.cat([res[1].to(st), tail.to(st)], -1)
+        if needs_grad and not payload.requires_grad:   # (the receiver sends a gradient back: take it)
+            payload = payload.detach().requires_grad_(True)
+        sent = _SendToNext.apply(payload, group, _peer(group, rank + 1))
         out = out + sent.to(out.dtype)
     return out
 
@@ -232,13 +257,19 @@ def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False) 
             which the other ranks do not answer: use this instead.)
 
     Raises:
-        ContextParallelError: no Mamba-1 mixer found, a Mamba-2 mixer or a FalconMamba mixer with norms (not
-            supported yet: their layers would run each chunk from zero).
+        ContextParallelError: no Mamba-1 mixer found, a Mamba-2 or FalconMamba mixer (not supported yet: their
+            layers would run each chunk from zero), gradient checkpointing switched on.
     """
     from .modules.mamba_simple import PackedMamba
     from .convert import is_mamba2_mixer
     group = group if group is not None else dist.group.WORLD
     _group_rank_world(group)
+    checkpointed = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if getattr(model, "is_gradient_checkpointing", False) or checkpointed:
+        raise ContextParallelError(
+            f"{type(model).__name__} has gradient checkpointing on ({', '.join(checkpointed[:3]) or 'the model'}): its "
+            "recomputation would repeat the exchange between ranks in the backward; switch it off "
+            "(gradient_checkpointing_disable()) and pass recompute=True instead")
     found = 0
     for name, m in model.named_modules():
         classes = {c.__name__ for c in type(m).__mro__}
@@ -258,7 +289,7 @@ def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False) 
         if hasattr(m, "_packloader_validate"):
             m._packloader_validate = False
     model._packloader_validate = False
-    model._packloader_cp_group = group
+    model._packloader_cp_group = group   # the model's entry refuses a batch without position_ids (see shard_batch)
     return model
 
 

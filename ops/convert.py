@@ -95,6 +95,11 @@ CausalLMOutput = collections.namedtuple("CausalLMOutput", ["logits"])  # what Ma
 
 def _resolve_for_model(model, input_ids, position_ids, seq_idx, cu_seqlens):
     """Once per batch: (position_ids, seq_idx), int32, validated unless switched off (or compiling)."""
+    if model.__dict__.get("_packloader_cp_group") is not None and position_ids is None:
+        from .context_parallel import ContextParallelError
+        raise ContextParallelError("a context-parallel model takes position_ids (this rank's chunk of the rows' ids, "
+                                   "from ops.shard_batch): seq_idx / cu_seqlens cannot say that a chunk continues "
+                                   "the rank before")
     return resolve_boundaries(
         position_ids, seq_idx, cu_seqlens, shape=tuple(input_ids.shape[:2]), device=input_ids.device,
         validate=model._packloader_validate, need_seq_idx=True,

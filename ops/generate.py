@@ -995,8 +995,15 @@ class PackedEvalCallback:
         return res.metrics(self.prefix)
 
     def on_evaluate(self, args, state, control, model=None, metrics=None, **kwargs):
+        # Trainer.evaluate logs its metrics before this event: add ours to them (what evaluate() returns) and log
+        # them too (log_history, the reporting integrations)
         if model is not None and metrics is not None:
-            metrics.update(self.evaluate(model))
+            got = self.evaluate(model)
+            metrics.update(got)
+            if self.trainer is not None:
+                self.trainer.log(dict(got))
+            else:
+                state.log_history.append(dict(got, step=state.global_step))
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

@@ -206,6 +206,14 @@ def _pop_carry(model, kwargs: dict, pos: Optional[torch.Tensor]):
 
 def _model_forward(self, base_forward, args, kwargs):
     """Forward of a converted ``*ForCausalLM`` / ``*Model``."""
+    if self.__dict__.get("_packloader_cp_group") is not None:   # ops.context_parallel
+        from .context_parallel import ContextParallelError
+        if kwargs.get("position_ids") is None:
+            raise ContextParallelError(f"{type(self).__name__} (context-parallel) takes position_ids: this rank's "
+                                       "chunk of the rows' ids, from ops.shard_batch")
+        if kwargs.get("labels") is not None:
+            raise ContextParallelError(f"{type(self).__name__} (context-parallel): compute the loss from "
+                                       "ops.shard_batch's labels (already shifted across the chunks), not labels=")
     if all(kwargs.get(k) is None for k in BOUNDARY_KWARGS):
         _pop_carry(self, kwargs, None)
         for k in BOUNDARY_KWARGS:  # given as None (generation passes position_ids=None): not boundaries

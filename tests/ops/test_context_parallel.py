@@ -148,6 +148,47 @@ def _check_hf(rank, world):
                f"gradient of {name}")
 
 
+def _check_frozen_input(rank, world):
+    """A mixer input that does not require grad (frozen features, LoRA-like training of in_proj alone) with trainable
+    weights: the backward still exchanges the state gradients (no rank waits forever) and the gradients are exact."""
+    model, pos, h, dy = _inputs()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("in_proj.weight"))
+    out = model(h, position_ids=pos)
+    (out * dy).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    group = dist.group.WORLD
+    ops.context_parallel(model, group)
+    n = L // world
+    cut = slice(rank * n, (rank + 1) * n)
+    _, pos_k, _ = ops.shard_batch(group, torch.zeros_like(pos), pos)
+    (model(h[:, cut], position_ids=pos_k) * dy[:, cut]).sum().backward()
+    ops.all_reduce_gradients(model, group)
+    assert set(want) == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, g in want.items():
+        _close(dict(model.named_parameters())[name].grad, g, 1e-9, f"gradient of {name}")
+
+
+def _check_guards(rank, world):
+    """Refused: a group this rank is not in; a Hugging Face model without position_ids or with labels=; gradient
+    checkpointing switched on."""
+    solo = dist.new_group([0])
+    if rank != 0:
+        with pytest.raises(ops.ContextParallelError, match="not a member"):
+            ops.context_parallel(_inputs()[0], solo)
+    model = _hf_model()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ops.ContextParallelError, match="gradient checkpointing"):
+        ops.context_parallel(model, dist.group.WORLD)
+    model = ops.context_parallel(_hf_model(), dist.group.WORLD)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ops.ContextParallelError, match="takes position_ids"):
+        model(ids)
+    with pytest.raises(ops.ContextParallelError, match="labels"):
+        model(ids, position_ids=torch.arange(8)[None], labels=ids)
+
+
 def _worker(rank, world, init_file, backend, device_kind):
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -161,6 +202,8 @@ def _worker(rank, world, init_file, backend, device_kind):
             _check_labels(rank, world)
             if world == 2:
                 _check_hf(rank, world)
+                _check_frozen_input(rank, world)
+                _check_guards(rank, world)
     finally:
         dist.destroy_process_group()
 

@@ -277,9 +277,12 @@ def test_eval_callback(seed):
     seqs = prompts_of([5, 9, 3], seed)
     cb = ops.PackedEvalCallback(seqs, capacity=16, eval_steps=2, prefix="ho")
     metrics = {"eval_loss": 1.0}
-    cb.on_evaluate(None, None, "control", model=model, metrics=metrics)
+    state0 = types.SimpleNamespace(global_step=0, log_history=[])
+    cb.on_evaluate(None, state0, "control", model=model, metrics=metrics)
     want = ops.evaluate_packed(model, seqs).metrics("ho")
     assert metrics["ho_loss"] == pytest.approx(want["ho_loss"]) and metrics["eval_loss"] == 1.0
+    # Trainer logged its metrics before on_evaluate: ours are logged too
+    assert state0.log_history[0]["ho_loss"] == pytest.approx(want["ho_loss"])
     assert model.training
     state = types.SimpleNamespace(global_step=1, log_history=[])
     cb.on_step_end(None, state, None, model=model)
