@@ -36,6 +36,7 @@ from __future__ import annotations
 from .backends import KernelUnsupportedError, available_backends, get_backend, set_backend, use_backend
 from .boundaries import (
     BoundaryError,
+    PackedBoundaries,
     cu_seqlens_to_position_ids,
     cu_seqlens_to_seq_idx,
     position_ids_to_cu_seqlens,
@@ -81,6 +82,7 @@ __all__ = [
     "validate_position_ids",
     "resolve_position_ids",
     "BoundaryError",
+    "PackedBoundaries",
     "set_backend",
     "get_backend",
     "use_backend",

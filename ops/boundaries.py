@@ -332,3 +332,80 @@ def resolve_boundaries(
     elif need_seq_idx:
         seq = position_ids_to_seq_idx(pos)
     return pos, seq
+
+
+class PackedBoundaries:
+    """The boundaries of one packed batch, resolved once and handed to every functional op of the step.
+
+    :func:`ops.packed_causal_conv1d` and :func:`ops.packed_selective_scan` given ``position_ids`` convert and
+    check them on every call (a host sync each time, and the conv's boundary mask is rebuilt). Made once per batch,
+    this object carries the int32 ids and keeps what the ops derive from them (the conv kernels' run mask, the number
+    of sequences): a call with ``boundaries=`` does neither again::
+
+        position_ids  [ 0 1 2 3 0 1 2 0 ]        (a, b, c)
+        bounds = ops.PackedBoundaries.resolve(position_ids=pos, device="cuda")   # checked here, once
+        x = ops.packed_causal_conv1d(x, w, b, "silu", boundaries=bounds)
+        y = ops.packed_selective_scan(x, delta, A, B, C, D, z, dt_bias, True, boundaries=bounds)
+
+    Build it with :meth:`resolve`. Its tensors are not to be changed afterwards.
+
+    Attributes:
+        position_ids: (batch, seqlen) int32 contiguous.
+        seq_idx: (batch, seqlen) int32, when given to :meth:`resolve` (a negative one marks padding, which the conv
+            zeroes as causal-conv1d does), else None.
+        num_sequences: the number of sequences (starts), when counted (``count=True``), else None.
+    """
+
+    def __init__(self, position_ids: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
+                 num_sequences: Optional[int] = None):
+        self.position_ids = position_ids
+        self.seq_idx = seq_idx
+        self.num_sequences = num_sequences
+        self._derived: dict = {}
+
+    @classmethod
+    def resolve(cls, position_ids: Optional[torch.Tensor] = None, seq_idx: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None, shape: Optional[Tuple[int, int]] = None, *,
+                device=None, validate: bool = True, count: bool = False) -> "PackedBoundaries":
+        """Resolve a batch's boundaries, given in any of the three forms.
+
+        Args:
+            position_ids, seq_idx, cu_seqlens: as the ops and :func:`resolve_boundaries` take them (one is enough).
+            shape: (batch, seqlen), needed with ``cu_seqlens`` alone.
+            device: where the ops will run (the activations' device).
+            validate: check them (one host sync), as the ops would.
+            count: also count the sequences (one host sync): what ``output_final_state`` needs.
+
+        Raises:
+            BoundaryError: none given, or malformed (naming the row and column).
+        """
+        pos, seq = resolve_boundaries(position_ids, seq_idx, cu_seqlens, shape, device=device, validate=validate)
+        if pos is None:
+            raise BoundaryError("PackedBoundaries.resolve: give position_ids, seq_idx or cu_seqlens")
+        num = int((pos == 0).sum()) if count else None
+        return cls(pos, seq, num)
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return tuple(self.position_ids.shape)
+
+    def derived(self, key, make):
+        """``make()`` once per ``key`` (kept on the object; recomputed under ``torch.compile``)."""
+        if torch.compiler.is_compiling():
+            return make()
+        got = self._derived.get(key)
+        if got is None:
+            got = self._derived[key] = make()
+        return got
+
+    def check(self, what: str, batch: int, seqlen: int, device, position_ids, seq_idx) -> torch.Tensor:
+        """The ids for an op over (batch, seqlen) on ``device``; a clear error where they do not fit."""
+        if position_ids is not None or seq_idx is not None:
+            raise ValueError(f"{what}: give boundaries= or position_ids / seq_idx, not both")
+        if self.shape != (batch, seqlen):
+            raise BoundaryError(f"{what}: boundaries are for {self.shape}, the inputs are (batch={batch}, "
+                                f"seqlen={seqlen})")
+        if self.position_ids.device != torch.device(device):
+            raise BoundaryError(f"{what}: boundaries are on {self.position_ids.device}, the inputs on {device}: "
+                                "resolve them with device=")
+        return self.position_ids

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .boundaries import resolve_position_ids, row_positions
+from .boundaries import PackedBoundaries, resolve_position_ids, row_positions
 from .states import check_state, sequence_spans
 from .contract import CONV_MASK_RUN, CONV_SLOT_STEPS, OP_TAGS, conv_mask_stride
 
@@ -341,17 +341,20 @@ def _conv_backward(ctx, dout):
 causal_conv1d_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_context)
 
 
+def _reads_runmask(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the conv kernels that read a run mask take these inputs (channel-first rows on CUDA)."""
+    # channel-last by the kernels' own rule (binding.cpp: stride(1) == 1 with more than one channel) reads no mask
+    if not x.is_cuda or not x.is_contiguous() or (x.stride(1) == 1 and x.shape[1] > 1):
+        return False
+    width = weight.shape[-1]
+    return (_backends.unsupported_reason("causal_conv1d", x.dtype, width=width) is None
+            and _backends.implementation("causal_conv1d", "cuda", x.dtype, width=width) == "cuda")
+
+
 def runmask_for(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     """``conv_runmask(position_ids)`` where the kernels that read it may run (channel-first rows the CUDA kernels
     take), else None: what a caller computes once and hands to a conv forward and its backward."""
-    # channel-last by the kernels' own rule (binding.cpp: stride(1) == 1 with more than one channel) reads no mask
-    if not x.is_cuda or not x.is_contiguous() or (x.stride(1) == 1 and x.shape[1] > 1):
-        return None
-    width = weight.shape[-1]
-    if (_backends.unsupported_reason("causal_conv1d", x.dtype, width=width) is not None
-            or _backends.implementation("causal_conv1d", "cuda", x.dtype, width=width) != "cuda"):
-        return None
-    return conv_runmask(position_ids)
+    return conv_runmask(position_ids) if _reads_runmask(x, weight) else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -370,6 +373,7 @@ def packed_causal_conv1d(
     output_final_state: bool = False,
     backend: Optional[str] = None,
     validate: bool = True,
+    boundaries: Optional[PackedBoundaries] = None,
 ):
     """Depthwise causal conv1d over packed rows; no tap crosses a sequence start.
 
@@ -413,6 +417,8 @@ def packed_causal_conv1d(
         backend: None (by device) or ``"reference"`` for this call's forward (see
             :func:`ops.packed_selective_scan`; prefer ``with ops.use_backend("reference"):``).
         validate: check the boundaries (one host sync; skipped under ``torch.compile``).
+        boundaries: a :class:`ops.PackedBoundaries` resolved once for the batch, instead of ``position_ids`` /
+            ``seq_idx``: no conversion, no check and the conv's boundary mask made once for all calls.
 
     Returns:
         (batch, dim, seqlen) in ``x``'s dtype and layout; with ``output_final_state`` the pair ``(out,
@@ -429,27 +435,33 @@ def packed_causal_conv1d(
     weight = _norm_weight(weight, dim)
     if bias is not None and bias.shape != (dim,):
         raise ValueError(f"bias must be (dim={dim},), got {tuple(bias.shape)}")
-    pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=x.device, validate=validate)
-    if pos is None:
-        pos = row_positions(batch, seqlen, x.device)
+    if boundaries is not None:
+        pos = boundaries.check("packed_causal_conv1d", batch, seqlen, x.device, position_ids, seq_idx)
+        seq_idx, validate = boundaries.seq_idx, False
+    else:
+        pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=x.device, validate=validate)
+        if pos is None:
+            pos = row_positions(batch, seqlen, x.device)
     xk = kernel_layout(x)
     args = (xk, weight, bias, pos, activation == "silu")
+    mask = runmask_for(xk, weight, pos) if boundaries is None else _cached_runmask(boundaries, xk, weight)
     if backend is None or backend == "auto":
-        out = causal_conv1d_fwd(*args, runmask_for(xk, weight, pos))
+        out = causal_conv1d_fwd(*args, mask)
     else:
         with _backends.use_backend_for_call(backend):
-            out = causal_conv1d_fwd(*args, runmask_for(xk, weight, pos))
+            out = causal_conv1d_fwd(*args, mask)
     if initial_state is None and not output_final_state:
         return _zero_padding(out, seq_idx)
     from .selective_scan_interface import _num_sequences   # one rule for the number of states
-    num = _num_sequences(pos, initial_state, has_initial_state, validate)
+    num = _num_sequences(pos, initial_state, has_initial_state, validate, boundaries)
     width = weight.shape[1]
     if initial_state is not None:
         check_state("initial_state", initial_state, (num, dim, width - 1), (x.dtype,), x.device)
         if has_initial_state is None:
             has_initial_state = torch.ones(num, dtype=torch.bool, device=x.device)
         has_initial_state = has_initial_state.to(device=x.device, dtype=torch.bool)
-    start, length = sequence_spans(pos, num)
+    start, length = (sequence_spans(pos, num) if boundaries is None else
+                     boundaries.derived(("spans", num), lambda: sequence_spans(pos, num)))
     if initial_state is not None and width > 1:
         out = _continue_from_states(out, xk, weight, bias, activation == "silu", start, length, initial_state,
                                     has_initial_state)
@@ -457,6 +469,13 @@ def packed_causal_conv1d(
     if not output_final_state:
         return out
     return out, _conv_final_states(xk, width, start, length, initial_state, has_initial_state)
+
+
+def _cached_runmask(boundaries: PackedBoundaries, x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """``runmask_for`` with the mask itself (which depends on the ids alone) made once per ``boundaries``."""
+    if not _reads_runmask(x, weight):
+        return None
+    return boundaries.derived("conv_runmask", lambda: conv_runmask(boundaries.position_ids))
 
 
 def _tokens(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .boundaries import resolve_position_ids, row_positions
+from .boundaries import PackedBoundaries, resolve_position_ids, row_positions
 from .states import check_state, state_slots
 from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
                        scan_chunks, scan_fwd_segments)
@@ -616,6 +616,7 @@ def packed_selective_scan(
     output_final_state: bool = False,
     backend: Optional[str] = None,
     validate: bool = True,
+    boundaries: Optional[PackedBoundaries] = None,
 ):
     """Selective scan over packed rows, resetting the state at every sequence start.
 
@@ -652,6 +653,9 @@ def packed_selective_scan(
             follows :func:`ops.use_backend` when it runs; prefer ``with ops.use_backend("reference"):`` around
             forward and backward). Not under ``torch.compile``.
         validate: check the boundaries (one host sync; skipped under ``torch.compile``).
+        boundaries: a :class:`ops.PackedBoundaries` resolved once for the batch, instead of ``position_ids`` /
+            ``seq_idx``: no conversion and no check on this call (with ``count=True`` there, ``output_final_state``
+            needs no count either).
 
     Returns:
         (batch, dim, seqlen) in ``u``'s dtype, contiguous: ``y (+ D*u) (* silu(z))``; with ``output_final_state``
@@ -684,13 +688,17 @@ def packed_selective_scan(
     for name, v in (("D", D), ("delta_bias", delta_bias)):
         if v is not None and v.shape != (dim,):
             raise ValueError(f"{name} must be (dim={dim},), got {tuple(v.shape)}")
-    pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=u.device, validate=validate)
-    if pos is None:
-        pos = row_positions(batch, seqlen, u.device)
+    if boundaries is not None:
+        pos = boundaries.check("packed_selective_scan", batch, seqlen, u.device, position_ids, seq_idx)
+        validate = False
+    else:
+        pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=u.device, validate=validate)
+        if pos is None:
+            pos = row_positions(batch, seqlen, u.device)
     args = (_last_dim_contiguous(u), _last_dim_contiguous(delta), _fp32(A), _last_dim_contiguous(B),
             _last_dim_contiguous(C), _fp32(D), _last_dim_contiguous(z), _fp32(delta_bias), pos, bool(delta_softplus))
     if initial_state is not None or output_final_state:
-        num = _num_sequences(pos, initial_state, has_initial_state, validate)
+        num = _num_sequences(pos, initial_state, has_initial_state, validate, boundaries)
         if initial_state is not None:
             check_state("initial_state", initial_state, (num, dim, dstate),
                         (torch.float64,) if u.dtype == torch.float64 else (torch.float32,), u.device)
@@ -708,10 +716,17 @@ def packed_selective_scan(
 
 
 def _num_sequences(pos: torch.Tensor, initial_state: Optional[torch.Tensor],
-                   has_initial_state: Optional[torch.Tensor], validate: bool) -> int:
+                   has_initial_state: Optional[torch.Tensor], validate: bool, boundaries=None) -> int:
     """The number of sequences the states are indexed by: initial_state's first dim (or has_initial_state's), checked
-    against the sequence starts in ``pos`` when validating (one host sync); else counted (one host sync)."""
+    against the sequence starts in ``pos`` when validating (one host sync); else the count a
+    :class:`ops.PackedBoundaries` holds; else counted (one host sync)."""
     given = [t.shape[0] for t in (initial_state, has_initial_state) if t is not None]
+    if boundaries is not None and boundaries.num_sequences is not None:
+        if given and given[0] != boundaries.num_sequences:
+            raise ValueError(f"the states are indexed by sequence: {given[0]} given, but the boundaries hold "
+                             f"{boundaries.num_sequences} sequences")
+        if not given:
+            return boundaries.num_sequences
     if has_initial_state is not None and has_initial_state.dim() != 1:
         raise ValueError(f"has_initial_state must be (num_sequences,), got {tuple(has_initial_state.shape)}")
     if given and len(set(given)) > 1:

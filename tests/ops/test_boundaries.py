@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+import ops
+
 from ops.boundaries import (
     BoundaryError,
     cu_seqlens_to_position_ids,
@@ -300,3 +302,86 @@ def test_cu_seqlens_conversion_on_random_layouts_with_empty_sequences(seed, seql
         cu_list.insert(i, cu_list[i])
     got = cu_seqlens_to_position_ids(torch.tensor(cu_list), (3, seqlen))
     assert torch.equal(got.long(), pos) and got.dtype == torch.int32
+
+
+# --------------------------------------------------------------------------------------------------
+# PackedBoundaries: resolved once, handed to the functional ops
+
+
+def _packed_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 3, 4, 5, 6, 0, 1]])
+    b, L, d, n = 2, 10, 6, 4
+    f64 = torch.float64
+    x = torch.randn(b, d, L, generator=g, dtype=f64)
+    w = torch.randn(d, 4, generator=g, dtype=f64)
+    bias = torch.randn(d, generator=g, dtype=f64)
+    scan = dict(delta=torch.randn(b, d, L, generator=g, dtype=f64), A=-torch.rand(d, n, generator=g, dtype=f64),
+                B=torch.randn(b, n, L, generator=g, dtype=f64), C=torch.randn(b, n, L, generator=g, dtype=f64),
+                D=torch.randn(d, generator=g, dtype=f64), z=torch.randn(b, d, L, generator=g, dtype=f64))
+    return pos, x, w, bias, scan
+
+
+def test_packed_boundaries_give_the_position_ids_results():
+    """Conv and scan with boundaries= equal the same calls with position_ids (outputs, final states, gradients)."""
+    pos, x, w, bias, sc = _packed_inputs()
+    bounds = ops.PackedBoundaries.resolve(position_ids=pos, count=True)
+    assert bounds.num_sequences == int((pos == 0).sum()) and bounds.position_ids.dtype == torch.int32
+    num = bounds.num_sequences
+    init = torch.randn(num, x.shape[1], 3, dtype=x.dtype)
+    h0 = torch.randn(num, x.shape[1], 4, dtype=x.dtype)
+    has = torch.arange(num) % 2 == 0
+    results = []
+    for kw in ({"position_ids": pos}, {"boundaries": bounds}):
+        xg = x.clone().requires_grad_(True)
+        y, conv_final = ops.packed_causal_conv1d(xg, w, bias, "silu", initial_state=init, has_initial_state=has,
+                                                 output_final_state=True, **kw)
+        out, final = ops.packed_selective_scan(y, sc["delta"], sc["A"], sc["B"], sc["C"], sc["D"], sc["z"], None,
+                                               True, initial_state=h0, has_initial_state=has,
+                                               output_final_state=True, **kw)
+        (out.sum() + final.sum() + conv_final.sum()).backward()
+        results.append((out, final, conv_final, xg.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_packed_boundaries_skip_the_checks_and_keep_what_they_derive(monkeypatch):
+    """A call with boundaries= converts and checks nothing (the check ran once, at resolve); derived values are made
+    once; seq_idx padding is zeroed as with seq_idx."""
+    pos, x, w, bias, sc = _packed_inputs()
+    seq = ops.position_ids_to_seq_idx(pos)
+    seq[1, -2:] = -1                                   # padding
+    bounds = ops.PackedBoundaries.resolve(seq_idx=seq)
+    want = ops.packed_causal_conv1d(x, w, bias, seq_idx=seq)
+    import importlib
+
+    def boom(*a, **k):
+        raise AssertionError("checked again")
+    monkeypatch.setattr(importlib.import_module("ops.boundaries"), "validate_position_ids", boom)   # the check
+    with pytest.raises(AssertionError, match="checked again"):   # (the patch reaches the position_ids path)
+        ops.packed_causal_conv1d(x, w, bias, position_ids=pos)
+    got = ops.packed_causal_conv1d(x, w, bias, boundaries=bounds)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (got[1, :, -2:] == 0).all()
+    ops.packed_selective_scan(x, sc["delta"], sc["A"], sc["B"], sc["C"], boundaries=bounds)
+    calls = []
+    assert bounds.derived("k", lambda: calls.append(1) or 7) == 7 and bounds.derived("k", lambda: calls.append(1)) == 7
+    assert calls == [1]
+
+
+def test_packed_boundaries_errors():
+    pos, x, w, bias, sc = _packed_inputs()
+    bounds = ops.PackedBoundaries.resolve(position_ids=pos)
+    with pytest.raises(ValueError, match="not both"):
+        ops.packed_causal_conv1d(x, w, position_ids=pos, boundaries=bounds)
+    with pytest.raises(ops.BoundaryError, match="boundaries are for"):
+        ops.packed_selective_scan(x[:, :, :5], sc["delta"][:, :, :5], sc["A"], sc["B"][:, :, :5],
+                                  sc["C"][:, :, :5], boundaries=bounds)
+    with pytest.raises(ops.BoundaryError, match="give position_ids"):
+        ops.PackedBoundaries.resolve()
+    with pytest.raises(ops.BoundaryError):
+        ops.PackedBoundaries.resolve(position_ids=torch.tensor([[0, 2]]))
+    counted = ops.PackedBoundaries.resolve(position_ids=pos, count=True)
+    with pytest.raises(ValueError, match="boundaries hold"):
+        ops.packed_selective_scan(x, sc["delta"], sc["A"], sc["B"], sc["C"], boundaries=counted,
+                                  initial_state=torch.zeros(2, x.shape[1], 4, dtype=x.dtype))
