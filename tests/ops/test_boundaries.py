@@ -385,3 +385,22 @@ def test_packed_boundaries_errors():
     with pytest.raises(ValueError, match="boundaries hold"):
         ops.packed_selective_scan(x, sc["delta"], sc["A"], sc["B"], sc["C"], boundaries=counted,
                                   initial_state=torch.zeros(2, x.shape[1], 4, dtype=x.dtype))
+
+
+def test_packed_boundaries_under_torch_compile():
+    """torch.compile(fullgraph=True) traces the ops with boundaries= (final states too, from the counted sequences:
+    no host sync), with the eager results."""
+    pos, x, w, bias, sc = _packed_inputs()
+    x, w, bias = x.float(), w.float(), bias.float()
+    sc = {k: v.float() for k, v in sc.items()}
+    bounds = ops.PackedBoundaries.resolve(position_ids=pos, count=True)
+
+    def f(x, bounds):
+        y = ops.packed_causal_conv1d(x, w, bias, "silu", boundaries=bounds)
+        return ops.packed_selective_scan(y, sc["delta"], sc["A"], sc["B"], sc["C"], sc["D"], sc["z"], None, True,
+                                         boundaries=bounds, output_final_state=True)
+
+    got = torch.compile(f, fullgraph=True)(x, bounds)
+    want = f(x, bounds)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
