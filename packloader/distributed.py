@@ -424,7 +424,11 @@ def calibrate_attention_factor(step: Callable, capacity: int, short_length: int 
     t_long = timed(long_pos)
     b = max(0.0, (t_long - t_short) / (float(L) * L - sum_sq_short))
     a = (t_short - b * sum_sq_short) / L
-    factor = b / a if a > 0 else 0.0
+    if a <= 0:   # the short row's time is all attention by this fit: noise, or attention dominates everything
+        raise ValueError(f"calibrate_attention_factor: the timings ({t_short:.3g} s for rows of {k}-token sequences, "
+                         f"{t_long:.3g} s for one {L}-token sequence) leave no per-token cost; time more repeats, or "
+                         "use a shorter short_length")
+    factor = b / a
     return AttentionCalibration(float(factor), t_long, t_short, L, k)
 
 

@@ -197,6 +197,12 @@ def test_calibrate_attention_factor_recovers_a_known_cost_model():
     flat = calibrate_attention_factor(lambda pos: now.__setitem__(0, now[0] + 1e-3), capacity=100, repeats=2,
                                       warmup=0, short_length=10, synchronize=lambda: None, clock=lambda: now[0])
     assert flat.attention_factor == 0.0
+    # timings that leave no per-token cost (one 100-token sequence 11x the time of ten of 10 tokens, more than the
+    # 10x that attention alone would give): refused, not a factor of 0 that would switch balancing off
+    readings = iter([0.0, 1.0, 1.0, 12.0])    # short row: 1 s, long row: 11 s
+    with pytest.raises(ValueError, match="no per-token cost"):
+        calibrate_attention_factor(lambda pos: None, capacity=100, repeats=1, warmup=0, short_length=10,
+                                   synchronize=lambda: None, clock=lambda: next(readings))
     with pytest.raises(ValueError, match="short_length"):
         calibrate_attention_factor(step, capacity=64, short_length=64)
     with pytest.raises(ValueError, match="repeats"):
