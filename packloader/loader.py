@@ -306,6 +306,10 @@ class PackedDataLoader:
             from packloader.balance import CostSortedRows
 
             rows = CostSortedRows(rows, self.cost_sort_window, self.attention_factor)
+        if context_parallel_size > 1 and self.capacity % context_parallel_size:
+            raise ValueError(f"capacity {self.capacity} is not divisible by context_parallel_size="
+                             f"{context_parallel_size}: every rank of a context-parallel group takes an equal chunk "
+                             "of each row (ops.shard_batch)")
         self.dataset = PackedIterable(rows, rank=self.dp_rank, world_size=self.dp_size,
                                        batch_size=self.batch_size, drop_last=self.drop_last, seed=self.seed,
                                        shuffle=self.shuffle, hf_compat=self.hf_compat, return_ids=self.return_ids)

@@ -24,13 +24,20 @@ def corpus(tmp_path):
     return [write_arrow(tmp_path / f"cp-{k}.arrow", s, batch_rows=16) for k, s in enumerate(seqs)], seqs
 
 
-def make(paths, rank, world, cp=1, **kw):
-    return PackedDataLoader(paths, capacity=CAPACITY, batch_size=2, seed=11, rank=rank, world_size=world,
+def make(paths, rank, world, cp=1, capacity=None, **kw):
+    """A loader; the capacity rounded up to a multiple of ``cp`` (each CP rank takes an equal chunk of a row)."""
+    capacity = -(-CAPACITY // cp) * cp if capacity is None else capacity
+    return PackedDataLoader(paths, capacity=capacity, batch_size=2, seed=11, rank=rank, world_size=world,
                             context_parallel_size=cp, return_ids=True, **kw)
 
 
 def pieces_of(batches):
     return [tuple(p) for b in batches for p in b["sample_ids"][:, 1:].tolist()]
+
+
+def test_capacity_must_split_into_equal_chunks(corpus):
+    with pytest.raises(ValueError, match="not divisible by context_parallel_size=3"):
+        make(corpus[0], 0, 3, cp=3, capacity=128)
 
 
 def test_dp_rank_world_layout_and_errors():
@@ -56,7 +63,7 @@ def test_cp_groups_share_rows_dp_groups_partition_them(corpus, world, cp):
     # one member per DP group: every sequence exactly once; the same batches as a plain DP world of that size
     firsts = [runs[g * cp] for g in range(dp)]
     assert_exact_cover(pieces_of([b for run in firsts for b in run]), seqs)
-    plain = [[batch_fingerprint(b) for b in make(paths, g, dp)] for g in range(dp)]
+    plain = [[batch_fingerprint(b) for b in make(paths, g, dp, capacity=loaders[0].capacity)] for g in range(dp)]
     assert [fps[g * cp] for g in range(dp)] == plain
     if dp > 1:
         assert set(pieces_of(firsts[0])).isdisjoint(pieces_of(firsts[1]))
