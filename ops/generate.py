@@ -743,52 +743,65 @@ def _prefill(model, fam, seqs, take, cap, prefill_tokens, algorithm, device):
 def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
                      generator, stop_tensor, device, batch_size, records):
     """Decode ``todo`` with at most ``batch_size`` prompts in flight: prompts that stop leave the batch, and waiting
-    prompts (prefilled packed, a group at a time) take their places once an eighth of the batch is free."""
+    prompts (prefilled packed, a group at a time) take their places once an eighth of the batch is free.
+
+    Which prompts go on is known on the host where only the budgets stop them (no stop tokens): then a decode step
+    waits for nothing on the GPU, as mamba-ssm's own loop without an end token. With stop tokens each step reads
+    back which prompts produced one (one sync a step)."""
     queue = list(todo)
-    budget = torch.tensor(budgets, dtype=torch.int64, device=device)
-    produced = torch.zeros(len(budgets), dtype=torch.int64, device=device)
+    budget = np.asarray(budgets, dtype=np.int64)
+    produced = np.zeros(len(budgets), dtype=np.int64)
+    stop_tensor_dev = stop_tensor
     refill_at = max(1, batch_size // 8)
     max_seqlen = max(int(seqs[i].numel()) for i in todo) + max(budgets)
     decoder = None
-    active = torch.zeros(0, dtype=torch.int64, device=device)      # the prompts in the decode batch, by row
+    active = np.zeros(0, dtype=np.int64)                            # the prompts in the decode batch, by row
+    active_dev = torch.zeros(0, dtype=torch.int64, device=device)   # the same, on the device (for the records)
     tok = torch.zeros(0, dtype=torch.int64, device=device)
 
-    def finished(ids, t):
-        produced.index_add_(0, ids, torch.ones_like(ids))
-        done = produced.index_select(0, ids) >= budget.index_select(0, ids)
-        if stop_tensor is not None:
-            done = done | torch.isin(t, stop_tensor)
-        return (~done).nonzero().squeeze(-1)
+    def finished(ids: np.ndarray, t: torch.Tensor) -> np.ndarray:
+        """The rows of ``ids`` that go on after producing ``t``."""
+        produced[ids] += 1
+        going = produced[ids] < budget[ids]
+        if stop_tensor_dev is not None:
+            going &= ~torch.isin(t, stop_tensor_dev).cpu().numpy()
+        return np.flatnonzero(going)
+
+    def on_device(idx: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(idx, dtype=torch.int64).to(device, non_blocking=True)
 
     while True:
-        free = batch_size - active.numel()
-        if queue and (active.numel() == 0 or free >= refill_at):
+        free = batch_size - active.size
+        if queue and (active.size == 0 or free >= refill_at):
             take, queue = queue[:free], queue[free:]
             logits, states = _prefill(model, fam, seqs, take, cap, prefill_tokens, algorithm, device)
-            ids = torch.tensor(take, dtype=torch.int64, device=device)
+            ids = np.asarray(take, dtype=np.int64)
             t_new = _next_tokens(logits, temperature, top_k, top_p, generator)
-            records.append((ids, t_new))
+            records.append((on_device(ids), t_new))
             keep = finished(ids, t_new)
-            if keep.numel():
+            if keep.size:
                 live = [states[k] for k in keep.tolist()]
-                t_new = t_new.index_select(0, keep)
+                if keep.size < ids.size:
+                    t_new = t_new.index_select(0, on_device(keep))
                 if decoder is None:
                     decoder = (_MambaSSMDecoder(model, fam, live, max_seqlen) if fam.kind == "mamba_ssm"
                                else _HFDecoder(model, fam, live, t_new))
                 else:
                     decoder.add(live)
-                active = torch.cat([active, ids.index_select(0, keep)])
+                active = np.concatenate([active, ids[keep]])
+                active_dev = torch.cat([active_dev, on_device(ids[keep])])
                 tok = torch.cat([tok, t_new])
             continue
-        if active.numel() == 0:
+        if active.size == 0:
             return
         tok = _next_tokens(decoder.step(tok), temperature, top_k, top_p, generator)
-        records.append((active, tok))
+        records.append((active_dev, tok))
         keep = finished(active, tok)
-        if keep.numel() < active.numel():
-            decoder.keep(keep)
-            tok = tok.index_select(0, keep)
-            active = active.index_select(0, keep)
+        if keep.size < active.size:
+            keep_dev = on_device(keep)
+            decoder.keep(keep_dev)
+            tok = tok.index_select(0, keep_dev)
+            active, active_dev = active[keep], active_dev.index_select(0, keep_dev)
 
 
 # --------------------------------------------------------------------------------------------------
