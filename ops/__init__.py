@@ -49,7 +49,7 @@ from .carry import CarryError, CarryStep, StateCache
 from .context_parallel import ContextParallelError, all_reduce_gradients, context_parallel, shard_batch
 from .conv1d_interface import causal_conv1d_ref, packed_causal_conv1d
 from .convert import enable_packing
-from .generate import PackedEvalCallback, PackedEvalResult, evaluate_packed, generate_packed  # issue 33
+from .generate import PackedEvalCallback, PackedEvalResult, evaluate_packed, generate_packed
 from .isolation import IsolationReport, check_isolation
 from .mamba_inner import PackedMambaInnerFn, packed_mamba_inner_fn, packed_mamba_inner_ref
 from .modules.mamba_simple import PackedMamba
@@ -72,6 +72,10 @@ __all__ = [
     "shard_batch",
     "all_reduce_gradients",
     "ContextParallelError",
+    "generate_packed",
+    "evaluate_packed",
+    "PackedEvalResult",
+    "PackedEvalCallback",
     "check_isolation",
     "IsolationReport",
     "seq_idx_to_position_ids",

@@ -109,8 +109,8 @@ class _SendToNext(torch.autograd.Function):
         return t.new_zeros(())
 
     @staticmethod
-    def backward(ctx, _):
-        g = torch.empty(ctx.shape, dtype=ctx.dtype, device=_.device)
+    def backward(ctx, grad_of_zero):
+        g = torch.empty(ctx.shape, dtype=ctx.dtype, device=grad_of_zero.device)
         dist.recv(g, src=ctx.dst, group=ctx.group if ctx.group is not dist.group.WORLD else None)
         return g, None, None
 

@@ -751,7 +751,6 @@ def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algor
     queue = list(todo)
     budget = np.asarray(budgets, dtype=np.int64)
     produced = np.zeros(len(budgets), dtype=np.int64)
-    stop_tensor_dev = stop_tensor
     refill_at = max(1, batch_size // 8)
     max_seqlen = max(int(seqs[i].numel()) for i in todo) + max(budgets)
     decoder = None
@@ -763,8 +762,8 @@ def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algor
         """The rows of ``ids`` that go on after producing ``t``."""
         produced[ids] += 1
         going = produced[ids] < budget[ids]
-        if stop_tensor_dev is not None:
-            going &= ~torch.isin(t, stop_tensor_dev).cpu().numpy()
+        if stop_tensor is not None:
+            going &= ~torch.isin(t, stop_tensor).cpu().numpy()
         return np.flatnonzero(going)
 
     def on_device(idx: np.ndarray) -> torch.Tensor:

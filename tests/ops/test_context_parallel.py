@@ -229,6 +229,13 @@ def test_bad_arguments():
                 ops.shard_batch(group, torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
             with pytest.raises(ops.BoundaryError):
                 ops.shard_batch(group, torch.zeros(1, 4, dtype=torch.long), torch.tensor([[0, 1, 3, 4]]))
+            # a converted mamba-ssm model's entry: seq_idx / cu_seqlens alone cannot say that a chunk continues
+            from ops.convert import _resolve_for_model
+            marked = torch.nn.Module()
+            marked._packloader_cp_group, marked._packloader_validate = group, False
+            with pytest.raises(ops.ContextParallelError, match="takes position_ids"):
+                _resolve_for_model(marked, torch.zeros(1, 4, dtype=torch.long), None,
+                                   torch.zeros(1, 4, dtype=torch.int32), None)
             model, pos, h, _ = _inputs()
             ops.context_parallel(model, group)
             with pytest.raises(ops.ContextParallelError, match="position_ids"):

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 import ops
 from ops import PackedMamba
-from ops.decode import (causal_conv1d_step, causal_conv1d_step_ref, mamba_step, selective_state_step,
-                        selective_state_step_ref)
+from ops.decode import causal_conv1d_step, selective_state_step
 
 F64 = torch.float64
 
