@@ -163,8 +163,30 @@ def _profile(model, h, pos):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
 
 
+def _trace_step(args, model, h, pos, label, n, rank, group):
+    """One step profiled on every rank of ``group`` (Chrome traces into --trace-dir); the ranks' summaries, gathered."""
+    from _trace import trace_call
+
+    dist.barrier(group=group)
+    path = os.path.join(args.trace_dir, f"cp{n}_rank{rank}.json.gz")
+
+    def step():
+        _step(model, h, pos, torch.bfloat16)
+        model.zero_grad(set_to_none=True)
+
+    summary = trace_call(step, path, label)
+    summary["rank"] = rank
+    got = [None] * n
+    dist.all_gather_object(got, summary, group=group)
+    if rank == 0:
+        for s in got:
+            print(f"  trace {label}, rank {s['rank']}: " + ", ".join(f"{k} {v}" for k, v in s.items()
+                                                                    if k not in ("label", "rank")), flush=True)
+    return got
+
+
 def part_scaling(args, rank, world, groups):
-    rows = []
+    rows, traces = [], []
     model = _model(args, args.d_model, args.layers)
     L = args.length_per_gpu
     for n in (1, 2, 4):
@@ -179,6 +201,8 @@ def part_scaling(args, rank, world, groups):
                 sec, mem = _timed(model, h, pos, args.iters, args.warmup)
                 rows.append({"gpus": 1, "mode": "one GPU (no CP)", "tokens": L, "step_s": sec, "peak_gib": mem,
                              "tokens_per_s_per_gpu": L / sec})
+                if args.trace_dir:
+                    traces.append(_trace_step(args, model, h, pos, "one GPU (no CP)", 1, rank, groups[1]))
             if args.profile and n == 1:
                 _set_cp(model, groups[n])
                 _profile(model, h, pos)
@@ -191,6 +215,10 @@ def part_scaling(args, rank, world, groups):
                 sec, mem = t.tolist()
                 rows.append({"gpus": n, "mode": f"context-parallel over {n}" + (", recompute" if recompute else ""),
                              "tokens": n * L, "step_s": sec, "peak_gib": mem, "tokens_per_s_per_gpu": L / sec})
+                if args.trace_dir and not recompute:
+                    traces.append(_trace_step(args, model, _chunk(h, rank, n).contiguous(),
+                                              _chunk(pos, rank, n).contiguous(), f"context-parallel over {n}", n,
+                                              rank, groups[n]))
             _set_cp(model, None)
             del h
             torch.cuda.empty_cache()
@@ -198,7 +226,8 @@ def part_scaling(args, rank, world, groups):
     base = rows[0]["tokens_per_s_per_gpu"] if rows else None
     for r in rows:
         r["per_gpu_vs_one_gpu"] = r["tokens_per_s_per_gpu"] / base if base else None
-    return {"d_model": args.d_model, "layers": args.layers, "length_per_gpu": L, "rows": rows}
+    return {"d_model": args.d_model, "layers": args.layers, "length_per_gpu": L, "rows": rows,
+            **({"traces": traces} if traces else {})}
 
 
 def _peak(model, n, rank, group, total):
@@ -269,6 +298,8 @@ def main():
     ap.add_argument("--length-per-gpu", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--trace-dir", default=None, help="scaling: profile one step on every rank (plain, and CP over "
+                    "each N without recompute): Chrome traces there, the summaries printed and in the JSON")
     ap.add_argument("--profile", action="store_true", help="print the CUDA kernels of one step, plain and CP over 1")
     ap.add_argument("--exact-d-model", type=int, default=512)
     ap.add_argument("--exact-layers", type=int, default=4)

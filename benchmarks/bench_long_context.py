@@ -182,7 +182,7 @@ def part_cost(args, device):
             mixer.use_fast_path = mode != "split_composed"
         try:
             results[mode] = _time_mode(mode.removesuffix("_1"), model, opt, schedules[mode.endswith("_1")], args,
-                                       device)
+                                       device, trace_label=f"cost_{mode}" if args.trace_dir else None)
         except torch.cuda.OutOfMemoryError:
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
@@ -202,29 +202,38 @@ def part_cost(args, device):
     return results
 
 
-def _time_mode(mode, model, opt, batches, args, device):
+def _time_mode(mode, model, opt, batches, args, device, trace_label=None):
     """Timed training steps over ``batches``, with the carry keys (``carry``) or without (``split``)."""
     cache = ops.StateCache()
     torch.cuda.reset_peak_memory_stats()
     tokens, elapsed = 0, 0.0
-    carried = 0
+    carried, summary = 0, None
     for i, batch in enumerate(batches):
         bd = to_device(batch, device)
         carry = cache.step(batch) if mode == "carry" else None
         carried += int(carry.has_continuations) if carry is not None else 0
+        def train_step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(bd["input_ids"], bd["position_ids"], carry=carry)
+            loss = token_losses(logits, bd["labels"]).sum() / max(int(batch["num_loss_tokens"]), 1)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        if trace_label and i == args.warmup - 1:   # the last warm-up step, profiled (not timed)
+            from _trace import trace_call
+            summary = trace_call(train_step, os.path.join(args.trace_dir, trace_label + ".json.gz"), trace_label)
+            print("  trace " + ", ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
+            continue
         torch.cuda.synchronize()
         t = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(bd["input_ids"], bd["position_ids"], carry=carry)
-        loss = token_losses(logits, bd["labels"]).sum() / max(int(batch["num_loss_tokens"]), 1)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step()
         torch.cuda.synchronize()
         if i >= args.warmup:
             elapsed += time.perf_counter() - t
             tokens += int(bd["input_ids"].numel())
-    return {"tokens_per_s": tokens / elapsed, "steps": len(batches) - args.warmup,
+    return {**({"trace": summary} if trace_label else {}),
+            "tokens_per_s": tokens / elapsed, "steps": len(batches) - args.warmup,
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "batches_with_continuations": carried}
 
 
@@ -338,6 +347,8 @@ def main(argv=None):
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--parts", default="kernels,cost,learning")
     ap.add_argument("--out", default=None, help="JSON path")
+    ap.add_argument("--trace-dir", default=None, help="cost: profile each mode's last warm-up step (Chrome traces "
+                    "there; the summaries printed and in the JSON)")
     ap.add_argument("--plot", default=None, help="PNG of the held-out loss by position")
     ap.add_argument("--kernel-reps", type=int, default=20)
     ap.add_argument("--d-model", type=int, default=2048, help="cost: model width (1.4B: 2048)")

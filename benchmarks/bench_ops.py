@@ -10,7 +10,8 @@ and are written to JSON with the ratios against the targets. The conv is also ti
 "CUDA graph"): a conv call takes 0.2-1 ms, and eager timings of it include the host wherever Python issues calls more
 slowly than the GPU runs them (causal-conv1d's autograd path moved 0.36-0.55 ms between runs of the same code), so the
 graph rows and the kernels' own durations (rows "kernels alone", torch.profiler) are the GPU-time comparisons.
---only conv / scan times one op family.
+--only conv / scan / functional times one part ("functional": the functional ops with position_ids= and boundaries=
+against their kernel ops, issue 34).
 """
 from __future__ import annotations
 
@@ -112,12 +113,12 @@ def time_scan(args, pos, add):
         state["f"] = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
 
     def ours_fwdbwd():
-        out, saved = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
+        out, saved, _ = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
         kops.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, saved, dout)
 
     ours_f = bench(ours_fwd, args.warmup, args.iters)
     add("selective_scan", "ours (packed, position_ids)", "fwd", ours_f)
-    out, saved = state["f"]
+    out, saved, _ = state["f"]
     ours_b = bench(lambda: kops.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, saved, dout),
                    args.warmup, args.iters)
     add("selective_scan", "ours (packed, position_ids)", "bwd", ours_b)
@@ -275,6 +276,69 @@ def time_conv(args, pos, seq_idx, add):
     return conv
 
 
+def time_functional(args, pos, add):
+    """The functional API's cost over its kernels (issue 34), forward + backward eagerly, ``--conv-reps`` calls back to
+    back per sample: the kernel ops alone (boundary words made once per call pair, as the autograd formula does), the
+    functional op with ``position_ids`` (converted and checked on every call) and with ``boundaries=`` (an
+    :class:`ops.PackedBoundaries` made once, as a model makes it once per batch). Returns {(op, how): ms}."""
+    import ops
+    Bz, D, L, N, W = args.batch, args.dim, args.seqlen, args.dstate, args.width
+    dt, dev = torch.bfloat16, pos.device   # (a CPU pos: the reference kernels, for the tests' smoke run)
+    kops = torch.ops.packloader
+    bounds = ops.PackedBoundaries.resolve(position_ids=pos, device=dev)
+    got = {}
+    # conv
+    x = torch.randn(Bz, D, L, device=dev, dtype=dt)
+    w, cb = 0.3 * torch.randn(D, W, device=dev), torch.randn(D, device=dev)
+    g = torch.randn(Bz, D, L, device=dev, dtype=dt)
+
+    def conv_kernels():
+        runmask = kops.conv_runmask(pos)
+        kops.causal_conv1d_fwd(x, w, cb, pos, True, runmask)
+        kops.causal_conv1d_bwd(x, w, cb, pos, True, g, runmask)
+
+    xl, wl, bl = (t.detach().clone().requires_grad_(True) for t in (x, w, cb))
+
+    def conv_functional(**kw):
+        def run():
+            xl.grad = wl.grad = bl.grad = None
+            ops.packed_causal_conv1d(xl, wl, bl, "silu", **kw).backward(g)
+        return run
+
+    # scan
+    u = torch.randn(Bz, D, L, device=dev, dtype=dt)
+    delta = (0.5 * torch.randn(Bz, D, L, device=dev) - 4.0).to(dt)
+    A = -torch.exp(0.5 * torch.randn(D, N, device=dev))
+    Bm, Cm = torch.randn(Bz, N, L, device=dev, dtype=dt), torch.randn(Bz, N, L, device=dev, dtype=dt)
+    Dp, z, dbias = torch.randn(D, device=dev), torch.randn(Bz, D, L, device=dev, dtype=dt), 0.5 * torch.randn(D, device=dev)
+    dout = torch.randn(Bz, D, L, device=dev, dtype=dt)
+
+    def scan_kernels():
+        _, saved, _ = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
+        kops.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, saved, dout)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (u, delta, A, Bm, Cm, Dp, z, dbias)]
+
+    def scan_functional(**kw):
+        def run():
+            for t in leaves:
+                t.grad = None
+            ops.packed_selective_scan(*leaves, delta_softplus=True, **kw).backward(dout)
+        return run
+
+    for op, kern, func, reps in (("causal_conv1d", conv_kernels, conv_functional, args.conv_reps),
+                                 ("selective_scan", scan_kernels, scan_functional, 1)):
+        iters = args.conv_iters if op == "causal_conv1d" else args.iters
+        base = bench_reps(kern, reps, args.warmup, iters)
+        add(op, "functional API: kernel ops alone", "fwd+bwd", base)
+        got[(op, "kernels")] = base
+        for how, kw in (("position_ids", {"position_ids": pos}), ("boundaries", {"boundaries": bounds})):
+            t = bench_reps(func(**kw), reps, args.warmup, iters)
+            add(op, f"functional API: {how}=", "fwd+bwd", t, note=f"{t / base:.3f}x the kernels")
+            got[(op, how)] = t
+    return got
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
@@ -290,7 +354,7 @@ def main(argv=None):
                          "training); the sample is divided by this")
     ap.add_argument("--graph-reps", type=int, default=10,
                     help="conv calls captured per CUDA graph (the graph rows: GPU time without the host)")
-    ap.add_argument("--only", choices=("all", "scan", "conv"), default="all", help="time only these ops")
+    ap.add_argument("--only", choices=("all", "scan", "conv", "functional"), default="all", help="time only these ops")
     ap.add_argument("--out", default=None)
     ap.add_argument("--deterministic", action="store_true",
                     help="also time ours under torch.use_deterministic_algorithms(True) (the scan adds dB/dC in a "
@@ -313,10 +377,14 @@ def main(argv=None):
     _cuda.load()
     print(f"ops._cuda loaded in {time.time() - t0:.1f} s", flush=True)
     ours_f = ours_fb = ours_det_fb = up_f = up_fb = None
-    if args.only != "conv":
+    functional = {}
+    if args.only in ("all", "functional"):
+        functional = time_functional(args, pos, add)
+        torch.cuda.empty_cache()
+    if args.only in ("all", "scan"):
         ours_f, ours_fb, ours_det_fb, up_f, up_fb = time_scan(args, pos, add)
     torch.cuda.empty_cache()
-    conv = time_conv(args, pos, seq_idx, add) if args.only != "scan" else {}
+    conv = time_conv(args, pos, seq_idx, add) if args.only in ("all", "conv") else {}
 
     summary = {}
     if up_fb:
@@ -345,6 +413,12 @@ def main(argv=None):
                 summary[f"conv_{how}_fwdbwd_ratio_{short}_vs_upstream_{short}"] = round(ours[1] / up[1], 3)
                 if how == "graph":
                     summary[f"conv_graph_fwd_ratio_{short}_vs_upstream_{short}"] = round(ours[0] / up[0], 3)
+    for op in ("causal_conv1d", "selective_scan"):
+        for how in ("position_ids", "boundaries"):
+            if (op, how) in functional:
+                summary[f"functional_{op}_{how}_over_kernels"] = round(functional[(op, how)] / functional[(op, "kernels")], 3)
+    if functional:
+        summary["functional_target"] = "boundaries= <= 1.0x the kernels; position_ids= <= 1.1x"
     print("\nsummary:", json.dumps(summary, indent=1))
     result = {
         "gpu": torch.cuda.get_device_name(),

@@ -134,10 +134,10 @@ def main(argv=None):
             # the plan, through the ops (allocations and the sums of the per-segment rows included)
             f = bench(lambda: kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True), args.warmup,
                       args.iters)
-            o, s = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
+            o, s, _ = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
 
             def fb():
-                o2, s2 = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
+                o2, s2, _ = kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True)
                 kops.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, s2, dout)
 
             fbm = bench(fb, args.warmup, args.iters)

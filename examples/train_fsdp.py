@@ -209,8 +209,8 @@ def main(argv=None) -> int:
     if source is None:
         if rank == 0:
             demo_shards(args.workdir)
-        dist.barrier()  # rank 0 tokenized; the others find the finished shards
-        source = demo_shards(args.workdir)
+        dist.barrier()  # rank 0 tokenized; every rank reads the finished shards (no second prepare run)
+        source = os.path.join(args.workdir, "tokens", "shard-*.arrow")
     prepacked = os.path.isfile(os.path.join(source, "index.json"))
     loader = PackedDataLoader(source, capacity=None if prepacked else args.capacity, batch_size=args.batch_size,
                               seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda",

@@ -133,8 +133,8 @@ def main(argv=None):
         if rank == 0:
             source = demo_shards(args.workdir)
         if distributed:
-            dist.barrier()  # rank 0 tokenized; the others find the finished shards
-        source = demo_shards(args.workdir) if rank else source
+            dist.barrier()  # rank 0 tokenized; the others read the finished shards (no second prepare run)
+        source = os.path.join(args.workdir, "tokens", "shard-*.arrow")
     prepacked = os.path.isfile(os.path.join(source, "index.json"))
     loader = PackedDataLoader(
         source,

@@ -21,7 +21,7 @@ Bm, Cm = torch.randn(Bz, N, L, device=dev, dtype=dt), torch.randn(Bz, N, L, devi
 Dp, db = torch.randn(D, device=dev), 0.5 * torch.randn(D, device=dev)
 z, dout = torch.randn(Bz, D, L, device=dev, dtype=dt), torch.randn(Bz, D, L, device=dev, dtype=dt)
 pos = torch.cat([torch.arange(n) for n in [300] * 13 + [L - 3900]]).repeat(Bz, 1).int().to(dev)
-out, saved = torch.ops.packloader.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, db, pos, True)
+out, saved, _ = torch.ops.packloader.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, db, pos, True)
 torch.ops.packloader.selective_scan_bwd(u, delta, A, Bm, Cm, Dp, z, db, pos, True, saved, dout, True)
 try:
     import selective_scan_cuda
