@@ -335,21 +335,32 @@ def carried_mamba_inner_ref(mixer, hidden_states: torch.Tensor, pos: torch.Tenso
 # The fused mixer with carried states: the computation of carried_mamba_inner_ref in one autograd Function, with the
 # kernel ops, the conv's states spliced in by small token gathers, and a hand-written backward through the chain.
 
+def _cached(g: dict, key, make):
+    """``g[key]``, made by ``make()`` on first use: the step's geometry is the same in every layer."""
+    got = g.get(key)
+    if got is None:
+        got = g[key] = make()
+    return got
+
+
 def _splice_geometry(g: dict, k: int):
     """The tokens the conv's states touch: (flat index (K, k) of each continued slot's first k tokens, valid (K, k));
     the invalid entries (past a short sequence's end, or a slot without a state) point at the slot's first token."""
-    j = torch.arange(k, device=g["start"].device)
-    valid = g["has"][:, None] & (j < g["length"][:, None])
-    flat = torch.where(valid, g["start"][:, None] + j, g["start"][:, None])
-    return flat, valid
+    def make():
+        j = torch.arange(k, device=g["start"].device)
+        valid = g["has"][:, None] & (j < g["length"][:, None])
+        return torch.where(valid, g["start"][:, None] + j, g["start"][:, None]), valid
+    return _cached(g, ("splice", k), make)
 
 
 def _final_geometry(g: dict, k: int):
     """(flat index (K, k) of each slot's last k tokens, inside (K, k): the token belongs to the slot)."""
-    i = torch.arange(k, device=g["start"].device)
-    flat = g["start"][:, None] + g["length"][:, None] - k + i
-    inside = flat >= g["start"][:, None]
-    return torch.where(inside, flat, g["start"][:, None]), inside
+    def make():
+        i = torch.arange(k, device=g["start"].device)
+        flat = g["start"][:, None] + g["length"][:, None] - k + i
+        inside = flat >= g["start"][:, None]
+        return torch.where(inside, flat, g["start"][:, None]), inside
+    return _cached(g, ("final", k), make)
 
 
 def _finals_from(xf: torch.Tensor, inside, conv_init, g, k):
@@ -379,8 +390,40 @@ def _splice_values(xg, conv_init, cw, cb, out_dtype):
     return F.silu(pre).to(out_dtype)
 
 
-def _put_tokens(t: torch.Tensor, flat: torch.Tensor, vals: torch.Tensor, accumulate: bool = False) -> None:
-    """t (b, d, L)[tokens flat] = vals (flat.shape + (d,)), in place (``accumulate``: +=)."""
+def _splice_backward(xg, conv_init, cw, cb, gvals):
+    """The backward of :func:`_splice_values` with constant ``conv_init``: (d xg (K, k, d), d cw (d, k + 1), d cb
+    (d,)) from the gradient ``gvals`` (K, d, k) of its outputs, in closed form (a dozen kernels, no autograd graph):
+    ``out_j = silu(pre_j)``, ``pre_j = sum_i ext_{j+i} w_i + b`` over ``ext = [conv_init, xg]``."""
+    k = cw.shape[1] - 1
+    ct = gvals.dtype
+    ext = torch.cat([conv_init.to(ct), xg.to(ct).permute(0, 2, 1)], -1)           # (K, d, 2k)
+    win = ext.unfold(-1, k + 1, 1)                                                # (K, d, k, k + 1)
+    w = cw.to(ct)
+    pre = (win * w[None, :, None, :]).sum(-1)
+    if cb is not None:
+        pre = pre + cb.to(ct)[None, :, None]
+    sig = torch.sigmoid(pre)
+    dpre = gvals * sig * (1 + pre * (1 - sig))                                    # (K, d, k)
+    dw = (win * dpre[..., None]).sum((0, 2))                                      # (d, k + 1)
+    # d ext_m = sum_j dpre_j w_{m - j}: only the xg half (m >= k) is needed
+    padded = F.pad(dpre, (k, k))                                                  # (K, d, 3k)
+    dext = (padded.unfold(-1, k + 1, 1)[:, :, k:2 * k] * w.flip(-1)[None, :, None, :]).sum(-1)   # (K, d, k)
+    return dext.permute(0, 2, 1), dw, dpre.sum((0, 2))
+
+
+def _put_tokens(t: torch.Tensor, flat: torch.Tensor, vals: torch.Tensor, accumulate: bool = False,
+                g: Optional[dict] = None, key=None) -> None:
+    """t (b, d, L)[tokens flat] = vals (flat.shape + (d,)), in place (``accumulate``: +=). With ``g`` and ``key``: one
+    scatter into t's storage with the step's cached index (no copy of t; a token listed twice gets the same value,
+    or zeros when accumulating)."""
+    got = _storage_index(t, flat, g, key) if key is not None else None
+    if got is not None:
+        flat_t, idx = got
+        if accumulate:
+            flat_t.index_add_(0, idx.reshape(-1), vals.reshape(-1).to(t.dtype))
+        else:
+            flat_t.index_put_((idx.reshape(-1),), vals.reshape(-1).to(t.dtype))
+        return
     L = t.shape[2]
     t.permute(0, 2, 1).index_put_((flat // L, flat % L), vals, accumulate=accumulate)
 
@@ -506,28 +549,36 @@ class CarriedMambaInnerFn(torch.autograd.Function):
                                                                    delta_proj_weight, w_dtype_xp, w_dtype_dt)
         # conv: the spliced outputs' gradient goes through the states' small recomputation, the rest to the kernel
         flat, valid = _splice_geometry(g, k)
-        dtok = _tokens_of(dxc, flat)                                             # (K, k, d)
+        dtok = _tokens_of(dxc, flat, g, "splice")                                # (K, k, d)
         has3 = g["has"][:, None, None]
-        _put_tokens(dxc, flat, torch.where(valid[..., None] | has3, 0.0, dtok).to(dxc.dtype))
+        _put_tokens(dxc, flat, torch.where(valid[..., None] | has3, 0.0, dtok).to(dxc.dtype), g=g, key="splice")
         dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
         dx = dx.contiguous()
-        fflat, inside = _final_geometry(g, k)
-        with torch.enable_grad():
-            xg = _tokens_of(x, flat).detach().requires_grad_(True)
-            xf = _tokens_of(x, fflat).detach().requires_grad_(True)
-            cw_leaf = cw.detach().requires_grad_(True)
-            cb_leaf = cb.detach().requires_grad_(True) if cb is not None else None
-            ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-            vals = _splice_values(xg, _conv_chain(xf, inside, conv0, g, k), cw_leaf, cb_leaf, ct)
-            loss = (vals * torch.where(valid[:, None, :], dtok.permute(0, 2, 1).to(ct), 0.0)).sum()
-            leaves = [xg, xf, cw_leaf] + ([cb_leaf] if cb_leaf is not None else [])
-            got = torch.autograd.grad(loss, leaves, allow_unused=True)
-        for tok, gt in ((flat, got[0]), (fflat, got[1])):
-            if gt is not None:
-                _put_tokens(dx, tok, gt.to(dx.dtype), accumulate=True)
-        dcw = dcw + got[2].to(dcw.dtype)
-        if cb is not None:
-            dcb = dcb + got[3].to(dcb.dtype)
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        gvals = torch.where(valid[:, None, :], dtok.permute(0, 2, 1).to(ct), 0.0)     # (K, d, k)
+        if not g["depth_at"]:   # the states come from the cache (no gradient): the splice's backward in closed form
+            dxg, ddw, ddb_conv = _splice_backward(_tokens_of(x, flat, g, "splice"), conv0, cw, cb, gvals)
+            _put_tokens(dx, flat, dxg.to(dx.dtype), accumulate=True, g=g, key="splice")
+            dcw = dcw + ddw.to(dcw.dtype)
+            if cb is not None:
+                dcb = dcb + ddb_conv.to(dcb.dtype)
+        else:                   # an in-batch chain: the states depend on this step's inputs (autograd through it)
+            fflat, inside = _final_geometry(g, k)
+            with torch.enable_grad():
+                xg = _tokens_of(x, flat, g, "splice").detach().requires_grad_(True)
+                xf = _tokens_of(x, fflat, g, "final").detach().requires_grad_(True)
+                cw_leaf = cw.detach().requires_grad_(True)
+                cb_leaf = cb.detach().requires_grad_(True) if cb is not None else None
+                vals = _splice_values(xg, _conv_chain(xf, inside, conv0, g, k), cw_leaf, cb_leaf, ct)
+                loss = (vals * gvals).sum()
+                leaves = [xg, xf, cw_leaf] + ([cb_leaf] if cb_leaf is not None else [])
+                got = torch.autograd.grad(loss, leaves, allow_unused=True)
+            for tok, key, gt in ((flat, "splice", got[0]), (fflat, "final", got[1])):
+                if gt is not None:
+                    _put_tokens(dx, tok, gt.to(dx.dtype), accumulate=True, g=g, key=key)
+            dcw = dcw + got[2].to(dcw.dtype)
+            if cb is not None:
+                dcb = dcb + got[3].to(dcb.dtype)
         dz = dz.contiguous().to(z.dtype)
         dhidden, din_proj_weight, din_proj_bias = _in_proj_backward(dx, dz, hidden_states, in_proj_weight,
                                                                     w_dtype_in, ctx.has_in_bias)
@@ -537,8 +588,33 @@ class CarriedMambaInnerFn(torch.autograd.Function):
                 None, None, None)
 
 
-def _tokens_of(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """t (b, d, L) at the flattened tokens ``flat`` -> flat.shape + (d,)."""
+def _storage_index(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict], key):
+    """(t's elements as one 1-D view over its storage, the index (flat.shape + (d,)) of tokens ``flat`` of t (b, d,
+    L) in it), or None where t's strides overlap. The index is kept in ``g`` per (key, shape, strides): made once a
+    step, not once a layer."""
+    order = sorted(range(t.dim()), key=lambda i: t.stride(i))
+    span = 1
+    for i in order:
+        if t.shape[i] > 1 and t.stride(i) < span:
+            return None
+        span = max(span, t.stride(i) * t.shape[i]) if t.shape[i] > 1 else span
+    b, d, L = t.shape
+    s0, s1, s2 = t.stride()
+
+    def make():
+        f = flat.to(torch.int64)
+        return ((f // L) * s0 + (f % L) * s2)[..., None] + torch.arange(d, device=f.device) * s1
+    idx = make() if g is None else _cached(g, ("index", key, tuple(t.shape), tuple(t.stride())), make)
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.as_strided((extent,), (1,)), idx
+
+
+def _tokens_of(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict] = None, key=None) -> torch.Tensor:
+    """t (b, d, L) at the flattened tokens ``flat`` -> flat.shape + (d,) (one gather with the step's cached index
+    where ``g`` and ``key`` are given)."""
+    got = _storage_index(t, flat, g, key) if key is not None else None
+    if got is not None:
+        return got[0][got[1]]
     L = t.shape[2]
     return t[flat // L, :, flat % L]
 
@@ -552,13 +628,14 @@ def _conv_with_states(x, cw, cb, pos, runmask, conv0, g, k):
     """(xc, conv_final): the conv kernel's output with each continued slot's first k outputs recomputed from its
     state (the states chained through the batch), and every slot's last k inputs."""
     fflat, inside = _final_geometry(g, k)
-    xf = _tokens_of(x, fflat)
+    xf = _tokens_of(x, fflat, g, "final")
     conv_init = _conv_chain(xf, inside, conv0, g, k)
     xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
     flat, valid = _splice_geometry(g, k)
-    vals = _splice_values(_tokens_of(x, flat), conv_init, cw, cb, xc.dtype)       # (K, d, k)
-    first = torch.where(g["has"][:, None, None], vals[..., :1], _tokens_of(xc, g["start"][:, None]).permute(0, 2, 1))
-    _put_tokens(xc, flat, torch.where(valid[:, None, :], vals, first).permute(0, 2, 1))
+    vals = _splice_values(_tokens_of(x, flat, g, "splice"), conv_init, cw, cb, xc.dtype)       # (K, d, k)
+    first = torch.where(g["has"][:, None, None], vals[..., :1],
+                        _tokens_of(xc, g["start"][:, None], g, "first").permute(0, 2, 1))
+    _put_tokens(xc, flat, torch.where(valid[:, None, :], vals, first).permute(0, 2, 1), g=g, key="splice")
     return xc, _finals_from(xf, inside, conv_init, g, k)
 
 

@@ -191,19 +191,30 @@ def test_layers_that_cannot_carry_refuse_a_continuation():
         model(ids, position_ids=batch["position_ids"], carry=ops.StateCache().step(plain))
 
 
-def test_fused_mixer_with_states_matches_the_composed_one(seed):
+# a batch whose pieces continue from the cache and from each other (a middle piece of one token, a piece shorter
+# than the conv width, a chain of three rows); and one whose continuations all come from the cache (one piece of a
+# document a step: the closed-form backward of the conv's splice), with pieces of 1 and 2 tokens, shorter than the
+# conv's width - 1, and one continuing after
+_FIRST = [[(6, 5, 0, True), (4, 7, 0, True), (3, 8, 0, True), (3, -1, 0, False)]]
+_SECOND = {
+    "chains": [[(2, 5, 1, True), (5, 6, 0, True), (9, -1, 0, False)], [(1, 6, 1, True), (15, 5, 2, False)],
+               [(16, 6, 2, True)], [(4, 6, 3, False), (12, -1, 0, False)]],
+    "from_cache": [[(1, 7, 1, False), (15, -1, 0, False)], [(9, 5, 1, True), (7, -1, 0, False)],
+                   [(2, 8, 1, False), (14, -1, 0, False)], [(16, -1, 0, False)]],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_SECOND))
+def test_fused_mixer_with_states_matches_the_composed_one(seed, layout):
     """CarriedMambaInnerFn (the fused mixer, hand-written backward through the chain) against the functional ops
-    composed with autograd, float64: a batch whose pieces continue from the cache and from each other (a middle piece
-    of one token, a piece shorter than the conv width, a chain of three rows), outputs and every gradient."""
+    composed with autograd, float64, on the batches above: outputs, every gradient and the states kept."""
     from ops.carry import carried_mamba_inner
     torch.manual_seed(seed)
     cache = ops.StateCache()
     layer = ops.PackedMamba(8, d_state=4, layer_idx=0, dtype=F64)
-    first = [[(6, 5, 0, True), (10, -1, 0, False)]]
-    b1 = _batch(first, None)
+    b1 = _batch(_FIRST, None)
     carried_mamba_inner(layer, torch.randn(1, 16, 8, dtype=F64), b1["position_ids"], cache.step(b1))
-    rows = [[(2, 5, 1, True), (5, 6, 0, True), (9, -1, 0, False)], [(1, 6, 1, True), (15, 5, 2, False)],
-            [(16, 6, 2, True)], [(4, 6, 3, False), (12, -1, 0, False)]]
+    rows = _SECOND[layout]
     b2 = _batch(rows, None)
     cache.commit()
     h = torch.randn(4, 16, 8, dtype=F64, requires_grad=True)
