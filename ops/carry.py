@@ -390,10 +390,11 @@ def _splice_values(xg, conv_init, cw, cb, out_dtype):
     return F.silu(pre).to(out_dtype)
 
 
-def _splice_backward(xg, conv_init, cw, cb, gvals):
-    """The backward of :func:`_splice_values` with constant ``conv_init``: (d xg (K, k, d), d cw (d, k + 1), d cb
-    (d,)) from the gradient ``gvals`` (K, d, k) of its outputs, in closed form (a dozen kernels, no autograd graph):
-    ``out_j = silu(pre_j)``, ``pre_j = sum_i ext_{j+i} w_i + b`` over ``ext = [conv_init, xg]``."""
+def _splice_backward(xg, conv_init, cw, cb, gvals, init_grad=False):
+    """The backward of :func:`_splice_values`: (d xg (K, k, d), d cw (d, k + 1), d cb (d,), d conv_init (K, d, k)
+    where ``init_grad``, else None) from the gradient ``gvals`` (K, d, k) of its outputs, in closed form (a dozen
+    kernels, no autograd graph): ``out_j = silu(pre_j)``, ``pre_j = sum_i ext_{j+i} w_i + b`` over
+    ``ext = [conv_init, xg]``."""
     k = cw.shape[1] - 1
     ct = gvals.dtype
     ext = torch.cat([conv_init.to(ct), xg.to(ct).permute(0, 2, 1)], -1)           # (K, d, 2k)
@@ -405,10 +406,11 @@ def _splice_backward(xg, conv_init, cw, cb, gvals):
     sig = torch.sigmoid(pre)
     dpre = gvals * sig * (1 + pre * (1 - sig))                                    # (K, d, k)
     dw = (win * dpre[..., None]).sum((0, 2))                                      # (d, k + 1)
-    # d ext_m = sum_j dpre_j w_{m - j}: only the xg half (m >= k) is needed
+    # d ext_m = sum_j dpre_j w_{m - j} (the xg half m >= k; the conv_init half m < k where asked)
     padded = F.pad(dpre, (k, k))                                                  # (K, d, 3k)
-    dext = (padded.unfold(-1, k + 1, 1)[:, :, k:2 * k] * w.flip(-1)[None, :, None, :]).sum(-1)   # (K, d, k)
-    return dext.permute(0, 2, 1), dw, dpre.sum((0, 2))
+    windows = padded.unfold(-1, k + 1, 1)[:, :, (0 if init_grad else k):2 * k]
+    dext = (windows * w.flip(-1)[None, :, None, :]).sum(-1)                      # (K, d, k or 2k)
+    return dext[..., -k:].permute(0, 2, 1), dw, dpre.sum((0, 2)), (dext[..., :k] if init_grad else None)
 
 
 def _put_tokens(t: torch.Tensor, flat: torch.Tensor, vals: torch.Tensor, accumulate: bool = False,
@@ -557,7 +559,7 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         ct = torch.float64 if x.dtype == torch.float64 else torch.float32
         gvals = torch.where(valid[:, None, :], dtok.permute(0, 2, 1).to(ct), 0.0)     # (K, d, k)
         if not g["depth_at"]:   # the states come from the cache (no gradient): the splice's backward in closed form
-            dxg, ddw, ddb_conv = _splice_backward(_tokens_of(x, flat, g, "splice"), conv0, cw, cb, gvals)
+            dxg, ddw, ddb_conv, _ = _splice_backward(_tokens_of(x, flat, g, "splice"), conv0, cw, cb, gvals)
             _put_tokens(dx, flat, dxg.to(dx.dtype), accumulate=True, g=g, key="splice")
             dcw = dcw + ddw.to(dcw.dtype)
             if cb is not None:
@@ -631,12 +633,18 @@ def _conv_with_states(x, cw, cb, pos, runmask, conv0, g, k):
     xf = _tokens_of(x, fflat, g, "final")
     conv_init = _conv_chain(xf, inside, conv0, g, k)
     xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
+    _splice_conv_states(xc, x, cw, cb, conv_init, g, k)
+    return xc, _finals_from(xf, inside, conv_init, g, k)
+
+
+def _splice_conv_states(xc, x, cw, cb, conv_init, g, k):
+    """In place: the conv output ``xc`` with the first k outputs of every slot that has a state (``g["has"]``)
+    recomputed from ``[conv_init, its first k inputs]`` (silu applied)."""
     flat, valid = _splice_geometry(g, k)
     vals = _splice_values(_tokens_of(x, flat, g, "splice"), conv_init, cw, cb, xc.dtype)       # (K, d, k)
     first = torch.where(g["has"][:, None, None], vals[..., :1],
                         _tokens_of(xc, g["start"][:, None], g, "first").permute(0, 2, 1))
     _put_tokens(xc, flat, torch.where(valid[:, None, :], vals, first).permute(0, 2, 1), g=g, key="splice")
-    return xc, _finals_from(xf, inside, conv_init, g, k)
 
 
 def _chain_backward(dinit, P_all, ssm_init, g):

@@ -37,11 +37,11 @@ Data parallelism composes: the ranks of one context-parallel group receive the s
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 __all__ = ["context_parallel", "shard_batch", "all_reduce_gradients", "context_parallel_mamba_inner",
            "ContextParallelError"]
@@ -143,7 +143,146 @@ def _chunk_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
     if rank < world - 1:
         slots[1, :, L - 1] = rows.to(torch.int32)
     return {"pos": local.contiguous(), "cont": cont, "row_start": rows * L, "first_len": first_len,
-            "last_start": rows * L + last_start, "last_len": L - last_start, "slots": slots.contiguous()}
+            "last_start": rows * L + last_start, "last_len": L - last_start, "slots": slots.contiguous(),
+            # the fused mixer's token geometry (ops.carry's helpers; their gather/scatter indices are kept in these
+            # dicts, so made once a step): each row's first sequence, spliced from the received conv inputs ...
+            "first": {"start": rows * L, "length": first_len, "has": cont},
+            # ... and its last sequence, whose last width - 1 inputs go to the next rank
+            "last": {"start": rows * L + last_start, "length": L - last_start}}
+
+
+_GEOMETRY = {"key": None, "ref": None, "value": None}
+
+
+def _step_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
+    """:func:`_chunk_geometry`, made once per batch: every layer of a step gets the same ``position_ids`` tensor,
+    and its geometry (with the indices the layers' gathers and scatters cache in it) is reused."""
+    key = (rank, world, pos._version, tuple(pos.shape), pos.device)
+    ref = _GEOMETRY["ref"]
+    if _GEOMETRY["key"] == key and ref is not None and ref() is pos:
+        return _GEOMETRY["value"]
+    value = _chunk_geometry(pos, rank, world)
+    _GEOMETRY.update(key=key, ref=weakref.ref(pos), value=value)
+    return value
+
+
+def _cp_conv(x, cw, cb, runmask, conv0, geo, k):
+    """The conv over the chunk, each continuing row's first k outputs recomputed from the received inputs."""
+    from .carry import _splice_conv_states
+    xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, geo["pos"], True, runmask)
+    if conv0 is not None:
+        _splice_conv_states(xc, x, cw, cb, conv0, geo["first"], k)
+    return xc
+
+
+class _ContextParallelMambaInnerFn(torch.autograd.Function):
+    """The Mamba-1 mixer over one rank's chunk in one autograd Function (``PackedMambaInnerFn``'s layout: the conv
+    recomputed in the backward): each row's first sequence continues from the received conv inputs ``conv0`` (b, d,
+    width - 1) and scan state ``ssm0`` (b, d, n) where the geometry says it continues; returns ``(out, ssm_final,
+    tail)``: each row's scan state at its last token and the last width - 1 inputs of its last sequence (zeros before
+    a short one's start), what the next rank continues from (``send``; empty otherwise). The backward takes their
+    gradients and returns those of ``conv0`` and ``ssm0``."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
+                delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias, conv0, ssm0, geo, send):
+        from .carry import _final_geometry, _tokens_of
+        from .conv1d_interface import runmask_for
+        from .mamba_inner import _autocast_weights, _bmm_w, _in_proj
+        dev = hidden_states.device.type
+        ctx.dtypes = (in_proj_weight.dtype, conv1d_weight.dtype, x_proj_weight.dtype, delta_proj_weight.dtype,
+                      out_proj_weight.dtype, hidden_states.dtype)
+        ctx.conv0_dtype = conv0.dtype if conv0 is not None else None
+        (hidden_states, in_proj_weight, in_proj_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+         out_proj_bias) = _autocast_weights(dev, hidden_states, in_proj_weight, in_proj_bias, x_proj_weight,
+                                            delta_proj_weight, out_proj_weight, out_proj_bias)
+        batch, seqlen, _ = hidden_states.shape
+        d_inner = in_proj_weight.shape[0] // 2
+        dt_rank, d_state, width = delta_proj_weight.shape[1], A.shape[1], conv1d_weight.shape[-1]
+        k = width - 1
+        hidden_states = hidden_states.contiguous()
+        x, z = _in_proj(hidden_states, in_proj_weight, in_proj_bias, d_inner)
+        cw = conv1d_weight.reshape(d_inner, width).contiguous()
+        cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
+        conv0 = conv0.to(x.dtype).contiguous() if conv0 is not None else None
+        ssm0 = ssm0.contiguous() if ssm0 is not None else None
+        runmask = runmask_for(x, cw, geo["pos"])
+        xc = _cp_conv(x, cw, cb, runmask, conv0, geo, k)
+        x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
+        delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
+        Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()
+        Cm = x_dbl[..., dt_rank + d_state:].transpose(1, 2).contiguous()
+        out_z, saved, ssm_final = torch.ops.packloader.selective_scan_fwd(
+            xc, delta, A, Bm, Cm, D, z, delta_bias, geo["pos"], True, geo["slots"], ssm0, batch if send else 0)
+        y = torch.bmm(out_z.transpose(1, 2), out_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
+        if out_proj_bias is not None:
+            y = y + out_proj_bias.to(y.dtype)
+        if send:
+            fflat, inside = _final_geometry(geo["last"], k)
+            tail = torch.where(inside[:, :, None], _tokens_of(x, fflat, geo["last"], "tail"), 0.0).permute(0, 2, 1)
+        else:
+            ssm_final = tail = x.new_zeros((0,))
+        ctx.geo, ctx.k, ctx.send = geo, k, send
+        ctx.has_in_bias, ctx.has_out_bias, ctx.has_conv_bias = (
+            in_proj_bias is not None, out_proj_bias is not None, conv1d_bias is not None)
+        ctx.has_D, ctx.has_db = D is not None, delta_bias is not None
+        ctx.conv_shape = conv1d_weight.shape
+        ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
+                              out_proj_weight, A, Bm, Cm, D, delta_bias, saved, runmask, conv0, ssm0)
+        return y, ssm_final, tail.contiguous()
+
+    @staticmethod
+    def backward(ctx, dy, d_final, d_tail):
+        from .carry import _final_geometry, _put_tokens, _splice_backward, _splice_geometry, _tokens_of
+        from .mamba_inner import _bmm_w, _in_proj_backward, _wgrad, _x_proj_backward
+        (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
+         Cm, D, delta_bias, saved, runmask, conv0, ssm0) = ctx.saved_tensors
+        geo, k = ctx.geo, ctx.k
+        dt_rank = delta_proj_weight.shape[1]
+        w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
+        dy = dy.contiguous().to(x.dtype)
+        xc = _cp_conv(x, cw, cb, runmask, conv0, geo, k)   # recomputed
+        delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
+        dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))
+        dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
+        dfinal = d_final.contiguous() if ctx.send and d_final is not None else None
+        dxc, ddelta, dA, dB, dC, dD, dz, ddb, out_z, dinit = torch.ops.packloader.selective_scan_bwd(
+            xc, delta, A, Bm, Cm, D, z, delta_bias, geo["pos"], True, saved, dout_y, True, geo["slots"], ssm0,
+            dfinal)
+        dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)
+        del out_z
+        dx_proj_weight, ddelta_proj_weight, dxc = _x_proj_backward(dB, dC, ddelta, dxc, x_dbl, xc, x_proj_weight,
+                                                                   delta_proj_weight, w_dtype_xp, w_dtype_dt)
+        first = geo["first"]
+        if conv0 is not None:   # the spliced outputs' gradient goes through their closed-form backward, not the kernel's
+            flat, valid = _splice_geometry(first, k)
+            dtok = _tokens_of(dxc, flat, first, "splice")                                    # (b, k, d)
+            _put_tokens(dxc, flat, torch.where(valid[..., None] | first["has"][:, None, None], 0.0, dtok)
+                        .to(dxc.dtype), g=first, key="splice")
+        dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, geo["pos"], True, dxc, runmask)
+        dx = dx.contiguous()
+        dconv0 = None
+        if conv0 is not None:
+            ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+            gvals = torch.where(valid[:, None, :], dtok.permute(0, 2, 1).to(ct), 0.0)
+            dxg, ddw, ddb_conv, dconv0 = _splice_backward(_tokens_of(x, flat, first, "splice"), conv0, cw, cb, gvals,
+                                                          init_grad=True)
+            _put_tokens(dx, flat, dxg.to(dx.dtype), accumulate=True, g=first, key="splice")
+            dcw = dcw + ddw.to(dcw.dtype)
+            if cb is not None:
+                dcb = dcb + ddb_conv.to(dcb.dtype)
+            dconv0 = dconv0.to(ctx.conv0_dtype)
+        if ctx.send and d_tail is not None:   # the sent inputs' gradient, back at their tokens
+            fflat, inside = _final_geometry(geo["last"], k)
+            _put_tokens(dx, fflat, torch.where(inside[..., None], d_tail.permute(0, 2, 1), 0.0).to(dx.dtype),
+                        accumulate=True, g=geo["last"], key="tail")
+        dz = dz.contiguous().to(z.dtype)
+        dhidden, din_proj_weight, din_proj_bias = _in_proj_backward(dx, dz, hidden_states, in_proj_weight,
+                                                                    w_dtype_in, ctx.has_in_bias)
+        return (dhidden.to(h_dtype), din_proj_weight, din_proj_bias, dcw.reshape(ctx.conv_shape).to(w_dtype_conv),
+                (dcb.to(cb.dtype) if ctx.has_conv_bias else None), dx_proj_weight, ddelta_proj_weight,
+                dout_proj_weight, dout_proj_bias, dA, dD if ctx.has_D else None, ddb if ctx.has_db else None,
+                dconv0, dinit if ssm0 is not None else None, None, None)
 
 
 def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_ids: Optional[torch.Tensor],
@@ -151,8 +290,9 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
     """A Mamba-1 mixer (:class:`ops.PackedMamba` or transformers' ``MambaMixer``) over this rank's chunk of every row.
 
     Receives, from the rank before, the scan state and the conv's last ``width - 1`` inputs at the end of its chunk
-    (one ``batch x d_inner x (d_state + width - 1)`` float32 tensor), runs the layer once from them, and sends its
-    own to the rank after; the backward returns the gradients the same way in reverse.
+    (one ``batch x d_inner x (d_state + width - 1)`` float32 tensor), runs the layer once from them (one fused
+    autograd Function, :class:`_ContextParallelMambaInnerFn`), and sends its own to the rank after; the backward
+    returns the gradients the same way in reverse.
 
     Args:
         mixer: the layer whose weights run.
@@ -161,17 +301,13 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         position_ids: (batch, chunk) the rows' position ids over those tokens (not restarted at the chunk: a chunk
             whose first id is not 0 continues the sequence of the rank before); None: each row one sequence.
         group: the process group whose ranks hold the chunks, in rank order.
-        recompute: keep only the layer's inputs (hidden states, x, z and the received states) for the backward
-            and recompute the conv, the projections, the scan and out_proj there (the exchange is not repeated):
-            about half the layer's activation memory for one more forward of them.
+        recompute: keep only the layer's inputs (hidden states and the received states) for the backward and
+            recompute the layer there (the exchange is not repeated): less activation memory for one more forward.
 
     Returns:
         (batch, chunk, d_model).
     """
     from .carry import _mixer_dims
-    from .mamba_inner import _bmm_w, _in_proj
-    from .conv1d_interface import _continue_from_states, _conv_final_states, packed_causal_conv1d
-    from .selective_scan_interface import selective_scan_fwd
 
     group = group if group is not None else dist.group.WORLD
     rank, world = _group_rank_world(group)
@@ -188,11 +324,9 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
                                    f"{width - 1} tokens; use fewer ranks or longer rows")
     if position_ids is None:
         position_ids = (torch.arange(L, device=hidden_states.device) + rank * L).expand(b, L)
-    g = _chunk_geometry(position_ids.to(hidden_states.device), rank, world)
+    g = _step_geometry(position_ids.to(hidden_states.device), rank, world)
     A = -torch.exp(ssm_float(mixer.A_log))
-    # the projections as the fused mixer lays them out: (b, channels, tokens) contiguous straight from the GEMMs
-    x, z = _in_proj(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias, d_inner)
-    st = torch.float64 if x.dtype == torch.float64 else torch.float32
+    st = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
     # Whether the exchange runs a backward: the same rule on every rank (the sender and the receiver must agree),
     # from what every rank shares: the input's requires_grad and the mixer's trainable parameters
     trainable = [p for p in mixer.parameters() if p.requires_grad]
@@ -202,34 +336,23 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
     if rank > 0:   # what the previous rank's chunk ended with: its scan state and its last width-1 conv inputs
         got = _RecvFromPrevious.apply(anchor, (b, d_inner, d_state + width - 1), st, group,
                                       _peer(group, rank - 1))
-        ssm0, conv0 = got[..., :d_state], got[..., d_state:].to(x.dtype)
+        ssm0, conv0 = got[..., :d_state], got[..., d_state:]
     last = rank == world - 1
 
-    def core(x, z, conv0, ssm0):
-        """conv (from the received inputs), projections, scan (from the received state), out_proj: no exchange
-        inside, so that it may be recomputed in the backward (``recompute``)."""
-        conv_w = mixer.conv1d.weight[:, 0]
-        xc = packed_causal_conv1d(x, conv_w, conv_bias, "silu", position_ids=g["pos"], validate=False)
-        if conv0 is not None:
-            xc = _continue_from_states(xc, x, conv_w, conv_bias, True, g["row_start"], g["first_len"], conv0,
-                                       g["cont"])
-        x_dbl = _bmm_w(mixer.x_proj.weight, xc)                                            # (b, r + 2n, L)
-        dt_low, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=1)
-        delta = _bmm_w(mixer.dt_proj.weight, dt_low)                                       # (b, d_inner, L)
-        y, _, ssm_final = selective_scan_fwd(
-            xc, delta, A, Bm.contiguous(), Cm.contiguous(), ssm_float(mixer.D), z, ssm_float(mixer.dt_proj.bias),
-            g["pos"], True, g["slots"], None if ssm0 is None else ssm0.contiguous(), 0 if last else b)
-        out = F.linear(y.transpose(1, 2), mixer.out_proj.weight, mixer.out_proj.bias)
-        return (out,) if last else (out, ssm_final)
+    def core(hidden_states, conv0, ssm0):
+        """The fused mixer from the received states: no exchange inside, so that it may be recomputed in the
+        backward (``recompute``)."""
+        return _ContextParallelMambaInnerFn.apply(
+            hidden_states, mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, conv_bias,
+            mixer.x_proj.weight, mixer.dt_proj.weight, mixer.out_proj.weight, mixer.out_proj.bias, A,
+            ssm_float(mixer.D), ssm_float(mixer.dt_proj.bias), conv0, ssm0, g, not last)
 
     if recompute and torch.is_grad_enabled():
-        res = torch.utils.checkpoint.checkpoint(core, x, z, conv0, ssm0, use_reentrant=False)
+        out, ssm_final, tail = torch.utils.checkpoint.checkpoint(core, hidden_states, conv0, ssm0, use_reentrant=False)
     else:
-        res = core(x, z, conv0, ssm0)
-    out = res[0]
+        out, ssm_final, tail = core(hidden_states, conv0, ssm0)
     if not last:   # (a chunk holds >= width - 1 tokens: its tail never reaches back into the previous chunk)
-        tail = _conv_final_states(x, width, g["last_start"], g["last_len"], None, None)   # (b, d_inner, width-1)
-        payload = torch.cat([res[1].to(st), tail.to(st)], -1)
+        payload = torch.cat([ssm_final.to(st), tail.to(st)], -1)
         if needs_grad and not payload.requires_grad:   # (the receiver sends a gradient back: take it)
             payload = payload.detach().requires_grad_(True)
         sent = _SendToNext.apply(payload, group, _peer(group, rank + 1))
