@@ -28,6 +28,7 @@ ids are not trusted; the loader's are valid by construction. The conversions the
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -338,8 +339,8 @@ class PackedBoundaries:
     """The boundaries of one packed batch, resolved once and handed to every functional op of the step.
 
     :func:`ops.packed_causal_conv1d` and :func:`ops.packed_selective_scan` given ``position_ids`` convert and
-    check them on every call (a host sync each time, and the conv's boundary mask is rebuilt). Made once per batch,
-    this object carries the int32 ids and keeps what the ops derive from them (the conv kernels' run mask, the number
+    check them (a host sync) and build the conv's boundary mask; they do it once per tensor and reuse it while the
+    tensor is alive and unchanged (:func:`boundaries_for_ids`). Made once per batch, this object carries the int32 ids and keeps what the ops derive from them (the conv kernels' run mask, the number
     of sequences): a call with ``boundaries=`` does neither again::
 
         position_ids  [ 0 1 2 3 0 1 2 0 ]        (a, b, c)
@@ -409,3 +410,32 @@ class PackedBoundaries:
             raise BoundaryError(f"{what}: boundaries are on {self.position_ids.device}, the inputs on {device}: "
                                 "resolve them with device=")
         return self.position_ids
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# position_ids given to the functional ops call after call: resolved once per tensor
+
+_RECENT_MAX = 8
+_recent: dict = {}   # (id, device) -> (weakref to the ids, their _version, shape, PackedBoundaries)
+
+
+def boundaries_for_ids(position_ids: torch.Tensor, device, validate: bool) -> Optional[PackedBoundaries]:
+    """The :class:`PackedBoundaries` of ``position_ids`` on ``device``, made (and checked, where ``validate``) at the
+    first call with this tensor and reused while it is alive and unchanged (its ``_version``): a model that hands the
+    same ``position_ids`` to the functional ops of every layer pays for one conversion, one check and one conv mask a
+    step, as with ``boundaries=``. None under ``torch.compile`` (the ops resolve as before there)."""
+    if torch.compiler.is_compiling() or not isinstance(position_ids, torch.Tensor):
+        return None
+    dev = torch.device(device) if device is not None else position_ids.device
+    key = (id(position_ids), str(dev))
+    got = _recent.get(key)
+    if got is not None:
+        ref, version, shape, bounds, checked = got
+        if (ref() is position_ids and version == position_ids._version and shape == tuple(position_ids.shape)
+                and (checked or not validate)):
+            return bounds
+    bounds = PackedBoundaries.resolve(position_ids=position_ids, device=dev, validate=validate)
+    if len(_recent) >= _RECENT_MAX:
+        _recent.pop(next(iter(_recent)))
+    _recent[key] = (weakref.ref(position_ids), position_ids._version, tuple(position_ids.shape), bounds, validate)
+    return bounds

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .boundaries import PackedBoundaries, resolve_position_ids, row_positions
+from .boundaries import PackedBoundaries, boundaries_for_ids, resolve_position_ids, row_positions
 from .states import check_state, state_slots
 from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
                        scan_chunks, scan_fwd_segments)
@@ -688,9 +688,14 @@ def packed_selective_scan(
     for name, v in (("D", D), ("delta_bias", delta_bias)):
         if v is not None and v.shape != (dim,):
             raise ValueError(f"{name} must be (dim={dim},), got {tuple(v.shape)}")
+    given = boundaries is not None   # (the states' count is still checked for ids given as position_ids)
+    if (boundaries is None and position_ids is not None and seq_idx is None
+            and tuple(position_ids.shape) == (batch, seqlen)):   # the same ids again: resolved once
+        boundaries = boundaries_for_ids(position_ids, u.device, validate)
+        position_ids = None if boundaries is not None else position_ids
     if boundaries is not None:
         pos = boundaries.check("packed_selective_scan", batch, seqlen, u.device, position_ids, seq_idx)
-        validate = False
+        validate = validate and not given
     else:
         pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=u.device, validate=validate)
         if pos is None:

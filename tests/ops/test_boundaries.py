@@ -369,6 +369,32 @@ def test_packed_boundaries_skip_the_checks_and_keep_what_they_derive(monkeypatch
     assert calls == [1]
 
 
+def test_position_ids_given_again_are_checked_once_and_again_after_a_change(monkeypatch):
+    """The same position_ids tensor handed to the functional ops call after call (every layer of a step) is converted
+    and checked at its first call only; changed in place, it is checked again (an invalid change is refused); the
+    outputs equal those with boundaries=."""
+    import importlib
+    pos, x, w, bias, sc = _packed_inputs()
+    want = ops.packed_causal_conv1d(x, w, bias, "silu", boundaries=ops.PackedBoundaries.resolve(position_ids=pos))
+    mod = importlib.import_module("ops.boundaries")
+    checks = []
+    real = mod.validate_position_ids
+    monkeypatch.setattr(mod, "validate_position_ids", lambda *a, **k: checks.append(1) or real(*a, **k))
+    for _ in range(3):
+        got = ops.packed_causal_conv1d(x, w, bias, "silu", position_ids=pos)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        ops.packed_selective_scan(x, sc["delta"], sc["A"], sc["B"], sc["C"], position_ids=pos)
+    assert len(checks) == 1
+    pos[0, 3] = 0                                       # a valid change: a new sequence starts there
+    fresh = pos.clone()
+    got = ops.packed_causal_conv1d(x, w, bias, "silu", position_ids=pos)
+    assert len(checks) == 2
+    torch.testing.assert_close(got, ops.packed_causal_conv1d(x, w, bias, "silu", position_ids=fresh), rtol=0, atol=0)
+    pos[0, 1] = 5                                       # invalid (a jump inside a sequence): refused, not reused
+    with pytest.raises(BoundaryError):
+        ops.packed_causal_conv1d(x, w, bias, "silu", position_ids=pos)
+
+
 def test_packed_boundaries_errors():
     pos, x, w, bias, sc = _packed_inputs()
     bounds = ops.PackedBoundaries.resolve(position_ids=pos)
