@@ -474,7 +474,7 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         g = step.geometry(x.device)
         conv0, ssm0 = step.initial(layer, (d_inner, k), (d_inner, d_state), x.dtype, x.device)
         runmask = runmask_for(x, cw, position_ids)
-        xc, conv_final = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)
+        xc, conv_final, spliced = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)
         x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()
@@ -500,19 +500,19 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         ctx.conv_shape = conv1d_weight.shape
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
                               out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0,
-                              ssm_init, a_saved, P_all)
+                              ssm_init, a_saved, P_all, spliced)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         from .mamba_inner import _bmm_w, _in_proj_backward, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
-         Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0, ssm_init, a_saved, P_all) = ctx.saved_tensors
+         Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0, ssm_init, a_saved, P_all, spliced) = ctx.saved_tensors
         step, g, k = ctx.step, ctx.g, ctx.k
         dt_rank = delta_proj_weight.shape[1]
         w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)
-        xc, _ = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)   # recomputed
+        xc = _conv_respliced(x, cw, cb, position_ids, runmask, spliced, g, k)   # recomputed
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
@@ -627,24 +627,37 @@ def _row_picker(g: dict):
 
 
 def _conv_with_states(x, cw, cb, pos, runmask, conv0, g, k):
-    """(xc, conv_final): the conv kernel's output with each continued slot's first k outputs recomputed from its
-    state (the states chained through the batch), and every slot's last k inputs."""
+    """(xc, conv_final, spliced): the conv kernel's output with each continued slot's first k outputs recomputed from
+    its state (the states chained through the batch), every slot's last k inputs, and the values written into xc
+    (K, k, d: what :func:`_conv_respliced` writes again in the backward)."""
     fflat, inside = _final_geometry(g, k)
     xf = _tokens_of(x, fflat, g, "final")
     conv_init = _conv_chain(xf, inside, conv0, g, k)
     xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
-    _splice_conv_states(xc, x, cw, cb, conv_init, g, k)
-    return xc, _finals_from(xf, inside, conv_init, g, k)
+    spliced = _splice_conv_states(xc, x, cw, cb, conv_init, g, k)
+    return xc, _finals_from(xf, inside, conv_init, g, k), spliced
+
+
+def _conv_respliced(x, cw, cb, pos, runmask, spliced, g, k):
+    """The backward's recomputation of :func:`_conv_with_states`' xc: the conv kernel, then the values the forward
+    spliced in (saved, a few tokens a slot) written again: one scatter, no recomputation of the states."""
+    xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
+    if spliced is not None:
+        flat, _ = _splice_geometry(g, k)
+        _put_tokens(xc, flat, spliced, g=g, key="splice")
+    return xc
 
 
 def _splice_conv_states(xc, x, cw, cb, conv_init, g, k):
     """In place: the conv output ``xc`` with the first k outputs of every slot that has a state (``g["has"]``)
-    recomputed from ``[conv_init, its first k inputs]`` (silu applied)."""
+    recomputed from ``[conv_init, its first k inputs]`` (silu applied); returns the values written (K, k, d)."""
     flat, valid = _splice_geometry(g, k)
     vals = _splice_values(_tokens_of(x, flat, g, "splice"), conv_init, cw, cb, xc.dtype)       # (K, d, k)
     first = torch.where(g["has"][:, None, None], vals[..., :1],
                         _tokens_of(xc, g["start"][:, None], g, "first").permute(0, 2, 1))
-    _put_tokens(xc, flat, torch.where(valid[:, None, :], vals, first).permute(0, 2, 1), g=g, key="splice")
+    spliced = torch.where(valid[:, None, :], vals, first).permute(0, 2, 1)
+    _put_tokens(xc, flat, spliced, g=g, key="splice")
+    return spliced
 
 
 def _chain_backward(dinit, P_all, ssm_init, g):

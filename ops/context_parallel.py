@@ -167,12 +167,12 @@ def _step_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
 
 
 def _cp_conv(x, cw, cb, runmask, conv0, geo, k):
-    """The conv over the chunk, each continuing row's first k outputs recomputed from the received inputs."""
+    """(xc, spliced): the conv over the chunk, each continuing row's first k outputs recomputed from the received
+    inputs, and the values written (None without received inputs)."""
     from .carry import _splice_conv_states
     xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, geo["pos"], True, runmask)
-    if conv0 is not None:
-        _splice_conv_states(xc, x, cw, cb, conv0, geo["first"], k)
-    return xc
+    spliced = _splice_conv_states(xc, x, cw, cb, conv0, geo["first"], k) if conv0 is not None else None
+    return xc, spliced
 
 
 class _ContextParallelMambaInnerFn(torch.autograd.Function):
@@ -207,7 +207,7 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         conv0 = conv0.to(x.dtype).contiguous() if conv0 is not None else None
         ssm0 = ssm0.contiguous() if ssm0 is not None else None
         runmask = runmask_for(x, cw, geo["pos"])
-        xc = _cp_conv(x, cw, cb, runmask, conv0, geo, k)
+        xc, spliced = _cp_conv(x, cw, cb, runmask, conv0, geo, k)
         x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()
@@ -228,20 +228,20 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         ctx.has_D, ctx.has_db = D is not None, delta_bias is not None
         ctx.conv_shape = conv1d_weight.shape
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-                              out_proj_weight, A, Bm, Cm, D, delta_bias, saved, runmask, conv0, ssm0)
+                              out_proj_weight, A, Bm, Cm, D, delta_bias, saved, runmask, conv0, ssm0, spliced)
         return y, ssm_final, tail.contiguous()
 
     @staticmethod
     def backward(ctx, dy, d_final, d_tail):
-        from .carry import _final_geometry, _put_tokens, _splice_backward, _splice_geometry, _tokens_of
+        from .carry import _conv_respliced, _final_geometry, _put_tokens, _splice_backward, _splice_geometry, _tokens_of
         from .mamba_inner import _bmm_w, _in_proj_backward, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
-         Cm, D, delta_bias, saved, runmask, conv0, ssm0) = ctx.saved_tensors
+         Cm, D, delta_bias, saved, runmask, conv0, ssm0, spliced) = ctx.saved_tensors
         geo, k = ctx.geo, ctx.k
         dt_rank = delta_proj_weight.shape[1]
         w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)
-        xc = _cp_conv(x, cw, cb, runmask, conv0, geo, k)   # recomputed
+        xc = _conv_respliced(x, cw, cb, geo["pos"], runmask, spliced, geo["first"], k)   # recomputed
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
