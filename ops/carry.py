@@ -447,6 +447,61 @@ def _chain_forward(fin0, P_all, ssm0, g):
     return init
 
 
+def _fused_inputs(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
+                  delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias):
+    """The first part of the fused mixers with states (:class:`CarriedMambaInnerFn`, context parallelism's): the
+    weights in autocast's dtype, in_proj, the conv's weights; records on ``ctx`` what their backward needs to know.
+    Returns (hidden_states, in_proj_weight, x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias, x, z,
+    cw, cb, k)."""
+    from .mamba_inner import _autocast_weights, _in_proj
+    ctx.dtypes = (in_proj_weight.dtype, conv1d_weight.dtype, x_proj_weight.dtype, delta_proj_weight.dtype,
+                  out_proj_weight.dtype, hidden_states.dtype)
+    ctx.has_in_bias, ctx.has_out_bias, ctx.has_conv_bias = (
+        in_proj_bias is not None, out_proj_bias is not None, conv1d_bias is not None)
+    ctx.has_D, ctx.has_db = D is not None, delta_bias is not None
+    ctx.conv_shape = conv1d_weight.shape
+    (hidden_states, in_proj_weight, in_proj_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+     out_proj_bias) = _autocast_weights(hidden_states.device.type, hidden_states, in_proj_weight, in_proj_bias,
+                                        x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias)
+    d_inner = in_proj_weight.shape[0] // 2
+    width = conv1d_weight.shape[-1]
+    hidden_states = hidden_states.contiguous()
+    x, z = _in_proj(hidden_states, in_proj_weight, in_proj_bias, d_inner)
+    cw = conv1d_weight.reshape(d_inner, width).contiguous()
+    cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
+    return (hidden_states, in_proj_weight, x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias, x, z, cw,
+            cb, width - 1)
+
+
+def _fused_projections(xc, x_proj_weight, delta_proj_weight, d_state):
+    """(x_dbl (b, L, r + 2n), delta (b, d, L), B, C (b, n, L) contiguous) from the conv's output."""
+    from .mamba_inner import _bmm_w
+    batch, dt_rank = xc.shape[0], delta_proj_weight.shape[1]
+    x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
+    delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
+    Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()
+    Cm = x_dbl[..., dt_rank + d_state:].transpose(1, 2).contiguous()
+    return x_dbl, delta, Bm, Cm
+
+
+def _fused_out_proj(out_z, out_proj_weight, out_proj_bias):
+    y = torch.bmm(out_z.transpose(1, 2), out_proj_weight.t().unsqueeze(0).expand(out_z.shape[0], -1, -1))
+    return y + out_proj_bias.to(y.dtype) if out_proj_bias is not None else y
+
+
+def _fused_grads(ctx, dx, dz, z, hidden_states, in_proj_weight, dcw, dcb, cb, dx_proj_weight, ddelta_proj_weight,
+                 dout_proj_weight, dout_proj_bias, dA, dD, ddb):
+    """The last part of the fused mixers' backward: in_proj's, then the gradients of the twelve inputs the mixers
+    share (hidden_states .. delta_bias), in their dtypes."""
+    from .mamba_inner import _in_proj_backward
+    w_dtype_in, w_dtype_conv, _, _, _, h_dtype = ctx.dtypes
+    dhidden, din_proj_weight, din_proj_bias = _in_proj_backward(dx, dz.contiguous().to(z.dtype), hidden_states,
+                                                                in_proj_weight, w_dtype_in, ctx.has_in_bias)
+    return (dhidden.to(h_dtype), din_proj_weight, din_proj_bias, dcw.reshape(ctx.conv_shape).to(w_dtype_conv),
+            (dcb.to(cb.dtype) if ctx.has_conv_bias else None), dx_proj_weight, ddelta_proj_weight, dout_proj_weight,
+            dout_proj_bias, dA, dD if ctx.has_D else None, ddb if ctx.has_db else None)
+
+
 class CarriedMambaInnerFn(torch.autograd.Function):
     """:class:`ops.mamba_inner.PackedMambaInnerFn` on a batch with continuations (``step``): the conv and the scan
     start the continued pieces from their states, chained through the batch as ``carried_mamba_inner_ref`` does, and
@@ -455,30 +510,16 @@ class CarriedMambaInnerFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
                 delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias, position_ids, step, layer):
-        dev = hidden_states.device.type
-        ctx.dtypes = (in_proj_weight.dtype, conv1d_weight.dtype, x_proj_weight.dtype, delta_proj_weight.dtype,
-                      out_proj_weight.dtype, hidden_states.dtype)
-        from .mamba_inner import _autocast_weights, _bmm_w, _in_proj
         from .conv1d_interface import runmask_for
-        (hidden_states, in_proj_weight, in_proj_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
-         out_proj_bias) = _autocast_weights(dev, hidden_states, in_proj_weight, in_proj_bias, x_proj_weight,
-                                            delta_proj_weight, out_proj_weight, out_proj_bias)
-        batch, seqlen, _ = hidden_states.shape
-        d_inner = in_proj_weight.shape[0] // 2
-        dt_rank, d_state, width = delta_proj_weight.shape[1], A.shape[1], conv1d_weight.shape[-1]
-        k = width - 1
-        hidden_states = hidden_states.contiguous()
-        x, z = _in_proj(hidden_states, in_proj_weight, in_proj_bias, d_inner)
-        cw = conv1d_weight.reshape(d_inner, width).contiguous()
-        cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
+        (hidden_states, in_proj_weight, x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias, x, z, cw, cb,
+         k) = _fused_inputs(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias,
+                            x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias)
+        d_inner, d_state = x.shape[1], A.shape[1]
         g = step.geometry(x.device)
         conv0, ssm0 = step.initial(layer, (d_inner, k), (d_inner, d_state), x.dtype, x.device)
         runmask = runmask_for(x, cw, position_ids)
         xc, conv_final, spliced = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)
-        x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
-        delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
-        Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()
-        Cm = x_dbl[..., dt_rank + d_state:].transpose(1, 2).contiguous()
+        x_dbl, delta, Bm, Cm = _fused_projections(xc, x_proj_weight, delta_proj_weight, d_state)
         ssm_init, a_saved, P_all = ssm0, None, None
         if g["depth_at"]:
             pick = _row_picker(g)
@@ -489,15 +530,9 @@ class CarriedMambaInnerFn(torch.autograd.Function):
             ssm_init = _chain_forward(fin0, P_all, ssm0, g)
         out_z, saved, ssm_final = torch.ops.packloader.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, g["slots"], ssm_init, step.num_slots)
-        y = torch.bmm(out_z.transpose(1, 2), out_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
-        if out_proj_bias is not None:
-            y = y + out_proj_bias.to(y.dtype)
+        y = _fused_out_proj(out_z, out_proj_weight, out_proj_bias)
         step.keep(layer, conv_final, ssm_final)
         ctx.step, ctx.g, ctx.k = step, g, k
-        ctx.has_in_bias, ctx.has_out_bias, ctx.has_conv_bias = (
-            in_proj_bias is not None, out_proj_bias is not None, conv1d_bias is not None)
-        ctx.has_D, ctx.has_db = D is not None, delta_bias is not None
-        ctx.conv_shape = conv1d_weight.shape
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
                               out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0,
                               ssm_init, a_saved, P_all, spliced)
@@ -505,12 +540,12 @@ class CarriedMambaInnerFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .mamba_inner import _bmm_w, _in_proj_backward, _wgrad, _x_proj_backward
+        from .mamba_inner import _bmm_w, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
          Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0, ssm_init, a_saved, P_all, spliced) = ctx.saved_tensors
         step, g, k = ctx.step, ctx.g, ctx.k
         dt_rank = delta_proj_weight.shape[1]
-        w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
+        _, _, w_dtype_xp, w_dtype_dt, w_dtype_out, _ = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)
         xc = _conv_respliced(x, cw, cb, position_ids, runmask, spliced, g, k)   # recomputed
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
@@ -581,13 +616,8 @@ class CarriedMambaInnerFn(torch.autograd.Function):
             dcw = dcw + got[2].to(dcw.dtype)
             if cb is not None:
                 dcb = dcb + got[3].to(dcb.dtype)
-        dz = dz.contiguous().to(z.dtype)
-        dhidden, din_proj_weight, din_proj_bias = _in_proj_backward(dx, dz, hidden_states, in_proj_weight,
-                                                                    w_dtype_in, ctx.has_in_bias)
-        return (dhidden.to(h_dtype), din_proj_weight, din_proj_bias, dcw.reshape(ctx.conv_shape).to(w_dtype_conv),
-                (dcb.to(cb.dtype) if ctx.has_conv_bias else None), dx_proj_weight, ddelta_proj_weight,
-                dout_proj_weight, dout_proj_bias, dA, dD if ctx.has_D else None, ddb if ctx.has_db else None,
-                None, None, None)
+        return _fused_grads(ctx, dx, dz, z, hidden_states, in_proj_weight, dcw, dcb, cb, dx_proj_weight,
+                            ddelta_proj_weight, dout_proj_weight, dout_proj_bias, dA, dD, ddb) + (None, None, None)
 
 
 def _storage_index(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict], key):

@@ -186,60 +186,41 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
                 delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias, conv0, ssm0, geo, send):
-        from .carry import _final_geometry, _tokens_of
+        from .carry import _final_geometry, _fused_inputs, _fused_out_proj, _fused_projections, _tokens_of
         from .conv1d_interface import runmask_for
-        from .mamba_inner import _autocast_weights, _bmm_w, _in_proj
-        dev = hidden_states.device.type
-        ctx.dtypes = (in_proj_weight.dtype, conv1d_weight.dtype, x_proj_weight.dtype, delta_proj_weight.dtype,
-                      out_proj_weight.dtype, hidden_states.dtype)
         ctx.conv0_dtype = conv0.dtype if conv0 is not None else None
-        (hidden_states, in_proj_weight, in_proj_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
-         out_proj_bias) = _autocast_weights(dev, hidden_states, in_proj_weight, in_proj_bias, x_proj_weight,
-                                            delta_proj_weight, out_proj_weight, out_proj_bias)
-        batch, seqlen, _ = hidden_states.shape
-        d_inner = in_proj_weight.shape[0] // 2
-        dt_rank, d_state, width = delta_proj_weight.shape[1], A.shape[1], conv1d_weight.shape[-1]
-        k = width - 1
-        hidden_states = hidden_states.contiguous()
-        x, z = _in_proj(hidden_states, in_proj_weight, in_proj_bias, d_inner)
-        cw = conv1d_weight.reshape(d_inner, width).contiguous()
-        cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
+        (hidden_states, in_proj_weight, x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias, x, z, cw, cb,
+         k) = _fused_inputs(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias,
+                            x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias)
+        batch = x.shape[0]
         conv0 = conv0.to(x.dtype).contiguous() if conv0 is not None else None
         ssm0 = ssm0.contiguous() if ssm0 is not None else None
         runmask = runmask_for(x, cw, geo["pos"])
         xc, spliced = _cp_conv(x, cw, cb, runmask, conv0, geo, k)
-        x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
-        delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
-        Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()
-        Cm = x_dbl[..., dt_rank + d_state:].transpose(1, 2).contiguous()
+        x_dbl, delta, Bm, Cm = _fused_projections(xc, x_proj_weight, delta_proj_weight, A.shape[1])
         out_z, saved, ssm_final = torch.ops.packloader.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, geo["pos"], True, geo["slots"], ssm0, batch if send else 0)
-        y = torch.bmm(out_z.transpose(1, 2), out_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))
-        if out_proj_bias is not None:
-            y = y + out_proj_bias.to(y.dtype)
+        y = _fused_out_proj(out_z, out_proj_weight, out_proj_bias)
         if send:
             fflat, inside = _final_geometry(geo["last"], k)
             tail = torch.where(inside[:, :, None], _tokens_of(x, fflat, geo["last"], "tail"), 0.0).permute(0, 2, 1)
         else:
             ssm_final = tail = x.new_zeros((0,))
         ctx.geo, ctx.k, ctx.send = geo, k, send
-        ctx.has_in_bias, ctx.has_out_bias, ctx.has_conv_bias = (
-            in_proj_bias is not None, out_proj_bias is not None, conv1d_bias is not None)
-        ctx.has_D, ctx.has_db = D is not None, delta_bias is not None
-        ctx.conv_shape = conv1d_weight.shape
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
                               out_proj_weight, A, Bm, Cm, D, delta_bias, saved, runmask, conv0, ssm0, spliced)
         return y, ssm_final, tail.contiguous()
 
     @staticmethod
     def backward(ctx, dy, d_final, d_tail):
-        from .carry import _conv_respliced, _final_geometry, _put_tokens, _splice_backward, _splice_geometry, _tokens_of
-        from .mamba_inner import _bmm_w, _in_proj_backward, _wgrad, _x_proj_backward
+        from .carry import (_conv_respliced, _final_geometry, _fused_grads, _put_tokens, _splice_backward,
+                            _splice_geometry, _tokens_of)
+        from .mamba_inner import _bmm_w, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
          Cm, D, delta_bias, saved, runmask, conv0, ssm0, spliced) = ctx.saved_tensors
         geo, k = ctx.geo, ctx.k
         dt_rank = delta_proj_weight.shape[1]
-        w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
+        _, _, w_dtype_xp, w_dtype_dt, w_dtype_out, _ = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)
         xc = _conv_respliced(x, cw, cb, geo["pos"], runmask, spliced, geo["first"], k)   # recomputed
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
@@ -276,13 +257,9 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
             fflat, inside = _final_geometry(geo["last"], k)
             _put_tokens(dx, fflat, torch.where(inside[..., None], d_tail.permute(0, 2, 1), 0.0).to(dx.dtype),
                         accumulate=True, g=geo["last"], key="tail")
-        dz = dz.contiguous().to(z.dtype)
-        dhidden, din_proj_weight, din_proj_bias = _in_proj_backward(dx, dz, hidden_states, in_proj_weight,
-                                                                    w_dtype_in, ctx.has_in_bias)
-        return (dhidden.to(h_dtype), din_proj_weight, din_proj_bias, dcw.reshape(ctx.conv_shape).to(w_dtype_conv),
-                (dcb.to(cb.dtype) if ctx.has_conv_bias else None), dx_proj_weight, ddelta_proj_weight,
-                dout_proj_weight, dout_proj_bias, dA, dD if ctx.has_D else None, ddb if ctx.has_db else None,
-                dconv0, dinit if ssm0 is not None else None, None, None)
+        return _fused_grads(ctx, dx, dz, z, hidden_states, in_proj_weight, dcw, dcb, cb, dx_proj_weight,
+                            ddelta_proj_weight, dout_proj_weight, dout_proj_bias, dA, dD, ddb) + (
+            dconv0, dinit if ssm0 is not None else None, None, None)
 
 
 def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_ids: Optional[torch.Tensor],
