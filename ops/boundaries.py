@@ -423,9 +423,11 @@ def boundaries_for_ids(position_ids: torch.Tensor, device, validate: bool) -> Op
     """The :class:`PackedBoundaries` of ``position_ids`` on ``device``, made (and checked, where ``validate``) at the
     first call with this tensor and reused while it is alive and unchanged (its ``_version``): a model that hands the
     same ``position_ids`` to the functional ops of every layer pays for one conversion, one check and one conv mask a
-    step, as with ``boundaries=``. None under ``torch.compile`` (the ops resolve as before there)."""
-    if torch.compiler.is_compiling() or not isinstance(position_ids, torch.Tensor):
-        return None
+    step, as with ``boundaries=``. None under ``torch.compile`` and for inference tensors (the ops resolve per call
+    there). A change that does not bump the tensor's version (written through ``.data`` or a numpy array sharing its
+    memory) is not seen: hand such ids over as a new tensor, or as ``boundaries=``."""
+    if torch.compiler.is_compiling() or not isinstance(position_ids, torch.Tensor) or position_ids.is_inference():
+        return None   # (an inference tensor keeps no version counter: resolved per call, as before)
     dev = torch.device(device) if device is not None else position_ids.device
     key = (id(position_ids), str(dev))
     got = _recent.get(key)
@@ -435,7 +437,7 @@ def boundaries_for_ids(position_ids: torch.Tensor, device, validate: bool) -> Op
                 and (checked or not validate)):
             return bounds
     bounds = PackedBoundaries.resolve(position_ids=position_ids, device=dev, validate=validate)
-    if len(_recent) >= _RECENT_MAX:
-        _recent.pop(next(iter(_recent)))
+    if key not in _recent and len(_recent) >= _RECENT_MAX:
+        _recent.pop(next(iter(_recent), None), None)
     _recent[key] = (weakref.ref(position_ids), position_ids._version, tuple(position_ids.shape), bounds, validate)
     return bounds

@@ -636,7 +636,8 @@ def _storage_index(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict], key):
     def make():
         f = flat.to(torch.int64)
         return ((f // L) * s0 + (f % L) * s2)[..., None] + torch.arange(d, device=f.device) * s1
-    idx = make() if g is None else _cached(g, ("index", key, tuple(t.shape), tuple(t.stride())), make)
+    idx = make() if g is None else _cached(g, ("index", key, tuple(flat.shape), tuple(t.shape), tuple(t.stride())),
+                                           make)
     extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
     return t.as_strided((extent,), (1,)), idx
 

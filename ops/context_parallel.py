@@ -151,18 +151,21 @@ def _chunk_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
             "last": {"start": rows * L + last_start, "length": L - last_start}}
 
 
-_GEOMETRY = {"key": None, "ref": None, "value": None}
+_GEOMETRY = [None]   # (key, weakref to the position_ids, geometry) of the last step
 
 
 def _step_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
     """:func:`_chunk_geometry`, made once per batch: every layer of a step gets the same ``position_ids`` tensor,
-    and its geometry (with the indices the layers' gathers and scatters cache in it) is reused."""
+    and its geometry (with the indices the layers' gathers and scatters cache in it) is reused while that tensor is
+    alive and unchanged (its version). Made per call under ``torch.compile`` and for inference tensors."""
+    if torch.compiler.is_compiling() or pos.is_inference():
+        return _chunk_geometry(pos, rank, world)
     key = (rank, world, pos._version, tuple(pos.shape), pos.device)
-    ref = _GEOMETRY["ref"]
-    if _GEOMETRY["key"] == key and ref is not None and ref() is pos:
-        return _GEOMETRY["value"]
+    last = _GEOMETRY[0]   # (one read: another thread may replace it)
+    if last is not None and last[0] == key and last[1]() is pos:
+        return last[2]
     value = _chunk_geometry(pos, rank, world)
-    _GEOMETRY.update(key=key, ref=weakref.ref(pos), value=value)
+    _GEOMETRY[0] = (key, weakref.ref(pos), value)
     return value
 
 

@@ -262,3 +262,43 @@ def test_gpu_pieces_in_one_step_match_the_whole_document(fused):
     got = torch.autograd.grad((got_doc * gout).sum(), [doc] + params)
     for (name, _), x, y in zip([("doc", None)] + list(layer.named_parameters()), got, want):
         assert rel(x, y) <= 1e-5, (name, rel(x, y))
+
+
+def test_layers_of_different_conv_widths_share_a_step(seed):
+    """One CarryStep's geometry (and the gather / scatter indices it keeps) serves layers whose conv widths differ: the
+    fused mixer equals the composed one for each (widths 4, 3, 2 in one stack)."""
+    from ops.carry import carried_mamba_inner
+    torch.manual_seed(seed)
+    layers = [ops.PackedMamba(8, d_state=4, d_conv=w, layer_idx=i, dtype=F64) for i, w in enumerate((4, 3, 2))]
+    b1 = _batch(_FIRST, None)
+    b2 = _batch(_SECOND["from_cache"], None)
+    h1, h2 = torch.randn(1, 16, 8, dtype=F64), torch.randn(4, 16, 8, dtype=F64)
+    res = {}
+    for fused in (True, False):
+        cache = ops.StateCache()
+        step = cache.step(b1)
+        for layer in layers:
+            carried_mamba_inner(layer, h1, b1["position_ids"], step, fused=fused)
+        cache.commit()
+        step = ops.CarryStep(b2, cache)
+        res[fused] = [carried_mamba_inner(layer, h2, b2["position_ids"], step, fused=fused) for layer in layers]
+    for a, b in zip(res[True], res[False]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_inference_mode_runs_the_composed_and_the_fused_paths():
+    """Tensors made under torch.inference_mode keep no version counter: the cached boundaries and geometry are not
+    used for them, and the layers run as before."""
+    torch.manual_seed(0)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    h = torch.randn(1, 8, 8, dtype=F64)
+    for fast in (True, False):
+        m = ops.PackedMamba(8, d_state=4, layer_idx=0, dtype=F64, use_fast_path=fast)
+        want = m(h, position_ids=pos)
+        with torch.inference_mode():
+            got = m(h, position_ids=pos.clone())
+        torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+    with torch.inference_mode():
+        from ops.context_parallel import _step_geometry
+        g = _step_geometry((torch.arange(6) + 6).expand(2, 6), 1, 2)
+    assert bool(g["cont"].all())
