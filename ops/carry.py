@@ -623,7 +623,9 @@ class CarriedMambaInnerFn(torch.autograd.Function):
 def _storage_index(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict], key):
     """(t's elements as one 1-D view over its storage, the index (flat.shape + (d,)) of tokens ``flat`` of t (b, d,
     L) in it), or None where t's strides overlap. The index is kept in ``g`` per (key, shape, strides): made once a
-    step, not once a layer."""
+    step, not once a layer. None under ``torch.compile`` (the plain indexing, which it traces)."""
+    if torch.compiler.is_compiling():
+        return None
     order = sorted(range(t.dim()), key=lambda i: t.stride(i))
     span = 1
     for i in order:
