@@ -412,6 +412,27 @@ class PackedBoundaries:
         return self.position_ids
 
 
+def resolve_for_op(what: str, position_ids: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor],
+                   boundaries: Optional["PackedBoundaries"], batch: int, seqlen: int, device, validate: bool):
+    """The functional ops' one rule for their boundaries: ``(position_ids int32, seq_idx, validate, boundaries)``.
+    ``boundaries=`` as given (checked against the inputs; no validation again); a ``position_ids`` tensor alone
+    through :func:`boundaries_for_ids` (resolved once per tensor); else converted per call (``validate`` as given);
+    neither: each row one sequence. ``validate`` stays on for the ids given as ``position_ids`` (the states' count
+    is checked against them)."""
+    given = boundaries is not None
+    if (not given and position_ids is not None and seq_idx is None
+            and tuple(position_ids.shape) == (batch, seqlen)):   # the same ids again: resolved once
+        boundaries = boundaries_for_ids(position_ids, device, validate)
+        position_ids = None if boundaries is not None else position_ids
+    if boundaries is not None:
+        pos = boundaries.check(what, batch, seqlen, device, position_ids, seq_idx)
+        return pos, boundaries.seq_idx, validate and not given, boundaries
+    pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=device, validate=validate)
+    if pos is None:
+        pos = row_positions(batch, seqlen, device)
+    return pos, seq_idx, validate, None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # position_ids given to the functional ops call after call: resolved once per tensor
 

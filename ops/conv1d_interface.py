@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .boundaries import PackedBoundaries, boundaries_for_ids, resolve_position_ids, row_positions
+from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids
 from .states import check_state, sequence_spans
 from .contract import CONV_MASK_RUN, CONV_SLOT_STEPS, OP_TAGS, conv_mask_stride
 
@@ -435,18 +435,8 @@ def packed_causal_conv1d(
     weight = _norm_weight(weight, dim)
     if bias is not None and bias.shape != (dim,):
         raise ValueError(f"bias must be (dim={dim},), got {tuple(bias.shape)}")
-    given = boundaries is not None   # (the states' count is still checked for ids given as position_ids)
-    if (boundaries is None and position_ids is not None and seq_idx is None
-            and tuple(position_ids.shape) == (batch, seqlen)):   # the same ids again: resolved once
-        boundaries = boundaries_for_ids(position_ids, x.device, validate)
-        position_ids = None if boundaries is not None else position_ids
-    if boundaries is not None:
-        pos = boundaries.check("packed_causal_conv1d", batch, seqlen, x.device, position_ids, seq_idx)
-        seq_idx, validate = boundaries.seq_idx, validate and not given
-    else:
-        pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=x.device, validate=validate)
-        if pos is None:
-            pos = row_positions(batch, seqlen, x.device)
+    pos, seq_idx, validate, boundaries = resolve_for_op("packed_causal_conv1d", position_ids, seq_idx, boundaries,
+                                                        batch, seqlen, x.device, validate)
     xk = kernel_layout(x)
     args = (xk, weight, bias, pos, activation == "silu")
     mask = runmask_for(xk, weight, pos) if boundaries is None else _cached_runmask(boundaries, xk, weight)

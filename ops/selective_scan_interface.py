@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .boundaries import PackedBoundaries, boundaries_for_ids, resolve_position_ids, row_positions
+from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids
 from .states import check_state, state_slots
 from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
                        scan_chunks, scan_fwd_segments)
@@ -688,18 +688,8 @@ def packed_selective_scan(
     for name, v in (("D", D), ("delta_bias", delta_bias)):
         if v is not None and v.shape != (dim,):
             raise ValueError(f"{name} must be (dim={dim},), got {tuple(v.shape)}")
-    given = boundaries is not None   # (the states' count is still checked for ids given as position_ids)
-    if (boundaries is None and position_ids is not None and seq_idx is None
-            and tuple(position_ids.shape) == (batch, seqlen)):   # the same ids again: resolved once
-        boundaries = boundaries_for_ids(position_ids, u.device, validate)
-        position_ids = None if boundaries is not None else position_ids
-    if boundaries is not None:
-        pos = boundaries.check("packed_selective_scan", batch, seqlen, u.device, position_ids, seq_idx)
-        validate = validate and not given
-    else:
-        pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=u.device, validate=validate)
-        if pos is None:
-            pos = row_positions(batch, seqlen, u.device)
+    pos, seq_idx, validate, boundaries = resolve_for_op("packed_selective_scan", position_ids, seq_idx, boundaries,
+                                                        batch, seqlen, u.device, validate)
     args = (_last_dim_contiguous(u), _last_dim_contiguous(delta), _fp32(A), _last_dim_contiguous(B),
             _last_dim_contiguous(C), _fp32(D), _last_dim_contiguous(z), _fp32(delta_bias), pos, bool(delta_softplus))
     if initial_state is not None or output_final_state:
