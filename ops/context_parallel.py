@@ -142,8 +142,7 @@ def _chunk_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
     slots[0, :, 0] = torch.where(cont, rows, torch.full_like(rows, -1)).to(torch.int32)
     if rank < world - 1:
         slots[1, :, L - 1] = rows.to(torch.int32)
-    return {"pos": local.contiguous(), "cont": cont, "row_start": rows * L, "first_len": first_len,
-            "last_start": rows * L + last_start, "last_len": L - last_start, "slots": slots.contiguous(),
+    return {"pos": local.contiguous(), "slots": slots.contiguous(),
             # the fused mixer's token geometry (ops.carry's helpers; their gather/scatter indices are kept in these
             # dicts, so made once a step): each row's first sequence, spliced from the received conv inputs ...
             "first": {"start": rows * L, "length": first_len, "has": cont},

@@ -301,4 +301,4 @@ def test_inference_mode_runs_the_composed_and_the_fused_paths():
     with torch.inference_mode():
         from ops.context_parallel import _step_geometry
         g = _step_geometry((torch.arange(6) + 6).expand(2, 6), 1, 2)
-    assert bool(g["cont"].all())
+    assert bool(g["first"]["has"].all())
