@@ -35,7 +35,7 @@ import ops  # noqa: E402
 from packloader import PackedDataLoader  # noqa: E402
 
 # the model and the demo corpus of the single-GPU example beside this file (its TinyMambaLM: ops.PackedMamba blocks)
-from train_packed_mamba import TinyMambaLM, demo_shards  # noqa: E402
+from train_packed_mamba import TinyMambaLM, demo_source  # noqa: E402
 
 
 def main(argv=None):
@@ -79,11 +79,7 @@ def main(argv=None):
 
     source = args.data
     if source is None:
-        if rank == 0:
-            source = demo_shards(args.workdir)
-        if world > 1:
-            dist.barrier()   # rank 0 tokenized; the others read the finished shards (a second writer would wait)
-        source = os.path.join(args.workdir, "tokens", "shard-*.arrow")
+        source = demo_source(args.workdir, rank, dist.barrier if world > 1 else None)
     loader = PackedDataLoader(source, capacity=args.capacity, overflow="split", batch_size=args.batch_size,
                               seed=args.seed, context_parallel_size=cp if world > 1 else 1)
 

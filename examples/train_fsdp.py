@@ -43,8 +43,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from packloader import PackedDataLoader  # noqa: E402
+from train_packed_mamba import demo_source  # noqa: E402  (the demo shards, shared with the other examples)
 
 IGNORE_INDEX = -100
 
@@ -137,17 +139,6 @@ def load_checkpoint(path: str, model, opt, loader) -> int:
     return int(saved["step"])
 
 
-def demo_shards(workdir: str) -> str:
-    """The GSM8K sample embedded in packloader, tokenized (prompt masked) into Arrow shards, once."""
-    from packloader import prepare_jsonl
-    from packloader.demo import CORPUS, TOKENIZER, data_path
-
-    out = os.path.join(workdir, "tokens")
-    prepare_jsonl(data_path(CORPUS), out, tokenizer=data_path(TOKENIZER), mask_prompt=True, shard_size=500,
-                  limit=2000, quiet=True)
-    return os.path.join(out, "shard-*.arrow")
-
-
 def init_distributed(device_arg: str):
     """torchrun's process group (or a one-process group without torchrun); returns (rank, world, device)."""
     if "cuda" in device_arg and not torch.cuda.is_available():
@@ -207,10 +198,7 @@ def main(argv=None) -> int:
 
     source = args.data
     if source is None:
-        if rank == 0:
-            demo_shards(args.workdir)
-        dist.barrier()  # rank 0 tokenized; every rank reads the finished shards (no second prepare run)
-        source = os.path.join(args.workdir, "tokens", "shard-*.arrow")
+        source = demo_source(args.workdir, rank, dist.barrier)
     prepacked = os.path.isfile(os.path.join(source, "index.json"))
     loader = PackedDataLoader(source, capacity=None if prepacked else args.capacity, batch_size=args.batch_size,
                               seed=args.seed, num_workers=args.num_workers, pin_memory=device.type == "cuda",

@@ -89,6 +89,17 @@ def demo_shards(workdir: str) -> str:
     return os.path.join(out, "shard-*.arrow")
 
 
+def demo_source(workdir: str, rank: int = 0, barrier=None) -> str:
+    """The demo shards for every rank of a run: rank 0 tokenizes them (:func:`demo_shards`), the others wait at
+    ``barrier`` (e.g. ``dist.barrier``; None for one process) and read what rank 0 wrote. Only rank 0 runs the
+    preparation: a second run into the same directory at the same time is refused by its lock."""
+    if rank == 0:
+        demo_shards(workdir)
+    if barrier is not None:
+        barrier()
+    return os.path.join(workdir, "tokens", "shard-*.arrow")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -130,11 +141,7 @@ def main(argv=None):
     # -- data ----------------------------------------------------------------------------------------
     source = args.data
     if source is None:
-        if rank == 0:
-            source = demo_shards(args.workdir)
-        if distributed:
-            dist.barrier()  # rank 0 tokenized; the others read the finished shards (no second prepare run)
-        source = os.path.join(args.workdir, "tokens", "shard-*.arrow")
+        source = demo_source(args.workdir, rank, dist.barrier if distributed else None)
     prepacked = os.path.isfile(os.path.join(source, "index.json"))
     loader = PackedDataLoader(
         source,

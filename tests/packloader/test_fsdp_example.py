@@ -88,7 +88,7 @@ def launch(tmp_path, world: int, argv: list, tag: str) -> list[tuple[int, str, i
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdp")
-    _example().demo_shards(str(d / "work"))  # tokenized once, before any fork
+    _example().demo_source(str(d / "work"))  # tokenized once, before any fork
     return str(d / "work")
 
 
@@ -160,3 +160,28 @@ def test_fsdp_example_on_two_gpus_bf16(workdir, tmp_path):
     assert [s for s, _, _ in rest] == [3, 4]
     for (s, a, _), (_, b, _) in zip(rest, two[2:]):
         assert abs(a - b) <= 2e-3 * abs(a), (s, a, b)
+
+
+def test_only_rank_0_prepares_the_demo_shards(tmp_path, monkeypatch):
+    """Two ranks (threads here, a barrier between them): rank 0 runs the preparation, the other waits and reads the
+    same shards; a second preparation into the same directory at the same time is what the lock refuses (on 2 GPUs
+    every rank used to run it after the barrier)."""
+    import sys
+    import threading
+    _example()   # puts examples/ on the path
+    shared = sys.modules["train_packed_mamba"]
+    calls = []
+    monkeypatch.setattr(shared, "demo_shards", lambda workdir: calls.append(threading.current_thread().name))
+    barrier = threading.Barrier(2)
+    got = {}
+
+    def rank(r):
+        got[r] = shared.demo_source(str(tmp_path), r, barrier.wait)
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert calls == ["rank0"]
+    assert got[0] == got[1] == str(tmp_path / "tokens" / "shard-*.arrow")
