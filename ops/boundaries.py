@@ -265,8 +265,10 @@ def resolve_position_ids(
         batch, seqlen: the expected shape (checked when given).
         device: move the result there (e.g. the activations' device).
         validate: check ``position_ids`` (one reduction, a host sync) and, when both forms are given, that
-            they describe the same boundaries. Skipped under ``torch.compile``. Call this once per step, where
-            the boundaries enter the model, and hand the result down with ``validate=False``.
+            they describe the same boundaries. Skipped under ``torch.compile``, and for a ``position_ids`` tensor
+            already checked here while it is alive and unchanged (a stack of layers handed the same ids checks
+            them once). Call this once per step, where the boundaries enter the model, and hand the result down
+            with ``validate=False``.
 
     Returns:
         int32 contiguous (batch, seqlen) tensor (the input itself when it already is one), or None when
@@ -287,10 +289,12 @@ def resolve_position_ids(
                 raise BoundaryError(
                     f"position_ids {tuple(position_ids.shape)} and seq_idx {tuple(seq_idx.shape)} have different shapes"
                 )
-        if check:
+        if check and not (seq_idx is None and _validated_before(position_ids)):
             validate_position_ids(pos)
             if seq_idx is not None:
                 _check_agree(pos, seq_idx)
+            else:
+                _remember_validated(position_ids)
     else:
         pos = seq_idx_to_position_ids(seq_idx)
     if batch is not None and seqlen is not None and tuple(pos.shape) != (batch, seqlen):
@@ -300,6 +304,31 @@ def resolve_position_ids(
     if device is not None and pos.device != torch.device(device):
         pos = pos.to(device)
     return pos
+
+
+# A stack of layers, each resolving the same position_ids (ops.PackedMamba with validate_boundaries on, the
+# functional ops' position_ids=): the ids are checked once, at the first layer, not once a layer (each check is a
+# host sync that stops the host from running ahead of the GPU). Keyed by the tensor given, while it is alive and
+# unchanged (its _version); none under torch.compile (no check there) or for inference tensors (no version).
+_VALIDATED_MAX = 8
+_validated: dict = {}   # id -> (weakref to the ids, their _version, shape)
+
+
+def _validated_before(position_ids: torch.Tensor) -> bool:
+    if position_ids.is_inference():
+        return False
+    got = _validated.get(id(position_ids))
+    return (got is not None and got[0]() is position_ids and got[1] == position_ids._version
+            and got[2] == tuple(position_ids.shape))
+
+
+def _remember_validated(position_ids: torch.Tensor) -> None:
+    if position_ids.is_inference():
+        return
+    key = id(position_ids)
+    if key not in _validated and len(_validated) >= _VALIDATED_MAX:
+        _validated.pop(next(iter(_validated)), None)
+    _validated[key] = (weakref.ref(position_ids), position_ids._version, tuple(position_ids.shape))
 
 
 def resolve_boundaries(

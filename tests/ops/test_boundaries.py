@@ -251,6 +251,35 @@ def test_resolve_sees_in_place_changes():
         resolve_position_ids(bad)
 
 
+def test_resolve_checks_the_same_ids_once_for_a_stack_of_layers(monkeypatch):
+    """A stack of ops.PackedMamba layers (each resolving with validate_boundaries on) handed one position_ids tensor
+    checks it at the first layer only (each check is a host sync); changed in place it is checked again, and an
+    invalid change is refused; ids resolved without a check are checked when a layer asks."""
+    import importlib
+    mod = importlib.import_module("ops.boundaries")
+    checks = []
+    real = mod.validate_position_ids
+    monkeypatch.setattr(mod, "validate_position_ids", lambda *a, **k: checks.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    layers = [ops.PackedMamba(16, d_state=4, d_conv=4, expand=2, use_fast_path=False, layer_idx=i) for i in range(3)]
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0]])
+    h = torch.randn(1, 8, 16)
+    for layer in layers:
+        h = h + layer(h, position_ids=pos)
+    assert len(checks) == 1
+    pos[0, 6] = 0                                   # a valid change: checked again, once
+    for layer in layers:
+        layer(h, position_ids=pos)
+    assert len(checks) == 2
+    pos[0, 2] = 7                                   # invalid: refused at the first layer
+    with pytest.raises(BoundaryError):
+        layers[0](h, position_ids=pos)
+    fresh = torch.tensor([[0, 2]])
+    resolve_position_ids(fresh, validate=False)     # resolved unchecked: a checking call still checks
+    with pytest.raises(BoundaryError):
+        resolve_position_ids(fresh)
+
+
 def test_resolve_boundaries_all_three_forms():
     rows = [[3, 1, 2], [6]]
     pos, seq, cu = forms_from_lengths(rows)
@@ -375,7 +404,8 @@ def test_position_ids_given_again_are_checked_once_and_again_after_a_change(monk
     outputs equal those with boundaries=."""
     import importlib
     pos, x, w, bias, sc = _packed_inputs()
-    want = ops.packed_causal_conv1d(x, w, bias, "silu", boundaries=ops.PackedBoundaries.resolve(position_ids=pos))
+    want = ops.packed_causal_conv1d(x, w, bias, "silu",
+                                    boundaries=ops.PackedBoundaries.resolve(position_ids=pos.clone()))
     mod = importlib.import_module("ops.boundaries")
     checks = []
     real = mod.validate_position_ids
