@@ -12,8 +12,9 @@ Parts (``--parts``, default all):
 - ``scaling``: a residual stack of ``PackedMamba`` layers with RMS norms (``--layers``, ``--d-model``; 48 x 2048 is
   the 1.4B width) on one sequence of ``N x L`` tokens over ``N`` GPUs, forward + backward (bf16 autocast, fp32
   weights): tokens/s per GPU against one GPU at ``L`` tokens with the plain (non-CP) packed model.
-- ``reach``: the longest sequence that trains (forward + backward) on 1 and on 4 GPUs at the same width: peak memory
-  measured at two lengths, the longest length predicted from it, then run to confirm (and stepped down until it does).
+- ``reach``: the longest sequence that trains (forward + backward) on 1 and on 4 GPUs (2 on a 2-GPU machine) at the
+  same width: peak memory measured at two lengths, the longest length predicted from it, then run to confirm (and
+  stepped down until it does).
 
 Writes ``context_parallel.json`` into ``--out`` and prints the tables. Needs ``N`` GPUs for the ``N``-GPU rows.
 """
@@ -168,7 +169,8 @@ def _trace_step(args, model, h, pos, label, n, rank, group):
     from _trace import trace_call
 
     dist.barrier(group=group)
-    path = os.path.join(args.trace_dir, f"cp{n}_rank{rank}.json.gz")
+    slug = "plain" if label.startswith("one GPU") else f"cp{n}"
+    path = os.path.join(args.trace_dir, f"{slug}_rank{rank}.json.gz")
 
     def step():
         _step(model, h, pos, torch.bfloat16)
@@ -256,8 +258,9 @@ def part_reach(args, rank, world, groups):
     rows = []
     model = _model(args, args.d_model, args.layers)
     cap = torch.cuda.get_device_properties(0).total_memory / 2**30
+    top = 4 if world >= 4 else 2   # the most GPUs measured: 4, or 2 where the machine has 2 or 3
     configs = [(1, "one GPU (no CP)", None, False), (1, "CP over 1, recompute", 1, True),
-               (4, "CP over 4", 4, False), (4, "CP over 4, recompute", 4, True)]
+               (top, f"CP over {top}", top, False), (top, f"CP over {top}, recompute", top, True)]
     for n, label, cp, recompute in configs:
         if n > world:
             continue
@@ -282,11 +285,11 @@ def part_reach(args, rank, world, groups):
                          "longest_trained_tokens": got})
             _set_cp(model, None)
         dist.barrier()
-    best = {n: max((r["longest_trained_tokens"] or 0 for r in rows if r["gpus"] == n), default=0) for n in (1, 4)}
+    best = {n: max((r["longest_trained_tokens"] or 0 for r in rows if r["gpus"] == n), default=0) for n in (1, top)}
     plain = next((r["longest_trained_tokens"] for r in rows if r["mode"] == "one GPU (no CP)"), None)
-    return {"d_model": args.d_model, "layers": args.layers, "gpu_gib": cap, "rows": rows,
-            "four_over_one_best": best[4] / best[1] if best[1] and best[4] else None,
-            "four_over_one_plain": best[4] / plain if plain and best[4] else None}
+    return {"d_model": args.d_model, "layers": args.layers, "gpu_gib": cap, "rows": rows, "gpus": top,
+            "most_over_one_best": best[top] / best[1] if best[1] and best[top] else None,
+            "most_over_one_plain": best[top] / plain if plain and best[top] else None}
 
 
 def main():
@@ -354,8 +357,8 @@ def _print(res):
         print("| ---: | --- | ---: | ---: |")
         for row in r["rows"]:
             print(f"| {row['gpus']} | {row['mode']} | {row['gib_per_1k_tokens']:.3f} | {row['longest_trained_tokens']} |")
-        print(f"4 GPUs over 1: {r['four_over_one_best']} (best of each), {r['four_over_one_plain']} (over the plain "
-              "one-GPU model)")
+        print(f"{r['gpus']} GPUs over 1: {r['most_over_one_best']} (best of each), {r['most_over_one_plain']} (over "
+              "the plain one-GPU model)")
 
 
 if __name__ == "__main__":
