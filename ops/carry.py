@@ -221,22 +221,32 @@ class CarryStep:
         mixer)."""
         self._ran = True
         sdt = torch.float64 if dtype == torch.float64 else torch.float32
-        conv = torch.zeros((self.num_slots,) + tuple(conv_shape), dtype=dtype, device=device)
-        ssm = torch.zeros((self.num_slots,) + tuple(ssm_shape), dtype=sdt, device=device)
-        for k, src in enumerate(self.source):
+        conv_shape, ssm_shape = tuple(conv_shape), tuple(ssm_shape)
+        zc, zs = None, None
+        convs, ssms = [], []
+        for k, src in enumerate(self.source):   # one stack per state: the cached ones, zeros for the others
             if src == "cache":
                 got = self.cache.get(int(self.doc_ids[k]), layer)
                 if got is None:
                     raise CarryError(f"the state cache holds document {int(self.doc_ids[k])} but not layer {layer}: "
                                      "was it filled by another model?")
                 c, s = got
-                if tuple(c.shape) != tuple(conv_shape) or tuple(s.shape) != tuple(ssm_shape):
+                if tuple(c.shape) != conv_shape or tuple(s.shape) != ssm_shape:
                     raise CarryError(f"cached state of document {int(self.doc_ids[k])}, layer {layer}: shapes "
-                                     f"{tuple(c.shape)} / {tuple(s.shape)}, the layer takes {tuple(conv_shape)} / "
-                                     f"{tuple(ssm_shape)}")
-                conv[k] = c.to(device=device, dtype=dtype)
-                ssm[k] = s.to(device=device, dtype=sdt)
-        return conv, ssm
+                                     f"{tuple(c.shape)} / {tuple(s.shape)}, the layer takes {conv_shape} / "
+                                     f"{ssm_shape}")
+                convs.append(c.to(device=device, dtype=dtype))
+                ssms.append(s.to(device=device, dtype=sdt))
+            else:
+                if zc is None:
+                    zc = torch.zeros(conv_shape, dtype=dtype, device=device)
+                    zs = torch.zeros(ssm_shape, dtype=sdt, device=device)
+                convs.append(zc)
+                ssms.append(zs)
+        if not convs:
+            return (torch.zeros((0,) + conv_shape, dtype=dtype, device=device),
+                    torch.zeros((0,) + ssm_shape, dtype=sdt, device=device))
+        return torch.stack(convs), torch.stack(ssms)
 
     def keep(self, layer: int, conv_final: torch.Tensor, ssm_final: torch.Tensor) -> None:
         """This layer's final states of the pieces that continue in a later step (detached; kept by the cache at the
@@ -353,6 +363,17 @@ def _splice_geometry(g: dict, k: int):
     return _cached(g, ("splice", k), make)
 
 
+def _splice_selected(g: dict, k: int):
+    """(flat index (m,) of the tokens the conv's states change: each continued slot's first min(k, length) tokens,
+    their rows (m,) in the (K * k) flattened (slot, j) pairs of :func:`_splice_geometry`): made once a step (one
+    nonzero)."""
+    def make():
+        flat, valid = _splice_geometry(g, k)
+        sel = valid.reshape(-1).nonzero().squeeze(1)
+        return flat.reshape(-1).index_select(0, sel), sel
+    return _cached(g, ("splice_sel", k), make)
+
+
 def _final_geometry(g: dict, k: int):
     """(flat index (K, k) of each slot's last k tokens, inside (K, k): the token belongs to the slot)."""
     def make():
@@ -365,7 +386,8 @@ def _final_geometry(g: dict, k: int):
 
 def _finals_from(xf: torch.Tensor, inside, conv_init, g, k):
     """Each slot's last k inputs (K, d, k) from its gathered tokens ``xf`` (K, k, d), its initial state before it."""
-    idx = (g["length"][:, None] + torch.arange(k, device=xf.device)).clamp(max=k - 1)[:, None, :]
+    idx = _cached(g, ("finals_idx", k), lambda: (g["length"][:, None] + torch.arange(k, device=xf.device))
+                  .clamp(max=k - 1)[:, None, :])
     before = torch.where(g["has"][:, None, None], conv_init.gather(2, idx.expand(-1, conv_init.shape[1], -1)), 0.0)
     return torch.where(inside[:, None, :], xf.permute(0, 2, 1), before.to(xf.dtype))
 
@@ -403,8 +425,7 @@ def _splice_backward(xg, conv_init, cw, cb, gvals, init_grad=False):
     pre = (win * w[None, :, None, :]).sum(-1)
     if cb is not None:
         pre = pre + cb.to(ct)[None, :, None]
-    sig = torch.sigmoid(pre)
-    dpre = gvals * sig * (1 + pre * (1 - sig))                                    # (K, d, k)
+    dpre = torch.ops.aten.silu_backward(gvals, pre)                               # (K, d, k)
     dw = (win * dpre[..., None]).sum((0, 2))                                      # (d, k + 1)
     # d ext_m = sum_j dpre_j w_{m - j} (the xg half m >= k; the conv_init half m < k where asked)
     padded = F.pad(dpre, (k, k))                                                  # (K, d, 3k)
@@ -587,8 +608,7 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         # conv: the spliced outputs' gradient goes through the states' small recomputation, the rest to the kernel
         flat, valid = _splice_geometry(g, k)
         dtok = _tokens_of(dxc, flat, g, "splice")                                # (K, k, d)
-        has3 = g["has"][:, None, None]
-        _put_tokens(dxc, flat, torch.where(valid[..., None] | has3, 0.0, dtok).to(dxc.dtype), g=g, key="splice")
+        _zero_spliced(dxc, g, k)
         dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
         dx = dx.contiguous()
         ct = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -662,7 +682,7 @@ def _row_picker(g: dict):
 def _conv_with_states(x, cw, cb, pos, runmask, conv0, g, k):
     """(xc, conv_final, spliced): the conv kernel's output with each continued slot's first k outputs recomputed from
     its state (the states chained through the batch), every slot's last k inputs, and the values written into xc
-    (K, k, d: what :func:`_conv_respliced` writes again in the backward)."""
+    (m, d: what :func:`_conv_respliced` writes again in the backward)."""
     fflat, inside = _final_geometry(g, k)
     xf = _tokens_of(x, fflat, g, "final")
     conv_init = _conv_chain(xf, inside, conv0, g, k)
@@ -676,21 +696,32 @@ def _conv_respliced(x, cw, cb, pos, runmask, spliced, g, k):
     spliced in (saved, a few tokens a slot) written again: one scatter, no recomputation of the states."""
     xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
     if spliced is not None:
-        flat, _ = _splice_geometry(g, k)
-        _put_tokens(xc, flat, spliced, g=g, key="splice")
+        _put_tokens(xc, _splice_selected(g, k)[0], spliced, g=g, key="splice_sel")
     return xc
 
 
 def _splice_conv_states(xc, x, cw, cb, conv_init, g, k):
     """In place: the conv output ``xc`` with the first k outputs of every slot that has a state (``g["has"]``)
-    recomputed from ``[conv_init, its first k inputs]`` (silu applied); returns the values written (K, k, d)."""
-    flat, valid = _splice_geometry(g, k)
+    recomputed from ``[conv_init, its first k inputs]`` (silu applied); returns the values written (m, d), one row
+    per token of :func:`_splice_selected`."""
+    flat, _ = _splice_geometry(g, k)
     vals = _splice_values(_tokens_of(x, flat, g, "splice"), conv_init, cw, cb, xc.dtype)       # (K, d, k)
-    first = torch.where(g["has"][:, None, None], vals[..., :1],
-                        _tokens_of(xc, g["start"][:, None], g, "first").permute(0, 2, 1))
-    spliced = torch.where(valid[:, None, :], vals, first).permute(0, 2, 1)
-    _put_tokens(xc, flat, spliced, g=g, key="splice")
+    flat_sel, sel = _splice_selected(g, k)
+    spliced = vals.permute(0, 2, 1).reshape(-1, vals.shape[1]).index_select(0, sel)          # (m, d)
+    _put_tokens(xc, flat_sel, spliced, g=g, key="splice_sel")
     return spliced
+
+
+def _zero_spliced(t: torch.Tensor, g: dict, k: int) -> None:
+    """In place: ``t`` (b, d, L) zero at the tokens the conv's states changed (their gradient goes through the states'
+    closed-form backward, not the conv kernel's)."""
+    flat_sel, _ = _splice_selected(g, k)
+    got = _storage_index(t, flat_sel, g, "splice_sel")
+    if got is not None:
+        got[0].index_fill_(0, got[1].reshape(-1), 0)
+        return
+    L = t.shape[2]
+    t.permute(0, 2, 1).index_put_((flat_sel // L, flat_sel % L), t.new_zeros(()))
 
 
 def _chain_backward(dinit, P_all, ssm_init, g):

@@ -216,7 +216,7 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, d_final, d_tail):
         from .carry import (_conv_respliced, _final_geometry, _fused_grads, _put_tokens, _splice_backward,
-                            _splice_geometry, _tokens_of)
+                            _splice_geometry, _tokens_of, _zero_spliced)
         from .mamba_inner import _bmm_w, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
          Cm, D, delta_bias, saved, runmask, conv0, ssm0, spliced) = ctx.saved_tensors
@@ -240,8 +240,7 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         if conv0 is not None:   # the spliced outputs' gradient goes through their closed-form backward, not the kernel's
             flat, valid = _splice_geometry(first, k)
             dtok = _tokens_of(dxc, flat, first, "splice")                                    # (b, k, d)
-            _put_tokens(dxc, flat, torch.where(valid[..., None] | first["has"][:, None, None], 0.0, dtok)
-                        .to(dxc.dtype), g=first, key="splice")
+            _zero_spliced(dxc, first, k)
         dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, geo["pos"], True, dxc, runmask)
         dx = dx.contiguous()
         dconv0 = None

@@ -343,3 +343,27 @@ def test_a_runmask_of_the_wrong_shape_is_refused_on_every_implementation():
             torch.ops.packloader.causal_conv1d_fwd(x, w, None, pos, True, bad)
         with pytest.raises(ValueError, match="runmask must be packloader::conv_runmask"):
             torch.ops.packloader.causal_conv1d_bwd(x, w, None, pos, True, torch.randn(2, 3, 20), bad)
+
+
+def test_runmask_is_made_once_per_position_ids_tensor(monkeypatch):
+    """The mixers of a model's layers, handed the same position_ids, share one run mask (made at the first layer);
+    a change in place or another tensor makes a new one; none where the kernels read no mask."""
+    import importlib
+    mod = importlib.import_module("ops.conv1d_interface")
+    made = []
+    real = mod.conv_runmask
+    monkeypatch.setattr(mod, "conv_runmask", lambda pos: made.append(1) or real(pos))
+    monkeypatch.setattr(mod, "_reads_runmask", lambda x, w: True)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]], dtype=torch.int32)
+    x, w = torch.randn(1, 4, 8), torch.randn(4, 4)
+    first = mod.runmask_for(x, w, pos)
+    assert all(mod.runmask_for(x, w, pos) is first for _ in range(3)) and len(made) == 1
+    torch.testing.assert_close(first, real(pos), rtol=0, atol=0)
+    pos[0, 4] = 0                                   # changed in place: a new mask, for the new ids
+    again = mod.runmask_for(x, w, pos)
+    assert len(made) == 2 and again is not first
+    torch.testing.assert_close(again, real(pos), rtol=0, atol=0)
+    mod.runmask_for(x, w, pos.clone())              # another tensor (equal ids): its own mask
+    assert len(made) == 3
+    monkeypatch.setattr(mod, "_reads_runmask", lambda x, w: False)
+    assert mod.runmask_for(x, w, pos) is None
