@@ -7,7 +7,8 @@
 #
 # Jobs: context parallelism over all the GPUs (exactness, scaling with a profiled step per rank, reach; the
 # NCCL tests on 2 and 4 GPUs), the carry's cost (2 and 4 rows, profiled), the functional ops against their kernels,
-# the FSDP example's 2-GPU test (unless SKIP_FSDP=1). Our kernels are built just in time; no upstream build (none of these needs mamba-ssm). packloader's
+# the FSDP example's 2-GPU test; SKIP_FSDP, SKIP_REACH, SKIP_FUNCTIONAL=1 leave a job out, GPU_TESTS names the
+# one-GPU tests run. Our kernels are built just in time; no upstream build (none of these needs mamba-ssm). packloader's
 # pure-Python dependencies the image lacks travel as wheels in .whl/ (name it in carry; see run.sh).
 set -u
 R=${1:?usage: multi_gpu.sh OUTDIR}
@@ -32,12 +33,13 @@ CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_long_context.py --pa
   --trace-dir "$R/traces/carry" --out "$R/long_context/cost_rows2.json" > "$R/carry_rows2.log" 2>&1; stamp carry2
 CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_long_context.py --parts cost --rows 4 --cost-steps 8 \
   --out "$R/long_context/cost_rows4.json" > "$R/carry_rows4.log" 2>&1; stamp carry4
-CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_ops.py --only functional --out "$R/ops_functional.json" \
-  > "$R/ops_functional.log" 2>&1; stamp functional
-CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/ops/test_carry.py \
-  tests/ops/test_boundaries.py > "$R/gpu_tests_carry.log" 2>&1; stamp gpu_tests_carry
+[ -n "${SKIP_FUNCTIONAL:-}" ] || { CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_ops.py --only functional \
+  --out "$R/ops_functional.json" > "$R/ops_functional.log" 2>&1; stamp functional; }
+CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+  ${GPU_TESTS:-tests/ops/test_carry.py tests/ops/test_boundaries.py} > "$R/gpu_tests_carry.log" 2>&1
+stamp "gpu_tests $(tail -1 "$R/gpu_tests_carry.log")"
 [ -n "${SKIP_FSDP:-}" ] || { timeout 120 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
   tests/packloader/test_fsdp_example.py > "$R/fsdp_tests.log" 2>&1; stamp fsdp_tests; }
-timeout 300 torchrun --nproc_per_node $N benchmarks/bench_context_parallel.py --parts reach \
-  --out "$R/context_parallel_reach" 2>&1 | grep -v "$quiet" > "$R/cp_reach.log"; stamp cp_reach
+[ -n "${SKIP_REACH:-}" ] || { timeout 300 torchrun --nproc_per_node $N benchmarks/bench_context_parallel.py \
+  --parts reach --out "$R/context_parallel_reach" 2>&1 | grep -v "$quiet" > "$R/cp_reach.log"; stamp cp_reach; }
 stamp done
