@@ -8,7 +8,8 @@
 # Jobs: context parallelism over all the GPUs (exactness, scaling with a profiled step per rank, reach; the
 # NCCL tests on 2 and 4 GPUs), the carry's cost (2 and 4 rows, profiled), the functional ops against their kernels,
 # the FSDP example's 2-GPU test; SKIP_FSDP, SKIP_REACH, SKIP_FUNCTIONAL=1 leave a job out, GPU_TESTS names the
-# one-GPU tests run. Our kernels are built just in time; no upstream build (none of these needs mamba-ssm). packloader's
+# one-GPU tests run, COST_STEPS the carry cost's timed steps (default 8).
+# Our kernels are built just in time; no upstream build (none of these needs mamba-ssm). packloader's
 # pure-Python dependencies the image lacks travel as wheels in .whl/ (name it in carry; see run.sh).
 set -u
 R=${1:?usage: multi_gpu.sh OUTDIR}
@@ -29,9 +30,9 @@ timeout 300 torchrun --nproc_per_node $N benchmarks/bench_context_parallel.py --
 timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/ops/test_context_parallel.py \
   > "$R/cp_tests.log" 2>&1; stamp cp_tests
 # the carry's cost alone on the machine (host-bound modes slow down under a neighbour's CPU load): one after another
-CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_long_context.py --parts cost --rows 2 --cost-steps 8 \
+CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_long_context.py --parts cost --rows 2 --cost-steps ${COST_STEPS:-8} \
   --trace-dir "$R/traces/carry" --out "$R/long_context/cost_rows2.json" > "$R/carry_rows2.log" 2>&1; stamp carry2
-CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_long_context.py --parts cost --rows 4 --cost-steps 8 \
+CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_long_context.py --parts cost --rows 4 --cost-steps ${COST_STEPS:-8} \
   --out "$R/long_context/cost_rows4.json" > "$R/carry_rows4.log" 2>&1; stamp carry4
 [ -n "${SKIP_FUNCTIONAL:-}" ] || { CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_ops.py --only functional \
   --out "$R/ops_functional.json" > "$R/ops_functional.log" 2>&1; stamp functional; }
