@@ -181,7 +181,8 @@ class CarryStep:
         self._carried = torch.as_tensor(carried, dtype=torch.int64)
         self._num_sequences = num
         self._device_cache: Dict[torch.device, dict] = {}
-        self._finals: Dict[int, Dict[int, tuple]] = {}
+        self._store_slots = np.flatnonzero(self.store)
+        self._final_layers: Dict[int, tuple] = {}   # layer -> (conv_final, ssm_final) of every slot, detached
         self._ran = False   # a mixer read its states: the step's forward ran
 
     def geometry(self, device: torch.device) -> dict:
@@ -250,10 +251,19 @@ class CarryStep:
 
     def keep(self, layer: int, conv_final: torch.Tensor, ssm_final: torch.Tensor) -> None:
         """This layer's final states of the pieces that continue in a later step (detached; kept by the cache at the
-        next :meth:`StateCache.step`)."""
-        for k in np.flatnonzero(self.store):
-            self._finals.setdefault(int(self.doc_ids[k]), {})[layer] = (conv_final[k].detach(),
-                                                                         ssm_final[k].detach())
+        next :meth:`StateCache.step`): all slots' at once (two detaches a layer), split by document at the commit."""
+        if len(self._store_slots):
+            self._final_layers[layer] = (conv_final.detach(), ssm_final.detach())
+
+    @property
+    def _finals(self) -> Dict[int, Dict[int, tuple]]:
+        """{doc_id: {layer: (conv_state, ssm_state)}} of the pieces that continue after this step (views of the kept
+        per-layer states)."""
+        out: Dict[int, Dict[int, tuple]] = {}
+        for layer, (conv, ssm) in self._final_layers.items():
+            for k in self._store_slots:
+                out.setdefault(int(self.doc_ids[k]), {})[layer] = (conv[k], ssm[k])
+        return out
 
 
 def _middle_decays(step: CarryStep, g: dict, delta: torch.Tensor, dbias: torch.Tensor, A: torch.Tensor):
@@ -279,10 +289,10 @@ def _mixer_dims(mixer):
 
 
 def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, step: CarryStep,
-                        fused: Optional[bool] = None) -> torch.Tensor:
+                        fused: Optional[bool] = None, A: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Mamba-1 mixer (``mixer``: :class:`ops.PackedMamba` or transformers' ``MambaMixer``) on a batch with
     continuations: :class:`CarriedMambaInnerFn` (``fused``, default: the mixer's ``use_fast_path``, True for
-    transformers' mixer), else :func:`carried_mamba_inner_ref`."""
+    transformers' mixer), else :func:`carried_mamba_inner_ref`. ``A``: ``-exp(A_log)`` where the caller has it."""
     layer = mixer.layer_idx
     if layer is None:
         raise CarryError("a mixer that carries states needs a layer_idx (the key of its states in the cache)")
@@ -291,7 +301,8 @@ def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, s
     if not fused:
         return carried_mamba_inner_ref(mixer, hidden_states, pos, step)
     _, _, _, _, conv_bias, ssm_float = _mixer_dims(mixer)
-    A = -torch.exp(ssm_float(mixer.A_log))
+    if A is None:
+        A = -torch.exp(ssm_float(mixer.A_log))
     return CarriedMambaInnerFn.apply(
         hidden_states, mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, conv_bias, mixer.x_proj.weight,
         mixer.dt_proj.weight, mixer.out_proj.weight, mixer.out_proj.bias, A, ssm_float(mixer.D),
