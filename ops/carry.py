@@ -416,10 +416,11 @@ def _splice_values(xg, conv_init, cw, cb, out_dtype):
     """The first k outputs of every slot (K, d, k), silu applied, from ``[conv_init, its first k inputs]``."""
     k = cw.shape[1] - 1
     ct = torch.float64 if xg.dtype == torch.float64 else torch.float32
+    d = cw.shape[0]
     ext = torch.cat([conv_init.to(ct), xg.to(ct).permute(0, 2, 1)], -1)          # (K, d, 2k)
-    pre = (ext.unfold(-1, k + 1, 1) * cw.to(ct)[None, :, None, :]).sum(-1)     # (K, d, k)
+    pre = (ext.unfold(-1, k + 1, 1) * cw.to(ct).reshape(1, d, 1, k + 1)).sum(-1)  # (K, d, k)
     if cb is not None:
-        pre = pre + cb.to(ct)[None, :, None]
+        pre = pre + cb.to(ct).reshape(1, d, 1)
     return F.silu(pre).to(out_dtype)
 
 
@@ -433,15 +434,16 @@ def _splice_backward(xg, conv_init, cw, cb, gvals, init_grad=False):
     ext = torch.cat([conv_init.to(ct), xg.to(ct).permute(0, 2, 1)], -1)           # (K, d, 2k)
     win = ext.unfold(-1, k + 1, 1)                                                # (K, d, k, k + 1)
     w = cw.to(ct)
-    pre = (win * w[None, :, None, :]).sum(-1)
+    d = w.shape[0]
+    pre = (win * w.reshape(1, d, 1, k + 1)).sum(-1)
     if cb is not None:
-        pre = pre + cb.to(ct)[None, :, None]
+        pre = pre + cb.to(ct).reshape(1, d, 1)
     dpre = torch.ops.aten.silu_backward(gvals, pre)                               # (K, d, k)
     dw = (win * dpre[..., None]).sum((0, 2))                                      # (d, k + 1)
     # d ext_m = sum_j dpre_j w_{m - j} (the xg half m >= k; the conv_init half m < k where asked)
     padded = F.pad(dpre, (k, k))                                                  # (K, d, 3k)
     windows = padded.unfold(-1, k + 1, 1)[:, :, (0 if init_grad else k):2 * k]
-    dext = (windows * w.flip(-1)[None, :, None, :]).sum(-1)                      # (K, d, k or 2k)
+    dext = (windows * w.flip(-1).reshape(1, d, 1, k + 1)).sum(-1)                  # (K, d, k or 2k)
     return dext[..., -k:].permute(0, 2, 1), dw, dpre.sum((0, 2)), (dext[..., :k] if init_grad else None)
 
 
@@ -657,22 +659,30 @@ def _storage_index(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict], key):
     step, not once a layer. None under ``torch.compile`` (the plain indexing, which it traces)."""
     if torch.compiler.is_compiling():
         return None
-    order = sorted(range(t.dim()), key=lambda i: t.stride(i))
-    span = 1
-    for i in order:
-        if t.shape[i] > 1 and t.stride(i) < span:
-            return None
-        span = max(span, t.stride(i) * t.shape[i]) if t.shape[i] > 1 else span
-    b, d, L = t.shape
-    s0, s1, s2 = t.stride()
-
-    def make():
-        f = flat.to(torch.int64)
-        return ((f // L) * s0 + (f % L) * s2)[..., None] + torch.arange(d, device=f.device) * s1
-    idx = make() if g is None else _cached(g, ("index", key, tuple(flat.shape), tuple(t.shape), tuple(t.stride())),
-                                           make)
-    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    cache_key = ("index", key, tuple(flat.shape), shape, stride)
+    got = g.get(cache_key) if g is not None else None
+    if got is None:
+        got = _make_storage_index(flat, shape, stride)
+        if g is not None:
+            g[cache_key] = got
+    if got is False:          # overlapping strides: no 1-D view
+        return None
+    extent, idx = got
     return t.as_strided((extent,), (1,)), idx
+
+
+def _make_storage_index(flat: torch.Tensor, shape, stride):
+    """(extent, index) of :func:`_storage_index`, or False where the strides overlap."""
+    span = 1
+    for i in sorted(range(len(shape)), key=lambda i: stride[i]):
+        if shape[i] > 1 and stride[i] < span:
+            return False
+        span = max(span, stride[i] * shape[i]) if shape[i] > 1 else span
+    (b, d, L), (s0, s1, s2) = shape, stride
+    f = flat.to(torch.int64)
+    idx = ((f // L) * s0 + (f % L) * s2)[..., None] + torch.arange(d, device=f.device) * s1
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride)), idx
 
 
 def _tokens_of(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict] = None, key=None) -> torch.Tensor:
@@ -718,7 +728,8 @@ def _splice_conv_states(xc, x, cw, cb, conv_init, g, k):
     flat, _ = _splice_geometry(g, k)
     vals = _splice_values(_tokens_of(x, flat, g, "splice"), conv_init, cw, cb, xc.dtype)       # (K, d, k)
     flat_sel, sel = _splice_selected(g, k)
-    spliced = vals.permute(0, 2, 1).reshape(-1, vals.shape[1]).index_select(0, sel)          # (m, d)
+    slot, j = _cached(g, ("splice_sel_kj", k), lambda: (sel // k, sel % k))
+    spliced = vals[slot, :, j]                                                                # (m, d)
     _put_tokens(xc, flat_sel, spliced, g=g, key="splice_sel")
     return spliced
 
