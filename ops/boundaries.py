@@ -280,27 +280,21 @@ def resolve_position_ids(
     if position_ids is None and seq_idx is None:
         return None
     check = validate and not torch.compiler.is_compiling()
-    memo = None
     if position_ids is not None:
         _check_2d("position_ids", position_ids)
-        memo = _memo_of(position_ids)
-        pos = memo.get("int32") if memo is not None else None
-        if pos is None:
-            pos = position_ids.to(torch.int32).contiguous()
-            if memo is not None and pos is not position_ids:
-                memo["int32"] = pos
+        pos = position_ids.to(torch.int32).contiguous()
         if seq_idx is not None:
             _check_2d("seq_idx", seq_idx)
             if seq_idx.shape != position_ids.shape:
                 raise BoundaryError(
                     f"position_ids {tuple(position_ids.shape)} and seq_idx {tuple(seq_idx.shape)} have different shapes"
                 )
-        if check and not (seq_idx is None and memo is not None and memo.get("validated")):
+        if check and not (seq_idx is None and _validated_before(position_ids)):
             validate_position_ids(pos)
             if seq_idx is not None:
                 _check_agree(pos, seq_idx)
-            elif memo is not None:
-                memo["validated"] = True
+            else:
+                _remember_validated(position_ids)
     else:
         pos = seq_idx_to_position_ids(seq_idx)
     if batch is not None and seqlen is not None and tuple(pos.shape) != (batch, seqlen):
@@ -308,39 +302,33 @@ def resolve_position_ids(
             f"boundaries have shape {tuple(pos.shape)} but the activations are (batch={batch}, seqlen={seqlen})"
         )
     if device is not None and pos.device != torch.device(device):
-        key = ("on", str(torch.device(device)))
-        moved = memo.get(key) if memo is not None else None
-        if moved is None:
-            moved = pos.to(device)
-            if memo is not None:
-                memo[key] = moved
-        pos = moved
+        pos = pos.to(device)
     return pos
 
 
 # A stack of layers, each resolving the same position_ids (ops.PackedMamba with validate_boundaries on, the
-# functional ops' position_ids=): the ids are checked, converted to int32 and moved once, at the first layer, not once
-# a layer (each check is a host sync that stops the host from running ahead of the GPU; each conversion a copy, and a
-# new tensor that what is keyed by the ids, the conv's run mask, cannot recognise). Keyed by the tensor given, while it
-# is alive and unchanged (its _version); none under torch.compile or for inference tensors (no version).
-_MEMO_MAX = 8
-_memos: dict = {}   # id -> (weakref to the ids, their _version, shape, {"validated": bool, "int32": t, ("on", dev): t})
+# functional ops' position_ids=): the ids are checked once, at the first layer, not once a layer (each check is a
+# host sync that stops the host from running ahead of the GPU). Keyed by the tensor given, while it is alive and
+# unchanged (its _version); none under torch.compile (no check there) or for inference tensors (no version).
+_VALIDATED_MAX = 8
+_validated: dict = {}   # id -> (weakref to the ids, their _version, shape)
 
 
-def _memo_of(position_ids: torch.Tensor) -> Optional[dict]:
-    """The memo of ``position_ids`` (made empty on first sight or after a change), or None where none is kept."""
-    if torch.compiler.is_compiling() or position_ids.is_inference():
-        return None
+def _validated_before(position_ids: torch.Tensor) -> bool:
+    if position_ids.is_inference():
+        return False
+    got = _validated.get(id(position_ids))
+    return (got is not None and got[0]() is position_ids and got[1] == position_ids._version
+            and got[2] == tuple(position_ids.shape))
+
+
+def _remember_validated(position_ids: torch.Tensor) -> None:
+    if position_ids.is_inference():
+        return
     key = id(position_ids)
-    got = _memos.get(key)
-    if (got is not None and got[0]() is position_ids and got[1] == position_ids._version
-            and got[2] == tuple(position_ids.shape)):
-        return got[3]
-    if key not in _memos and len(_memos) >= _MEMO_MAX:
-        _memos.pop(next(iter(_memos)), None)
-    memo: dict = {}
-    _memos[key] = (weakref.ref(position_ids), position_ids._version, tuple(position_ids.shape), memo)
-    return memo
+    if key not in _validated and len(_validated) >= _VALIDATED_MAX:
+        _validated.pop(next(iter(_validated)), None)
+    _validated[key] = (weakref.ref(position_ids), position_ids._version, tuple(position_ids.shape))
 
 
 def resolve_boundaries(

@@ -181,8 +181,7 @@ class CarryStep:
         self._carried = torch.as_tensor(carried, dtype=torch.int64)
         self._num_sequences = num
         self._device_cache: Dict[torch.device, dict] = {}
-        self._store_slots = np.flatnonzero(self.store)
-        self._final_layers: Dict[int, tuple] = {}   # layer -> (conv_final, ssm_final) of every slot, detached
+        self._finals: Dict[int, Dict[int, tuple]] = {}
         self._ran = False   # a mixer read its states: the step's forward ran
 
     def geometry(self, device: torch.device) -> dict:
@@ -251,19 +250,10 @@ class CarryStep:
 
     def keep(self, layer: int, conv_final: torch.Tensor, ssm_final: torch.Tensor) -> None:
         """This layer's final states of the pieces that continue in a later step (detached; kept by the cache at the
-        next :meth:`StateCache.step`): all slots' at once (two detaches a layer), split by document at the commit."""
-        if len(self._store_slots):
-            self._final_layers[layer] = (conv_final.detach(), ssm_final.detach())
-
-    @property
-    def _finals(self) -> Dict[int, Dict[int, tuple]]:
-        """{doc_id: {layer: (conv_state, ssm_state)}} of the pieces that continue after this step (views of the kept
-        per-layer states)."""
-        out: Dict[int, Dict[int, tuple]] = {}
-        for layer, (conv, ssm) in self._final_layers.items():
-            for k in self._store_slots:
-                out.setdefault(int(self.doc_ids[k]), {})[layer] = (conv[k], ssm[k])
-        return out
+        next :meth:`StateCache.step`)."""
+        for k in np.flatnonzero(self.store):
+            self._finals.setdefault(int(self.doc_ids[k]), {})[layer] = (conv_final[k].detach(),
+                                                                         ssm_final[k].detach())
 
 
 def _middle_decays(step: CarryStep, g: dict, delta: torch.Tensor, dbias: torch.Tensor, A: torch.Tensor):
@@ -289,10 +279,10 @@ def _mixer_dims(mixer):
 
 
 def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, step: CarryStep,
-                        fused: Optional[bool] = None, A: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        fused: Optional[bool] = None) -> torch.Tensor:
     """The Mamba-1 mixer (``mixer``: :class:`ops.PackedMamba` or transformers' ``MambaMixer``) on a batch with
     continuations: :class:`CarriedMambaInnerFn` (``fused``, default: the mixer's ``use_fast_path``, True for
-    transformers' mixer), else :func:`carried_mamba_inner_ref`. ``A``: ``-exp(A_log)`` where the caller has it."""
+    transformers' mixer), else :func:`carried_mamba_inner_ref`."""
     layer = mixer.layer_idx
     if layer is None:
         raise CarryError("a mixer that carries states needs a layer_idx (the key of its states in the cache)")
@@ -301,8 +291,7 @@ def carried_mamba_inner(mixer, hidden_states: torch.Tensor, pos: torch.Tensor, s
     if not fused:
         return carried_mamba_inner_ref(mixer, hidden_states, pos, step)
     _, _, _, _, conv_bias, ssm_float = _mixer_dims(mixer)
-    if A is None:
-        A = -torch.exp(ssm_float(mixer.A_log))
+    A = -torch.exp(ssm_float(mixer.A_log))
     return CarriedMambaInnerFn.apply(
         hidden_states, mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, conv_bias, mixer.x_proj.weight,
         mixer.dt_proj.weight, mixer.out_proj.weight, mixer.out_proj.bias, A, ssm_float(mixer.D),
@@ -416,11 +405,10 @@ def _splice_values(xg, conv_init, cw, cb, out_dtype):
     """The first k outputs of every slot (K, d, k), silu applied, from ``[conv_init, its first k inputs]``."""
     k = cw.shape[1] - 1
     ct = torch.float64 if xg.dtype == torch.float64 else torch.float32
-    d = cw.shape[0]
     ext = torch.cat([conv_init.to(ct), xg.to(ct).permute(0, 2, 1)], -1)          # (K, d, 2k)
-    pre = (ext.unfold(-1, k + 1, 1) * cw.to(ct).reshape(1, d, 1, k + 1)).sum(-1)  # (K, d, k)
+    pre = (ext.unfold(-1, k + 1, 1) * cw.to(ct)[None, :, None, :]).sum(-1)     # (K, d, k)
     if cb is not None:
-        pre = pre + cb.to(ct).reshape(1, d, 1)
+        pre = pre + cb.to(ct)[None, :, None]
     return F.silu(pre).to(out_dtype)
 
 
@@ -434,16 +422,15 @@ def _splice_backward(xg, conv_init, cw, cb, gvals, init_grad=False):
     ext = torch.cat([conv_init.to(ct), xg.to(ct).permute(0, 2, 1)], -1)           # (K, d, 2k)
     win = ext.unfold(-1, k + 1, 1)                                                # (K, d, k, k + 1)
     w = cw.to(ct)
-    d = w.shape[0]
-    pre = (win * w.reshape(1, d, 1, k + 1)).sum(-1)
+    pre = (win * w[None, :, None, :]).sum(-1)
     if cb is not None:
-        pre = pre + cb.to(ct).reshape(1, d, 1)
+        pre = pre + cb.to(ct)[None, :, None]
     dpre = torch.ops.aten.silu_backward(gvals, pre)                               # (K, d, k)
     dw = (win * dpre[..., None]).sum((0, 2))                                      # (d, k + 1)
     # d ext_m = sum_j dpre_j w_{m - j} (the xg half m >= k; the conv_init half m < k where asked)
     padded = F.pad(dpre, (k, k))                                                  # (K, d, 3k)
     windows = padded.unfold(-1, k + 1, 1)[:, :, (0 if init_grad else k):2 * k]
-    dext = (windows * w.flip(-1).reshape(1, d, 1, k + 1)).sum(-1)                  # (K, d, k or 2k)
+    dext = (windows * w.flip(-1)[None, :, None, :]).sum(-1)                      # (K, d, k or 2k)
     return dext[..., -k:].permute(0, 2, 1), dw, dpre.sum((0, 2)), (dext[..., :k] if init_grad else None)
 
 
@@ -659,30 +646,22 @@ def _storage_index(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict], key):
     step, not once a layer. None under ``torch.compile`` (the plain indexing, which it traces)."""
     if torch.compiler.is_compiling():
         return None
-    shape, stride = tuple(t.shape), tuple(t.stride())
-    cache_key = ("index", key, tuple(flat.shape), shape, stride)
-    got = g.get(cache_key) if g is not None else None
-    if got is None:
-        got = _make_storage_index(flat, shape, stride)
-        if g is not None:
-            g[cache_key] = got
-    if got is False:          # overlapping strides: no 1-D view
-        return None
-    extent, idx = got
-    return t.as_strided((extent,), (1,)), idx
-
-
-def _make_storage_index(flat: torch.Tensor, shape, stride):
-    """(extent, index) of :func:`_storage_index`, or False where the strides overlap."""
+    order = sorted(range(t.dim()), key=lambda i: t.stride(i))
     span = 1
-    for i in sorted(range(len(shape)), key=lambda i: stride[i]):
-        if shape[i] > 1 and stride[i] < span:
-            return False
-        span = max(span, stride[i] * shape[i]) if shape[i] > 1 else span
-    (b, d, L), (s0, s1, s2) = shape, stride
-    f = flat.to(torch.int64)
-    idx = ((f // L) * s0 + (f % L) * s2)[..., None] + torch.arange(d, device=f.device) * s1
-    return 1 + sum((n - 1) * st for n, st in zip(shape, stride)), idx
+    for i in order:
+        if t.shape[i] > 1 and t.stride(i) < span:
+            return None
+        span = max(span, t.stride(i) * t.shape[i]) if t.shape[i] > 1 else span
+    b, d, L = t.shape
+    s0, s1, s2 = t.stride()
+
+    def make():
+        f = flat.to(torch.int64)
+        return ((f // L) * s0 + (f % L) * s2)[..., None] + torch.arange(d, device=f.device) * s1
+    idx = make() if g is None else _cached(g, ("index", key, tuple(flat.shape), tuple(t.shape), tuple(t.stride())),
+                                           make)
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.as_strided((extent,), (1,)), idx
 
 
 def _tokens_of(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict] = None, key=None) -> torch.Tensor:
@@ -728,8 +707,7 @@ def _splice_conv_states(xc, x, cw, cb, conv_init, g, k):
     flat, _ = _splice_geometry(g, k)
     vals = _splice_values(_tokens_of(x, flat, g, "splice"), conv_init, cw, cb, xc.dtype)       # (K, d, k)
     flat_sel, sel = _splice_selected(g, k)
-    slot, j = _cached(g, ("splice_sel_kj", k), lambda: (sel // k, sel % k))
-    spliced = vals[slot, :, j]                                                                # (m, d)
+    spliced = vals.permute(0, 2, 1).reshape(-1, vals.shape[1]).index_select(0, sel)          # (m, d)
     _put_tokens(xc, flat_sel, spliced, g=g, key="splice_sel")
     return spliced
 

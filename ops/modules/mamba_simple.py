@@ -211,7 +211,7 @@ class PackedMamba(nn.Module):
         if carry is not None and carry.has_continuations:
             from ..carry import carried_mamba_inner
             return carried_mamba_inner(self, hidden_states, pos if pos is not None else
-                                       row_positions(batch, seqlen, hidden_states.device), carry, A=A)
+                                       row_positions(batch, seqlen, hidden_states.device), carry)
         if self.use_fast_path:
             return packed_mamba_inner_fn(*args, position_ids=pos, validate=False)
         return packed_mamba_inner_ref(*args, position_ids=pos, validate=False)

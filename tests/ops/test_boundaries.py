@@ -280,20 +280,6 @@ def test_resolve_checks_the_same_ids_once_for_a_stack_of_layers(monkeypatch):
         resolve_position_ids(fresh)
 
 
-def test_resolve_converts_the_same_int64_ids_once():
-    """int64 position_ids (the loader's) resolved layer after layer give the same int32 tensor (one copy a step, and
-    what is keyed by the ids, the conv's run mask, recognises it); a change in place gives a new, correct one."""
-    pos = torch.tensor([[0, 1, 2, 0, 1]], dtype=torch.int64)
-    first = resolve_position_ids(pos)
-    assert first.dtype == torch.int32 and first is not pos
-    assert resolve_position_ids(pos) is first and resolve_position_ids(pos, validate=False) is first
-    pos[0, 2] = 0
-    again = resolve_position_ids(pos)
-    assert again is not first and again.tolist() == [[0, 1, 0, 0, 1]]
-    same = torch.tensor([[0, 1, 2]], dtype=torch.int32)
-    assert resolve_position_ids(same) is same   # already int32 and contiguous: the input itself
-
-
 def test_resolve_boundaries_all_three_forms():
     rows = [[3, 1, 2], [6]]
     pos, seq, cu = forms_from_lengths(rows)
