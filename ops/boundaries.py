@@ -369,8 +369,9 @@ class PackedBoundaries:
 
     :func:`ops.packed_causal_conv1d` and :func:`ops.packed_selective_scan` given ``position_ids`` convert and
     check them (a host sync) and build the conv's boundary mask; they do it once per tensor and reuse it while the
-    tensor is alive and unchanged (:func:`boundaries_for_ids`). Made once per batch, this object carries the int32 ids and keeps what the ops derive from them (the conv kernels' run mask, the number
-    of sequences): a call with ``boundaries=`` does neither again::
+    tensor is alive and unchanged (:func:`boundaries_for_ids`). Made once per batch, this object carries the int32
+    ids and keeps what the ops derive from them (the conv kernels' run mask, the number of sequences): a call with
+    ``boundaries=`` does neither again::
 
         position_ids  [ 0 1 2 3 0 1 2 0 ]        (a, b, c)
         bounds = ops.PackedBoundaries.resolve(position_ids=pos, device="cuda")   # checked here, once
