@@ -59,14 +59,46 @@ _LEGACY_MARKERS = {"pack": None, "prepare": "prepare.json"}
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists."""
+    """Whether a process with this id exists and runs: a killed process its parent has not reaped yet (a
+    zombie, which ``kill(pid, 0)`` still reaches) counts as dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    stat = _proc_stat(pid)
+    return stat is None or stat[0] not in ("Z", "X")
+
+
+def _proc_stat(pid: int):
+    """(state letter, start time in seconds since the epoch) of ``pid`` from Linux's ``/proc``, or None
+    where it cannot be read (another system, or the process just ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()   # after the command name, which may hold spaces
+        with open("/proc/stat", encoding="ascii") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return fields[0], btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+
+
+#: a process that started this much later than a temp file was last written did not write it (its pid was
+#: reused); the slack covers /proc's one-second boot time and clock steps
+_PID_REUSE_SLACK_S = 5.0
+
+
+def _writer_alive(pid: int, path: str) -> bool:
+    """Whether the process that wrote temp file ``path`` (named after ``pid``) may still be writing it."""
+    if not pid_alive(pid):
+        return False
+    stat = _proc_stat(pid)
+    try:
+        written = os.stat(path).st_mtime
+    except OSError:
+        return False
+    return stat is None or stat[1] <= written + _PID_REUSE_SLACK_S
 
 
 def remove_file(path: str) -> None:
@@ -245,16 +277,18 @@ def atomic_write_text(path, text: str, *, beside: bool = False) -> None:
 
 
 def remove_stale_temps(out_dir) -> int:
-    """Remove the temp files of dead processes under ``out_dir/.packloader/tmp``; returns how many. The
-    temp directory itself is removed when it ends up empty."""
+    """Remove the temp files of dead processes under ``out_dir/.packloader/tmp``; returns how many. A
+    process counts as dead once it has exited (a zombie too), and where its pid has since gone to a process
+    started after the file's last write. The temp directory itself is removed when it ends up empty."""
     tdir = os.path.join(os.fspath(out_dir), STATE_DIR, TMP_DIR)
     if not os.path.isdir(tdir):
         return 0
     n = 0
     for name in os.listdir(tdir):
         m = _TMP_RE.search(name)
-        if m is None or not pid_alive(int(m.group(1))) or int(m.group(1)) == os.getpid():
-            remove_file(os.path.join(tdir, name))
+        path = os.path.join(tdir, name)
+        if m is None or int(m.group(1)) == os.getpid() or not _writer_alive(int(m.group(1)), path):
+            remove_file(path)
             n += 1
     try:
         os.rmdir(tdir)

@@ -58,6 +58,39 @@ def test_killed_writer_temp_is_removed_by_the_next_run(tmp_path):
     assert not os.path.exists(os.path.dirname(dead))
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_temps_of_an_unreaped_or_reused_pid_are_removed_and_a_live_writers_kept(tmp_path):
+    """A killed writer its parent has not reaped yet (a zombie: kill(pid, 0) still succeeds) left a temp; a
+    pid taken since by a process started after the temp's last write did not write it: both temps are stale
+    (a re-run after a kill once kept such a temp). A live writer's own temp stays."""
+    import subprocess
+    import sys
+    import time
+    tdir = os.path.join(tmp_path, STATE_DIR, "tmp")
+    os.makedirs(tdir)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 30
+    while (_outdir._proc_stat(zombie.pid) or ("Z",))[0] != "Z" and time.time() < deadline:
+        time.sleep(0.05)                       # exited, not yet reaped (no wait() until the end)
+    os.kill(zombie.pid, 0)                     # still reachable: what kept its temp before
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        paths = {"zombie": os.path.join(tdir, f"a.arrow.tmp-{zombie.pid}"),
+                 "reused": os.path.join(tdir, f"b.arrow.tmp-{live.pid}"),
+                 "writing": os.path.join(tdir, f"job.json.tmp-{live.pid}")}
+        for path in paths.values():
+            open(path, "wb").close()
+        old = time.time() - 3600               # written an hour before the live process started
+        os.utime(paths["reused"], (old, old))
+        assert remove_stale_temps(tmp_path) == 2
+        assert sorted(os.listdir(tdir)) == [os.path.basename(paths["writing"])]
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
+
+
 def test_atomic_write_text(tmp_path):
     atomic_write_text(tmp_path / "a.json", "{\"é\": 1}")
     assert (tmp_path / "a.json").read_text(encoding="utf-8") == "{\"é\": 1}"
