@@ -36,7 +36,8 @@ from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids
 from .states import check_state, sequence_spans
 from .contract import CONV_MASK_RUN, CONV_SLOT_STEPS, OP_TAGS, conv_mask_stride
 
-__all__ = ["packed_causal_conv1d", "causal_conv1d_ref", "conv_runmask", "causal_conv1d_fwd", "causal_conv1d_bwd"]
+__all__ = ["packed_causal_conv1d", "causal_conv1d_ref", "conv_runmask", "causal_conv1d_fwd", "causal_conv1d_bwd",
+           "conv_states_fwd", "conv_states_bwd"]
 
 
 def _norm_activation(activation):
@@ -341,6 +342,147 @@ def _conv_backward(ctx, dout):
 
 
 causal_conv1d_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The conv's carried states: a fix-up of the packed conv's output (the kernels run as if every sequence started from
+# zero), for the fused mixers that carry states (ops.carry, ops.context_parallel)
+
+def _conv_states_fwd_reference(out, x, weight, bias, silu, initial_state, start, length, has_initial_state):
+    k = weight.shape[1] - 1
+    if k > 0 and start.numel():
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        j = torch.arange(k, device=x.device)
+        valid = has_initial_state[:, None] & (j < length[:, None])               # (S, k)
+        flat = torch.where(valid, start[:, None] + j, start[:, None])
+        ext = torch.cat([initial_state.to(ct), _tokens(x, flat).to(ct).permute(0, 2, 1)], -1)       # (S, dim, 2k)
+        pre = (ext.unfold(-1, k + 1, 1) * weight.to(ct)[None, :, None, :]).sum(-1)                 # (S, dim, k)
+        if bias is not None:
+            pre = pre + bias.to(ct)[None, :, None]
+        if silu:
+            pre = F.silu(pre)
+        sel = valid.reshape(-1).nonzero().squeeze(1)
+        tok = flat.reshape(-1)[sel]
+        L = out.shape[2]
+        out[tok // L, :, tok % L] = pre.permute(0, 2, 1).reshape(-1, pre.shape[1])[sel].to(out.dtype)
+    return _conv_final_states(x, k + 1, start, length, initial_state, has_initial_state)
+
+
+def _conv_states_bwd_reference(dout, x, weight, bias, silu, initial_state, start, length, has_initial_state,
+                               initial_grad):
+    k = weight.shape[1] - 1
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    S, dim = start.shape[0], x.shape[1]
+    j = torch.arange(k, device=x.device)
+    valid = has_initial_state[:, None] & (j < length[:, None])                   # (S, k)
+    flat = torch.where(valid, start[:, None] + j, start[:, None])
+    L = x.shape[2]
+    g = torch.where(valid[:, None, :], _tokens(dout, flat).to(ct).permute(0, 2, 1), 0.0)            # (S, dim, k)
+    tok = flat[valid]
+    dout[tok // L, :, tok % L] = 0
+    ext = torch.cat([initial_state.to(ct), _tokens(x, flat).to(ct).permute(0, 2, 1)], -1)           # (S, dim, 2k)
+    win = ext.unfold(-1, k + 1, 1)                                                                 # (S, dim, k, w)
+    w = weight.to(ct)
+    pre = (win * w[None, :, None, :]).sum(-1)
+    if bias is not None:
+        pre = pre + bias.to(ct)[None, :, None]
+    dpre = torch.ops.aten.silu_backward(g, pre) if silu else g
+    dw = (win * dpre[..., None]).sum((0, 2))                                                       # (dim, w)
+    # d ext_m = sum_j dpre_j w_{m - j}
+    dext = (F.pad(dpre, (k, k)).unfold(-1, k + 1, 1)[:, :, :2 * k] * w.flip(-1)[None, :, None, :]).sum(-1)
+    dbias = dpre.sum((0, 2)) if bias is not None else _absent(x)
+    dinit = dext[..., :k].contiguous() if initial_grad else _absent(x)
+    return dext[..., k:].permute(0, 2, 1).contiguous(), dw.reshape(dim, k + 1), dbias, dinit
+
+
+def _conv_states_check(x, weight, initial_state, start, length, has_initial_state):
+    S = start.shape[0]
+    if (tuple(initial_state.shape) != (S, x.shape[1], weight.shape[1] - 1) or initial_state.dtype != x.dtype
+            or length.shape != start.shape or has_initial_state.shape != start.shape):
+        raise ValueError(f"packloader::conv_states: initial_state must be (S={S}, dim={x.shape[1]}, width - 1="
+                         f"{weight.shape[1] - 1}) in x's dtype {x.dtype}, start / length / has_initial_state (S,); got "
+                         f"{tuple(initial_state.shape)} {initial_state.dtype}, {tuple(length.shape)}, "
+                         f"{tuple(has_initial_state.shape)}")
+
+
+@torch.library.custom_op("packloader::conv_states_fwd", mutates_args=("out",), device_types=None, tags=OP_TAGS)
+def conv_states_fwd(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], silu: bool,
+                    initial_state: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
+                    has_initial_state: torch.Tensor) -> torch.Tensor:
+    """The conv's carried states, forward (see :mod:`ops.contract`): ``out`` (the packed conv of ``x``) in place with
+    the first ``width - 1`` outputs of every sequence that has an initial state recomputed from it; returns every
+    sequence's final state. This body is the reference implementation, used on every device but CUDA."""
+    _conv_states_check(x, weight, initial_state, start, length, has_initial_state)
+    return _conv_states_fwd_reference(out, x, weight, bias, silu, initial_state, start, length, has_initial_state)
+
+
+@conv_states_fwd.register_kernel("cuda")
+def _conv_states_fwd_cuda(out, x, weight, bias, silu, initial_state, start, length, has_initial_state):
+    _conv_states_check(x, weight, initial_state, start, length, has_initial_state)
+    if _backends.implementation("causal_conv1d", "cuda", x.dtype, width=weight.shape[1]) == "reference":
+        return _conv_states_fwd_reference(out, x, weight, bias, silu, initial_state, start, length,
+                                          has_initial_state)
+    from ._cuda import kernel_outputs
+
+    with kernel_outputs():   # written in full by the kernel
+        final = torch.empty(initial_state.shape, dtype=x.dtype, device=x.device)
+    _backends.load_kernels().conv_states_fwd(
+        out, x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(), bool(silu),
+        initial_state.contiguous(), start.long().contiguous(), length.long().contiguous(),
+        has_initial_state.bool().contiguous(), final)
+    return final
+
+
+@conv_states_fwd.register_fake
+def _conv_states_fwd_fake(out, x, weight, bias, silu, initial_state, start, length, has_initial_state):
+    _conv_states_check(x, weight, initial_state, start, length, has_initial_state)
+    return torch.empty(initial_state.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("packloader::conv_states_bwd", mutates_args=("dout",), device_types=None, tags=OP_TAGS)
+def conv_states_bwd(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    silu: bool, initial_state: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
+                    has_initial_state: torch.Tensor, initial_grad: bool
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's carried states, backward (see :mod:`ops.contract`) -> (dx_head, dweight, dbias, dinitial_state);
+    ``dout`` zeroed in place where the forward wrote. This body is the reference implementation, used on every
+    device but CUDA."""
+    _conv_states_check(x, weight, initial_state, start, length, has_initial_state)
+    return _conv_states_bwd_reference(dout, x, weight, bias, silu, initial_state, start, length, has_initial_state,
+                                      initial_grad)
+
+
+@conv_states_bwd.register_kernel("cuda")
+def _conv_states_bwd_cuda(dout, x, weight, bias, silu, initial_state, start, length, has_initial_state, initial_grad):
+    _conv_states_check(x, weight, initial_state, start, length, has_initial_state)
+    if _backends.implementation("causal_conv1d", "cuda", x.dtype, width=weight.shape[1]) == "reference":
+        return _conv_states_bwd_reference(dout, x, weight, bias, silu, initial_state, start, length,
+                                          has_initial_state, initial_grad)
+    from ._cuda import kernel_outputs
+
+    S, dim, width = start.shape[0], x.shape[1], weight.shape[1]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    with kernel_outputs():   # written in full by the kernel
+        dx_head = torch.empty(S, width - 1, dim, **f32)
+        dw_part = torch.empty(S, dim, width + 1, **f32)
+        dinit = torch.empty(initial_state.shape, **f32) if initial_grad else _absent(x)
+    _backends.load_kernels().conv_states_bwd(
+        dout, x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(), bool(silu),
+        initial_state.contiguous(), start.long().contiguous(), length.long().contiguous(),
+        has_initial_state.bool().contiguous(), dx_head, dw_part, dinit if initial_grad else None)
+    dwb = dw_part.sum(0)   # over the sequences, in order
+    return dx_head, dwb[:, :width], (dwb[:, width] if bias is not None else _absent(x)), dinit
+
+
+@conv_states_bwd.register_fake
+def _conv_states_bwd_fake(dout, x, weight, bias, silu, initial_state, start, length, has_initial_state, initial_grad):
+    _conv_states_check(x, weight, initial_state, start, length, has_initial_state)
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    S, dim, width = start.shape[0], x.shape[1], weight.shape[1]
+    new = dict(dtype=ct, device=x.device)
+    return (torch.empty(S, width - 1, dim, **new), torch.empty(dim, width, **new),
+            torch.empty(dim, **new) if bias is not None else _absent(x),
+            torch.empty(initial_state.shape, **new) if initial_grad else _absent(x))
 
 
 def _reads_runmask(x: torch.Tensor, weight: torch.Tensor) -> bool:

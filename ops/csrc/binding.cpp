@@ -213,6 +213,80 @@ int64_t conv_bwd(Tensor x, Tensor weight, OptT bias, Tensor pos, bool silu, Tens
   return slots;
 }
 
+// the conv's carried states (conv_states.cu): S sequences' flat spans start / length (S,) int64, has (S,) bool,
+// initial_state (S, dim, width - 1) in x's dtype, contiguous; out (forward) / dout (backward) with any strides
+static po::ConvStateParams conv_state_params(const Tensor &out, const Tensor &x, const Tensor &weight,
+                                             const OptT &bias, bool silu, const Tensor &initial_state,
+                                             const Tensor &start, const Tensor &length, const Tensor &has) {
+  const int64_t S = start.size(0);
+  TORCH_CHECK(S <= 65535, "conv_states: at most 65535 sequences, got ", S);
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "conv_states: out must be x's shape and dtype");
+  TORCH_CHECK(start.scalar_type() == at::kLong && length.scalar_type() == at::kLong && has.scalar_type() == at::kBool &&
+                  start.is_contiguous() && length.is_contiguous() && has.is_contiguous() && length.size(0) == S &&
+                  has.size(0) == S,
+              "conv_states: start, length (S,) int64 and has (S,) bool, contiguous");
+  TORCH_CHECK(initial_state.scalar_type() == x.scalar_type() && initial_state.is_contiguous() &&
+                  initial_state.sizes() == at::IntArrayRef({S, x.size(1), weight.size(1) - 1}),
+              "conv_states: initial_state must be (S, dim, width - 1) in x's dtype, contiguous");
+  po::ConvStateParams p{};
+  p.batch = x.size(0);
+  p.dim = x.size(1);
+  p.seqlen = x.size(2);
+  p.width = weight.size(1);
+  p.slots = S;
+  p.silu = silu;
+  p.dtype = dtype_code(x);
+  p.x_bs = x.stride(0);
+  p.x_cs = x.stride(1);
+  p.x_ls = x.stride(2);
+  p.o_bs = out.stride(0);
+  p.o_cs = out.stride(1);
+  p.o_ls = out.stride(2);
+  p.x = x.data_ptr();
+  p.weight = weight.data_ptr<float>();
+  p.bias = ptr_or_null<const float>(bias);
+  p.start = start.data_ptr<int64_t>();
+  p.length = length.data_ptr<int64_t>();
+  p.has = has.data_ptr<bool>();
+  p.initial_state = initial_state.data_ptr();
+  p.out = out.data_ptr();
+  return p;
+}
+
+void conv_states_fwd(Tensor out, Tensor x, Tensor weight, OptT bias, bool silu, Tensor initial_state, Tensor start,
+                     Tensor length, Tensor has, Tensor final_state) {
+  c10::cuda::CUDAGuard guard(x.device());
+  po::ConvStateParams p = conv_state_params(out, x, weight, bias, silu, initial_state, start, length, has);
+  TORCH_CHECK(final_state.sizes() == initial_state.sizes() && final_state.scalar_type() == x.scalar_type() &&
+                  final_state.is_contiguous(),
+              "conv_states_fwd: final_state must be initial_state's shape and dtype, contiguous");
+  p.final_state = final_state.data_ptr();
+  po::conv_states_fwd_launch(p, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void conv_states_bwd(Tensor dout, Tensor x, Tensor weight, OptT bias, bool silu, Tensor initial_state, Tensor start,
+                     Tensor length, Tensor has, Tensor dx_head, Tensor dw_part, OptT dinitial_state) {
+  c10::cuda::CUDAGuard guard(x.device());
+  po::ConvStateParams p = conv_state_params(dout, x, weight, bias, silu, initial_state, start, length, has);
+  const int64_t S = p.slots, W = p.width;
+  TORCH_CHECK(dx_head.scalar_type() == at::kFloat && dx_head.is_contiguous() &&
+                  dx_head.sizes() == at::IntArrayRef({S, W - 1, x.size(1)}),
+              "conv_states_bwd: dx_head must be float32 (S, width - 1, dim), contiguous");
+  TORCH_CHECK(dw_part.scalar_type() == at::kFloat && dw_part.is_contiguous() &&
+                  dw_part.sizes() == at::IntArrayRef({S, x.size(1), W + 1}),
+              "conv_states_bwd: dw_part must be float32 (S, dim, width + 1), contiguous");
+  if (dinitial_state)
+    TORCH_CHECK(dinitial_state->scalar_type() == at::kFloat && dinitial_state->is_contiguous() &&
+                    dinitial_state->sizes() == initial_state.sizes(),
+                "conv_states_bwd: dinitial_state must be float32 with initial_state's shape, contiguous");
+  p.dx_head = dx_head.data_ptr<float>();
+  p.dw_part = dw_part.data_ptr<float>();
+  p.dinitial_state = ptr_or_null<float>(dinitial_state);
+  po::conv_states_bwd_launch(p, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 #ifndef PACKLOADER_SOURCE_DIGEST
 #error "build through ops/_build.py, which defines PACKLOADER_SOURCE_DIGEST (ops/_build.py, source_digest)"
 #endif
@@ -227,4 +301,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv_runmask", &conv_runmask, "boundary words of the channel-first conv kernels");
   m.def("conv_fwd", &conv_fwd, "packed causal conv1d forward");
   m.def("conv_bwd", &conv_bwd, "packed causal conv1d backward");
+  m.def("conv_states_fwd", &conv_states_fwd, "the conv's carried states: the continued outputs, the final states");
+  m.def("conv_states_bwd", &conv_states_bwd, "the conv's carried states: backward");
 }

@@ -100,4 +100,28 @@ void conv_runmask_launch(const int *pos, uint16_t *mask, int batch, int seqlen, 
 void conv_fwd_launch(const ConvParams &p, cudaStream_t stream);
 int conv_bwd_launch(const ConvParams &p, cudaStream_t stream);   // returns the dw_part slots written and summed
 
+// The conv's carried states (conv_states.cu; ops/contract.py, packloader::conv_states_fwd / _bwd): a fix-up after the
+// packed conv of S sequences given by their flat token spans (start = row * seqlen + column, length).
+struct ConvStateParams {
+  int batch, dim, seqlen, width, slots;   // slots: S
+  bool silu;
+  int dtype;                    // x, out, initial_state, final_state
+  int64_t x_bs, x_cs, x_ls;     // strides of x
+  int64_t o_bs, o_cs, o_ls;     // strides of out (forward: the conv's output; backward: its gradient)
+  const void *x;
+  const float *weight, *bias;   // (dim, width) fp32; bias (dim) or null
+  const int64_t *start, *length;   // (S,)
+  const bool *has;              // (S,): the sequence continues initial_state
+  const void *initial_state;    // (S, dim, width - 1) contiguous
+  void *out;                    // in place: forward, the first width - 1 outputs of a continued sequence; backward,
+                                // read there, then zeroed
+  void *final_state;            // forward: (S, dim, width - 1) contiguous
+  float *dx_head;               // backward: (S, width - 1, dim) fp32, the gradient of each sequence's first inputs
+  float *dw_part;               // backward: (S, dim, width + 1) fp32, per-sequence [dweight | dbias]
+  float *dinitial_state;        // backward: (S, dim, width - 1) fp32, or null
+};
+
+void conv_states_fwd_launch(const ConvStateParams &p, cudaStream_t stream);
+void conv_states_bwd_launch(const ConvStateParams &p, cudaStream_t stream);
+
 }  // namespace packloader_ops

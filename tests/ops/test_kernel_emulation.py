@@ -385,6 +385,31 @@ class EmulatedExt:
         return emu_call(self.so, "emu_conv_bwd", *args, ptr(dout), (ctypes.c_int64 * 3)(*dout.stride()), ptr(dx),
                         ptr(dw_part), ptr(dweight), ptr(dbias))
 
+    def _conv_states(self, bwd, out, x, weight, bias, silu, initial_state, start, length, has, final_state=None,
+                     dx_head=None, dw_part=None, dinitial_state=None):
+        # binding.cpp's conv_state_params
+        S = start.shape[0]
+        assert out.shape == x.shape and out.dtype == x.dtype and initial_state.is_contiguous()
+        assert initial_state.shape == (S, x.shape[1], weight.shape[1] - 1) and initial_state.dtype == x.dtype
+        assert start.dtype == length.dtype == torch.int64 and has.dtype == torch.bool
+        assert weight.dtype == torch.float32 and weight.is_contiguous()
+        emu_call(self.so, "emu_conv_states", int(bwd), DTYPE_CODE[x.dtype], *x.shape, weight.shape[1], S, int(silu),
+                 ptr(x), (ctypes.c_int64 * 3)(*x.stride()), ptr(out), (ctypes.c_int64 * 3)(*out.stride()),
+                 ptr(weight), ptr(bias), ptr(start), ptr(length), ptr(has), ptr(initial_state), ptr(final_state),
+                 ptr(dx_head), ptr(dw_part), ptr(dinitial_state))
+
+    def conv_states_fwd(self, out, x, weight, bias, silu, initial_state, start, length, has, final_state):
+        assert final_state.shape == initial_state.shape and final_state.is_contiguous()
+        self._conv_states(False, out, x, weight, bias, silu, initial_state, start, length, has, final_state)
+
+    def conv_states_bwd(self, dout, x, weight, bias, silu, initial_state, start, length, has, dx_head, dw_part,
+                        dinitial_state):
+        S, dim, width = start.shape[0], x.shape[1], weight.shape[1]
+        assert dx_head.shape == (S, width - 1, dim) and dw_part.shape == (S, dim, width + 1)
+        assert dinitial_state is None or dinitial_state.shape == initial_state.shape
+        self._conv_states(True, dout, x, weight, bias, silu, initial_state, start, length, has, None, dx_head,
+                          dw_part, dinitial_state)
+
 
 def run_emulated_bwd(so, inputs, pos, softplus, saved, dout, segments=1):
     u, delta, A, B, C, D, z, db = inputs
@@ -929,3 +954,62 @@ def test_emulated_states_in_deterministic_mode(cuda_path_on_cpu, seed):
         assert torch.equal(a, b), name
         torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2, msg=name)
     assert torch.equal(det[0][9], default[9])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the conv's carried states (conv_states.cu), through ops.conv1d_interface's CUDA path on the emulated kernels
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("layout,out_layout", [("cf", "cf"), ("cl", "cl"), ("cl-slice", "padded"),
+                                               ("misaligned-cf", "misaligned-cl")])
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_conv_states_on_emulated_kernels(cuda_path_on_cpu, seed, dtype, layout, out_layout, width):
+    """The conv's carried-state fix-up, forward and backward, against its reference (the same op run in float64):
+    sequences of length 1 and shorter than the width, one a whole row, sequences with and without a state, every
+    layout of x and of the output / gradient it fixes up, widths 2-4, with and without silu and bias. The fix-up
+    touches only the continued sequences' first width - 1 tokens (elsewhere the output is unchanged, bit for bit),
+    and the backward zeroes the gradient exactly there."""
+    from ops import conv1d_interface as ci
+
+    batch, dim, L = 2, 37, 20
+    k = width - 1
+    x = conv_input(layout, batch, dim, L, dtype)
+    # flat spans: row 0 [1 | 2 | 5 | 12], row 1 [20]
+    start, length = torch.tensor([0, 1, 3, 8, 20]), torch.tensor([1, 2, 5, 12, 20])
+    has = torch.tensor([True, True, False, True, True])
+    init = torch.randn(5, dim, k).to(dtype)
+    for silu, with_bias in ((True, True), (False, False)):
+        weight = 0.5 * torch.randn(dim, width)
+        bias = torch.randn(dim) if with_bias else None
+        out = conv_input(out_layout, batch, dim, L, dtype)
+        before = out.clone()
+        final = ci._conv_states_fwd_cuda(out, x, weight, bias, silu, init, start, length, has)
+        want = before.double()
+        want_final = ci._conv_states_fwd_reference(want, x.double(), weight.double(), None if bias is None else
+                                                   bias.double(), silu, init.double(), start, length, has)
+        assert torch.equal(final, want_final.to(dtype))   # copied inputs, bit for bit
+        touched = torch.zeros(batch * L, dtype=torch.bool)
+        for s, n in zip(start.tolist(), length.tolist()):
+            if has[len([t for t in start.tolist() if t < s])]:
+                touched[s:s + min(k, n)] = True
+        touched = touched.reshape(batch, L)[:, None, :].expand_as(out)
+        assert torch.equal(out[~touched], before[~touched])
+        assert_elementwise(out[touched], want[touched], "out")
+        dout = conv_input(out_layout, batch, dim, L, dtype)
+        g = dout.clone()
+        dx_head, dweight, dbias, dinit = ci._conv_states_bwd_cuda(dout, x, weight, bias, silu, init, start, length,
+                                                                  has, True)
+        ref = g.double()
+        r_head, r_dw, r_db, r_init = ci._conv_states_bwd_reference(
+            ref, x.double(), weight.double(), None if bias is None else bias.double(), silu, init.double(), start,
+            length, has, True)
+        assert torch.equal(dout, ref.to(dtype)) and bool((dout[touched] == 0).all())
+        for name, got, want_t in (("dx_head", dx_head, r_head), ("dweight", dweight, r_dw), ("dinit", dinit, r_init)):
+            assert got.dtype == torch.float32
+            assert_elementwise(got, want_t, name)
+        if with_bias:
+            assert_elementwise(dbias, r_db, "dbias")
+        else:
+            assert dbias.numel() == 0
+        _, _, _, none = ci._conv_states_bwd_cuda(g.clone(), x, weight, bias, silu, init, start, length, has, False)
+        assert none.numel() == 0

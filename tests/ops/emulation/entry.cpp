@@ -99,3 +99,21 @@ extern "C" int emu_conv_bwd(int dtype, int batch, int dim, int seqlen, int width
   p.dout = dout; p.dx = dx; p.dw_part = dw_part; p.dweight = dweight; p.dbias = dbias;
   return conv_bwd_launch(p, nullptr);
 }
+
+// the conv's carried states (conv_states.cu): bwd 0 runs the forward (out fixed up in place, final_state written),
+// 1 the backward (out is dout: read, then zeroed; dx_head, dw_part, dinitial_state (may be null) written)
+extern "C" void emu_conv_states(int bwd, int dtype, int batch, int dim, int seqlen, int width, int slots, int silu,
+                                const void *x, const int64_t *xs, void *out, const int64_t *os, const float *weight,
+                                const float *bias, const int64_t *start, const int64_t *length, const bool *has,
+                                const void *initial_state, void *final_state, float *dx_head, float *dw_part,
+                                float *dinitial_state) {
+  ConvStateParams p{};
+  p.batch = batch; p.dim = dim; p.seqlen = seqlen; p.width = width; p.slots = slots; p.silu = silu; p.dtype = dtype;
+  p.x_bs = xs[0]; p.x_cs = xs[1]; p.x_ls = xs[2];
+  p.o_bs = os[0]; p.o_cs = os[1]; p.o_ls = os[2];
+  p.x = x; p.weight = weight; p.bias = bias; p.start = start; p.length = length; p.has = has;
+  p.initial_state = initial_state; p.out = out; p.final_state = final_state;
+  p.dx_head = dx_head; p.dw_part = dw_part; p.dinitial_state = dinitial_state;
+  if (bwd) conv_states_bwd_launch(p, nullptr);
+  else conv_states_fwd_launch(p, nullptr);
+}
