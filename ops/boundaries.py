@@ -248,6 +248,41 @@ def _check_agree(pos: torch.Tensor, seq_idx: torch.Tensor) -> None:
         )
 
 
+class TensorMemo:
+    """Values derived from a tensor, kept while that tensor is alive and unchanged: keyed by its identity (and an
+    ``extra`` key: a device, say), a value is returned while the tensor's ``_version`` and shape are those it was made
+    with. The last ``size`` keys are kept. Nothing is kept under ``torch.compile`` or for inference tensors (they keep
+    no version counter); a change that does not bump the version (written through ``.data`` or a numpy array sharing
+    the memory) is not seen. One home for the per-step memos of the boundaries (the resolved ids, the resolved
+    :class:`PackedBoundaries` of the functional ops, the conv's run mask)."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._entries: dict = {}   # (id, extra) -> (weakref to the tensor, its _version, shape, value)
+
+    @staticmethod
+    def usable(t) -> bool:
+        return isinstance(t, torch.Tensor) and not torch.compiler.is_compiling() and not t.is_inference()
+
+    def get(self, t: torch.Tensor, extra=None):
+        """The value kept for ``t`` (and ``extra``), or None."""
+        if not self.usable(t):
+            return None
+        got = self._entries.get((id(t), extra))
+        if got is not None and got[0]() is t and got[1] == t._version and got[2] == tuple(t.shape):
+            return got[3]
+        return None
+
+    def put(self, t: torch.Tensor, value, extra=None):
+        """Keep ``value`` for ``t`` (and ``extra``); returns ``value``."""
+        if self.usable(t):
+            key = (id(t), extra)
+            if key not in self._entries and len(self._entries) >= self.size:
+                self._entries.pop(next(iter(self._entries)), None)
+            self._entries[key] = (weakref.ref(t), t._version, tuple(t.shape), value)
+        return value
+
+
 def resolve_position_ids(
     position_ids: Optional[torch.Tensor] = None,
     seq_idx: Optional[torch.Tensor] = None,
@@ -280,8 +315,14 @@ def resolve_position_ids(
     if position_ids is None and seq_idx is None:
         return None
     check = validate and not torch.compiler.is_compiling()
+    memo_key = None
     if position_ids is not None:
         _check_2d("position_ids", position_ids)
+        if seq_idx is None:   # resolved before (a stack of layers): the same int32 tensor, checked once
+            memo_key = str(torch.device(device)) if device is not None else str(position_ids.device)
+            got = _resolved.get(position_ids, memo_key)
+            if got is not None and (got[1] or not check):
+                return _check_shape(got[0], batch, seqlen)
         pos = position_ids.to(torch.int32).contiguous()
         if seq_idx is not None:
             _check_2d("seq_idx", seq_idx)
@@ -289,46 +330,33 @@ def resolve_position_ids(
                 raise BoundaryError(
                     f"position_ids {tuple(position_ids.shape)} and seq_idx {tuple(seq_idx.shape)} have different shapes"
                 )
-        if check and not (seq_idx is None and _validated_before(position_ids)):
+        if check:
             validate_position_ids(pos)
             if seq_idx is not None:
                 _check_agree(pos, seq_idx)
-            else:
-                _remember_validated(position_ids)
     else:
         pos = seq_idx_to_position_ids(seq_idx)
+    _check_shape(pos, batch, seqlen)
+    if device is not None and pos.device != torch.device(device):
+        pos = pos.to(device)
+    if memo_key is not None:
+        _resolved.put(position_ids, (pos, check), memo_key)
+    return pos
+
+
+def _check_shape(pos: torch.Tensor, batch: Optional[int], seqlen: Optional[int]) -> torch.Tensor:
     if batch is not None and seqlen is not None and tuple(pos.shape) != (batch, seqlen):
         raise BoundaryError(
             f"boundaries have shape {tuple(pos.shape)} but the activations are (batch={batch}, seqlen={seqlen})"
         )
-    if device is not None and pos.device != torch.device(device):
-        pos = pos.to(device)
     return pos
 
 
 # A stack of layers, each resolving the same position_ids (ops.PackedMamba with validate_boundaries on, the
-# functional ops' position_ids=): the ids are checked once, at the first layer, not once a layer (each check is a
-# host sync that stops the host from running ahead of the GPU). Keyed by the tensor given, while it is alive and
-# unchanged (its _version); none under torch.compile (no check there) or for inference tensors (no version).
-_VALIDATED_MAX = 8
-_validated: dict = {}   # id -> (weakref to the ids, their _version, shape)
-
-
-def _validated_before(position_ids: torch.Tensor) -> bool:
-    if position_ids.is_inference():
-        return False
-    got = _validated.get(id(position_ids))
-    return (got is not None and got[0]() is position_ids and got[1] == position_ids._version
-            and got[2] == tuple(position_ids.shape))
-
-
-def _remember_validated(position_ids: torch.Tensor) -> None:
-    if position_ids.is_inference():
-        return
-    key = id(position_ids)
-    if key not in _validated and len(_validated) >= _VALIDATED_MAX:
-        _validated.pop(next(iter(_validated)), None)
-    _validated[key] = (weakref.ref(position_ids), position_ids._version, tuple(position_ids.shape))
+# functional ops' position_ids=): the ids are converted to int32 and checked once, at the first layer, not once a layer
+# (each check is a host sync that stops the host from running ahead of the GPU), and every layer gets the same int32
+# tensor (so the conv's run mask, kept per tensor, is made once too). Value: (the int32 ids, whether checked).
+_resolved = TensorMemo()
 
 
 def resolve_boundaries(
@@ -466,8 +494,7 @@ def resolve_for_op(what: str, position_ids: Optional[torch.Tensor], seq_idx: Opt
 # ----------------------------------------------------------------------------------------------------------------
 # position_ids given to the functional ops call after call: resolved once per tensor
 
-_RECENT_MAX = 8
-_recent: dict = {}   # (id, device) -> (weakref to the ids, their _version, shape, PackedBoundaries)
+_recent = TensorMemo()   # (the ids, the device) -> (PackedBoundaries, whether checked)
 
 
 def boundaries_for_ids(position_ids: torch.Tensor, device, validate: bool) -> Optional[PackedBoundaries]:
@@ -477,18 +504,11 @@ def boundaries_for_ids(position_ids: torch.Tensor, device, validate: bool) -> Op
     step, as with ``boundaries=``. None under ``torch.compile`` and for inference tensors (the ops resolve per call
     there). A change that does not bump the tensor's version (written through ``.data`` or a numpy array sharing its
     memory) is not seen: hand such ids over as a new tensor, or as ``boundaries=``."""
-    if torch.compiler.is_compiling() or not isinstance(position_ids, torch.Tensor) or position_ids.is_inference():
+    if not TensorMemo.usable(position_ids):
         return None   # (an inference tensor keeps no version counter: resolved per call, as before)
     dev = torch.device(device) if device is not None else position_ids.device
-    key = (id(position_ids), str(dev))
-    got = _recent.get(key)
-    if got is not None:
-        ref, version, shape, bounds, checked = got
-        if (ref() is position_ids and version == position_ids._version and shape == tuple(position_ids.shape)
-                and (checked or not validate)):
-            return bounds
+    got = _recent.get(position_ids, str(dev))
+    if got is not None and (got[1] or not validate):
+        return got[0]
     bounds = PackedBoundaries.resolve(position_ids=position_ids, device=dev, validate=validate)
-    if key not in _recent and len(_recent) >= _RECENT_MAX:
-        _recent.pop(next(iter(_recent), None), None)
-    _recent[key] = (weakref.ref(position_ids), position_ids._version, tuple(position_ids.shape), bounds, validate)
-    return bounds
+    return _recent.put(position_ids, (bounds, validate), str(dev))[0]

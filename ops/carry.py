@@ -343,7 +343,7 @@ def carried_mamba_inner_ref(mixer, hidden_states: torch.Tensor, pos: torch.Tenso
 
 # ----------------------------------------------------------------------------------------------------------------
 # The fused mixer with carried states: the computation of carried_mamba_inner_ref in one autograd Function, with the
-# kernel ops, the conv's states spliced in by small token gathers, and a hand-written backward through the chain.
+# kernel ops (the conv's states by packloader::conv_states_fwd / _bwd) and a hand-written backward through the chain.
 
 def _cached(g: dict, key, make):
     """``g[key]``, made by ``make()`` on first use: the step's geometry is the same in every layer."""
@@ -361,17 +361,6 @@ def _splice_geometry(g: dict, k: int):
         valid = g["has"][:, None] & (j < g["length"][:, None])
         return torch.where(valid, g["start"][:, None] + j, g["start"][:, None]), valid
     return _cached(g, ("splice", k), make)
-
-
-def _splice_selected(g: dict, k: int):
-    """(flat index (m,) of the tokens the conv's states change: each continued slot's first min(k, length) tokens,
-    their rows (m,) in the (K * k) flattened (slot, j) pairs of :func:`_splice_geometry`): made once a step (one
-    nonzero)."""
-    def make():
-        flat, valid = _splice_geometry(g, k)
-        sel = valid.reshape(-1).nonzero().squeeze(1)
-        return flat.reshape(-1).index_select(0, sel), sel
-    return _cached(g, ("splice_sel", k), make)
 
 
 def _final_geometry(g: dict, k: int):
@@ -399,39 +388,6 @@ def _conv_chain(xf, inside, conv0, g, k):
     for at in g["depth_at"]:
         conv_init = torch.where(at[:, None, None], _finals_from(xf, inside, conv_init, g, k)[g["pred"]], conv_init)
     return conv_init
-
-
-def _splice_values(xg, conv_init, cw, cb, out_dtype):
-    """The first k outputs of every slot (K, d, k), silu applied, from ``[conv_init, its first k inputs]``."""
-    k = cw.shape[1] - 1
-    ct = torch.float64 if xg.dtype == torch.float64 else torch.float32
-    ext = torch.cat([conv_init.to(ct), xg.to(ct).permute(0, 2, 1)], -1)          # (K, d, 2k)
-    pre = (ext.unfold(-1, k + 1, 1) * cw.to(ct)[None, :, None, :]).sum(-1)     # (K, d, k)
-    if cb is not None:
-        pre = pre + cb.to(ct)[None, :, None]
-    return F.silu(pre).to(out_dtype)
-
-
-def _splice_backward(xg, conv_init, cw, cb, gvals, init_grad=False):
-    """The backward of :func:`_splice_values`: (d xg (K, k, d), d cw (d, k + 1), d cb (d,), d conv_init (K, d, k)
-    where ``init_grad``, else None) from the gradient ``gvals`` (K, d, k) of its outputs, in closed form (a dozen
-    kernels, no autograd graph): ``out_j = silu(pre_j)``, ``pre_j = sum_i ext_{j+i} w_i + b`` over
-    ``ext = [conv_init, xg]``."""
-    k = cw.shape[1] - 1
-    ct = gvals.dtype
-    ext = torch.cat([conv_init.to(ct), xg.to(ct).permute(0, 2, 1)], -1)           # (K, d, 2k)
-    win = ext.unfold(-1, k + 1, 1)                                                # (K, d, k, k + 1)
-    w = cw.to(ct)
-    pre = (win * w[None, :, None, :]).sum(-1)
-    if cb is not None:
-        pre = pre + cb.to(ct)[None, :, None]
-    dpre = torch.ops.aten.silu_backward(gvals, pre)                               # (K, d, k)
-    dw = (win * dpre[..., None]).sum((0, 2))                                      # (d, k + 1)
-    # d ext_m = sum_j dpre_j w_{m - j} (the xg half m >= k; the conv_init half m < k where asked)
-    padded = F.pad(dpre, (k, k))                                                  # (K, d, 3k)
-    windows = padded.unfold(-1, k + 1, 1)[:, :, (0 if init_grad else k):2 * k]
-    dext = (windows * w.flip(-1)[None, :, None, :]).sum(-1)                      # (K, d, k or 2k)
-    return dext[..., -k:].permute(0, 2, 1), dw, dpre.sum((0, 2)), (dext[..., :k] if init_grad else None)
 
 
 def _put_tokens(t: torch.Tensor, flat: torch.Tensor, vals: torch.Tensor, accumulate: bool = False,
@@ -539,7 +495,7 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         g = step.geometry(x.device)
         conv0, ssm0 = step.initial(layer, (d_inner, k), (d_inner, d_state), x.dtype, x.device)
         runmask = runmask_for(x, cw, position_ids)
-        xc, conv_final, spliced = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)
+        xc, conv_final, conv_init = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)
         x_dbl, delta, Bm, Cm = _fused_projections(xc, x_proj_weight, delta_proj_weight, d_state)
         ssm_init, a_saved, P_all = ssm0, None, None
         if g["depth_at"]:
@@ -556,19 +512,20 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         ctx.step, ctx.g, ctx.k = step, g, k
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
                               out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0,
-                              ssm_init, a_saved, P_all, spliced)
+                              ssm_init, a_saved, P_all, conv_init)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         from .mamba_inner import _bmm_w, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
-         Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0, ssm_init, a_saved, P_all, spliced) = ctx.saved_tensors
+         Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0, ssm_init, a_saved, P_all,
+         conv_init) = ctx.saved_tensors
         step, g, k = ctx.step, ctx.g, ctx.k
         dt_rank = delta_proj_weight.shape[1]
         _, _, w_dtype_xp, w_dtype_dt, w_dtype_out, _ = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)
-        xc = _conv_respliced(x, cw, cb, position_ids, runmask, spliced, g, k)   # recomputed
+        xc = _conv_respliced(x, cw, cb, position_ids, runmask, conv_init, g, k)   # recomputed
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
@@ -605,37 +562,24 @@ class CarriedMambaInnerFn(torch.autograd.Function):
                 ddb = ddb + gA[7]
         dx_proj_weight, ddelta_proj_weight, dxc = _x_proj_backward(dB, dC, ddelta, dxc, x_dbl, xc, x_proj_weight,
                                                                    delta_proj_weight, w_dtype_xp, w_dtype_dt)
-        # conv: the spliced outputs' gradient goes through the states' small recomputation, the rest to the kernel
-        flat, valid = _splice_geometry(g, k)
-        dtok = _tokens_of(dxc, flat, g, "splice")                                # (K, k, d)
-        _zero_spliced(dxc, g, k)
+        # conv: the continued outputs' gradient goes through their recomputation from the states (and is zeroed in
+        # dxc), the rest through the kernel's backward
+        chained = bool(g["depth_at"])
+        dx_head, ddw, ddb_conv, dconv_init = torch.ops.packloader.conv_states_bwd(
+            dxc, x, cw, cb, True, conv_init, g["start"], g["length"], g["has"], chained)
         dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
         dx = dx.contiguous()
-        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        gvals = torch.where(valid[:, None, :], dtok.permute(0, 2, 1).to(ct), 0.0)     # (K, d, k)
-        if not g["depth_at"]:   # the states come from the cache (no gradient): the splice's backward in closed form
-            dxg, ddw, ddb_conv, _ = _splice_backward(_tokens_of(x, flat, g, "splice"), conv0, cw, cb, gvals)
-            _put_tokens(dx, flat, dxg.to(dx.dtype), accumulate=True, g=g, key="splice")
-            dcw = dcw + ddw.to(dcw.dtype)
-            if cb is not None:
-                dcb = dcb + ddb_conv.to(dcb.dtype)
-        else:                   # an in-batch chain: the states depend on this step's inputs (autograd through it)
+        _put_tokens(dx, _splice_geometry(g, k)[0], dx_head.to(dx.dtype), accumulate=True, g=g, key="splice")
+        dcw = dcw + ddw.to(dcw.dtype)
+        if cb is not None:
+            dcb = dcb + ddb_conv.to(dcb.dtype)
+        if chained:   # an in-batch chain: the states are this step's inputs (the predecessors' last ones)
             fflat, inside = _final_geometry(g, k)
             with torch.enable_grad():
-                xg = _tokens_of(x, flat, g, "splice").detach().requires_grad_(True)
                 xf = _tokens_of(x, fflat, g, "final").detach().requires_grad_(True)
-                cw_leaf = cw.detach().requires_grad_(True)
-                cb_leaf = cb.detach().requires_grad_(True) if cb is not None else None
-                vals = _splice_values(xg, _conv_chain(xf, inside, conv0, g, k), cw_leaf, cb_leaf, ct)
-                loss = (vals * gvals).sum()
-                leaves = [xg, xf, cw_leaf] + ([cb_leaf] if cb_leaf is not None else [])
-                got = torch.autograd.grad(loss, leaves, allow_unused=True)
-            for tok, key, gt in ((flat, "splice", got[0]), (fflat, "final", got[1])):
-                if gt is not None:
-                    _put_tokens(dx, tok, gt.to(dx.dtype), accumulate=True, g=g, key=key)
-            dcw = dcw + got[2].to(dcw.dtype)
-            if cb is not None:
-                dcb = dcb + got[3].to(dcb.dtype)
+                chain = _conv_chain(xf, inside, conv0, g, k)
+                (gxf,) = torch.autograd.grad(chain, xf, dconv_init.to(chain.dtype))
+            _put_tokens(dx, fflat, gxf.to(dx.dtype), accumulate=True, g=g, key="final")
         return _fused_grads(ctx, dx, dz, z, hidden_states, in_proj_weight, dcw, dcb, cb, dx_proj_weight,
                             ddelta_proj_weight, dout_proj_weight, dout_proj_bias, dA, dD, ddb) + (None, None, None)
 
@@ -680,48 +624,24 @@ def _row_picker(g: dict):
 
 
 def _conv_with_states(x, cw, cb, pos, runmask, conv0, g, k):
-    """(xc, conv_final, spliced): the conv kernel's output with each continued slot's first k outputs recomputed from
-    its state (the states chained through the batch), every slot's last k inputs, and the values written into xc
-    (m, d: what :func:`_conv_respliced` writes again in the backward)."""
-    fflat, inside = _final_geometry(g, k)
-    xf = _tokens_of(x, fflat, g, "final")
-    conv_init = _conv_chain(xf, inside, conv0, g, k)
+    """(xc, conv_final, conv_init): the conv kernel's output with each continued slot's first k outputs recomputed from
+    its state (the states chained through the batch), every slot's last k inputs, and the states it started from."""
+    conv_init = conv0
+    if g["depth_at"]:
+        fflat, inside = _final_geometry(g, k)
+        conv_init = _conv_chain(_tokens_of(x, fflat, g, "final"), inside, conv0, g, k)
     xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
-    spliced = _splice_conv_states(xc, x, cw, cb, conv_init, g, k)
-    return xc, _finals_from(xf, inside, conv_init, g, k), spliced
+    conv_final = torch.ops.packloader.conv_states_fwd(xc, x, cw, cb, True, conv_init, g["start"], g["length"],
+                                                      g["has"])
+    return xc, conv_final, conv_init
 
 
-def _conv_respliced(x, cw, cb, pos, runmask, spliced, g, k):
-    """The backward's recomputation of :func:`_conv_with_states`' xc: the conv kernel, then the values the forward
-    spliced in (saved, a few tokens a slot) written again: one scatter, no recomputation of the states."""
+def _conv_respliced(x, cw, cb, pos, runmask, conv_init, g, k):
+    """The backward's recomputation of :func:`_conv_with_states`' xc (the same kernels, the same bits)."""
     xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
-    if spliced is not None:
-        _put_tokens(xc, _splice_selected(g, k)[0], spliced, g=g, key="splice_sel")
+    if conv_init is not None:
+        torch.ops.packloader.conv_states_fwd(xc, x, cw, cb, True, conv_init, g["start"], g["length"], g["has"])
     return xc
-
-
-def _splice_conv_states(xc, x, cw, cb, conv_init, g, k):
-    """In place: the conv output ``xc`` with the first k outputs of every slot that has a state (``g["has"]``)
-    recomputed from ``[conv_init, its first k inputs]`` (silu applied); returns the values written (m, d), one row
-    per token of :func:`_splice_selected`."""
-    flat, _ = _splice_geometry(g, k)
-    vals = _splice_values(_tokens_of(x, flat, g, "splice"), conv_init, cw, cb, xc.dtype)       # (K, d, k)
-    flat_sel, sel = _splice_selected(g, k)
-    spliced = vals.permute(0, 2, 1).reshape(-1, vals.shape[1]).index_select(0, sel)          # (m, d)
-    _put_tokens(xc, flat_sel, spliced, g=g, key="splice_sel")
-    return spliced
-
-
-def _zero_spliced(t: torch.Tensor, g: dict, k: int) -> None:
-    """In place: ``t`` (b, d, L) zero at the tokens the conv's states changed (their gradient goes through the states'
-    closed-form backward, not the conv kernel's)."""
-    flat_sel, _ = _splice_selected(g, k)
-    got = _storage_index(t, flat_sel, g, "splice_sel")
-    if got is not None:
-        got[0].index_fill_(0, got[1].reshape(-1), 0)
-        return
-    L = t.shape[2]
-    t.permute(0, 2, 1).index_put_((flat_sel // L, flat_sel % L), t.new_zeros(()))
 
 
 def _chain_backward(dinit, P_all, ssm_init, g):

@@ -168,13 +168,15 @@ def _step_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
     return value
 
 
-def _cp_conv(x, cw, cb, runmask, conv0, geo, k):
-    """(xc, spliced): the conv over the chunk, each continuing row's first k outputs recomputed from the received
-    inputs, and the values written (None without received inputs)."""
-    from .carry import _splice_conv_states
+def _cp_conv(x, cw, cb, runmask, conv0, geo):
+    """The conv over the chunk, each continuing row's first width - 1 outputs recomputed from the received inputs
+    ``conv0`` (None: none received)."""
     xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, geo["pos"], True, runmask)
-    spliced = _splice_conv_states(xc, x, cw, cb, conv0, geo["first"], k) if conv0 is not None else None
-    return xc, spliced
+    if conv0 is not None:
+        first = geo["first"]
+        torch.ops.packloader.conv_states_fwd(xc, x, cw, cb, True, conv0, first["start"], first["length"],
+                                             first["has"])
+    return xc
 
 
 class _ContextParallelMambaInnerFn(torch.autograd.Function):
@@ -198,7 +200,7 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         conv0 = conv0.to(x.dtype).contiguous() if conv0 is not None else None
         ssm0 = ssm0.contiguous() if ssm0 is not None else None
         runmask = runmask_for(x, cw, geo["pos"])
-        xc, spliced = _cp_conv(x, cw, cb, runmask, conv0, geo, k)
+        xc = _cp_conv(x, cw, cb, runmask, conv0, geo)
         x_dbl, delta, Bm, Cm = _fused_projections(xc, x_proj_weight, delta_proj_weight, A.shape[1])
         out_z, saved, ssm_final = torch.ops.packloader.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, geo["pos"], True, geo["slots"], ssm0, batch if send else 0)
@@ -210,21 +212,20 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
             ssm_final = tail = x.new_zeros((0,))
         ctx.geo, ctx.k, ctx.send = geo, k, send
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-                              out_proj_weight, A, Bm, Cm, D, delta_bias, saved, runmask, conv0, ssm0, spliced)
+                              out_proj_weight, A, Bm, Cm, D, delta_bias, saved, runmask, conv0, ssm0)
         return y, ssm_final, tail.contiguous()
 
     @staticmethod
     def backward(ctx, dy, d_final, d_tail):
-        from .carry import (_conv_respliced, _final_geometry, _fused_grads, _put_tokens, _splice_backward,
-                            _splice_geometry, _tokens_of, _zero_spliced)
+        from .carry import _final_geometry, _fused_grads, _put_tokens, _splice_geometry
         from .mamba_inner import _bmm_w, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
-         Cm, D, delta_bias, saved, runmask, conv0, ssm0, spliced) = ctx.saved_tensors
+         Cm, D, delta_bias, saved, runmask, conv0, ssm0) = ctx.saved_tensors
         geo, k = ctx.geo, ctx.k
         dt_rank = delta_proj_weight.shape[1]
         _, _, w_dtype_xp, w_dtype_dt, w_dtype_out, _ = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)
-        xc = _conv_respliced(x, cw, cb, geo["pos"], runmask, spliced, geo["first"], k)   # recomputed
+        xc = _cp_conv(x, cw, cb, runmask, conv0, geo)   # recomputed
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
@@ -237,19 +238,15 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         dx_proj_weight, ddelta_proj_weight, dxc = _x_proj_backward(dB, dC, ddelta, dxc, x_dbl, xc, x_proj_weight,
                                                                    delta_proj_weight, w_dtype_xp, w_dtype_dt)
         first = geo["first"]
-        if conv0 is not None:   # the spliced outputs' gradient goes through their closed-form backward, not the kernel's
-            flat, valid = _splice_geometry(first, k)
-            dtok = _tokens_of(dxc, flat, first, "splice")                                    # (b, k, d)
-            _zero_spliced(dxc, first, k)
+        dconv0 = None
+        if conv0 is not None:   # the continued outputs' gradient goes through their recomputation (zeroed in dxc)
+            dx_head, ddw, ddb_conv, dconv0 = torch.ops.packloader.conv_states_bwd(
+                dxc, x, cw, cb, True, conv0, first["start"], first["length"], first["has"], True)
         dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, geo["pos"], True, dxc, runmask)
         dx = dx.contiguous()
-        dconv0 = None
         if conv0 is not None:
-            ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-            gvals = torch.where(valid[:, None, :], dtok.permute(0, 2, 1).to(ct), 0.0)
-            dxg, ddw, ddb_conv, dconv0 = _splice_backward(_tokens_of(x, flat, first, "splice"), conv0, cw, cb, gvals,
-                                                          init_grad=True)
-            _put_tokens(dx, flat, dxg.to(dx.dtype), accumulate=True, g=first, key="splice")
+            _put_tokens(dx, _splice_geometry(first, k)[0], dx_head.to(dx.dtype), accumulate=True, g=first,
+                        key="splice")
             dcw = dcw + ddw.to(dcw.dtype)
             if cb is not None:
                 dcb = dcb + ddb_conv.to(dcb.dtype)

@@ -3,7 +3,7 @@
 This module is the one home of the constants shared by the Python side and the CUDA sources (the CUDA build
 receives them as ``-D`` definitions; nothing is copied by hand into the headers).
 
-Five ops are registered with ``torch.library.custom_op`` in the ``packloader`` namespace (``torch.ops.packloader``).
+Seven ops are registered with ``torch.library.custom_op`` in the ``packloader`` namespace (``torch.ops.packloader``).
 Each has a fake (meta) implementation giving output shapes, dtypes and strides, a reference implementation in
 pure PyTorch (every device but CUDA; any float dtype, float64 included), a CUDA implementation that calls the
 compiled kernels (``ops._cuda``), and, for the two forward ops, an autograd formula that calls the matching
@@ -23,9 +23,9 @@ Carried states (:mod:`ops.states`)
     of ``final_state`` its state is written to; -1 elsewhere. A slot appears at most once in each plane. The functional
     ops number slots by sequence in ``cu_seqlens`` order (flash-linear-attention's convention, with a flag per
     sequence like vLLM's ``has_initial_state``); a caller that carries few sequences numbers just those. The conv
-    takes its states in the functional entry (``ops.packed_causal_conv1d``): its kernels run as without states and the
-    first ``w - 1`` outputs of each continued sequence are recomputed from them, so the conv ops have no state
-    arguments.
+    kernels run as without states; the first ``w - 1`` outputs of each continued sequence are then recomputed from its
+    state (``conv_states_fwd`` below, in the fused mixers that carry states; torch ops in the functional entry,
+    ``ops.packed_causal_conv1d``).
 
 ``packloader::selective_scan_fwd(u, delta, A, B, C, D?, z?, delta_bias?, position_ids, delta_softplus,
 state_slots?=None, initial_state?=None, num_final_states=0) -> (out, saved, final_state)``
@@ -80,6 +80,27 @@ dD, dz, ddelta_bias, out, dinitial_state)``
 ``packloader::causal_conv1d_bwd(x, weight, bias?, position_ids, silu, dout, runmask?) -> (dx, dweight, dbias)``
     - ``dout``: ``(b, d, L)``, any strides. ``dx`` has ``x``'s strides; ``dweight``, ``dbias`` their inputs'
       shapes and dtypes; ``dbias`` is an empty float32 ``(0,)`` tensor without a bias.
+
+``packloader::conv_states_fwd(out, x, weight, bias?, silu, initial_state, start, length, has_initial_state) ->
+final_state``
+    - ``S`` sequences given by their tokens in the flattened ``(b * L)`` row-major order: ``start``, ``length``
+      ``(S,)`` int64; ``has_initial_state`` ``(S,)`` bool; ``initial_state`` ``(S, d, w - 1)`` in ``x``'s dtype, the
+      ``w - 1`` inputs before each sequence, oldest first.
+    - ``out`` (mutated; any strides): the conv's output of ``x`` (``causal_conv1d_fwd``); for every sequence with a
+      state, its first ``min(w - 1, length)`` outputs are recomputed with the taps before its start reading the state
+      (``silu``, ``bias`` as in the conv); every other element is left as it was.
+    - ``final_state``: ``(S, d, w - 1)`` in ``x``'s dtype, each sequence's last ``w - 1`` inputs (its initial
+      state's, or zeros without one, before a short sequence's start), the layout ``initial_state`` takes.
+
+``packloader::conv_states_bwd(dout, x, weight, bias?, silu, initial_state, start, length, has_initial_state,
+initial_grad) -> (dx_head, dweight, dbias, dinitial_state)``
+    - ``dout`` (mutated): the gradient of ``out``, read at the outputs ``conv_states_fwd`` wrote, then zeroed there
+      (their gradient goes through the recomputation; hand ``dout`` to ``causal_conv1d_bwd`` after).
+    - ``dx_head``: ``(S, w - 1, d)``, the gradient of each sequence's first ``w - 1`` inputs through the recomputed
+      outputs (zeros past its end and for sequences without a state), to be added into ``causal_conv1d_bwd``'s
+      ``dx``; ``dweight`` ``(d, w)``, ``dbias`` ``(d,)`` (empty without a bias): the recomputation's share;
+      ``dinitial_state``: ``initial_state``'s shape with ``initial_grad``, else empty. float32 (float64 for the
+      reference on float64 inputs); summed over the sequences in order (the same bits every run).
 
 Dispatch (:mod:`ops.backends`): the tensors' device picks the implementation; ``with ops.use_backend("reference"):``
 makes CUDA tensors run the reference too; a case the kernel cannot take raises (never a silent fallback).

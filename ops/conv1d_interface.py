@@ -24,15 +24,13 @@ CUDA implementation (``ops._cuda``), the fake implementation and the autograd fo
 """
 from __future__ import annotations
 
-import weakref
-
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids
+from .boundaries import PackedBoundaries, TensorMemo, resolve_for_op, resolve_position_ids
 from .states import check_state, sequence_spans
 from .contract import CONV_MASK_RUN, CONV_SLOT_STEPS, OP_TAGS, conv_mask_stride
 
@@ -495,30 +493,18 @@ def _reads_runmask(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and _backends.implementation("causal_conv1d", "cuda", x.dtype, width=width) == "cuda")
 
 
-_RUNMASKS_MAX = 8
-_runmasks: dict = {}   # id(position_ids) -> (weakref to the ids, their _version, shape, the mask)
+_runmasks = TensorMemo()   # position_ids -> conv_runmask(position_ids)
 
 
 def runmask_for(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     """``conv_runmask(position_ids)`` where the kernels that read it may run (channel-first rows the CUDA kernels
     take), else None: what a caller computes once and hands to a conv forward and its backward. The mask depends on
-    the ids alone: made once for a ``position_ids`` tensor while it is alive and unchanged (its ``_version``), so the
-    mixers of a model's layers, handed the same ids, share it (not under ``torch.compile``, nor for inference
-    tensors, which keep no version)."""
+    the ids alone: made once for a ``position_ids`` tensor while it is alive and unchanged (:class:`TensorMemo`), so
+    the mixers of a model's layers, handed the same ids, share it."""
     if not _reads_runmask(x, weight):
         return None
-    if torch.compiler.is_compiling() or position_ids.is_inference():
-        return conv_runmask(position_ids)
-    key = id(position_ids)
-    got = _runmasks.get(key)
-    if (got is not None and got[0]() is position_ids and got[1] == position_ids._version
-            and got[2] == tuple(position_ids.shape)):
-        return got[3]
-    mask = conv_runmask(position_ids)
-    if key not in _runmasks and len(_runmasks) >= _RUNMASKS_MAX:
-        _runmasks.pop(next(iter(_runmasks)), None)
-    _runmasks[key] = (weakref.ref(position_ids), position_ids._version, tuple(position_ids.shape), mask)
-    return mask
+    mask = _runmasks.get(position_ids)
+    return mask if mask is not None else _runmasks.put(position_ids, conv_runmask(position_ids))
 
 
 # ----------------------------------------------------------------------------------------------------------------

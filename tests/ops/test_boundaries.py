@@ -280,6 +280,24 @@ def test_resolve_checks_the_same_ids_once_for_a_stack_of_layers(monkeypatch):
         resolve_position_ids(fresh)
 
 
+
+def test_int64_ids_are_converted_once_and_every_layer_gets_the_same_int32_tensor():
+    """int64 ids (what a loader yields) are converted to int32 once per tensor: each resolve hands back the same int32
+    tensor, so what the layers keep per tensor (the conv's run mask) is made once a step; a change in place, another
+    device or another tensor gets a new conversion, with the new values."""
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0]])
+    first = resolve_position_ids(pos)
+    assert first.dtype == torch.int32 and first is not pos
+    assert resolve_position_ids(pos) is first and resolve_position_ids(pos, validate=False) is first
+    pos[0, 6] = 0
+    again = resolve_position_ids(pos)
+    assert again is not first and again.tolist() == pos.tolist()
+    other = pos.clone()
+    assert resolve_position_ids(other) is not again
+    with torch.inference_mode():   # no version counter: converted per call
+        inf = torch.tensor([[0, 1, 0]])
+        assert resolve_position_ids(inf) is not resolve_position_ids(inf)
+
 def test_resolve_boundaries_all_three_forms():
     rows = [[3, 1, 2], [6]]
     pos, seq, cu = forms_from_lengths(rows)

@@ -193,7 +193,7 @@ def test_layers_that_cannot_carry_refuse_a_continuation():
 
 # a batch whose pieces continue from the cache and from each other (a middle piece of one token, a piece shorter
 # than the conv width, a chain of three rows); and one whose continuations all come from the cache (one piece of a
-# document a step: the closed-form backward of the conv's splice), with pieces of 1 and 2 tokens, shorter than the
+# document a step: no autograd through the conv's states), with pieces of 1 and 2 tokens, shorter than the
 # conv's width - 1, and one continuing after
 _FIRST = [[(6, 5, 0, True), (4, 7, 0, True), (3, 8, 0, True), (3, -1, 0, False)]]
 _SECOND = {
@@ -263,6 +263,43 @@ def test_gpu_pieces_in_one_step_match_the_whole_document(fused):
     for (name, _), x, y in zip([("doc", None)] + list(layer.named_parameters()), got, want):
         assert rel(x, y) <= 1e-5, (name, rel(x, y))
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(_SECOND))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_fused_mixer_with_states_matches_the_reference_kernels(layout, dtype):
+    """The fused mixer with carried states on the CUDA kernels (the conv's states by conv_states.cu) against the same
+    mixer on the reference kernels, on the batches above at a width the kernels tile (d_inner 512): outputs, every
+    gradient and the kept states within 1e-5 (fp32) / 2e-2 (bf16) relative."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from ops.carry import carried_mamba_inner
+    torch.manual_seed(0)
+    dev = "cuda"
+    layer = ops.PackedMamba(256, d_state=16, layer_idx=0, device=dev, dtype=dtype)
+    b1, b2 = _batch(_FIRST, None), _batch(_SECOND[layout], None)
+    h1 = torch.randn(1, 16, 256, device=dev, dtype=dtype)
+    h = torch.randn(4, 16, 256, device=dev, dtype=dtype, requires_grad=True)
+    weights = torch.randn(4, 16, 256, device=dev, dtype=dtype)
+    res = {}
+    for backend in ("auto", "reference"):
+        with ops.use_backend(backend):
+            cache = ops.StateCache()
+            carried_mamba_inner(layer, h1, b1["position_ids"].to(dev), cache.step(b1))
+            cache.commit()
+            step = ops.CarryStep(b2, cache)
+            y = carried_mamba_inner(layer, h, b2["position_ids"].to(dev), step, fused=True)
+            grads = torch.autograd.grad((y.float() * weights.float()).sum(), [h] + list(layer.parameters()))
+        res[backend] = (y, grads, step._finals)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))  # noqa: E731
+    assert rel(res["auto"][0], res["reference"][0]) <= tol
+    for (name, _), a, b in zip([("h", None)] + list(layer.named_parameters()), res["auto"][1], res["reference"][1]):
+        assert rel(a, b) <= tol, (name, rel(a, b))
+    for doc, layers in res["reference"][2].items():
+        for a, b in zip(res["auto"][2][doc][0], layers[0]):
+            assert rel(a, b) <= tol, doc
 
 def test_layers_of_different_conv_widths_share_a_step(seed):
     """One CarryStep's geometry (and the gather / scatter indices it keeps) serves layers whose conv widths differ: the
