@@ -389,8 +389,10 @@ def _conv_states_bwd_reference(dout, x, weight, bias, silu, initial_state, start
     # d ext_m = sum_j dpre_j w_{m - j}
     dext = (F.pad(dpre, (k, k)).unfold(-1, k + 1, 1)[:, :, :2 * k] * w.flip(-1)[None, :, None, :]).sum(-1)
     dbias = dpre.sum((0, 2)) if bias is not None else _absent(x)
-    dinit = dext[..., :k].contiguous() if initial_grad else _absent(x)
-    return dext[..., k:].permute(0, 2, 1).contiguous(), dw.reshape(dim, k + 1), dbias, dinit
+    # (custom ops return no aliases: each output in its own memory, whatever the sizes)
+    dinit = dext[..., :k].clone(memory_format=torch.contiguous_format) if initial_grad else _absent(x)
+    dx_head = dext[..., k:].permute(0, 2, 1).clone(memory_format=torch.contiguous_format)
+    return dx_head, dw.reshape(dim, k + 1), dbias, dinit
 
 
 def _conv_states_check(x, weight, initial_state, start, length, has_initial_state):
@@ -468,8 +470,9 @@ def _conv_states_bwd_cuda(dout, x, weight, bias, silu, initial_state, start, len
         dout, x, weight.float().contiguous(), None if bias is None else bias.float().contiguous(), bool(silu),
         initial_state.contiguous(), start.long().contiguous(), length.long().contiguous(),
         has_initial_state.bool().contiguous(), dx_head, dw_part, dinit if initial_grad else None)
-    dwb = dw_part.sum(0)   # over the sequences, in order
-    return dx_head, dwb[:, :width], (dwb[:, width] if bias is not None else _absent(x)), dinit
+    dwb = dw_part.sum(0)   # over the sequences, in order; then dweight and dbias in their own memory (no aliases)
+    dbias = dwb[:, width].clone(memory_format=torch.contiguous_format) if bias is not None else _absent(x)
+    return dx_head, dwb[:, :width].clone(memory_format=torch.contiguous_format), dbias, dinit
 
 
 @conv_states_bwd.register_fake
