@@ -342,6 +342,37 @@ def _conv_backward(ctx, dout):
 causal_conv1d_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_context)
 
 
+class _ConvEagerFn(torch.autograd.Function):
+    """``causal_conv1d_fwd`` and its autograd formula calling the CUDA implementations directly: the same kernels and
+    bits, without the custom op's dispatch layers (Python in front of and behind each call), which cost the functional
+    entry more host time than its kernels take at training shapes. Eager mode only (:func:`_conv_with_autograd`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, position_ids, silu, runmask):
+        ctx.save_for_backward(x, weight, bias, position_ids, runmask)
+        ctx.silu = silu
+        return _conv_fwd_cuda(x, weight, bias, position_ids, silu, runmask)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias, position_ids, runmask = ctx.saved_tensors
+        dx, dweight, dbias = _conv_bwd_cuda(x, weight, bias, position_ids, ctx.silu, dout, runmask)
+        return dx, dweight, (dbias if bias is not None else None), None, None, None
+
+
+_EAGER_DEVICE_TYPES = ("cuda",)   # where _ConvEagerFn may run (the kernel-emulation tests add "cpu")
+
+
+def _conv_with_autograd(x, weight, bias, position_ids, silu, runmask):
+    """The functional entry's conv: the custom op (``torch.compile``, every device but CUDA, fake tensors, dispatch
+    modes), or in plain eager mode on the CUDA kernels :class:`_ConvEagerFn`."""
+    if (x.device.type not in _EAGER_DEVICE_TYPES or torch.compiler.is_compiling() or type(x) is not torch.Tensor
+            or torch._C._len_torch_dispatch_stack()
+            or _backends.implementation("causal_conv1d", x.device.type, x.dtype, width=weight.shape[1]) != "cuda"):
+        return causal_conv1d_fwd(x, weight, bias, position_ids, silu, runmask)
+    return _ConvEagerFn.apply(x, weight, bias, position_ids, silu, runmask)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The conv's carried states: a fix-up of the packed conv's output (the kernels run as if every sequence started from
 # zero), for the fused mixers that carry states (ops.carry, ops.context_parallel)
@@ -531,7 +562,10 @@ def packed_causal_conv1d(
     """Depthwise causal conv1d over packed rows; no tap crosses a sequence start.
 
     Runs the ``packloader::causal_conv1d_fwd`` op (the compiled kernel on CUDA tensors, the reference
-    elsewhere: see :mod:`ops.backends`); differentiable; traceable by ``torch.compile`` without graph breaks.
+    elsewhere: see :mod:`ops.backends`); differentiable; traceable by ``torch.compile`` without graph breaks. In eager
+    mode on CUDA the op's CUDA implementation and its backward run through a plain autograd Function: the same kernels
+    without the custom op's Python dispatch layers, whose host time exceeded the kernels' at training shapes (1.5x the
+    kernels' time, now 1.0x; ``benchmarks/results/RESULTS.md``).
 
     Args:
         x: (batch, dim, seqlen), channel-first (contiguous) or channel-last (``x.stride(1) == 1``,
@@ -594,7 +628,7 @@ def packed_causal_conv1d(
     args = (xk, weight, bias, pos, activation == "silu")
     mask = runmask_for(xk, weight, pos) if boundaries is None else _cached_runmask(boundaries, xk, weight)
     if backend is None or backend == "auto":
-        out = causal_conv1d_fwd(*args, mask)
+        out = _conv_with_autograd(*args, mask)
     else:
         with _backends.use_backend_for_call(backend):
             out = causal_conv1d_fwd(*args, mask)

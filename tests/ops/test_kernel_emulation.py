@@ -1015,3 +1015,44 @@ def test_conv_states_on_emulated_kernels(cuda_path_on_cpu, seed, dtype, layout, 
             assert dbias.numel() == 0
         _, _, _, none = ci._conv_states_bwd_cuda(g.clone(), x, weight, bias, silu, init, start, length, has, False)
         assert none.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["cf", "cl"])
+def test_functional_conv_eager_path_on_emulated_kernels(cuda_path_on_cpu, monkeypatch, seed, dtype, layout):
+    """ops.packed_causal_conv1d in eager mode on the CUDA kernels runs a plain autograd Function over the CUDA
+    implementations (not the custom op's dispatch layers): the kernels' outputs and gradients (x, weight, bias)
+    against float64, with position_ids= and boundaries=; a dispatch mode (what a tracer runs under) takes the custom
+    op."""
+    import ops
+    from ops import conv1d_interface as ci
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    batch, dim, L, width = 2, 24, 40, 4
+    x = conv_input(layout, batch, dim, L, dtype).requires_grad_(True)
+    weight, bias = (0.5 * torch.randn(dim, width)).requires_grad_(True), torch.randn(dim).requires_grad_(True)
+    pos = position_ids_for([lengths_mix(L, "tiny"), lengths_mix(L, "mixed")], "cpu")
+    dout = torch.randn(batch, dim, L).to(dtype)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, weight, bias)]
+    ref = conv_ref64(leaves[0], leaves[1], leaves[2], pos, "silu")
+    ref.backward(dout.double())
+    monkeypatch.setattr(ci, "_EAGER_DEVICE_TYPES", ("cpu",))
+    applied = []
+    real = ci._ConvEagerFn.apply
+    monkeypatch.setattr(ci._ConvEagerFn, "apply", lambda *a: applied.append(1) or real(*a))
+    for kw in ({"position_ids": pos}, {"boundaries": ops.PackedBoundaries.resolve(position_ids=pos)}):
+        x.grad = weight.grad = bias.grad = None
+        out = ops.packed_causal_conv1d(x, weight, bias, "silu", **kw)
+        out.backward(dout)
+        for name, got, want in (("out", out, ref), ("dx", x.grad, leaves[0].grad),
+                                ("dweight", weight.grad, leaves[1].grad), ("dbias", bias.grad, leaves[2].grad)):
+            assert_elementwise(got, want, name)
+    assert len(applied) == 2
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        ops.packed_causal_conv1d(x.detach(), weight.detach(), bias.detach(), "silu", position_ids=pos)
+    assert len(applied) == 2   # the custom op (its reference here), not the eager Function
