@@ -136,6 +136,7 @@ def main(argv=None):
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "loader": loader.state_dict(),
                     "step": step}, args.save)
     if world > 1:
+        dist.barrier()   # every rank done before any tears the group down (gloo aborts a rank still using it)
         dist.destroy_process_group()
     return 0
 

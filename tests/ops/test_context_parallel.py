@@ -204,6 +204,9 @@ def _worker(rank, world, init_file, backend, device_kind):
                 _check_hf(rank, world)
                 _check_frozen_input(rank, world)
                 _check_guards(rank, world)
+        # every rank done before any tears gloo down (rank 0 aborted at exit under load, "terminate called without an
+        # active exception", as the DDP example did before its barrier)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
