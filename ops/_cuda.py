@@ -2,8 +2,9 @@
 
 Nothing here builds at import time: ``load()`` returns the extension, installed ahead of time (``ops._C``) or built
 just in time on first use (``ops._build`` says how). The extension's functions (``scan_fwd``, ``scan_bwd``,
-``conv_runmask``, ``conv_fwd``, ``conv_bwd``, ``conv_states_fwd``, ``conv_states_bwd``) are called only by the CUDA implementations of the custom ops in
-``ops/selective_scan_interface.py`` and ``ops/conv1d_interface.py`` (their contract: ``ops/contract.py``).
+``conv_runmask``, ``conv_fwd``, ``conv_bwd``, ``conv_states_fwd``, ``conv_states_bwd``) are called only by the CUDA
+implementations of the custom ops in ``ops/selective_scan_interface.py`` and ``ops/conv1d_interface.py`` (their
+contract: ``ops/contract.py``).
 """
 from __future__ import annotations
 
