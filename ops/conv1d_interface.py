@@ -377,47 +377,48 @@ def _conv_with_autograd(x, weight, bias, position_ids, silu, runmask):
 # The conv's carried states: a fix-up of the packed conv's output (the kernels run as if every sequence started from
 # zero), for the fused mixers that carry states (ops.carry, ops.context_parallel)
 
+def _state_windows(x, weight, bias, initial_state, start, length, has_initial_state):
+    """What both references of the conv's states compute: (flat (S, k) token of each sequence's first k outputs,
+    valid (S, k): it has a state and the token is inside, windows (S, dim, k, w) of ``[state, x]`` ending at each of
+    them, the pre-activations (S, dim, k)), in float32 (float64 for float64 inputs); k = w - 1."""
+    k = weight.shape[1] - 1
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    j = torch.arange(k, device=x.device)
+    valid = has_initial_state[:, None] & (j < length[:, None])
+    flat = torch.where(valid, start[:, None] + j, start[:, None])   # the rest: the sequence's first token (unused)
+    ext = torch.cat([initial_state.to(ct), _tokens(x, flat).to(ct).permute(0, 2, 1)], -1)   # (S, dim, 2k)
+    win = ext.unfold(-1, k + 1, 1)
+    pre = (win * weight.to(ct)[None, :, None, :]).sum(-1)
+    if bias is not None:
+        pre = pre + bias.to(ct)[None, :, None]
+    return flat, valid, win, pre
+
+
 def _conv_states_fwd_reference(out, x, weight, bias, silu, initial_state, start, length, has_initial_state):
     k = weight.shape[1] - 1
     if k > 0 and start.numel():
-        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        j = torch.arange(k, device=x.device)
-        valid = has_initial_state[:, None] & (j < length[:, None])               # (S, k)
-        flat = torch.where(valid, start[:, None] + j, start[:, None])
-        ext = torch.cat([initial_state.to(ct), _tokens(x, flat).to(ct).permute(0, 2, 1)], -1)       # (S, dim, 2k)
-        pre = (ext.unfold(-1, k + 1, 1) * weight.to(ct)[None, :, None, :]).sum(-1)                 # (S, dim, k)
-        if bias is not None:
-            pre = pre + bias.to(ct)[None, :, None]
+        flat, valid, _, pre = _state_windows(x, weight, bias, initial_state, start, length, has_initial_state)
         if silu:
             pre = F.silu(pre)
-        sel = valid.reshape(-1).nonzero().squeeze(1)
-        tok = flat.reshape(-1)[sel]
+        tok = flat[valid]
         L = out.shape[2]
-        out[tok // L, :, tok % L] = pre.permute(0, 2, 1).reshape(-1, pre.shape[1])[sel].to(out.dtype)
+        out[tok // L, :, tok % L] = pre.permute(0, 2, 1)[valid].to(out.dtype)
     return _conv_final_states(x, k + 1, start, length, initial_state, has_initial_state)
 
 
 def _conv_states_bwd_reference(dout, x, weight, bias, silu, initial_state, start, length, has_initial_state,
                                initial_grad):
     k = weight.shape[1] - 1
-    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    S, dim = start.shape[0], x.shape[1]
-    j = torch.arange(k, device=x.device)
-    valid = has_initial_state[:, None] & (j < length[:, None])                   # (S, k)
-    flat = torch.where(valid, start[:, None] + j, start[:, None])
+    dim = x.shape[1]
+    flat, valid, win, pre = _state_windows(x, weight, bias, initial_state, start, length, has_initial_state)
     L = x.shape[2]
-    g = torch.where(valid[:, None, :], _tokens(dout, flat).to(ct).permute(0, 2, 1), 0.0)            # (S, dim, k)
+    g = torch.where(valid[:, None, :], _tokens(dout, flat).to(pre.dtype).permute(0, 2, 1), 0.0)     # (S, dim, k)
     tok = flat[valid]
     dout[tok // L, :, tok % L] = 0
-    ext = torch.cat([initial_state.to(ct), _tokens(x, flat).to(ct).permute(0, 2, 1)], -1)           # (S, dim, 2k)
-    win = ext.unfold(-1, k + 1, 1)                                                                 # (S, dim, k, w)
-    w = weight.to(ct)
-    pre = (win * w[None, :, None, :]).sum(-1)
-    if bias is not None:
-        pre = pre + bias.to(ct)[None, :, None]
     dpre = torch.ops.aten.silu_backward(g, pre) if silu else g
     dw = (win * dpre[..., None]).sum((0, 2))                                                       # (dim, w)
     # d ext_m = sum_j dpre_j w_{m - j}
+    w = weight.to(pre.dtype)
     dext = (F.pad(dpre, (k, k)).unfold(-1, k + 1, 1)[:, :, :2 * k] * w.flip(-1)[None, :, None, :]).sum(-1)
     dbias = dpre.sum((0, 2)) if bias is not None else _absent(x)
     # (custom ops return no aliases: each output in its own memory, whatever the sizes)
