@@ -25,8 +25,9 @@ def _union_ms(intervals):
     return total / 1000.0
 
 
-def trace_call(fn, path=None, label=""):
-    """Profile one call of ``fn`` (synchronized before and after); write ``path`` (.json.gz) when given."""
+def trace_call(fn, path=None, label="", top=0):
+    """Profile one call of ``fn`` (synchronized before and after); write ``path`` (.json.gz) when given; ``top``:
+    also list the ``top`` kernel names with the most summed time (ms, count)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -56,6 +57,13 @@ def trace_call(fn, path=None, label=""):
         "idle_gaps_over_50us_ms": round(sum(g for g in gaps if g > 0.05), 3),
         "longest_gaps_ms": [round(g, 3) for g in sorted(gaps, reverse=True)[:5]],
     }
+    if top:
+        by_name = {}
+        for e in kernels:
+            ms, n = by_name.get(e.name, (0.0, 0))
+            by_name[e.name] = (ms + e.time_range.elapsed_us() / 1000.0, n + 1)
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+        summary["top_kernels"] = [[name[:90], round(ms, 3), n] for name, (ms, n) in ranked]
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         raw = path[:-3] if path.endswith(".gz") else path

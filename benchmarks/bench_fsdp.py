@@ -99,9 +99,11 @@ def model_kind(device) -> str:
     return "mamba_ssm"
 
 
-def build(kind, mode, d_model, layers, vocab, seed, device, mesh, compile_blocks):
+def build(kind, mode, d_model, layers, vocab, seed, device, mesh, compile_blocks, prefetch=0):
     """A float32 model on ``device``, converted for packing (mode packed; and the transformers fallback's
-    dense mode, which then gets no position_ids), sharded per block with a bf16 MixedPrecisionPolicy."""
+    dense mode, which then gets no position_ids), sharded per block with a bf16 MixedPrecisionPolicy;
+    ``prefetch`` > 0: every block's forward (backward) issues the all-gathers of the next (previous)
+    ``prefetch`` blocks itself, instead of FSDP2's default of one block ahead when the host gets there."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -130,6 +132,11 @@ def build(kind, mode, d_model, layers, vocab, seed, device, mesh, compile_blocks
             block.compile()
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if prefetch > 0:
+        blocks = list(model.backbone.layers)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
     return model, opt
 
@@ -185,7 +192,8 @@ def run_mode(kind, mode, width, args, pattern, device, mesh, rank, world):
     losses, tokens = [], 0
     model = opt = None
     try:  # (every rank holds the same amount: an out-of-memory error comes on all of them)
-        model, opt = build(kind, mode, d_model, layers, args.vocab, args.seed, device, mesh, args.compile)
+        model, opt = build(kind, mode, d_model, layers, args.vocab, args.seed, device, mesh, args.compile,
+                           args.prefetch)
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 sync(device)
@@ -201,6 +209,8 @@ def run_mode(kind, mode, width, args, pattern, device, mesh, rank, world):
                 tokens += real_tokens(batch)
         sync(device)
         sec = time.perf_counter() - t0
+        profile = trace_step(model, opt, next(it), mode, device, world, args, f"{width}-{mode}-{world}gpu") \
+            if args.trace_dir and device.type == "cuda" else None
     except torch.OutOfMemoryError:
         del model, opt
         gc.collect()
@@ -219,7 +229,39 @@ def run_mode(kind, mode, width, args, pattern, device, mesh, rank, world):
     return {"width": width, "mode": mode, "gpus": world, "kind": kind, "d_model": d_model, "layers": layers,
             "rows_per_gpu": rows, "capacity": args.capacity, "steps": args.steps, "seconds": sec,
             "ms_per_step": 1e3 * sec / args.steps, "tokens": int(all_tokens),
-            "tokens_per_s_per_gpu": float(all_tokens) / sec / world, "peak_gib": peak, "losses": losses}
+            "tokens_per_s_per_gpu": float(all_tokens) / sec / world, "peak_gib": peak, "losses": losses,
+            "prefetch": args.prefetch, **({"profile": profile} if profile else {})}
+
+
+def trace_step(model, opt, batch, mode, device, world, args, label):
+    """One more step, profiled on every rank (rank 0 writes its Chrome trace): the host syncs it makes and
+    where its time went (benchmarks/_trace.py), per rank."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from _trace import trace_call
+
+    rank = dist.get_rank()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step(model, opt, [batch], mode, device, world)
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    path = os.path.join(args.trace_dir, label + ".json.gz") if rank == 0 else None
+    summary = trace_call(lambda: train_step(model, opt, [batch], mode, device, world), path, label, top=12)
+    summary["host_syncs"] = syncs
+    every = [None] * world
+    dist.all_gather_object(every, summary)
+    if rank == 0:
+        for r, s in enumerate(every):
+            print(f"  trace {label} rank {r}: wall {s['wall_ms']:.1f} ms, compute busy {s['compute_busy_ms']:.1f}, "
+                  f"nccl {s['nccl_ms']:.1f}, gaps>50us {s['idle_gaps_over_50us_ms']:.1f} "
+                  f"(longest {s['longest_gaps_ms'][:3]}), {s['kernels']} kernels, {s['host_syncs']} host syncs",
+                  flush=True)
+    return every
 
 
 def reference_losses(kind, width, args, pattern, device, mesh, ref_world):
@@ -414,6 +456,10 @@ def parse(argv=None):
     ap.add_argument("--loss-steps", type=int, default=3, help="first steps whose loss is compared to one GPU's")
     ap.add_argument("--ref-worlds", default="2,4", help="one-GPU launch: reference losses for these GPU counts")
     ap.add_argument("--compile", action="store_true", help="torch.compile every block")
+    ap.add_argument("--prefetch", type=int, default=0,
+                    help="explicit FSDP2 prefetch: blocks whose all-gathers each block issues ahead (0: FSDP2's own)")
+    ap.add_argument("--trace-dir", default="", help="profile one extra step per mode on every rank: host syncs, "
+                    "compute/NCCL time, gaps, top kernels in the JSON; rank 0's Chrome trace here")
     ap.add_argument("--seed", type=int, default=0, help="data and init seed")
     ap.add_argument("--data-dir", default=os.path.join("/tmp", "packloader_bench_fsdp"), help="synthetic shards")
     ap.add_argument("--data-tokens", type=int, default=3_000_000, help="tokens of synthetic data")
