@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import kernel_calls
 from .states import sequence_spans
 
 __all__ = ["StateCache", "CarryStep", "CarryError", "CARRY_KEYS"]
@@ -500,12 +501,12 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         ssm_init, a_saved, P_all = ssm0, None, None
         if g["depth_at"]:
             pick = _row_picker(g)
-            _, a_saved, fin0 = torch.ops.packloader.selective_scan_fwd(
+            _, a_saved, fin0 = kernel_calls.selective_scan_fwd(
                 pick(xc), pick(delta), A, pick(Bm), pick(Cm), D, pick(z), delta_bias, g["pass_a_pos"], True,
                 g["pass_a_slots"], ssm0, step.num_slots)
             P_all = _middle_decays(step, g, delta, delta_bias, A)
             ssm_init = _chain_forward(fin0, P_all, ssm0, g)
-        out_z, saved, ssm_final = torch.ops.packloader.selective_scan_fwd(
+        out_z, saved, ssm_final = kernel_calls.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, g["slots"], ssm_init, step.num_slots)
         y = _fused_out_proj(out_z, out_proj_weight, out_proj_bias)
         step.keep(layer, conv_final, ssm_final)
@@ -529,7 +530,7 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
-        dxc, ddelta, dA, dB, dC, dD, dz, ddb, out_z, dinit = torch.ops.packloader.selective_scan_bwd(
+        dxc, ddelta, dA, dB, dC, dD, dz, ddb, out_z, dinit = kernel_calls.selective_scan_bwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, saved, dout_y, True, g["slots"], ssm_init,
             None)
         dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)
@@ -549,7 +550,7 @@ class CarriedMambaInnerFn(torch.autograd.Function):
                 dA = dA + got[-1].to(dA.dtype)
             pick, rows = _row_picker(g), g["pass_a_rows"]
             xcA = pick(xc)
-            gA = torch.ops.packloader.selective_scan_bwd(
+            gA = kernel_calls.selective_scan_bwd(
                 xcA, pick(delta), A, pick(Bm), pick(Cm), D, pick(z), delta_bias, g["pass_a_pos"], True, a_saved,
                 torch.zeros_like(xcA), False, g["pass_a_slots"], ssm0, g_fin0)
             for full, part in ((dxc, gA[0]), (ddelta, gA[1]), (dB, gA[3]), (dC, gA[4])):
@@ -565,9 +566,9 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         # conv: the continued outputs' gradient goes through their recomputation from the states (and is zeroed in
         # dxc), the rest through the kernel's backward
         chained = bool(g["depth_at"])
-        dx_head, ddw, ddb_conv, dconv_init = torch.ops.packloader.conv_states_bwd(
+        dx_head, ddw, ddb_conv, dconv_init = kernel_calls.conv_states_bwd(
             dxc, x, cw, cb, True, conv_init, g["start"], g["length"], g["has"], chained)
-        dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
+        dx, dcw, dcb = kernel_calls.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
         dx = dx.contiguous()
         _put_tokens(dx, _splice_geometry(g, k)[0], dx_head.to(dx.dtype), accumulate=True, g=g, key="splice")
         dcw = dcw + ddw.to(dcw.dtype)
@@ -630,17 +631,17 @@ def _conv_with_states(x, cw, cb, pos, runmask, conv0, g, k):
     if g["depth_at"]:
         fflat, inside = _final_geometry(g, k)
         conv_init = _conv_chain(_tokens_of(x, fflat, g, "final"), inside, conv0, g, k)
-    xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
-    conv_final = torch.ops.packloader.conv_states_fwd(xc, x, cw, cb, True, conv_init, g["start"], g["length"],
+    xc = kernel_calls.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
+    conv_final = kernel_calls.conv_states_fwd(xc, x, cw, cb, True, conv_init, g["start"], g["length"],
                                                       g["has"])
     return xc, conv_final, conv_init
 
 
 def _conv_respliced(x, cw, cb, pos, runmask, conv_init, g, k):
     """The backward's recomputation of :func:`_conv_with_states`' xc (the same kernels, the same bits)."""
-    xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
+    xc = kernel_calls.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
     if conv_init is not None:
-        torch.ops.packloader.conv_states_fwd(xc, x, cw, cb, True, conv_init, g["start"], g["length"], g["has"])
+        kernel_calls.conv_states_fwd(xc, x, cw, cb, True, conv_init, g["start"], g["length"], g["has"])
     return xc
 
 

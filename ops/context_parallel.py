@@ -43,6 +43,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import kernel_calls
+
 __all__ = ["context_parallel", "shard_batch", "all_reduce_gradients", "context_parallel_mamba_inner",
            "ContextParallelError"]
 
@@ -171,10 +173,10 @@ def _step_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
 def _cp_conv(x, cw, cb, runmask, conv0, geo):
     """The conv over the chunk, each continuing row's first width - 1 outputs recomputed from the received inputs
     ``conv0`` (None: none received)."""
-    xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, geo["pos"], True, runmask)
+    xc = kernel_calls.causal_conv1d_fwd(x, cw, cb, geo["pos"], True, runmask)
     if conv0 is not None:
         first = geo["first"]
-        torch.ops.packloader.conv_states_fwd(xc, x, cw, cb, True, conv0, first["start"], first["length"],
+        kernel_calls.conv_states_fwd(xc, x, cw, cb, True, conv0, first["start"], first["length"],
                                              first["has"])
     return xc
 
@@ -202,7 +204,7 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         runmask = runmask_for(x, cw, geo["pos"])
         xc = _cp_conv(x, cw, cb, runmask, conv0, geo)
         x_dbl, delta, Bm, Cm = _fused_projections(xc, x_proj_weight, delta_proj_weight, A.shape[1])
-        out_z, saved, ssm_final = torch.ops.packloader.selective_scan_fwd(
+        out_z, saved, ssm_final = kernel_calls.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, geo["pos"], True, geo["slots"], ssm0, batch if send else 0)
         y = _fused_out_proj(out_z, out_proj_weight, out_proj_bias)
         if send:
@@ -230,7 +232,7 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
         dfinal = d_final.contiguous() if ctx.send and d_final is not None else None
-        dxc, ddelta, dA, dB, dC, dD, dz, ddb, out_z, dinit = torch.ops.packloader.selective_scan_bwd(
+        dxc, ddelta, dA, dB, dC, dD, dz, ddb, out_z, dinit = kernel_calls.selective_scan_bwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, geo["pos"], True, saved, dout_y, True, geo["slots"], ssm0,
             dfinal)
         dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)
@@ -240,9 +242,9 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         first = geo["first"]
         dconv0 = None
         if conv0 is not None:   # the continued outputs' gradient goes through their recomputation (zeroed in dxc)
-            dx_head, ddw, ddb_conv, dconv0 = torch.ops.packloader.conv_states_bwd(
+            dx_head, ddw, ddb_conv, dconv0 = kernel_calls.conv_states_bwd(
                 dxc, x, cw, cb, True, conv0, first["start"], first["length"], first["has"], True)
-        dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, geo["pos"], True, dxc, runmask)
+        dx, dcw, dcb = kernel_calls.causal_conv1d_bwd(x, cw, cb, geo["pos"], True, dxc, runmask)
         dx = dx.contiguous()
         if conv0 is not None:
             _put_tokens(dx, _splice_geometry(first, k)[0], dx_head.to(dx.dtype), accumulate=True, g=first,

@@ -360,14 +360,12 @@ class _ConvEagerFn(torch.autograd.Function):
         return dx, dweight, (dbias if bias is not None else None), None, None, None
 
 
-_EAGER_DEVICE_TYPES = ("cuda",)   # where _ConvEagerFn may run (the kernel-emulation tests add "cpu")
-
-
 def _conv_with_autograd(x, weight, bias, position_ids, silu, runmask):
     """The functional entry's conv: the custom op (``torch.compile``, every device but CUDA, fake tensors, dispatch
-    modes), or in plain eager mode on the CUDA kernels :class:`_ConvEagerFn`."""
-    if (x.device.type not in _EAGER_DEVICE_TYPES or torch.compiler.is_compiling() or type(x) is not torch.Tensor
-            or torch._C._len_torch_dispatch_stack()
+    modes), or in plain eager mode on the CUDA kernels :class:`_ConvEagerFn` (``ops._cuda.calls_directly``)."""
+    from ._cuda import calls_directly
+
+    if (not calls_directly(x)
             or _backends.implementation("causal_conv1d", x.device.type, x.dtype, width=weight.shape[1]) != "cuda"):
         return causal_conv1d_fwd(x, weight, bias, position_ids, silu, runmask)
     return _ConvEagerFn.apply(x, weight, bias, position_ids, silu, runmask)

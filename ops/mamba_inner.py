@@ -14,9 +14,9 @@ of keeping them, and takes the scan's gated output (which ``out_proj``'s weight 
 backward, which recomputes it anyway: per layer the forward keeps ``hidden_states``, ``x``, ``z``, ``x_dbl``,
 ``B``, ``C`` and the scan's chunk states, less than mamba-ssm's ``mamba_inner_fn`` keeps. Every gradient is
 written with batched GEMMs (no (b l) transposes of activations).
-Boundaries reach both kernels as int32 ``position_ids``. The Function calls the kernel ops
-(``torch.ops.packloader.*``, see :mod:`ops.contract`) directly, so it runs on any device (the reference
-implementations off CUDA) and traces under ``torch.compile`` without graph breaks.
+Boundaries reach both kernels as int32 ``position_ids``. The Function calls the kernel ops (``torch.ops.packloader.*``,
+see :mod:`ops.contract`; in plain eager mode on CUDA their implementations directly, :mod:`ops.kernel_calls`), so it
+runs on any device (the reference implementations off CUDA) and traces under ``torch.compile`` without graph breaks.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from . import conv1d_interface as _conv_ops  # registers torch.ops.packloader.causal_conv1d_*
-from . import selective_scan_interface as _scan_ops  # noqa: F401  (registers torch.ops.packloader.selective_scan_*)
+from . import conv1d_interface as _conv_ops
+from . import kernel_calls
 from .boundaries import resolve_position_ids, row_positions
 from .conv1d_interface import packed_causal_conv1d
 from .selective_scan_interface import packed_selective_scan
@@ -159,12 +159,12 @@ class PackedMambaInnerFn(torch.autograd.Function):
         cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
         # the conv's boundary words, made once for its forward, its recomputation and its backward
         runmask = _conv_ops.runmask_for(x, cw, position_ids)
-        xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, position_ids, True, runmask)  # (b, d_inner, l)
+        xc = kernel_calls.causal_conv1d_fwd(x, cw, cb, position_ids, True, runmask)  # (b, d_inner, l)
         x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))  # (b, l, r+2n)
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))  # (b, d_inner, l)
         Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()  # (b, n, l)
         Cm = x_dbl[..., dt_rank + d_state:].transpose(1, 2).contiguous()
-        out_z, saved, _ = torch.ops.packloader.selective_scan_fwd(
+        out_z, saved, _ = kernel_calls.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, bool(delta_softplus)
         )
         y = torch.bmm(out_z.transpose(1, 2), out_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))  # (b, l, d_model)
@@ -194,13 +194,13 @@ class PackedMambaInnerFn(torch.autograd.Function):
         w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)
         if xc is None:
-            xc = torch.ops.packloader.causal_conv1d_fwd(x, cw, cb, position_ids, True, runmask)
+            xc = kernel_calls.causal_conv1d_fwd(x, cw, cb, position_ids, True, runmask)
             delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         # out_proj
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))  # (b, d_inner, l)
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
         # scan; it recomputes the forward's out_z (not kept from the forward: one (b, d_inner, l) less per layer)
-        dxc, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out_z, _ = torch.ops.packloader.selective_scan_bwd(
+        dxc, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out_z, _ = kernel_calls.selective_scan_bwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, ctx.delta_softplus, saved, dout_y, True
         )
         dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)  # (d_model, d_inner)
@@ -209,7 +209,7 @@ class PackedMambaInnerFn(torch.autograd.Function):
         dx_proj_weight, ddelta_proj_weight, dxc = _x_proj_backward(dB, dC, ddelta, dxc, x_dbl, xc, x_proj_weight,
                                                                    delta_proj_weight, w_dtype_xp, w_dtype_dt)
         # conv
-        dx, dcw, dcb = torch.ops.packloader.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
+        dx, dcw, dcb = kernel_calls.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
         dx = dx.contiguous()
         dz = dz.contiguous().to(z.dtype)
         # in_proj

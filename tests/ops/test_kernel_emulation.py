@@ -1036,7 +1036,7 @@ def test_functional_conv_eager_path_on_emulated_kernels(cuda_path_on_cpu, monkey
     leaves = [t.detach().double().requires_grad_(True) for t in (x, weight, bias)]
     ref = conv_ref64(leaves[0], leaves[1], leaves[2], pos, "silu")
     ref.backward(dout.double())
-    monkeypatch.setattr(ci, "_EAGER_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(ops._cuda, "DIRECT_DEVICE_TYPES", ("cpu",))
     applied = []
     real = ci._ConvEagerFn.apply
     monkeypatch.setattr(ci._ConvEagerFn, "apply", lambda *a: applied.append(1) or real(*a))
@@ -1056,3 +1056,75 @@ def test_functional_conv_eager_path_on_emulated_kernels(cuda_path_on_cpu, monkey
     with Passthrough():
         ops.packed_causal_conv1d(x.detach(), weight.detach(), bias.detach(), "silu", position_ids=pos)
     assert len(applied) == 2   # the custom op (its reference here), not the eager Function
+
+
+def _carry_batch(rows):
+    """rows: per row, (length, doc_id, piece_index, continues_after) segments -> a batch with the carry keys."""
+    pos = torch.stack([torch.cat([torch.arange(s[0]) for s in row]) for row in rows])
+    flat = [s for row in rows for s in row]
+    return {"position_ids": pos,
+            "piece_doc_ids": torch.tensor([s[1] for s in flat], dtype=torch.int64),
+            "piece_index": torch.tensor([s[2] for s in flat], dtype=torch.int32),
+            "has_initial_state": torch.tensor([s[1] >= 0 and s[2] > 0 for s in flat]),
+            "continues_after": torch.tensor([s[3] for s in flat])}
+
+
+@pytest.mark.parametrize("mixer", ["plain", "carry"])
+def test_fused_mixers_call_the_kernels_directly_on_emulated_kernels(cuda_path_on_cpu, monkeypatch, seed, mixer):
+    """In plain eager mode the fused mixers (PackedMambaInnerFn; CarriedMambaInnerFn with a chain of pieces over
+    three rows, pieces shorter than the conv width) call the kernels' implementations without the custom ops
+    (ops.kernel_calls): the emulated kernels then run (counted), and outputs and every gradient match the custom ops'
+    path (their float32 reference here); under a dispatch mode the custom ops run again (no kernel call)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import ops
+    from ops import backends
+    from ops.carry import carried_mamba_inner
+
+    calls = []
+    real_ext = backends.load_kernels()
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(real_ext, name)
+            return lambda *a: calls.append(name) or fn(*a)
+
+    monkeypatch.setattr(backends, "load_kernels", lambda: Counting())
+    torch.manual_seed(seed)
+    layer = ops.PackedMamba(16, d_state=4, d_conv=4, expand=2, layer_idx=0)
+    if mixer == "plain":
+        batch = {"position_ids": position_ids_for([lengths_mix(40, "mixed"), lengths_mix(40, "tiny")], "cpu")}
+    else:
+        batch = _carry_batch([[(2, 5, 0, True), (5, 6, 0, True), (33, -1, 0, False)],
+                              [(1, 5, 1, True), (3, 6, 1, True), (36, -1, 0, False)],
+                              [(30, 5, 2, False), (10, 6, 2, False)]])
+    h = torch.randn(len(batch["position_ids"]), 40, 16, requires_grad=True)
+    weights = torch.randn(h.shape)
+
+    def run():
+        if mixer == "plain":
+            y = layer(h, position_ids=batch["position_ids"])
+        else:
+            y = carried_mamba_inner(layer, h, batch["position_ids"], ops.CarryStep(batch, ops.StateCache()),
+                                    fused=True)
+        return [y] + list(torch.autograd.grad((y * weights).sum(), [h] + list(layer.parameters())))
+
+    want = run()
+    assert not calls   # CPU tensors: the custom ops (their reference bodies)
+    monkeypatch.setattr(ops._cuda, "DIRECT_DEVICE_TYPES", ("cpu",))
+    got = run()
+    expected = {"conv_fwd", "conv_bwd", "scan_fwd", "scan_bwd"} | (
+        {"conv_states_fwd", "conv_states_bwd"} if mixer == "carry" else set())
+    assert expected <= set(calls), sorted(set(calls))
+    names = ["out", "h"] + [n for n, _ in layer.named_parameters()]
+    for name, g, w in zip(names, got, want):
+        assert_elementwise(g, w, name, floor=1e-4)
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    calls.clear()
+    with Passthrough():
+        run()
+    assert not calls
