@@ -99,11 +99,9 @@ def model_kind(device) -> str:
     return "mamba_ssm"
 
 
-def build(kind, mode, d_model, layers, vocab, seed, device, mesh, compile_blocks, prefetch=0):
+def build(kind, mode, d_model, layers, vocab, seed, device, mesh, compile_blocks):
     """A float32 model on ``device``, converted for packing (mode packed; and the transformers fallback's
-    dense mode, which then gets no position_ids), sharded per block with a bf16 MixedPrecisionPolicy;
-    ``prefetch`` > 0: every block's forward (backward) issues the all-gathers of the next (previous)
-    ``prefetch`` blocks itself, instead of FSDP2's default of one block ahead when the host gets there."""
+    dense mode, which then gets no position_ids), sharded per block with a bf16 MixedPrecisionPolicy."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -132,11 +130,6 @@ def build(kind, mode, d_model, layers, vocab, seed, device, mesh, compile_blocks
             block.compile()
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    if prefetch > 0:
-        blocks = list(model.backbone.layers)
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
     return model, opt
 
@@ -192,8 +185,7 @@ def run_mode(kind, mode, width, args, pattern, device, mesh, rank, world):
     losses, tokens = [], 0
     model = opt = None
     try:  # (every rank holds the same amount: an out-of-memory error comes on all of them)
-        model, opt = build(kind, mode, d_model, layers, args.vocab, args.seed, device, mesh, args.compile,
-                           args.prefetch)
+        model, opt = build(kind, mode, d_model, layers, args.vocab, args.seed, device, mesh, args.compile)
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 sync(device)
@@ -230,7 +222,7 @@ def run_mode(kind, mode, width, args, pattern, device, mesh, rank, world):
             "rows_per_gpu": rows, "capacity": args.capacity, "steps": args.steps, "seconds": sec,
             "ms_per_step": 1e3 * sec / args.steps, "tokens": int(all_tokens),
             "tokens_per_s_per_gpu": float(all_tokens) / sec / world, "peak_gib": peak, "losses": losses,
-            "prefetch": args.prefetch, **({"profile": profile} if profile else {})}
+            **({"profile": profile} if profile else {})}
 
 
 def trace_step(model, opt, batch, mode, device, world, args, label):
@@ -456,8 +448,6 @@ def parse(argv=None):
     ap.add_argument("--loss-steps", type=int, default=3, help="first steps whose loss is compared to one GPU's")
     ap.add_argument("--ref-worlds", default="2,4", help="one-GPU launch: reference losses for these GPU counts")
     ap.add_argument("--compile", action="store_true", help="torch.compile every block")
-    ap.add_argument("--prefetch", type=int, default=0,
-                    help="explicit FSDP2 prefetch: blocks whose all-gathers each block issues ahead (0: FSDP2's own)")
     ap.add_argument("--trace-dir", default="", help="profile one extra step per mode on every rank: host syncs, "
                     "compute/NCCL time, gaps, top kernels in the JSON; rank 0's Chrome trace here")
     ap.add_argument("--seed", type=int, default=0, help="data and init seed")

@@ -7,9 +7,8 @@
 #
 # mamba-ssm and causal-conv1d (the dense baseline's model): unpacked from $UPSTREAM_PACK (default .gpu/up) or
 # built from the source archives in .gpu (run.sh's header says how to fetch them; about 5 minutes) and then packed
-# into PACKDIR (second argument) for the next machine. Knobs: WIDTHS (default 1.4b), PREFETCHES (default "0 2":
-# bench_fsdp's --prefetch on all GPUs), FSDP_STEPS (8), BALANCE_ARGS (default: rows of 32,768 tokens, where
-# attention dominates), SKIP_BALANCE=1.
+# into PACKDIR (second argument) for the next machine. Knobs: WIDTHS (default 1.4b), FSDP_STEPS (8), BALANCE_ARGS
+# (default: rows of 32,768 tokens, where attention dominates), SKIP_BALANCE=1.
 set -u
 R=${1:?usage: fsdp.sh OUTDIR [PACKDIR]}; pack=${2:-}
 mkdir -p "$R/traces"; R=$(cd "$R" && pwd)
@@ -43,15 +42,12 @@ if [ -n "$up" ]; then
 fi
 python3 -c "import selective_scan_cuda, causal_conv1d; print('upstream imports')" >> "$R/upstream_build.log" 2>&1
 quiet="^W1\|^\*\*\*\|OMP_NUM\|UserWarning\|warnings.warn\|_warn_once"
-F="$R/fsdp"; common="--widths ${WIDTHS:-1.4b} --steps ${FSDP_STEPS:-8} --ref-worlds 4 --trace-dir /tmp/traces"
-timeout 240 torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py $common --out-dir "$F" 2>&1 \
+F="$R/fsdp"; common="--widths ${WIDTHS:-1.4b} --steps ${FSDP_STEPS:-8} --trace-dir /tmp/traces"
+timeout 240 torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py $common --ref-worlds $N --out-dir "$F" 2>&1 \
   | grep -v "$quiet" > "$R/fsdp_1gpu.log"; stamp fsdp_1
-for p in ${PREFETCHES:-0 2}; do
-  mkdir -p "$F-p$p"; cp "$F/fsdp_1gpu.json" "$F-p$p/" 2>/dev/null
-  timeout 200 torchrun --standalone --nproc_per_node $N benchmarks/bench_fsdp.py $common --prefetch $p \
-    --out-dir "$F-p$p" 2>&1 | grep -v "$quiet" > "$R/fsdp_${N}gpu_p$p.log"; stamp "fsdp_${N}_prefetch$p"
-  python3 benchmarks/bench_fsdp.py --report --out-dir "$F-p$p" > "$R/fsdp_report_p$p.txt" 2>&1
-done
+timeout 200 torchrun --standalone --nproc_per_node $N benchmarks/bench_fsdp.py $common --ref-worlds "" --out-dir "$F" \
+  2>&1 | grep -v "$quiet" > "$R/fsdp_${N}gpu.log"; stamp "fsdp_$N"
+python3 benchmarks/bench_fsdp.py --report --out-dir "$F" > "$R/fsdp_report.txt" 2>&1
 cp /tmp/traces/*packed-${N}gpu.json.gz "$R/traces/" 2>/dev/null
 if [ -z "${SKIP_BALANCE:-}" ]; then
   CUDA_VISIBLE_DEVICES=0,1 timeout 300 torchrun --standalone --nproc_per_node 2 benchmarks/bench_balance.py \
