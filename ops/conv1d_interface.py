@@ -669,15 +669,7 @@ def _continue_from_states(out, x, weight, bias, silu, start, length, initial_sta
     """``out`` with the first ``width - 1`` outputs of every sequence that has an initial state recomputed with its
     taps reading the state. Every position is written by one differentiable value (elsewhere a sequence's own first
     output, or that value detached), so no gradient is counted twice or lost."""
-    k = weight.shape[1] - 1
-    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    j = torch.arange(k, device=x.device)
-    valid = has_initial_state[:, None] & (j < length[:, None])              # (S, k)
-    flat = torch.where(valid, start[:, None] + j, start[:, None])          # the rest: the sequence's first token
-    ext = torch.cat([initial_state.to(ct), _tokens(x, flat).to(ct).permute(0, 2, 1)], -1)   # (S, dim, 2k)
-    pre = (ext.unfold(-1, k + 1, 1) * weight.to(ct)[None, :, None, :]).sum(-1)   # (S, dim, k): window j ends at x_j
-    if bias is not None:
-        pre = pre + bias.to(ct)[None, :, None]
+    flat, valid, _, pre = _state_windows(x, weight, bias, initial_state, start, length, has_initial_state)
     if silu:
         pre = F.silu(pre)
     pre = pre.to(out.dtype)
