@@ -16,18 +16,6 @@ import torch
 from . import _build
 
 
-DIRECT_DEVICE_TYPES = ("cuda",)   # where calls_directly may say yes (the kernel-emulation tests add "cpu")
-
-
-def calls_directly(t: torch.Tensor) -> bool:
-    """Whether code already below autograd (a fused autograd Function) may call a kernel op's CUDA implementation
-    itself instead of through ``torch.ops.packloader``: plain eager mode on a CUDA tensor, i.e. not compiling, no
-    tensor subclass (fake tensors, DTensor) and no dispatch mode active. Elsewhere the custom op is needed (its fake
-    implementation, its reference on other devices). See ``ops/kernel_calls.py``."""
-    return (t.device.type in DIRECT_DEVICE_TYPES and not torch.compiler.is_compiling() and type(t) is torch.Tensor
-            and not torch._C._len_torch_dispatch_stack())
-
-
 def is_available() -> bool:
     """A CUDA device is present and the extension is installed, built or buildable. Never raises."""
     return _build.can_load()

@@ -160,3 +160,15 @@ def load_kernels():
         return _cuda.load()
     except Exception as e:
         raise KernelUnsupportedError(f"{e}; {HOW_TO_REFERENCE}") from e
+
+
+DIRECT_DEVICE_TYPES = ("cuda",)   # where calls_directly may say yes (the kernel-emulation tests add "cpu")
+
+
+def calls_directly(t: torch.Tensor) -> bool:
+    """Whether code already below autograd (a fused autograd Function, the eager functional conv) may call a kernel
+    op's CUDA implementation itself instead of through ``torch.ops.packloader``: plain eager mode on a CUDA tensor,
+    i.e. not compiling, no tensor subclass (fake tensors, DTensor) and no dispatch mode active. Elsewhere the custom
+    op is needed (its fake implementation, its reference on other devices). See ``ops/kernel_calls.py``."""
+    return (t.device.type in DIRECT_DEVICE_TYPES and not torch.compiler.is_compiling() and type(t) is torch.Tensor
+            and not torch._C._len_torch_dispatch_stack())

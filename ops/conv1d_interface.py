@@ -362,10 +362,8 @@ class _ConvEagerFn(torch.autograd.Function):
 
 def _conv_with_autograd(x, weight, bias, position_ids, silu, runmask):
     """The functional entry's conv: the custom op (``torch.compile``, every device but CUDA, fake tensors, dispatch
-    modes), or in plain eager mode on the CUDA kernels :class:`_ConvEagerFn` (``ops._cuda.calls_directly``)."""
-    from ._cuda import calls_directly
-
-    if (not calls_directly(x)
+    modes), or in plain eager mode on the CUDA kernels :class:`_ConvEagerFn` (``ops.backends.calls_directly``)."""
+    if (not _backends.calls_directly(x)
             or _backends.implementation("causal_conv1d", x.device.type, x.dtype, width=weight.shape[1]) != "cuda"):
         return causal_conv1d_fwd(x, weight, bias, position_ids, silu, runmask)
     return _ConvEagerFn.apply(x, weight, bias, position_ids, silu, runmask)

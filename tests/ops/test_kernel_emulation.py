@@ -1036,7 +1036,7 @@ def test_functional_conv_eager_path_on_emulated_kernels(cuda_path_on_cpu, monkey
     leaves = [t.detach().double().requires_grad_(True) for t in (x, weight, bias)]
     ref = conv_ref64(leaves[0], leaves[1], leaves[2], pos, "silu")
     ref.backward(dout.double())
-    monkeypatch.setattr(ops._cuda, "DIRECT_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(ops.backends, "DIRECT_DEVICE_TYPES", ("cpu",))
     applied = []
     real = ci._ConvEagerFn.apply
     monkeypatch.setattr(ci._ConvEagerFn, "apply", lambda *a: applied.append(1) or real(*a))
@@ -1111,7 +1111,7 @@ def test_fused_mixers_call_the_kernels_directly_on_emulated_kernels(cuda_path_on
 
     want = run()
     assert not calls   # CPU tensors: the custom ops (their reference bodies)
-    monkeypatch.setattr(ops._cuda, "DIRECT_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(ops.backends, "DIRECT_DEVICE_TYPES", ("cpu",))
     got = run()
     expected = {"conv_fwd", "conv_bwd", "scan_fwd", "scan_bwd"} | (
         {"conv_states_fwd", "conv_states_bwd"} if mixer == "carry" else set())
