@@ -42,10 +42,11 @@ if [ -n "$up" ]; then
 fi
 python3 -c "import selective_scan_cuda, causal_conv1d; print('upstream imports')" >> "$R/upstream_build.log" 2>&1
 quiet="^W1\|^\*\*\*\|OMP_NUM\|UserWarning\|warnings.warn\|_warn_once"
+nw=$(echo "${WIDTHS:-1.4b}" | tr , "\n" | wc -l)   # timeouts grow with the widths
 F="$R/fsdp"; common="--widths ${WIDTHS:-1.4b} --steps ${FSDP_STEPS:-8} --trace-dir /tmp/traces"
-timeout 240 torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py $common --ref-worlds $N --out-dir "$F" 2>&1 \
+timeout $((240 * nw)) torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py $common --ref-worlds $N --out-dir "$F" 2>&1 \
   | grep -v "$quiet" > "$R/fsdp_1gpu.log"; stamp fsdp_1
-timeout 200 torchrun --standalone --nproc_per_node $N benchmarks/bench_fsdp.py $common --ref-worlds "" --out-dir "$F" \
+timeout $((200 * nw)) torchrun --standalone --nproc_per_node $N benchmarks/bench_fsdp.py $common --ref-worlds "" --out-dir "$F" \
   2>&1 | grep -v "$quiet" > "$R/fsdp_${N}gpu.log"; stamp "fsdp_$N"
 python3 benchmarks/bench_fsdp.py --report --out-dir "$F" > "$R/fsdp_report.txt" 2>&1
 cp /tmp/traces/*packed-${N}gpu.json.gz "$R/traces/" 2>/dev/null
