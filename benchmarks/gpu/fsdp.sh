@@ -40,7 +40,7 @@ if [ -n "$up" ]; then
     ls -la "$pack" >> "$R/upstream_build.log"; stamp packed
   fi
 fi
-python3 -c "import selective_scan_cuda, causal_conv1d; print('upstream imports')" >> "$R/upstream_build.log" 2>&1
+python3 -c "import torch, selective_scan_cuda, causal_conv1d; print('upstream imports')" >> "$R/upstream_build.log" 2>&1
 quiet="^W1\|^\*\*\*\|OMP_NUM\|UserWarning\|warnings.warn\|_warn_once"
 nw=$(echo "${WIDTHS:-1.4b}" | tr , "\n" | wc -l)   # timeouts grow with the widths
 F="$R/fsdp"; common="--widths ${WIDTHS:-1.4b} --steps ${FSDP_STEPS:-8} --trace-dir /tmp/traces"

@@ -22,7 +22,7 @@ git status --short > "$R/dirty.txt" 2>/dev/null
 MULTI_GPU_TESTS="tests/ops/test_context_parallel.py tests/packloader/test_fsdp_example.py"
 MAX_JOBS=$(nproc) python3 -c "from ops import _build; print('kernels', _build.load_extension().__file__)" \
   > "$R/jit.log" 2>&1; stamp jit
-python3 -c "import selective_scan_cuda, causal_conv1d; print('mamba-ssm and causal-conv1d import')" > "$R/upstream.txt" 2>&1
+python3 -c "import torch, selective_scan_cuda, causal_conv1d; print('mamba-ssm and causal-conv1d import')" > "$R/upstream.txt" 2>&1
 python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider ${GPU_TESTS:-tests/} 2>/dev/null | grep "::" \
   > "$R/collected.txt"
 grep -v -F "$(echo $MULTI_GPU_TESTS | tr ' ' '\n')" "$R/collected.txt" \
