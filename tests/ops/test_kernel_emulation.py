@@ -23,6 +23,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ops import _build
 from ops.contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES, conv_mask_stride
@@ -1017,6 +1018,13 @@ def test_conv_states_on_emulated_kernels(cuda_path_on_cpu, seed, dtype, layout, 
         assert none.numel() == 0
 
 
+class _Passthrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing: what a tracer runs under (the custom ops must run, not direct calls)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["cf", "cl"])
 def test_functional_conv_eager_path_on_emulated_kernels(cuda_path_on_cpu, monkeypatch, seed, dtype, layout):
@@ -1026,7 +1034,6 @@ def test_functional_conv_eager_path_on_emulated_kernels(cuda_path_on_cpu, monkey
     op."""
     import ops
     from ops import conv1d_interface as ci
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     batch, dim, L, width = 2, 24, 40, 4
     x = conv_input(layout, batch, dim, L, dtype).requires_grad_(True)
@@ -1049,11 +1056,7 @@ def test_functional_conv_eager_path_on_emulated_kernels(cuda_path_on_cpu, monkey
             assert_elementwise(got, want, name)
     assert len(applied) == 2
 
-    class Passthrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    with Passthrough():
+    with _Passthrough():
         ops.packed_causal_conv1d(x.detach(), weight.detach(), bias.detach(), "silu", position_ids=pos)
     assert len(applied) == 2   # the custom op (its reference here), not the eager Function
 
@@ -1075,8 +1078,6 @@ def test_fused_mixers_call_the_kernels_directly_on_emulated_kernels(cuda_path_on
     three rows, pieces shorter than the conv width) call the kernels' implementations without the custom ops
     (ops.kernel_calls): the emulated kernels then run (counted), and outputs and every gradient match the custom ops'
     path (their float32 reference here); under a dispatch mode the custom ops run again (no kernel call)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import ops
     from ops import backends
     from ops.carry import carried_mamba_inner
@@ -1120,11 +1121,7 @@ def test_fused_mixers_call_the_kernels_directly_on_emulated_kernels(cuda_path_on
     for name, g, w in zip(names, got, want):
         assert_elementwise(g, w, name, floor=1e-4)
 
-    class Passthrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
     calls.clear()
-    with Passthrough():
+    with _Passthrough():
         run()
     assert not calls
