@@ -9,6 +9,8 @@ backward, fused AdamW step; bf16 autocast, float32 weights) in four modes over t
              ``ops.enable_packing`` (ours)
     dense    the same packed rows fed to mamba-ssm's own model without boundaries: the ceiling
              packing approaches (sequences leak into each other; not a valid way to train)
+    compiled packed, the model and its loss under ``torch.compile(fullgraph=True)`` (inductor; dense cannot
+             compile: mamba-ssm's kernels are opaque autograd Functions); the first step's compile is untimed
 
     packed row (capacity 16):   [ a a a a a | b b b | c c c c c c | pad ]
     position_ids:               [ 0 1 2 3 4 | 0 1 2 | 0 1 2 3 4 5 | 0 ]
@@ -51,7 +53,7 @@ WIDTHS = {  # the published Mamba-1 sizes (d_model, n_layer) and the packed rows
     "1.4b": (2048, 48, 4),
     "2.8b": (2560, 64, 2),
 }
-MODES = ("single", "padded", "packed", "dense")
+MODES = ("single", "padded", "packed", "dense", "compiled")
 IGNORE_INDEX = -100
 SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 
@@ -149,14 +151,20 @@ def build_model(d_model, n_layer, vocab, seed, device):
     return MambaLMHeadModel(cfg, device=device, dtype=torch.float32).train()
 
 
-def loss_of(model, ids, labels, pos=None):
-    import torch
+def loss_sum(model, ids, labels, pos=None):
     import torch.nn.functional as F
 
+    logits = (model(ids, position_ids=pos) if pos is not None else model(ids)).logits
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def loss_of(model, ids, labels, pos=None, loss_fn=loss_sum):
+    """Mean next-token loss of a batch under bf16 autocast (``loss_fn``: :func:`loss_sum` or its compiled form)."""
+    import torch
+
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = (model(ids, position_ids=pos) if pos is not None else model(ids)).logits
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=IGNORE_INDEX,
-                               reduction="sum") / max(1, int((labels != IGNORE_INDEX).sum()))
+        return loss_fn(model, ids, labels, pos) / max(1, int((labels != IGNORE_INDEX).sum()))
 
 
 class Mode:
@@ -170,8 +178,11 @@ class Mode:
         d_model, n_layer, rows = WIDTHS[width]
         self.mode, self.rows, self.accum = mode, (args.rows or rows), 1
         self.model = build_model(d_model, args.layers or n_layer, args.vocab, args.seed, device)
-        if mode == "packed":
+        self.loss_fn = loss_sum
+        if mode in ("packed", "compiled"):
             ops.enable_packing(self.model)
+        if mode == "compiled":
+            self.loss_fn = torch.compile(loss_sum, fullgraph=True)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=True)
         self.lengths, self.args, self.device = lengths, args, device
         self.gen = torch.Generator().manual_seed(args.seed)
@@ -179,7 +190,7 @@ class Mode:
 
     def plan(self):
         a = self.args
-        if self.mode in ("packed", "dense"):
+        if self.mode in ("packed", "dense", "compiled"):
             self.steps = packed_steps(self.lengths, a.capacity, self.rows, a.seed)
         elif self.mode == "padded":
             self.steps = padded_steps(self.lengths, a.pad_batch, a.seed)
@@ -188,9 +199,9 @@ class Mode:
 
     def step(self, i):
         a, s = self.args, self.steps[i % len(self.steps)]
-        if self.mode in ("packed", "dense"):
+        if self.mode in ("packed", "dense", "compiled"):
             ids, pos, labels = packed_batch(s, a.capacity, a.vocab, self.gen, self.device)
-            loss_of(self.model, ids, labels, pos if self.mode == "packed" else None).backward()
+            loss_of(self.model, ids, labels, pos if self.mode != "dense" else None, self.loss_fn).backward()
         else:
             k = math.ceil(len(s) / self.accum)
             for j in range(0, len(s), k):
@@ -202,7 +213,7 @@ class Mode:
 
     def shrink(self) -> bool:
         """After an out-of-memory error: fewer rows per step, or more micro-batches. False when nothing is left."""
-        if self.mode in ("packed", "dense") and self.rows > 1:
+        if self.mode in ("packed", "dense", "compiled") and self.rows > 1:
             self.rows //= 2
             self.plan()
             return True
@@ -224,9 +235,11 @@ def run_mode(mode, width, lengths, args, device):
     try:
         while True:
             try:
+                t0 = time.perf_counter()
                 for i in range(args.warmup):
                     m.step(i)
                 torch.cuda.synchronize()
+                warmup_s = time.perf_counter() - t0
                 torch.cuda.reset_peak_memory_stats()
                 tokens, t0 = 0, time.perf_counter()
                 for i in range(args.warmup, args.warmup + n_steps):
@@ -241,11 +254,11 @@ def run_mode(mode, width, lengths, args, device):
                 if not m.shrink():
                     return {"mode": mode, "oom": True}
         prof = (profile_mode(m, args, args.warmup + n_steps)
-                if args.profile_steps and mode in ("packed", "dense") else None)
+                if args.profile_steps and mode in ("packed", "dense", "compiled") else None)
         return {"mode": mode, "profile": prof, "tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec,
-                "ms_per_step": 1e3 * sec / n_steps, "steps": n_steps,
+                "ms_per_step": 1e3 * sec / n_steps, "steps": n_steps, "warmup_s": warmup_s,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "rows_per_step": m.rows if mode in ("packed", "dense") else None,
+                "rows_per_step": m.rows if mode in ("packed", "dense", "compiled") else None,
                 "micro_batches": m.accum if mode == "padded" else None}
     finally:
         m.close()
@@ -373,9 +386,26 @@ def load_lengths(args):
     return out
 
 
+def add_ratios(results):
+    """Per result: ``packed_is`` (packed tok/s over this mode's) and ``over_dense`` (this mode's over dense's), where
+    both runs of its width and lengths finished."""
+    def find(r, mode):
+        return next((q for q in results if (q["width"], q["lengths"], q["mode"]) == (r["width"], r["lengths"], mode)
+                     and not q.get("oom")), None)
+
+    for r in results:
+        if r.get("oom"):
+            continue
+        p, d = find(r, "packed"), find(r, "dense")
+        if p is not None:
+            r["packed_is"] = p["tokens_per_s"] / r["tokens_per_s"]
+        if d is not None:
+            r["over_dense"] = r["tokens_per_s"] / d["tokens_per_s"]
+
+
 def print_table(results):
     print(f"\n{'width':6s} {'lengths':10s} {'mode':8s} {'rows':>4s} {'ms/step':>9s} {'real tok/s':>11s} "
-          f"{'peak GiB':>9s} {'packed is':>10s}")
+          f"{'peak GiB':>9s} {'packed is':>10s} {'/ dense':>8s}")
     for r in results:
         if r.get("oom"):
             print(f"{r['width']:6s} {r['lengths']:10s} {r['mode']:8s} out of memory")
@@ -383,7 +413,8 @@ def print_table(results):
         rows = r["rows_per_step"] or (f"/{r['micro_batches']}" if r["micro_batches"] and r["micro_batches"] > 1
                                       else "")
         print(f"{r['width']:6s} {r['lengths']:10s} {r['mode']:8s} {str(rows):>4s} {r['ms_per_step']:9.1f} "
-              f"{r['tokens_per_s']:11,.0f} {r['peak_gib']:9.2f} {r.get('packed_is', float('nan')):9.3f}x")
+              f"{r['tokens_per_s']:11,.0f} {r['peak_gib']:9.2f} {r.get('packed_is', float('nan')):9.3f}x "
+              f"{r.get('over_dense', float('nan')):7.3f}x")
 
 
 def plot(results, path):
@@ -491,13 +522,10 @@ def main(argv=None):
                       f"({s['held_after_forward_gib']:.2f} GiB held after the forward); largest:")
                 for e in s["saved"][:12]:
                     print(f"    {e['count']:4d} x {str(e['shape']):24s} {e['dtype']:9s} {e['mib']:10.1f} MiB")
-    for r in results:
-        p = next((q for q in results if (q["width"], q["lengths"], q["mode"]) == (r["width"], r["lengths"], "packed")
-                  and not q.get("oom")), None)
-        if p is not None and not r.get("oom"):
-            r["packed_is"] = p["tokens_per_s"] / r["tokens_per_s"]
+    add_ratios(results)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, capacity {args.capacity}, "
-          f"padded batches of {args.pad_batch}; 'packed is' = packed tok/s / this mode's tok/s")
+          f"padded batches of {args.pad_batch}; 'packed is' = packed tok/s / this mode's tok/s; '/ dense' = this "
+          "mode's tok/s / dense's")
     print_table(results)
     print_profiles(results)
     lens_info = {k: {"n": int(len(v)), "tokens": int(v.sum()), "mean": float(v.mean()), "max": int(v.max())}

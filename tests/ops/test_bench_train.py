@@ -144,3 +144,54 @@ def test_profile_kinds_and_table(bench, capsys):
     total = next(line for line in out.splitlines() if line.startswith("total"))
     assert total.split()[1:] == ["10.00", "12.50"]
     assert "largest kernels, 2.8b gsm8k dense" in out
+
+
+def test_ratios_over_packed_and_dense(bench):
+    rows = [{"width": "1.4b", "lengths": "gsm8k", "mode": m, "tokens_per_s": tps}
+            for m, tps in (("packed", 1100.0), ("dense", 1000.0), ("compiled", 1320.0), ("padded", 200.0))]
+    rows.append({"width": "2.8b", "lengths": "gsm8k", "mode": "compiled", "tokens_per_s": 5.0})
+    rows.append({"width": "2.8b", "lengths": "gsm8k", "mode": "dense", "oom": True})
+    bench.add_ratios(rows)
+    by = {(r["width"], r["mode"]): r for r in rows}
+    assert by["1.4b", "compiled"]["over_dense"] == pytest.approx(1.32)
+    assert by["1.4b", "compiled"]["packed_is"] == pytest.approx(1100 / 1320)
+    assert by["1.4b", "padded"]["over_dense"] == pytest.approx(0.2)
+    assert by["1.4b", "dense"]["over_dense"] == pytest.approx(1.0)
+    assert "over_dense" not in by["2.8b", "compiled"] and "packed_is" not in by["2.8b", "compiled"]  # dense ran out
+
+
+class _TinyLM(torch.nn.Module):
+    """Stands in for the converted model: ``model(ids, position_ids=...).logits``; the positions enter the output."""
+
+    def __init__(self, vocab=50, dim=16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids, position_ids=None):
+        h = self.emb(ids)
+        if position_ids is not None:
+            h = h * (1.0 + position_ids.unsqueeze(-1).float()).rsqrt()
+        return collections.namedtuple("Out", "logits")(self.head(h))
+
+
+def test_compiled_loss_is_the_eager_loss(bench, seed):
+    """The compiled mode's loss (``loss_of`` with the loss compiled whole, ``fullgraph=True``) gives the eager loss and
+    gradients (CPU, aot_eager: the graph itself; inductor runs on the GPU)."""
+    torch.manual_seed(seed)
+    model = _TinyLM()
+    gen = torch.Generator().manual_seed(seed)
+    ids, pos, labels = bench.packed_batch([[5, 9, 1], [14]], 16, 50, gen, "cpu")
+    compiled = torch.compile(bench.loss_sum, backend="aot_eager", fullgraph=True)
+    got = []
+    for fn in (bench.loss_sum, compiled):
+        model.zero_grad()
+        loss = bench.loss_of(model, ids, labels, pos, fn)
+        loss.backward()
+        got.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    n = int((labels != bench.IGNORE_INDEX).sum())
+    assert n == 4 + 8 + 0 + 13
+    torch.testing.assert_close(got[1][0], got[0][0])
+    for a, b in zip(got[1][1], got[0][1]):
+        torch.testing.assert_close(a, b)
+    assert got[0][1][0].abs().sum() > 0
