@@ -32,17 +32,24 @@ except ImportError:
     ray = Cluster = None
 
 PROBE_ENV = "PACKLOADER_TEST_PROBE_DIR"
+RENDEZVOUS_S = 30.0  # how long a task waits for one on the other node (a test fails after it, not hangs)
 
 
 def probe_run_job(job):
     """The per-shard job, run by a Ray task: first a marker ``<job>-<node id>-<pid>`` in the probe
-    directory (named by $PACKLOADER_TEST_PROBE_DIR, inherited by the cluster's processes), then a 0.3 s
-    pause (so that the two tasks in flight overlap: the second cannot wait for the head's one CPU and
-    goes to the other node; and a node removed at a marker is removed while its task runs)."""
+    directory (named by $PACKLOADER_TEST_PROBE_DIR, inherited by the cluster's processes), then a wait until
+    a task has started on the other node too (at most RENDEZVOUS_S), then a 0.3 s pause. The two tasks in
+    flight thus overlap however slowly the second node starts its worker process (on a loaded machine that
+    took longer than a short pause, and the driver ran every task on the head): the second task cannot have
+    the head's one CPU and goes to the other node; and a node removed at a marker is removed while its task
+    runs."""
     d = os.environ[PROBE_ENV]
     node = ray.get_runtime_context().get_node_id()
     with open(os.path.join(d, f"{job.index}-{node}-{os.getpid()}"), "w"):
         pass
+    deadline = time.monotonic() + RENDEZVOUS_S
+    while len({n for _, n in _markers(d)}) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     time.sleep(0.3)
     from packloader.pack_writer import _run_job  # (the worker's own module: never this probe)
 
