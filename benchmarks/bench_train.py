@@ -54,6 +54,7 @@ WIDTHS = {  # the published Mamba-1 sizes (d_model, n_layer) and the packed rows
     "2.8b": (2560, 64, 2),
 }
 MODES = ("single", "padded", "packed", "dense", "compiled")
+ROW_MODES = ("packed", "dense", "compiled")  # the modes that train on packed rows
 IGNORE_INDEX = -100
 SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 
@@ -190,7 +191,7 @@ class Mode:
 
     def plan(self):
         a = self.args
-        if self.mode in ("packed", "dense", "compiled"):
+        if self.mode in ROW_MODES:
             self.steps = packed_steps(self.lengths, a.capacity, self.rows, a.seed)
         elif self.mode == "padded":
             self.steps = padded_steps(self.lengths, a.pad_batch, a.seed)
@@ -199,7 +200,7 @@ class Mode:
 
     def step(self, i):
         a, s = self.args, self.steps[i % len(self.steps)]
-        if self.mode in ("packed", "dense", "compiled"):
+        if self.mode in ROW_MODES:
             ids, pos, labels = packed_batch(s, a.capacity, a.vocab, self.gen, self.device)
             loss_of(self.model, ids, labels, pos if self.mode != "dense" else None, self.loss_fn).backward()
         else:
@@ -213,7 +214,7 @@ class Mode:
 
     def shrink(self) -> bool:
         """After an out-of-memory error: fewer rows per step, or more micro-batches. False when nothing is left."""
-        if self.mode in ("packed", "dense", "compiled") and self.rows > 1:
+        if self.mode in ROW_MODES and self.rows > 1:
             self.rows //= 2
             self.plan()
             return True
@@ -254,11 +255,11 @@ def run_mode(mode, width, lengths, args, device):
                 if not m.shrink():
                     return {"mode": mode, "oom": True}
         prof = (profile_mode(m, args, args.warmup + n_steps)
-                if args.profile_steps and mode in ("packed", "dense", "compiled") else None)
+                if args.profile_steps and mode in ROW_MODES else None)
         return {"mode": mode, "profile": prof, "tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec,
                 "ms_per_step": 1e3 * sec / n_steps, "steps": n_steps, "warmup_s": warmup_s,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "rows_per_step": m.rows if mode in ("packed", "dense", "compiled") else None,
+                "rows_per_step": m.rows if mode in ROW_MODES else None,
                 "micro_batches": m.accum if mode == "padded" else None}
     finally:
         m.close()
