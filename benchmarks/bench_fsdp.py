@@ -99,9 +99,11 @@ def model_kind(device) -> str:
     return "mamba_ssm"
 
 
-def build(kind, mode, d_model, layers, vocab, seed, device, mesh, compile_blocks):
+def build(kind, mode, d_model, layers, vocab, seed, device, mesh, compile_blocks, reshard_after_forward=True):
     """A float32 model on ``device``, converted for packing (mode packed; and the transformers fallback's
-    dense mode, which then gets no position_ids), sharded per block with a bf16 MixedPrecisionPolicy."""
+    dense mode, which then gets no position_ids), sharded per block with a bf16 MixedPrecisionPolicy;
+    ``reshard_after_forward=False``: the blocks keep their gathered parameters from the forward to the
+    backward (no all-gather in the backward; gradients and optimizer states stay sharded)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -128,8 +130,8 @@ def build(kind, mode, d_model, layers, vocab, seed, device, mesh, compile_blocks
     for block in model.backbone.layers:
         if compile_blocks:
             block.compile()
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, foreach=True)
     return model, opt
 
@@ -185,7 +187,8 @@ def run_mode(kind, mode, width, args, pattern, device, mesh, rank, world):
     losses, tokens = [], 0
     model = opt = None
     try:  # (every rank holds the same amount: an out-of-memory error comes on all of them)
-        model, opt = build(kind, mode, d_model, layers, args.vocab, args.seed, device, mesh, args.compile)
+        model, opt = build(kind, mode, d_model, layers, args.vocab, args.seed, device, mesh, args.compile,
+                           not args.no_reshard)
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 sync(device)
@@ -261,7 +264,8 @@ def reference_losses(kind, width, args, pattern, device, mesh, ref_world):
     gets (its own loader); the first ``--loss-steps`` global mean losses."""
     d_model, layers, rows = WIDTHS[width]
     d_model, layers, rows = args.d_model or d_model, args.layers or layers, args.rows or rows
-    model, opt = build(kind, "packed", d_model, layers, args.vocab, args.seed, device, mesh, args.compile)
+    model, opt = build(kind, "packed", d_model, layers, args.vocab, args.seed, device, mesh, args.compile,
+                       not args.no_reshard)
     its = [iter(make_loader(pattern, args.capacity, rows, args.seed, rank=r, world=ref_world))
            for r in range(ref_world)]
     out = [float(train_step(model, opt, [next(i) for i in its], "packed", device, 1)) for _ in range(args.loss_steps)]
@@ -328,6 +332,9 @@ def report(out_dir: str) -> dict:
         runs[doc["gpus"]] = doc
     if not runs:
         raise SystemExit(f"error: no fsdp_*gpu.json in {out_dir}: run the torchrun launches first")
+    reshard = {n: not doc["args"].get("no_reshard", False) for n, doc in runs.items()}
+    if len(set(reshard.values())) > 1:
+        raise SystemExit(f"error: the launches in {out_dir} differ in --no-reshard ({reshard}): compare like with like")
     one = runs.get(1)
     base = {(r["width"], r["mode"]): r for r in one["results"]} if one else {}
     rows = []
@@ -368,11 +375,12 @@ def report(out_dir: str) -> dict:
     table = "\n".join(lines)
     first = runs[min(runs)]
     doc = {"rows": rows, "table": table, "model": first["model"], "gpu_name": first["gpu_name"],
-           "torch": first["torch"], "launches": sorted(runs),
+           "torch": first["torch"], "launches": sorted(runs), "reshard_after_forward": reshard[min(runs)],
            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with open(os.path.join(out_dir, "fsdp.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    print(f"model: {doc['model']}; device: {doc['gpu_name']}; torch {doc['torch']}")
+    print(f"model: {doc['model']}; device: {doc['gpu_name']}; torch {doc['torch']}; "
+          f"reshard_after_forward={doc['reshard_after_forward']}")
     print(table)
     print(f"wrote {os.path.join(out_dir, 'fsdp.json')}")
     return doc
@@ -448,6 +456,8 @@ def parse(argv=None):
     ap.add_argument("--loss-steps", type=int, default=3, help="first steps whose loss is compared to one GPU's")
     ap.add_argument("--ref-worlds", default="2,4", help="one-GPU launch: reference losses for these GPU counts")
     ap.add_argument("--compile", action="store_true", help="torch.compile every block")
+    ap.add_argument("--no-reshard", action="store_true",
+                    help="fully_shard(reshard_after_forward=False): no all-gather in the backward (ZeRO-2-like)")
     ap.add_argument("--trace-dir", default="", help="profile one extra step per mode on every rank: host syncs, "
                     "compute/NCCL time, gaps, top kernels in the JSON; rank 0's Chrome trace here")
     ap.add_argument("--seed", type=int, default=0, help="data and init seed")
@@ -483,7 +493,8 @@ def main(argv=None):
         for old in glob.glob(os.path.join(out_dir, "fsdp_*gpu.json")):
             os.remove(old)
         data_dir = os.path.join(out_dir, "data")
-        return smoke(SMOKE + ["--out-dir", out_dir, "--data-dir", data_dir], out_dir)
+        return smoke(SMOKE + ["--out-dir", out_dir, "--data-dir", data_dir] + ["--no-reshard"] * args.no_reshard,
+                     out_dir)
     if args.report:
         return report(args.out_dir)
     if "WORLD_SIZE" not in os.environ:

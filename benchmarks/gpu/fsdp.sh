@@ -7,7 +7,8 @@
 #
 # mamba-ssm and causal-conv1d (the dense baseline's model): unpacked from $UPSTREAM_PACK (default .gpu/up) or
 # built from the source archives in .gpu (run.sh's header says how to fetch them; about 5 minutes) and then packed
-# into PACKDIR (second argument) for the next machine. Knobs: WIDTHS (default 1.4b), FSDP_STEPS (8), BALANCE_ARGS
+# into PACKDIR (second argument) for the next machine. Knobs: WIDTHS (default 1.4b), FSDP_STEPS (8), FSDP_ARGS
+# (more bench_fsdp.py options, e.g. --no-reshard), BALANCE_ARGS
 # (default: rows of 32,768 tokens, where attention dominates), SKIP_BALANCE=1.
 set -u
 R=${1:?usage: fsdp.sh OUTDIR [PACKDIR]}; pack=${2:-}
@@ -43,7 +44,7 @@ fi
 python3 -c "import torch, selective_scan_cuda, causal_conv1d; print('upstream imports')" >> "$R/upstream_build.log" 2>&1
 quiet="^W1\|^\*\*\*\|OMP_NUM\|UserWarning\|warnings.warn\|_warn_once"
 nw=$(echo "${WIDTHS:-1.4b}" | tr , "\n" | wc -l)   # timeouts grow with the widths
-F="$R/fsdp"; common="--widths ${WIDTHS:-1.4b} --steps ${FSDP_STEPS:-8} --trace-dir /tmp/traces"
+F="$R/fsdp"; common="--widths ${WIDTHS:-1.4b} --steps ${FSDP_STEPS:-8} --trace-dir /tmp/traces ${FSDP_ARGS:-}"
 timeout $((240 * nw)) torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp.py $common --ref-worlds $N --out-dir "$F" 2>&1 \
   | grep -v "$quiet" > "$R/fsdp_1gpu.log"; stamp fsdp_1
 timeout $((200 * nw)) torchrun --standalone --nproc_per_node $N benchmarks/bench_fsdp.py $common --ref-worlds "" --out-dir "$F" \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import multiprocessing as mp
 import os
 import re
@@ -128,6 +129,22 @@ def test_bench_fsdp_smoke_runs_and_reports(tmp_path):
     assert len(two["losses"]) == 2 and len(two["reference_losses"]) == 2
     assert two["loss_vs_1gpu_max_rel"] < 1e-3, two  # the same global batch on one process
     assert two["packed_over_dense"] is not None and "| 2 | packed |" in doc["table"]
+    assert doc["reshard_after_forward"] is True
+
+
+def test_bench_fsdp_report_refuses_launches_with_different_resharding(tmp_path):
+    """The table compares launches only where they shard alike (--no-reshard in one launch and not the other)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_fsdp
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    for gpus, no_reshard in ((1, False), (2, True)):
+        doc = {"gpus": gpus, "results": [], "reference_losses": {}, "model": "hf", "gpu_name": "", "torch": "",
+               "args": {"no_reshard": no_reshard}}
+        (tmp_path / f"fsdp_{gpus}gpu.json").write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="differ in --no-reshard"):
+        bench_fsdp.report(str(tmp_path))
 
 
 @pytest.mark.gpu
