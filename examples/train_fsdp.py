@@ -16,6 +16,8 @@ What it shows:
 * sharding: ``fully_shard`` on every block, then on the whole model (embedding, final norm, tied head), with a
   ``MixedPrecisionPolicy`` (``--mixed-precision bf16``: bf16 parameters in the forward and backward, gradients
   reduced and kept in float32, the optimizer on float32 shards); ``--compile`` compiles every block first;
+  ``--no-reshard`` keeps the gathered parameters from the forward to the backward (one all-gather a block and
+  step instead of two);
 * data: ``PackedDataLoader`` splits every global step of ``world_size * batch_size`` packed rows over the
   ranks (rank and world size from ``torch.distributed``), the same number of batches on every rank;
 * the loss: summed over the step's loss tokens on every rank and divided by the global count (one
@@ -84,8 +86,11 @@ def build_model(kind: str, d_model: int, layers: int, vocab: int, d_state: int, 
     return model.train(), list(model.backbone.layers)
 
 
-def shard(model, blocks, mesh, mixed_precision: str, compile_blocks: bool):
-    """``fully_shard`` every block, then the root (embedding, final norm and the tied head stay together)."""
+def shard(model, blocks, mesh, mixed_precision: str, compile_blocks: bool, reshard_after_forward: bool = True):
+    """``fully_shard`` every block, then the root (embedding, final norm and the tied head stay together).
+    ``reshard_after_forward=False`` keeps each block's gathered parameters from its forward to its backward:
+    no all-gather in the backward, for the memory of the unsharded bf16 parameters (gradients and the optimizer
+    state stay sharded)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -93,8 +98,8 @@ def shard(model, blocks, mesh, mixed_precision: str, compile_blocks: bool):
     for block in blocks:
         if compile_blocks:
             block.compile()
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model
 
 
@@ -179,6 +184,9 @@ def main(argv=None) -> int:
     p.add_argument("--mixed-precision", choices=["bf16", "fp32"], default="bf16",
                    help="bf16: bf16 parameters in forward/backward, float32 reductions and optimizer")
     p.add_argument("--compile", action="store_true", help="torch.compile every block before sharding")
+    p.add_argument("--no-reshard", action="store_true",
+                   help="reshard_after_forward=False: no all-gather in the backward, more memory (faster on 4 GPUs "
+                        "in benchmarks/bench_fsdp.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
     p.add_argument("--save", default=None, help="checkpoint directory (DCP shards + train_state.json)")
@@ -209,7 +217,7 @@ def main(argv=None) -> int:
     mesh = init_device_mesh(device.type, (world,))
     model, blocks = build_model(kind, args.d_model, args.layers, args.vocab_size, args.d_state, args.seed, device)
     n_params = sum(q.numel() for q in model.parameters())
-    shard(model, blocks, mesh, args.mixed_precision, args.compile)
+    shard(model, blocks, mesh, args.mixed_precision, args.compile, not args.no_reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     step, epoch = 0, 0
     if args.resume:

@@ -110,6 +110,9 @@ def test_fsdp_two_processes_match_one_and_resume_exactly(workdir, tmp_path):
     # resumed from the checkpoint of step 2 on 2 processes: steps 3 and 4 to the bit
     rest = launch(tmp_path, 2, base + ["--batch-size", "2", "--resume", ckpt], "rest")
     assert rest == two[2:]
+    # the parameters kept gathered from the forward to the backward: the same numbers, to the bit
+    kept = launch(tmp_path, 2, base + ["--batch-size", "2", "--no-reshard"], "kept")
+    assert kept == two
 
 
 def test_bench_fsdp_smoke_runs_and_reports(tmp_path):
