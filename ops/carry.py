@@ -205,13 +205,23 @@ class CarryStep:
             rows = None if len(self.pass_a_rows) == batch else torch.as_tensor(self.pass_a_rows, dtype=torch.int64,
                                                                                   device=device)
             cache_only = cache_only.view(2, batch, seqlen)
+            # consecutive rows (the usual chain, one row to the next): (first, count), taken as views
+            a_rows = self.pass_a_rows
+            consecutive = bool(a_rows) and a_rows == list(range(a_rows[0], a_rows[0] + len(a_rows)))
+            span = (a_rows[0], len(a_rows)) if rows is not None and consecutive else None
             got = {"start": start, "length": length, "has": has, "from_batch": from_batch,
                    "slots": slots.view(2, batch, seqlen),
-                   "pass_a_rows": rows, "pass_a_slots": cache_only if rows is None else cache_only[:, rows].contiguous(),
+                   "pass_a_rows": rows, "pass_a_span": span, "pass_a_slots": cache_only if rows is None else cache_only[:, rows].contiguous(),
                    "pass_a_pos": pos.to(torch.int32) if rows is None else pos[rows].to(torch.int32).contiguous(),
                    "middle": torch.as_tensor([m[0] for m in self.middle], dtype=torch.int64, device=device),
                    "depth_at": [torch.as_tensor(self.depth == d, device=device)
                                 for d in range(1, int(self.depth.max(initial=0)) + 1)],
+                   # the same slots as indices, and their predecessors' (made here: a boolean mask as an index
+                   # would wait for the GPU in every layer's backward)
+                   "depth_idx": [torch.as_tensor(np.flatnonzero(self.depth == d), device=device)
+                                 for d in range(1, int(self.depth.max(initial=0)) + 1)],
+                   "depth_pred": [torch.as_tensor(self.pred[self.depth == d], device=device)
+                                  for d in range(1, int(self.depth.max(initial=0)) + 1)],
                    "pred": torch.as_tensor(np.maximum(self.pred, 0), device=device)}
             self._device_cache[device] = got
         return got
@@ -548,16 +558,13 @@ class CarriedMambaInnerFn(torch.autograd.Function):
                     ddelta[row, :, c0:c0 + n] += gs.to(ddelta.dtype)
                 ddb = ddb + got[-2].to(ddb.dtype)
                 dA = dA + got[-1].to(dA.dtype)
-            pick, rows = _row_picker(g), g["pass_a_rows"]
+            pick = _row_picker(g)
             xcA = pick(xc)
             gA = kernel_calls.selective_scan_bwd(
                 xcA, pick(delta), A, pick(Bm), pick(Cm), D, pick(z), delta_bias, g["pass_a_pos"], True, a_saved,
                 torch.zeros_like(xcA), False, g["pass_a_slots"], ssm0, g_fin0)
             for full, part in ((dxc, gA[0]), (ddelta, gA[1]), (dB, gA[3]), (dC, gA[4])):
-                if rows is None:
-                    full += part.to(full.dtype)
-                else:
-                    full.index_add_(0, rows, part.to(full.dtype))
+                _add_rows(full, part, g)
             dA = dA + gA[2]
             if ctx.has_db:
                 ddb = ddb + gA[7]
@@ -620,8 +627,25 @@ def _tokens_of(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict] = None, ke
 
 
 def _row_picker(g: dict):
-    rows = g["pass_a_rows"]
-    return (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows).contiguous())
+    """The first pass's rows of a (batch, ...) tensor: all of them; a view where they are consecutive rows (no copy);
+    else a gathered copy."""
+    rows, span = g["pass_a_rows"], g["pass_a_span"]
+    if rows is None:
+        return lambda t: t
+    if span is not None:
+        return lambda t: t.narrow(0, span[0], span[1]).contiguous()
+    return lambda t: t.index_select(0, rows).contiguous()
+
+
+def _add_rows(full: torch.Tensor, part: torch.Tensor, g: dict) -> None:
+    """full[the first pass's rows] += part (in place; :func:`_row_picker`'s inverse)."""
+    rows, span = g["pass_a_rows"], g["pass_a_span"]
+    if rows is None:
+        full += part.to(full.dtype)
+    elif span is not None:
+        full.narrow(0, span[0], span[1]).add_(part.to(full.dtype))
+    else:
+        full.index_add_(0, rows, part.to(full.dtype))
 
 
 def _conv_with_states(x, cw, cb, pos, runmask, conv0, g, k):
@@ -653,7 +677,7 @@ def _chain_backward(dinit, P_all, ssm_init, g):
     g_P = torch.zeros_like(dinit)
     g_init = dinit.clone()
     at_all = torch.zeros(dinit.shape[0], dtype=torch.bool, device=dinit.device)
-    for at in reversed(g["depth_at"]):
+    for at, idx, pred in zip(reversed(g["depth_at"]), reversed(g["depth_idx"]), reversed(g["depth_pred"])):
         at3 = at[:, None, None]
         at_all |= at
         # true_final(s) = fin0(s) + P(s) init(s) for s at this depth
@@ -661,7 +685,7 @@ def _chain_backward(dinit, P_all, ssm_init, g):
         g_P = torch.where(at3, g_P + g_tf * ssm_init, g_P)
         g_init = torch.where(at3, g_init + g_tf * P_all, g_init)
         # init(s) = true_final(pred(s))
-        g_tf = g_tf.index_add(0, g["pred"][at], g_init[at])
+        g_tf = g_tf.index_add(0, pred, g_init.index_select(0, idx))
         g_tf = torch.where(at3, 0.0, g_tf)
     # slots at depth 0: true_final = fin0
     return g_fin0 + torch.where(at_all[:, None, None], 0.0, g_tf), g_P

@@ -192,15 +192,18 @@ def test_layers_that_cannot_carry_refuse_a_continuation():
 
 
 # a batch whose pieces continue from the cache and from each other (a middle piece of one token, a piece shorter
-# than the conv width, a chain of three rows); and one whose continuations all come from the cache (one piece of a
+# than the conv width, a chain of three rows); one whose continuations all come from the cache (one piece of a
 # document a step: no autograd through the conv's states), with pieces of 1 and 2 tokens, shorter than the
-# conv's width - 1, and one continuing after
+# conv's width - 1, and one continuing after; and one whose in-batch predecessors sit in rows 0 and 2
 _FIRST = [[(6, 5, 0, True), (4, 7, 0, True), (3, 8, 0, True), (3, -1, 0, False)]]
 _SECOND = {
     "chains": [[(2, 5, 1, True), (5, 6, 0, True), (9, -1, 0, False)], [(1, 6, 1, True), (15, 5, 2, False)],
                [(16, 6, 2, True)], [(4, 6, 3, False), (12, -1, 0, False)]],
     "from_cache": [[(1, 7, 1, False), (15, -1, 0, False)], [(9, 5, 1, True), (7, -1, 0, False)],
                    [(2, 8, 1, False), (14, -1, 0, False)], [(16, -1, 0, False)]],
+    # the in-batch predecessors in rows 0 and 2 only (rows that are not consecutive: the first pass gathers them)
+    "gapped": [[(4, 5, 1, True), (12, -1, 0, False)], [(3, 5, 2, False), (13, -1, 0, False)],
+               [(6, -1, 0, False), (10, 7, 1, True)], [(5, 7, 2, False), (11, 8, 1, False)]],
 }
 
 
@@ -300,6 +303,36 @@ def test_gpu_fused_mixer_with_states_matches_the_reference_kernels(layout, dtype
     for doc, layers in res["reference"][2].items():
         for a, b in zip(res["auto"][2][doc][0], layers[0]):
             assert rel(a, b) <= tol, doc
+
+@pytest.mark.gpu
+def test_gpu_chained_step_waits_for_the_gpu_nowhere():
+    """With its step's geometry made, the fused mixer on a batch whose pieces chain over three rows runs forward and
+    backward without a host sync (``torch.cuda.set_sync_debug_mode("error")``): a boolean mask used as an index in
+    the chain's backward made every layer wait for the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from ops.carry import carried_mamba_inner
+    torch.manual_seed(0)
+    dev = "cuda"
+    layer = ops.PackedMamba(256, d_state=16, layer_idx=0, device=dev, dtype=torch.float32)
+    b1, b2 = _batch(_FIRST, None), _batch(_SECOND["chains"], None)
+    cache = ops.StateCache()
+    carried_mamba_inner(layer, torch.randn(1, 16, 256, device=dev), b1["position_ids"].to(dev), cache.step(b1))
+    cache.commit()
+    h = torch.randn(4, 16, 256, device=dev, requires_grad=True)
+    pos = b2["position_ids"].to(dev)
+    step = ops.CarryStep(b2, cache)
+    assert step.depth.max() >= 2   # a chain over three rows
+    step.geometry(torch.device(dev))
+    carried_mamba_inner(layer, h, pos, step).sum().backward()   # warm: kernels loaded, indices cached
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        carried_mamba_inner(layer, h, pos, step).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
 
 def test_layers_of_different_conv_widths_share_a_step(seed):
     """One CarryStep's geometry (and the gather / scatter indices it keeps) serves layers whose conv widths differ: the
