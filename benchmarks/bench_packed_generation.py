@@ -21,7 +21,7 @@ as transformers' generate() does, and count only the useful tokens).
 Modes (generation):
 
 - ``packed``: ``ops.generate_packed(model, prompts, batch_size=--batch-size)``: prompts in batches of that many,
-  each batch packed into rows, prefilled in one packed forward, decoded together.
+  each batch packed into rows, prefilled in one packed forward, decoded together (``--cg``: ``cuda_graph=True``).
 - ``padded``: the same batches, left-padded to their longest. transformers: ``generate()`` with an
   ``attention_mask`` (transformers zeroes the padded positions' inputs to the conv and the scan, so the prompts'
   states stay exact: its tokens are compared with one-by-one's). mamba-ssm: ``generate()``, which takes no mask: the
@@ -160,16 +160,22 @@ def padded_eval(model, seqs, labels, batch_size, device):
     return torch.tensor(sums, dtype=torch.float64)
 
 
+def packed_graphs(kind, args) -> bool:
+    """--cg: the packed mode decodes with ``cuda_graph=True`` too (mamba-ssm models on CUDA)."""
+    return bool(args.cg and kind == "mamba_ssm" and args.device.startswith("cuda"))
+
+
 def run_generation(kind, model, plain, prompts, budgets, workload, args, skip, device):
     """The generation modes on one workload (``budgets``: new tokens per prompt); rows of the table."""
     rows = []
+    graphs = packed_graphs(kind, args)
     packed, t_packed = timed(device, lambda: ops.generate_packed(model, prompts, budgets, capacity=args.capacity,
-                                                                  batch_size=args.batch_size))
+                                                                  batch_size=args.batch_size, cuda_graph=graphs))
     packed_new = [o[len(p):].tolist() for o, p in zip(packed, prompts)]
     useful = sum(budgets)
     assert sum(len(t) for t in packed_new) == useful
     rows.append({"workload": workload, "mode": "packed", "prompts": len(prompts), "new_tokens": useful,
-                 "seconds": t_packed, "new_tokens_per_s": useful / t_packed})
+                 "seconds": t_packed, "new_tokens_per_s": useful / t_packed, "cuda_graph": graphs})
     for mode, which in (("padded", plain), ("padded_converted", model)):
         if mode in skip:
             continue
@@ -225,7 +231,9 @@ def main(argv=None) -> dict:
                          "(capped there), as if it stopped at an end-of-text token")
     ap.add_argument("--skip", default="",
                     help="comma-separated modes to skip: padded, padded_converted, one_by_one, eval")
-    ap.add_argument("--cg", action="store_true", help="mamba-ssm baselines: generate(cg=True) (CUDA graphs)")
+    ap.add_argument("--cg", action="store_true",
+                    help="CUDA graphs, mamba-ssm on CUDA: the baselines call generate(cg=True), packed passes "
+                         "cuda_graph=True")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/generation/<device>_<model>)")
     if "--smoke" in (sys.argv[1:] if argv is None else argv):   # smaller defaults; arguments given still count
@@ -257,7 +265,7 @@ def main(argv=None) -> dict:
 
     # warm-up: every path once, small
     warm = prompts[:2]
-    ops.generate_packed(model, warm, 2, capacity=args.capacity)
+    ops.generate_packed(model, warm, 2, capacity=args.capacity, cuda_graph=packed_graphs(kind, args))
     if "padded" not in skip:
         generate_padded(kind, plain, warm, 2, args.cg, device)
     if "padded_converted" not in skip:
@@ -290,7 +298,7 @@ def main(argv=None) -> dict:
                  {"mode": "eval padded to longest", "sequences": len(seqs), "tokens": tokens, "seconds": t_pad_e,
                   "tokens_per_s": tokens / t_pad_e, "vs_padded": 1.0, "max_rel_loss_diff": 0.0}]
 
-    print(f"\n| workload | generation (batch {args.batch_size}) | prompts | new tokens | s | new tokens/s | "
+    print(f"\n| workload | generation (batch {args.batch_size}{', CUDA graphs' if args.cg else ''}) | prompts | new tokens | s | new tokens/s | "
           "vs padded | identical to packed |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
@@ -309,8 +317,9 @@ def main(argv=None) -> dict:
     out = {"benchmark": "packed_generation", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "model": kind, "d_model": args.d_model, "layers": args.layers,
-           "vocab": args.vocab, "dtype": str(dtype), "prompts_source": source, "prompt_lengths":
-           {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)}, "args": vars(args),
+           "vocab": args.vocab, "dtype": str(dtype), "cuda_graphs": bool(args.cg), "prompts_source": source,
+           "prompt_lengths": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
+           "args": vars(args),
            "generation": rows, "evaluation": evals}
     path = args.out
     if path is None and not args.smoke:

@@ -492,6 +492,60 @@ class _MambaSSMDecoder:
         self.params.max_batch_size = int(d[self.mixers[0].layer_idx][0].shape[0])
 
 
+class _SlotDecoder:
+    """mamba-ssm decoding over a fixed number of slots, each step one CUDA graph replay (``cuda_graph=True``).
+
+    The cache holds ``slots`` rows for the whole generation: a prompt that stops frees its row, a waiting prompt's
+    prefilled states are written into a free row, and every step decodes all rows (a free row's token and states are
+    garbage that nobody reads; rows never mix). Shapes never change, so one graph captured before the first prompt
+    arrives serves every step: the step's 4 + ~12 x layers kernel launches become one replay. ``capture=False`` runs
+    the same bookkeeping eagerly (the CPU tests of it)."""
+
+    def __init__(self, model, fam: _Family, slots: int, max_seqlen: int, device: torch.device, capture: bool):
+        self.model = model
+        self.mixers = fam.mixers
+        self.params = _new_inference_params(max_seqlen, slots)
+        for m in fam.mixers:
+            self.params.key_value_memory_dict[m.layer_idx] = m.allocate_inference_cache(slots, max_seqlen)
+        self.params.seqlen_offset = 1   # > 0: the mixers step from the cache
+        self.tokens = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.graph = None
+        if capture:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):          # warm-up outside the graph (Triton's first launches compile)
+                    self._forward()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()
+            for conv, ssm in self.params.key_value_memory_dict.values():   # the warm-up stepped them
+                conv.zero_()
+                ssm.zero_()
+
+    def _forward(self) -> torch.Tensor:
+        out = self.model(self.tokens[:, None], inference_params=self.params, num_last_tokens=1)
+        return _logits_of(out)[:, -1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(slots, vocab) logits after ``tokens`` (slots,); with a graph, a buffer the next step overwrites."""
+        self.tokens.copy_(tokens)
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.logits
+
+    def write(self, where: torch.Tensor, states: List[list]) -> None:
+        """Put the prefill's ``states`` (one list of per-layer pairs per prompt) into the rows ``where``."""
+        d = self.params.key_value_memory_dict
+        for li, m in enumerate(self.mixers):
+            conv, ssm = d[m.layer_idx]
+            new_conv, new_ssm = _new_rows(conv, ssm, [s[li] for s in states], f"layer {m.layer_idx}")
+            conv.index_copy_(0, where, new_conv)
+            ssm.index_copy_(0, where, new_ssm)
+
+
 def _hf_layer_states(cache, layer: int):
     """(conv (b, d, w), ssm (b, d, n)) of ``layer`` in transformers' cache: 5.24+'s ``DynamicCache`` of linear
     attention layers, or 5.0-5.23's ``MambaCache``."""
@@ -626,7 +680,7 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
                     top_p: Optional[float] = None, seed: Optional[int] = None,
                     stop_token_ids: Optional[Sequence[int]] = None, eos_token_id: Optional[int] = None,
                     batch_size: Optional[int] = None, prefill_tokens: Optional[int] = None,
-                    algorithm: str = "bfd") -> List[torch.Tensor]:
+                    algorithm: str = "bfd", cuda_graph: bool = False) -> List[torch.Tensor]:
     """Generate a continuation of every prompt: packed prefill, then all prompts decoded together.
 
     The prompts are packed into rows of ``capacity`` tokens (:mod:`packer_algos`, no padding between prompts); one
@@ -669,6 +723,10 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
         prefill_tokens: tokens per packed forward (rows x capacity; default 65536, one row at least); bounds the
             prefill's activation memory.
         algorithm: the :func:`packer_algos.pack` algorithm ("bfd", "ffd", "first_fit", "next_fit").
+        cuda_graph: decode from a cache of ``batch_size`` fixed rows, each step one CUDA graph replay (captured once
+            per call, about a second): what mamba-ssm's ``generate(..., cg=True)`` does for one padded batch, here
+            for the whole stream of prompts. A stopped prompt's row is refilled by a waiting one; every step decodes
+            all rows. CUDA models of mamba-ssm (``MambaLMHeadModel``) only; transformers' models decode eagerly.
 
     Returns:
         one 1-D int64 tensor per prompt, on the model's device: the prompt followed by its new tokens.
@@ -699,12 +757,16 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
         raise ValueError(f"batch_size must be None or a positive int, got {batch_size!r}")
     if prefill_tokens is not None and (not isinstance(prefill_tokens, (int, np.integer)) or prefill_tokens < 1):
         raise ValueError(f"prefill_tokens must be None or a positive int, got {prefill_tokens!r}")
+    if not isinstance(cuda_graph, bool):
+        raise TypeError(f"cuda_graph must be a bool, got {type(cuda_graph).__name__}")
     stops = set(int(t) for t in (stop_token_ids or ()))
     if eos_token_id is not None:
         stops.add(int(eos_token_id))
     lengths = np.array([int(s.numel()) for s in seqs], dtype=np.int64)
     cap = _capacity(lengths, capacity, "prompts")
     device = _model_device(model)
+    if cuda_graph:
+        _check_cuda_graph(fam, device)
     generator = None
     if seed is not None and temperature > 0:
         generator = torch.Generator(device=device)
@@ -718,15 +780,17 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
     try:
         with torch.no_grad():
             if todo:
-                _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens or _DEFAULT_PREFILL_TOKENS,
-                                 algorithm, temperature, top_k, top_p, generator, stop_tensor, device,
-                                 len(todo) if batch_size is None else int(batch_size), records)
+                run = _generate_in_slots if cuda_graph else _generate_stream
+                run(model, fam, seqs, todo, budgets, cap, prefill_tokens or _DEFAULT_PREFILL_TOKENS, algorithm,
+                    temperature, top_k, top_p, generator, stop_tensor, device,
+                    len(todo) if batch_size is None else int(batch_size), records)
     finally:
         model.train(was_training)
     new_tokens: List[List[int]] = [[] for _ in range(n)]
     for ids, t in records:
         for i, v in zip(ids.tolist(), t.tolist()):
-            new_tokens[i].append(v)
+            if i >= 0:                                          # -1: a free row of the slot decoder
+                new_tokens[i].append(v)
     return [torch.cat([seqs[i], torch.tensor(new_tokens[i], dtype=torch.int64)]).to(device) for i in range(n)]
 
 
@@ -801,6 +865,71 @@ def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algor
             decoder.keep(keep_dev)
             tok = tok.index_select(0, keep_dev)
             active, active_dev = active[keep], active_dev.index_select(0, keep_dev)
+
+
+def _check_cuda_graph(fam: _Family, device: torch.device) -> None:
+    """``cuda_graph=True`` needs a CUDA model of mamba-ssm's family (the CPU tests replace this check)."""
+    if fam.kind != "mamba_ssm":
+        raise NotImplementedError("generate_packed: cuda_graph=True supports mamba-ssm's MambaLMHeadModel; "
+                                  "transformers' models keep their cache in Python objects a graph cannot replay "
+                                  "(use cuda_graph=False)")
+    if device.type != "cuda":
+        raise ValueError(f"generate_packed: cuda_graph=True needs the model on a CUDA device, it is on {device}")
+
+
+def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
+                       generator, stop_tensor, device, batch_size, records):
+    """``_generate_stream`` over the fixed rows of a :class:`_SlotDecoder`: the same admissions (a packed prefill
+    once an eighth of the rows is free), the same tokens; a record's prompt index is -1 for a free row."""
+    queue = list(todo)
+    budget = np.asarray(budgets, dtype=np.int64)
+    produced = np.zeros(len(budgets), dtype=np.int64)
+    slots = min(batch_size, len(todo))
+    refill_at = max(1, batch_size // 8)
+    max_seqlen = max(int(seqs[i].numel()) for i in todo) + max(budgets)
+    decoder = _SlotDecoder(model, fam, slots, max_seqlen, device, capture=device.type == "cuda")
+    owner = np.full(slots, -1, dtype=np.int64)          # the prompt decoding in each row, -1: free
+
+    def on_device(idx: np.ndarray) -> torch.Tensor:      # a copy: ``owner`` changes in place, its records must not
+        return torch.tensor(idx, dtype=torch.int64).to(device, non_blocking=True)
+
+    owner_dev = on_device(owner)
+    tok = torch.zeros(slots, dtype=torch.int64, device=device)
+    while True:
+        free = np.flatnonzero(owner < 0)
+        if queue and (free.size == slots or free.size >= refill_at):
+            take, queue = queue[:free.size], queue[free.size:]
+            logits, states = _prefill(model, fam, seqs, take, cap, prefill_tokens, algorithm, device)
+            ids = np.asarray(take, dtype=np.int64)
+            t_new = _next_tokens(logits, temperature, top_k, top_p, generator)
+            records.append((on_device(ids), t_new))
+            produced[ids] += 1
+            going = produced[ids] < budget[ids]
+            if stop_tensor is not None:
+                going &= ~torch.isin(t_new, stop_tensor).cpu().numpy()
+            keep = np.flatnonzero(going)
+            if keep.size:
+                where = free[:keep.size]
+                where_dev = on_device(where)
+                decoder.write(where_dev, [states[k] for k in keep.tolist()])
+                tok = tok.index_copy(0, where_dev,     # not in place: the last step's record holds ``tok``
+                                     t_new if keep.size == ids.size else t_new.index_select(0, on_device(keep)))
+                owner[where] = ids[keep]
+                owner_dev = on_device(owner)
+            continue
+        busy = np.flatnonzero(owner >= 0)
+        if busy.size == 0:
+            return
+        tok = _next_tokens(decoder.step(tok), temperature, top_k, top_p, generator)
+        records.append((owner_dev, tok))
+        ids = owner[busy]
+        produced[ids] += 1
+        done = produced[ids] >= budget[ids]
+        if stop_tensor is not None:
+            done |= torch.isin(tok, stop_tensor).cpu().numpy()[busy]
+        if done.any():
+            owner[busy[done]] = -1
+            owner_dev = on_device(owner)
 
 
 # --------------------------------------------------------------------------------------------------

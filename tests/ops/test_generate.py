@@ -139,6 +139,43 @@ def test_stop_tokens_and_per_prompt_lengths(seed):
     assert len(out[2]) <= len(prompts[2]) + 4
 
 
+def slots_on_the_cpu(monkeypatch):
+    """cuda_graph=True's fixed-row decoder without the capture: the CPU runs its bookkeeping eagerly."""
+    import ops.generate as gen
+    monkeypatch.setattr(gen, "_check_cuda_graph", lambda fam, device: None)
+
+
+@pytest.mark.parametrize("batch_size", [None, 1, 2, 3])
+def test_fixed_rows_decoder_gives_the_same_tokens(seed, monkeypatch, batch_size):
+    """cuda_graph=True decodes in fixed rows (free rows refilled, every row stepped): the same tokens as the compacting
+    decoder and as each prompt alone, with per-prompt lengths (0 and 1 included), stop tokens and refills."""
+    slots_on_the_cpu(monkeypatch)
+    model = mamba_ssm_model(seed)
+    prompts = prompts_of([6, 2, 9, 4, 1, 5, 3], seed)
+    budgets = [5, 0, 8, 1, 6, 2, 7]
+    eager = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size)
+    fixed = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size, cuda_graph=True)
+    for p, e, f, b in zip(prompts, eager, fixed, budgets):
+        assert len(f) == len(p) + b
+        assert f.tolist() == e.tolist() == greedy_alone_plain(model, p, b).tolist()
+    stop = int(eager[2][len(prompts[2]) + 3])
+    e = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size, stop_token_ids=[stop])
+    f = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size, stop_token_ids=[stop],
+                            cuda_graph=True)
+    assert [x.tolist() for x in f] == [x.tolist() for x in e]
+    for p, o, full in zip(prompts, f, eager):
+        new = full[len(p):].tolist()
+        assert o[len(p):].tolist() == (new[:new.index(stop) + 1] if stop in new else new)
+
+
+def test_cuda_graph_is_refused_where_it_cannot_run(seed):
+    model = mamba_ssm_model(seed)
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device, it is on cpu"):
+        ops.generate_packed(model, [[1, 2]], 2, cuda_graph=True)
+    with pytest.raises(TypeError, match="cuda_graph must be a bool"):
+        ops.generate_packed(model, [[1, 2]], 2, cuda_graph=1)
+
+
 def test_seeded_sampling_is_reproducible(seed):
     model = mamba_ssm_model(seed)
     prompts = prompts_of([6, 2, 9, 4, 3], seed)
@@ -439,6 +476,43 @@ def test_gpu_mamba_ssm_greedy_equals_one_by_one(cuda, seed):
     for i, p in enumerate(prompts):
         want, _ = loss_alone(plain if plain is not None else model, p)
         assert abs(float(res.loss_sum[i]) - want) <= 1e-5 * max(1.0, abs(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_cuda_graph_decoding_gives_the_eager_tokens(cuda, seed, dtype):
+    """cuda_graph=True (fixed rows, one graph replay a step, refills) against the eager decoder on CUDA: the same
+    tokens (fp32 and bf16: every row of a step runs the same kernels either way), stop tokens included; a real
+    mamba-ssm model when installed."""
+    try:
+        from mamba_ssm.models.config_mamba import MambaConfig
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel as Upstream
+    except ImportError:
+        Upstream = None
+    torch.manual_seed(seed)
+    if Upstream is not None:
+        cfg = MambaConfig(d_model=256, n_layer=4, vocab_size=512, ssm_cfg={"layer": "Mamba1"}, rms_norm=True,
+                          fused_add_norm=False, residual_in_fp32=True)
+        model, vocab = Upstream(cfg, device=cuda, dtype=dtype).eval(), 512
+    else:
+        model, vocab = mamba_ssm_model(seed, dtype).to(cuda), VOCAB
+    ops.enable_packing(model)
+    prompts = [p.to(cuda) for p in prompts_of([37, 1, 2, 150, 64, 9, 200, 3, 17, 88, 5], seed, vocab)]
+    budgets = [24, 3, 0, 17, 24, 1, 9, 24, 12, 6, 20]
+    for batch_size in (None, 4):
+        eager = ops.generate_packed(model, prompts, budgets, capacity=256, batch_size=batch_size)
+        graph = ops.generate_packed(model, prompts, budgets, capacity=256, batch_size=batch_size, cuda_graph=True)
+        same = sum(e.tolist() == g.tolist() for e, g in zip(eager, graph))
+        if dtype == torch.float32:
+            assert same == len(prompts), f"batch_size={batch_size}: {same} of {len(prompts)} prompts equal"
+        else:   # bf16: the matmuls of a 4-row and an 11-row batch may round differently; most prompts agree
+            assert same >= len(prompts) - 2, f"batch_size={batch_size}: {same} of {len(prompts)} prompts equal"
+        assert all(len(g) == len(p) + b for g, p, b in zip(graph, prompts, budgets))
+    stop = int(eager[3][len(prompts[3]) + 2])
+    e = ops.generate_packed(model, prompts, budgets, capacity=256, stop_token_ids=[stop])
+    g = ops.generate_packed(model, prompts, budgets, capacity=256, stop_token_ids=[stop], cuda_graph=True)
+    if dtype == torch.float32:
+        assert [x.tolist() for x in g] == [x.tolist() for x in e]
 
 
 @pytest.mark.gpu
