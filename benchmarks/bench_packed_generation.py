@@ -114,7 +114,16 @@ def timed(device, fn):
     return out, time.perf_counter() - t0
 
 
+def graphs_for_batch(model, batch: int, cg: bool) -> None:
+    """mamba-ssm 2.3.2's generate(cg=True) reuses a larger batch's graph cache for a smaller batch and fails
+    ("conv_state must have shape (batch_size, ...)"): a batch of another size captures its own graphs."""
+    cache = getattr(model, "_decoding_cache", None)
+    if cg and cache is not None and cache.max_batch_size != batch:
+        model._decoding_cache = None
+
+
 def generate_alone(kind, model, p, n_new, cg):
+    graphs_for_batch(model, 1, cg)
     with torch.no_grad():
         if kind == "mamba_ssm":
             out = model.generate(p[None], max_length=len(p) + n_new, cg=cg, top_k=1)
@@ -132,6 +141,7 @@ def generate_padded(kind, model, batch, n_new, cg, device):
     for r, p in enumerate(batch):
         ids[r, longest - len(p):] = p
         mask[r, longest - len(p):] = 1
+    graphs_for_batch(model, len(batch), cg)
     with torch.no_grad():
         if kind == "mamba_ssm":
             out = model.generate(ids, max_length=longest + n_new, cg=cg, top_k=1)
