@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernel_calls
-from .states import sequence_spans
+from .states import host_to_device, sequence_spans
 
 __all__ = ["StateCache", "CarryStep", "CarryError", "CARRY_KEYS"]
 
@@ -189,21 +189,22 @@ class CarryStep:
         """Device tensors of the plan (made once per device): the slots' token spans, the kernels' state_slots."""
         got = self._device_cache.get(device)
         if got is None:
-            pos = self._pos.to(device)
+            pos = host_to_device(self._pos, device)
             start, length = sequence_spans(pos, self._num_sequences)
-            idx = self._carried.to(device)
+            idx = host_to_device(self._carried, device)
             start, length = start[idx], length[idx]
             batch, seqlen = pos.shape
             slots = torch.full((2, batch * seqlen), -1, dtype=torch.int32, device=device)
             k = torch.arange(self.num_slots, dtype=torch.int32, device=device)
-            has = torch.as_tensor([s != "none" for s in self.source], dtype=torch.bool, device=device)
-            slots[0, start[has]] = k[has]
+            has = host_to_device([s != "none" for s in self.source], device, torch.bool)
+            has_idx = host_to_device([i for i, s in enumerate(self.source) if s != "none"], device, torch.int64)
+            slots[0, start[has_idx]] = k[has_idx]    # indices made on the host: a mask as an index waits for the GPU
             slots[1, start + length - 1] = k
             cache_only = slots.clone()
-            from_batch = torch.as_tensor([s == "batch" for s in self.source], dtype=torch.bool, device=device)
-            cache_only[0, start[from_batch]] = -1
-            rows = None if len(self.pass_a_rows) == batch else torch.as_tensor(self.pass_a_rows, dtype=torch.int64,
-                                                                                  device=device)
+            from_batch = host_to_device([s == "batch" for s in self.source], device, torch.bool)
+            batch_idx = host_to_device([i for i, s in enumerate(self.source) if s == "batch"], device, torch.int64)
+            cache_only[0, start[batch_idx]] = -1
+            rows = None if len(self.pass_a_rows) == batch else host_to_device(self.pass_a_rows, device, torch.int64)
             cache_only = cache_only.view(2, batch, seqlen)
             # consecutive rows (the usual chain, one row to the next): (first, count), taken as views
             a_rows = self.pass_a_rows
@@ -213,16 +214,16 @@ class CarryStep:
                    "slots": slots.view(2, batch, seqlen),
                    "pass_a_rows": rows, "pass_a_span": span, "pass_a_slots": cache_only if rows is None else cache_only[:, rows].contiguous(),
                    "pass_a_pos": pos.to(torch.int32) if rows is None else pos[rows].to(torch.int32).contiguous(),
-                   "middle": torch.as_tensor([m[0] for m in self.middle], dtype=torch.int64, device=device),
-                   "depth_at": [torch.as_tensor(self.depth == d, device=device)
+                   "middle": host_to_device([m[0] for m in self.middle], device, torch.int64),
+                   "depth_at": [host_to_device(self.depth == d, device)
                                 for d in range(1, int(self.depth.max(initial=0)) + 1)],
                    # the same slots as indices, and their predecessors' (made here: a boolean mask as an index
                    # would wait for the GPU in every layer's backward)
-                   "depth_idx": [torch.as_tensor(np.flatnonzero(self.depth == d), device=device)
+                   "depth_idx": [host_to_device(np.flatnonzero(self.depth == d), device)
                                  for d in range(1, int(self.depth.max(initial=0)) + 1)],
-                   "depth_pred": [torch.as_tensor(self.pred[self.depth == d], device=device)
+                   "depth_pred": [host_to_device(self.pred[self.depth == d], device)
                                   for d in range(1, int(self.depth.max(initial=0)) + 1)],
-                   "pred": torch.as_tensor(np.maximum(self.pred, 0), device=device)}
+                   "pred": host_to_device(np.maximum(self.pred, 0), device)}
             self._device_cache[device] = got
         return got
 
@@ -262,9 +263,9 @@ class CarryStep:
     def keep(self, layer: int, conv_final: torch.Tensor, ssm_final: torch.Tensor) -> None:
         """This layer's final states of the pieces that continue in a later step (detached; kept by the cache at the
         next :meth:`StateCache.step`)."""
-        for k in np.flatnonzero(self.store):
-            self._finals.setdefault(int(self.doc_ids[k]), {})[layer] = (conv_final[k].detach(),
-                                                                         ssm_final[k].detach())
+        convs, ssms = conv_final.detach().unbind(0), ssm_final.detach().unbind(0)   # one call each, not one a slot
+        for k in np.flatnonzero(self.store).tolist():
+            self._finals.setdefault(int(self.doc_ids[k]), {})[layer] = (convs[k], ssms[k])
 
 
 def _middle_decays(step: CarryStep, g: dict, delta: torch.Tensor, dbias: torch.Tensor, A: torch.Tensor):

@@ -37,12 +37,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .states import host_to_device
+
 __all__ = ["generate_packed", "evaluate_packed", "PackedEvalResult", "PackedEvalCallback", "pack_prompts"]
 
 Prompts = Sequence[Union[Sequence[int], torch.Tensor]]
 
 _DEFAULT_CAPACITY = 2048        # tokens per packed row when capacity=None (raised to the longest prompt)
 _DEFAULT_PREFILL_TOKENS = 65536  # tokens per packed forward when prefill_tokens=None
+_SLOT_REFILL_DIVISOR = 2        # cuda_graph=True: a packed prefill joins once 1/this of the rows is free
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,9 +126,11 @@ def _row_groups(rows: List[List[int]], lengths: np.ndarray, capacity: int, token
 
 def _packed_batch(seqs: List[torch.Tensor], rows: List[List[int]], device, pad_id: int = 0):
     """The packed tensors of ``rows`` (lists of indices into ``seqs``), each row as long as the group's fullest:
-    ``input_ids`` / ``position_ids`` (R, L) (padding: its own segment, positions 0, 1, ...), ``seg`` (per segment in
-    ``cu_seqlens`` order: the sequence index, -1 for padding), ``flat_start`` (per sequence in ``order``: the flat
-    index of its first token), ``order`` (the sequence indices in layout order)."""
+    ``input_ids`` / ``position_ids`` (R, L) on ``device`` (padding: its own segment, positions 0, 1, ...), ``seg``
+    (per segment in ``cu_seqlens`` order: the sequence index, -1 for padding), ``flat_start`` (per sequence in
+    ``order``: the flat index of its first token), ``order`` (the sequence indices in layout order), and the position
+    ids on the host (``seqs`` are CPU tensors). Nothing here waits for the GPU: both go to the device asynchronously
+    (a prefill that joins a running decode must not stall it)."""
     fills = [sum(int(seqs[i].numel()) for i in r) for r in rows]
     L = max(fills)
     ids = torch.full((len(rows), L), pad_id, dtype=torch.int64)
@@ -144,7 +149,7 @@ def _packed_batch(seqs: List[torch.Tensor], rows: List[List[int]], device, pad_i
         if c < L:
             pos[r, c:] = torch.arange(L - c)
             seg.append(-1)
-    return ids.to(device), pos.to(device), seg, order, flat_start
+    return host_to_device(ids, device), host_to_device(pos, device), pos, seg, order, flat_start
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,15 +264,23 @@ def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[Lis
     """One packed forward over ``rows``: {prompt index: (last-token logits (vocab,), [(conv (d, w-1), ssm (d, n))
     per layer])}."""
     from .carry import StateCache
-    ids, pos, seg, order, flat_start = _packed_batch(seqs, rows, device)
-    last = torch.tensor([s + int(seqs[i].numel()) - 1 for i, s in zip(order, flat_start)], device=device)
+    ids, pos, pos_host, seg, order, flat_start = _packed_batch(seqs, rows, device)
+    last = host_to_device([s + int(seqs[i].numel()) - 1 for i, s in zip(order, flat_start)], device, torch.int64)
     keys = _carry_keys(seg)
     hook = _KeepPositions(model.lm_head, last) if hasattr(model, "lm_head") else None
     cache = StateCache()
     try:
         if fam.kind == "mamba_ssm":
-            step = cache.step(dict(keys, position_ids=pos))
-            logits = _logits_of(model(ids, position_ids=pos, carry=step))
+            step = cache.step(dict(keys, position_ids=pos_host))
+            validate = model.__dict__.get("_packloader_validate")
+            model._packloader_validate = False     # positions made here: checking them would wait for the GPU
+            try:
+                logits = _logits_of(model(ids, position_ids=pos, carry=step))
+            finally:
+                if validate is None:
+                    model.__dict__.pop("_packloader_validate", None)
+                else:
+                    model._packloader_validate = validate
         elif fam.falcon or fam.mamba2:
             logits, finals = _swapped_prefill(model, fam, ids, pos, seg)
         else:
@@ -774,7 +787,7 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
     stop_tensor = torch.tensor(sorted(stops), dtype=torch.int64, device=device) if stops else None
     new_tokens: List[List[int]] = [[] for _ in range(n)]
     todo = [i for i in range(n) if budgets[i] > 0]
-    records: list = []          # (prompt indices, tokens) of every step, read back to the host once at the end
+    records: list = []          # (prompt indices on the host, tokens on the device) of every step
     was_training = model.training
     model.eval()
     try:
@@ -787,8 +800,9 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
     finally:
         model.train(was_training)
     new_tokens: List[List[int]] = [[] for _ in range(n)]
-    for ids, t in records:
-        for i, v in zip(ids.tolist(), t.tolist()):
+    if records:                 # one read from the device for the whole generation
+        for i, v in zip(np.concatenate([r[0] for r in records]).tolist(),
+                        torch.cat([r[1] for r in records]).tolist()):
             if i >= 0:                                          # -1: a free row of the slot decoder
                 new_tokens[i].append(v)
     return [torch.cat([seqs[i], torch.tensor(new_tokens[i], dtype=torch.int64)]).to(device) for i in range(n)]
@@ -819,7 +833,6 @@ def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algor
     max_seqlen = max(int(seqs[i].numel()) for i in todo) + max(budgets)
     decoder = None
     active = np.zeros(0, dtype=np.int64)                            # the prompts in the decode batch, by row
-    active_dev = torch.zeros(0, dtype=torch.int64, device=device)   # the same, on the device (for the records)
     tok = torch.zeros(0, dtype=torch.int64, device=device)
 
     def finished(ids: np.ndarray, t: torch.Tensor) -> np.ndarray:
@@ -831,7 +844,7 @@ def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algor
         return np.flatnonzero(going)
 
     def on_device(idx: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(idx, dtype=torch.int64).to(device, non_blocking=True)
+        return host_to_device(np.array(idx), device, torch.int64)
 
     while True:
         free = batch_size - active.size
@@ -840,7 +853,7 @@ def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algor
             logits, states = _prefill(model, fam, seqs, take, cap, prefill_tokens, algorithm, device)
             ids = np.asarray(take, dtype=np.int64)
             t_new = _next_tokens(logits, temperature, top_k, top_p, generator)
-            records.append((on_device(ids), t_new))
+            records.append((ids, t_new))
             keep = finished(ids, t_new)
             if keep.size:
                 live = [states[k] for k in keep.tolist()]
@@ -852,19 +865,18 @@ def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algor
                 else:
                     decoder.add(live)
                 active = np.concatenate([active, ids[keep]])
-                active_dev = torch.cat([active_dev, on_device(ids[keep])])
                 tok = torch.cat([tok, t_new])
             continue
         if active.size == 0:
             return
         tok = _next_tokens(decoder.step(tok), temperature, top_k, top_p, generator)
-        records.append((active_dev, tok))
+        records.append((active, tok))        # ``active`` is replaced, never changed in place
         keep = finished(active, tok)
         if keep.size < active.size:
             keep_dev = on_device(keep)
             decoder.keep(keep_dev)
             tok = tok.index_select(0, keep_dev)
-            active, active_dev = active[keep], active_dev.index_select(0, keep_dev)
+            active = active[keep]
 
 
 def _check_cuda_graph(fam: _Family, device: torch.device) -> None:
@@ -880,20 +892,20 @@ def _check_cuda_graph(fam: _Family, device: torch.device) -> None:
 def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
                        generator, stop_tensor, device, batch_size, records):
     """``_generate_stream`` over the fixed rows of a :class:`_SlotDecoder`: the same admissions (a packed prefill
-    once an eighth of the rows is free), the same tokens; a record's prompt index is -1 for a free row."""
+    once half of the rows is free: a prefill costs the host tens of milliseconds, a step under a graph one), the same tokens; a record's prompt index is -1 for a free row."""
     queue = list(todo)
     budget = np.asarray(budgets, dtype=np.int64)
     produced = np.zeros(len(budgets), dtype=np.int64)
     slots = min(batch_size, len(todo))
-    refill_at = max(1, batch_size // 8)
+    refill_at = max(1, batch_size // _SLOT_REFILL_DIVISOR)
     max_seqlen = max(int(seqs[i].numel()) for i in todo) + max(budgets)
     decoder = _SlotDecoder(model, fam, slots, max_seqlen, device, capture=device.type == "cuda")
     owner = np.full(slots, -1, dtype=np.int64)          # the prompt decoding in each row, -1: free
+    owner_now = owner.copy()                            # the records' copy: ``owner`` changes in place
 
-    def on_device(idx: np.ndarray) -> torch.Tensor:      # a copy: ``owner`` changes in place, its records must not
-        return torch.tensor(idx, dtype=torch.int64).to(device, non_blocking=True)
+    def on_device(idx: np.ndarray) -> torch.Tensor:
+        return host_to_device(np.array(idx), device, torch.int64)
 
-    owner_dev = on_device(owner)
     tok = torch.zeros(slots, dtype=torch.int64, device=device)
     while True:
         free = np.flatnonzero(owner < 0)
@@ -902,7 +914,7 @@ def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, alg
             logits, states = _prefill(model, fam, seqs, take, cap, prefill_tokens, algorithm, device)
             ids = np.asarray(take, dtype=np.int64)
             t_new = _next_tokens(logits, temperature, top_k, top_p, generator)
-            records.append((on_device(ids), t_new))
+            records.append((ids, t_new))
             produced[ids] += 1
             going = produced[ids] < budget[ids]
             if stop_tensor is not None:
@@ -915,13 +927,13 @@ def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, alg
                 tok = tok.index_copy(0, where_dev,     # not in place: the last step's record holds ``tok``
                                      t_new if keep.size == ids.size else t_new.index_select(0, on_device(keep)))
                 owner[where] = ids[keep]
-                owner_dev = on_device(owner)
+                owner_now = owner.copy()
             continue
         busy = np.flatnonzero(owner >= 0)
         if busy.size == 0:
             return
         tok = _next_tokens(decoder.step(tok), temperature, top_k, top_p, generator)
-        records.append((owner_dev, tok))
+        records.append((owner_now, tok))
         ids = owner[busy]
         produced[ids] += 1
         done = produced[ids] >= budget[ids]
@@ -929,7 +941,7 @@ def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, alg
             done |= torch.isin(tok, stop_tensor).cpu().numpy()[busy]
         if done.any():
             owner[busy[done]] = -1
-            owner_dev = on_device(owner)
+            owner_now = owner.copy()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1050,7 +1062,7 @@ def evaluate_packed(model, sequences: Prompts, labels: Optional[Prompts] = None,
     try:
         with torch.no_grad():
             for group in _row_groups(rows, lengths, cap, eval_tokens or 16384):
-                ids, pos, _, order, flat_start = _packed_batch(seqs, group, device)
+                ids, pos, _, _, order, flat_start = _packed_batch(seqs, group, device)
                 R, L = ids.shape
                 target = torch.full((R * L,), -100, dtype=torch.int64)
                 owner = torch.zeros(R * L, dtype=torch.int64)

@@ -27,6 +27,23 @@ import torch
 __all__ = ["sequence_numbers", "sequence_spans", "state_slots", "check_state"]
 
 
+_PAGEABLE_COPY_BYTES = 64 * 1024   # host_to_device: larger copies go through pinned memory
+
+
+def host_to_device(data, device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``data`` (a list, numpy array or CPU tensor) as a tensor on ``device`` without waiting for the GPU:
+    ``.to(device)`` or ``torch.tensor(..., device=)`` copy and then wait for every kernel queued before the copy. To a
+    CUDA device the copy is asynchronous: up to 64 KiB straight from pageable memory (the driver stages it at once),
+    larger through pinned memory. ``data`` may change afterwards."""
+    t = torch.as_tensor(data, dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    if t.numel() * t.element_size() > _PAGEABLE_COPY_BYTES:
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def sequence_numbers(position_ids: torch.Tensor) -> torch.Tensor:
     """(batch, seqlen) int64: the number of each token's sequence in ``cu_seqlens`` order (0, 1, ...). No host
     sync."""

@@ -516,6 +516,34 @@ def test_gpu_cuda_graph_decoding_gives_the_eager_tokens(cuda, seed, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_prefill_joins_a_running_decode_without_waiting(cuda, seed):
+    """A packed prefill of waiting prompts and the write of their states into the decode rows queue behind the running
+    decode without one host sync (``torch.cuda.set_sync_debug_mode("error")``): a sync there leaves the GPU idle for
+    the prefill's host time, every refill."""
+    from ops.generate import _family, _prefill, _SlotDecoder
+    model = mamba_ssm_model(seed).to(cuda)
+    fam = _family(model)
+    prompts = prompts_of([5, 1, 9, 3, 12, 2, 7, 4], seed)
+    dec = _SlotDecoder(model, fam, 8, 64, torch.device(cuda), capture=True)
+    rows = torch.arange(4, 8, device=cuda)
+
+    def refill():
+        logits, states = _prefill(model, fam, prompts, [0, 2, 5, 6], 16, 4096, "bfd", torch.device(cuda))
+        dec.write(rows, states)
+        return logits
+
+    with torch.no_grad():
+        want = refill()         # warm: kernels loaded
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = refill()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["mamba", "falcon"])
 def test_gpu_hf_greedy_equals_transformers_generate(cuda, seed, kind):
     model = hf_model(kind, seed).to(cuda)
