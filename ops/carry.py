@@ -203,7 +203,7 @@ class CarryStep:
             cache_only = slots.clone()
             from_batch = host_to_device([s == "batch" for s in self.source], device, torch.bool)
             batch_idx = host_to_device([i for i, s in enumerate(self.source) if s == "batch"], device, torch.int64)
-            cache_only[0, start[batch_idx]] = -1
+            cache_only[0].index_fill_(0, start[batch_idx], -1)   # ``x[idx] = -1`` copies the -1 and waits
             rows = None if len(self.pass_a_rows) == batch else host_to_device(self.pass_a_rows, device, torch.int64)
             cache_only = cache_only.view(2, batch, seqlen)
             # consecutive rows (the usual chain, one row to the next): (first, count), taken as views
