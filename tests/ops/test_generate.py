@@ -442,27 +442,27 @@ def test_hf_unsupported_models(seed):
 # GPU (the CUDA kernels: the carried prefill's fused mixer, the decode step)
 
 
-@pytest.mark.gpu
-def test_gpu_mamba_ssm_greedy_equals_one_by_one(cuda, seed):
-    """A real mamba-ssm MambaLMHeadModel when installed (else the stand-in), fp32 on CUDA: packed prefill + batched
-    decode give the tokens of mamba-ssm's own generation of each prompt alone on the unconverted model."""
+def gpu_mamba_ssm_model(cuda, seed, dtype=torch.float32):
+    """(converted model, an unconverted copy or None, vocabulary) on CUDA: a real mamba-ssm MambaLMHeadModel (4 Mamba-1
+    layers, d_model 256) when mamba-ssm is installed, else the stand-in."""
     try:
         from mamba_ssm.models.config_mamba import MambaConfig
         from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel as Upstream
     except ImportError:
-        Upstream = None
+        return mamba_ssm_model(seed, dtype).to(cuda), None, VOCAB
     torch.manual_seed(seed)
-    if Upstream is not None:
-        cfg = MambaConfig(d_model=256, n_layer=4, vocab_size=512, ssm_cfg={"layer": "Mamba1"}, rms_norm=True,
-                          fused_add_norm=False, residual_in_fp32=True)
-        model = Upstream(cfg, device=cuda, dtype=torch.float32).eval()
-        plain = copy.deepcopy(model)
-        vocab = 512
-    else:
-        model = mamba_ssm_model(seed).to(cuda)
-        plain = None
-        vocab = VOCAB
-    ops.enable_packing(model)
+    cfg = MambaConfig(d_model=256, n_layer=4, vocab_size=512, ssm_cfg={"layer": "Mamba1"}, rms_norm=True,
+                      fused_add_norm=False, residual_in_fp32=True)
+    model = Upstream(cfg, device=cuda, dtype=dtype).eval()
+    plain = copy.deepcopy(model)
+    return ops.enable_packing(model), plain, 512
+
+
+@pytest.mark.gpu
+def test_gpu_mamba_ssm_greedy_equals_one_by_one(cuda, seed):
+    """A real mamba-ssm MambaLMHeadModel when installed (else the stand-in), fp32 on CUDA: packed prefill + batched
+    decode give the tokens of mamba-ssm's own generation of each prompt alone on the unconverted model."""
+    model, plain, vocab = gpu_mamba_ssm_model(cuda, seed)
     prompts = [p.to(cuda) for p in prompts_of([37, 1, 2, 150, 64, 9, 200, 3], seed, vocab)]
     out = ops.generate_packed(model, prompts, 24, capacity=256)
     for i, (p, o) in enumerate(zip(prompts, out)):
@@ -481,22 +481,10 @@ def test_gpu_mamba_ssm_greedy_equals_one_by_one(cuda, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_cuda_graph_decoding_gives_the_eager_tokens(cuda, seed, dtype):
-    """cuda_graph=True (fixed rows, one graph replay a step, refills) against the eager decoder on CUDA: the same
-    tokens (fp32 and bf16: every row of a step runs the same kernels either way), stop tokens included; a real
-    mamba-ssm model when installed."""
-    try:
-        from mamba_ssm.models.config_mamba import MambaConfig
-        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel as Upstream
-    except ImportError:
-        Upstream = None
-    torch.manual_seed(seed)
-    if Upstream is not None:
-        cfg = MambaConfig(d_model=256, n_layer=4, vocab_size=512, ssm_cfg={"layer": "Mamba1"}, rms_norm=True,
-                          fused_add_norm=False, residual_in_fp32=True)
-        model, vocab = Upstream(cfg, device=cuda, dtype=dtype).eval(), 512
-    else:
-        model, vocab = mamba_ssm_model(seed, dtype).to(cuda), VOCAB
-    ops.enable_packing(model)
+    """cuda_graph=True (fixed rows, one graph replay a step, refills) against the eager decoder on CUDA, stop tokens
+    included: the same tokens in fp32; in bf16 all but at most two prompts (the eager batch shrinks as prompts stop,
+    the graph's does not, and a matmul of another batch size may round differently)."""
+    model, _, vocab = gpu_mamba_ssm_model(cuda, seed, dtype)
     prompts = [p.to(cuda) for p in prompts_of([37, 1, 2, 150, 64, 9, 200, 3, 17, 88, 5], seed, vocab)]
     budgets = [24, 3, 0, 17, 24, 1, 9, 24, 12, 6, 20]
     for batch_size in (None, 4):
