@@ -310,7 +310,8 @@ def main(argv=None) -> dict:
                  {"mode": "eval padded to longest", "sequences": len(seqs), "tokens": tokens, "seconds": t_pad_e,
                   "tokens_per_s": tokens / t_pad_e, "vs_padded": 1.0, "max_rel_loss_diff": 0.0}]
 
-    print(f"\n| workload | generation (batch {args.batch_size}{', CUDA graphs' if args.cg else ''}) | prompts | new tokens | s | new tokens/s | "
+    graphs = ", CUDA graphs" if args.cg else ""
+    print(f"\n| workload | generation (batch {args.batch_size}{graphs}) | prompts | new tokens | s | new tokens/s | "
           "vs padded | identical to packed |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
