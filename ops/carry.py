@@ -83,6 +83,12 @@ class StateCache:
         self._pending = step
         return step
 
+    @property
+    def pending_step(self) -> Optional["CarryStep"]:
+        """The step planned last, until :meth:`commit` keeps its states (its batched final states:
+        :meth:`CarryStep.final_states`)."""
+        return self._pending
+
     def commit(self) -> None:
         """Keep the final states of the last planned step's continuing pieces, drop the states it consumed. Called by
         :meth:`step` and :meth:`state_dict`; a step whose forward never ran (or failed) leaves the cache as it was."""
@@ -91,8 +97,8 @@ class StateCache:
             return
         for doc in step.consumed_docs:
             self._states.pop(doc, None)
-        for doc, layers in step._finals.items():
-            self._states[doc] = dict(layers)
+        for doc, layers in step.finals().items():
+            self._states[doc] = layers
 
     def state_dict(self) -> dict:
         self.commit()
@@ -182,7 +188,7 @@ class CarryStep:
         self._carried = torch.as_tensor(carried, dtype=torch.int64)
         self._num_sequences = num
         self._device_cache: Dict[torch.device, dict] = {}
-        self._finals: Dict[int, Dict[int, tuple]] = {}
+        self._final_layers: Dict[int, tuple] = {}   # layer -> (conv (K, d, w-1), ssm (K, d, n)), every slot
         self._ran = False   # a mixer read its states: the step's forward ran
 
     def geometry(self, device: torch.device) -> dict:
@@ -234,6 +240,9 @@ class CarryStep:
         self._ran = True
         sdt = torch.float64 if dtype == torch.float64 else torch.float32
         conv_shape, ssm_shape = tuple(conv_shape), tuple(ssm_shape)
+        if "cache" not in self.source:      # nothing cached (a prefill, a first piece): zeros, no per-slot work
+            return (torch.zeros((self.num_slots,) + conv_shape, dtype=dtype, device=device),
+                    torch.zeros((self.num_slots,) + ssm_shape, dtype=sdt, device=device))
         zc, zs = None, None
         convs, ssms = [], []
         for k, src in enumerate(self.source):   # one stack per state: the cached ones, zeros for the others
@@ -255,17 +264,32 @@ class CarryStep:
                     zs = torch.zeros(ssm_shape, dtype=sdt, device=device)
                 convs.append(zc)
                 ssms.append(zs)
-        if not convs:
-            return (torch.zeros((0,) + conv_shape, dtype=dtype, device=device),
-                    torch.zeros((0,) + ssm_shape, dtype=sdt, device=device))
         return torch.stack(convs), torch.stack(ssms)
 
     def keep(self, layer: int, conv_final: torch.Tensor, ssm_final: torch.Tensor) -> None:
-        """This layer's final states of the pieces that continue in a later step (detached; kept by the cache at the
-        next :meth:`StateCache.step`)."""
-        convs, ssms = conv_final.detach().unbind(0), ssm_final.detach().unbind(0)   # one call each, not one a slot
-        for k in np.flatnonzero(self.store).tolist():
-            self._finals.setdefault(int(self.doc_ids[k]), {})[layer] = (convs[k], ssms[k])
+        """This layer's final states of every slot (detached, as the batched tensors: no per-slot work here); the
+        cache keeps those of the pieces that continue in a later step at the next :meth:`StateCache.step`."""
+        self._final_layers[layer] = (conv_final.detach(), ssm_final.detach())
+
+    def final_states(self, layer: int):
+        """(conv (K, d_inner, w-1), ssm (K, d_inner, d_state)): ``layer``'s final states of the K slots (the segments
+        with a state in or out, in ``cu_seqlens`` order: :attr:`slot_segments`), as the forward left them."""
+        return self._final_layers[layer]
+
+    @property
+    def slot_segments(self) -> np.ndarray:
+        """The segment (index in ``cu_seqlens`` order) of each slot."""
+        return self._carried.numpy()
+
+    def finals(self) -> Dict[int, Dict[int, tuple]]:
+        """{doc: {layer: (conv (d, w-1), ssm (d, n))}}: the final states of the pieces whose document continues
+        after this step."""
+        out: Dict[int, Dict[int, tuple]] = {}
+        stored = np.flatnonzero(self.store).tolist()
+        for layer, (convs, ssms) in self._final_layers.items():
+            for k in stored:
+                out.setdefault(int(self.doc_ids[k]), {})[layer] = (convs[k], ssms[k])
+        return out
 
 
 def _middle_decays(step: CarryStep, g: dict, delta: torch.Tensor, dbias: torch.Tensor, A: torch.Tensor):

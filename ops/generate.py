@@ -261,8 +261,8 @@ def _carry_keys(seg: List[int]):
 
 
 def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[List[int]], device):
-    """One packed forward over ``rows``: {prompt index: (last-token logits (vocab,), [(conv (d, w-1), ssm (d, n))
-    per layer])}."""
+    """One packed forward over ``rows``: (the prompt indices in layout order, their last-token logits (P, vocab),
+    their :class:`_PromptStates` in that order)."""
     from .carry import StateCache
     ids, pos, pos_host, seg, order, flat_start = _packed_batch(seqs, rows, device)
     last = host_to_device([s + int(seqs[i].numel()) - 1 for i, s in zip(order, flat_start)], device, torch.int64)
@@ -271,11 +271,11 @@ def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[Lis
     cache = StateCache()
     try:
         if fam.kind == "mamba_ssm":
-            step = cache.step(dict(keys, position_ids=pos_host))
+            cache.step(dict(keys, position_ids=pos_host))
             validate = model.__dict__.get("_packloader_validate")
             model._packloader_validate = False     # positions made here: checking them would wait for the GPU
             try:
-                logits = _logits_of(model(ids, position_ids=pos, carry=step))
+                logits = _logits_of(model(ids, position_ids=pos, carry=cache.pending_step))
             finally:
                 if validate is None:
                     model.__dict__.pop("_packloader_validate", None)
@@ -301,17 +301,16 @@ def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[Lis
     else:
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, last)
     if not (fam.falcon or fam.mamba2):
-        cache.commit()
-        finals = {}
-        for i in order:
-            finals[i] = []
-            for m in fam.mixers:
-                got = cache.get(i, m.layer_idx)
-                if got is None:
-                    raise RuntimeError(f"generate_packed: the packed prefill left no state for prompt {i} at layer "
-                                       f"{m.layer_idx} ({type(m).__name__}); this mixer did not take the carry path")
-                finals[i].append(got)
-    return {i: (logits[k], finals[i]) for k, i in enumerate(order)}
+        # the carry step's slots are the prompts' segments in layout order (padding carries nothing): ``order``
+        step = cache.pending_step
+        layers = []
+        for m in fam.mixers:
+            if step is None or m.layer_idx not in step._final_layers:
+                raise RuntimeError(f"generate_packed: the packed prefill left no states at layer {m.layer_idx} "
+                                   f"({type(m).__name__}); this mixer did not take the carry path")
+            layers.append(step.final_states(m.layer_idx))
+        finals = _PromptStates(layers)
+    return np.asarray(order, dtype=np.int64), logits, finals
 
 
 def _last_inputs(x: torch.Tensor, pos: torch.Tensor, n_seg: int, k: int) -> torch.Tensor:
@@ -398,17 +397,16 @@ def _mamba2_mixer_prefill(mixer, hidden_states, pos, n_seg):
 def _swapped_prefill(model, fam: _Family, ids, pos, seg):
     """Models whose mixers the carry path does not take (FalconMamba's norms, Mamba-2): the model's own forward with
     every mixer's forward replaced, for this call, by its packed computation that also returns each segment's final
-    states."""
+    states. Returns (logits, the prompts' :class:`_PromptStates` in layout order)."""
     n_seg = len(seg)
-    prompt_k = [k for k, i in enumerate(seg) if i >= 0]
-    finals: Dict[int, list] = {i: [] for i in seg if i >= 0}
+    prompt_k = host_to_device([k for k, i in enumerate(seg) if i >= 0], ids.device, torch.int64)
+    layers: List[tuple] = []
     run = _mamba2_mixer_prefill if fam.mamba2 else _falcon_mixer_prefill
 
     def packed_mixer(mixer):
         def forward(hidden_states, *args, **kwargs):
             out, conv_fin, ssm_fin = run(mixer, hidden_states, pos, n_seg)
-            for kk in prompt_k:
-                finals[seg[kk]].append((conv_fin[kk], ssm_fin[kk]))
+            layers.append((conv_fin.index_select(0, prompt_k), ssm_fin.index_select(0, prompt_k)))
             return out
         return forward
 
@@ -420,7 +418,39 @@ def _swapped_prefill(model, fam: _Family, ids, pos, seg):
     finally:
         for m in fam.mixers:
             del m.forward
-    return logits, finals
+    return logits, _PromptStates(layers)
+
+
+class _PromptStates:
+    """The final states of P prefilled prompts, batched per layer: ``layers[li] = (conv (P, d, w-1), ssm (P, d, n))``
+    (transformers' Mamba-2: ssm (P, heads, head_dim, n)), as the packed forward left them. ``rows`` (a device
+    index, None: all in order) picks the prompts: a subset costs one gather a state when it is written, and no work
+    per prompt."""
+
+    def __init__(self, layers: List[tuple], rows: Optional[torch.Tensor] = None):
+        self.layers = layers
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return int(self.layers[0][0].shape[0] if self.rows is None else self.rows.numel())
+
+    def subset(self, rows: torch.Tensor) -> "_PromptStates":
+        """The prompts ``rows`` (a device index into this object's prompts)."""
+        return _PromptStates(self.layers, rows if self.rows is None else self.rows.index_select(0, rows))
+
+    def layer(self, li: int):
+        """(conv (P, d, w-1), ssm) of layer ``li``, of the prompts picked."""
+        conv, ssm = self.layers[li]
+        if self.rows is None:
+            return conv, ssm
+        return conv.index_select(0, self.rows), ssm.index_select(0, self.rows)
+
+    @staticmethod
+    def cat(parts: List["_PromptStates"]) -> "_PromptStates":
+        if len(parts) == 1:
+            return parts[0]
+        return _PromptStates([tuple(torch.cat([p.layer(li)[j] for p in parts]) for j in range(2))
+                              for li in range(len(parts[0].layers))])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -448,39 +478,39 @@ def _new_inference_params(max_seqlen: int, batch: int):
         return _InferenceParams(max_seqlen, batch)
 
 
-def _fill_state(conv_dst: torch.Tensor, ssm_dst: torch.Tensor, states: List[tuple], what: str) -> None:
-    """Write the prefill's final states into a decode cache's tensors: conv (b, d, w) gets the last w-1 inputs in its
-    last w-1 columns (a decode step shifts left and appends the new input), ssm (b, d, n)."""
-    conv = torch.stack([c for c, _ in states])
-    ssm = torch.stack([s for _, s in states])
-    if conv_dst.shape[:2] != conv.shape[:2] or conv_dst.shape[-1] < conv.shape[-1] or ssm_dst.shape != ssm.shape:
-        raise RuntimeError(f"generate_packed: {what}: the decode cache's states {tuple(conv_dst.shape)} / "
-                           f"{tuple(ssm_dst.shape)} do not fit the prefill's {tuple(conv.shape)} / {tuple(ssm.shape)}")
-    conv_dst.zero_()
-    conv_dst[..., conv_dst.shape[-1] - conv.shape[-1]:] = conv.to(conv_dst.dtype)
-    ssm_dst.copy_(ssm.to(ssm_dst.dtype))
+def _new_rows(conv: torch.Tensor, ssm: torch.Tensor, states: "_PromptStates", li: int, what: str):
+    """Decode-cache rows (laid out like the cache's ``conv`` (b, d, w) / ``ssm`` (b, d, n)) holding layer ``li`` of
+    the prefill's ``states``: conv's last w-1 columns are the last w-1 inputs (a decode step shifts left and appends
+    the new input), its first column zeros."""
+    c, s = states.layer(li)
+    if conv.shape[1:-1] != c.shape[1:-1] or conv.shape[-1] < c.shape[-1] or ssm.shape[1:] != s.shape[1:]:
+        raise RuntimeError(f"generate_packed: {what}: the decode cache's states {tuple(conv.shape)} / "
+                           f"{tuple(ssm.shape)} do not fit the prefill's {tuple(c.shape)} / {tuple(s.shape)}")
+    return F.pad(c.to(conv.dtype), (conv.shape[-1] - c.shape[-1], 0)), s.to(ssm.dtype)
 
 
-def _new_rows(conv: torch.Tensor, ssm: torch.Tensor, states: List[tuple], what: str):
-    """Decode-cache rows (like ``conv`` / ``ssm``) holding the prefill's ``states``."""
-    new_conv = conv.new_zeros((len(states),) + tuple(conv.shape[1:]))
-    new_ssm = ssm.new_zeros((len(states),) + tuple(ssm.shape[1:]))
-    _fill_state(new_conv, new_ssm, states, what)
-    return new_conv, new_ssm
+def _fill_state(conv_dst: torch.Tensor, ssm_dst: torch.Tensor, states: "_PromptStates", li: int, what: str) -> None:
+    """Write layer ``li`` of the prefill's final states into a decode cache's tensors (as many rows)."""
+    new_conv, new_ssm = _new_rows(conv_dst, ssm_dst, states, li, what)
+    if new_conv.shape[0] != conv_dst.shape[0]:
+        raise RuntimeError(f"generate_packed: {what}: {new_conv.shape[0]} prefilled prompts for a decode cache of "
+                           f"{conv_dst.shape[0]} rows")
+    conv_dst.copy_(new_conv)
+    ssm_dst.copy_(new_ssm)
 
 
 class _MambaSSMDecoder:
     """Batched decoding through mamba-ssm's cache (``InferenceParams``, ``seqlen_offset > 0``: each mixer's
     ``step``)."""
 
-    def __init__(self, model, fam: _Family, states: List[list], max_seqlen: int):
+    def __init__(self, model, fam: _Family, states: "_PromptStates", max_seqlen: int):
         b = len(states)
         self.model = model
         self.mixers = fam.mixers
         self.params = _new_inference_params(max_seqlen, b)
         for li, m in enumerate(fam.mixers):
             conv, ssm = m.allocate_inference_cache(b, max_seqlen)
-            _fill_state(conv, ssm, [s[li] for s in states], f"layer {m.layer_idx}")
+            _fill_state(conv, ssm, states, li, f"layer {m.layer_idx}")
             self.params.key_value_memory_dict[m.layer_idx] = (conv, ssm)
         self.params.seqlen_offset = 1   # > 0: the mixers step from the cache
 
@@ -495,12 +525,12 @@ class _MambaSSMDecoder:
             d[k] = (conv.index_select(0, idx).contiguous(), ssm.index_select(0, idx).contiguous())
         self.params.max_batch_size = int(idx.numel())
 
-    def add(self, states: List[list]) -> None:
-        """Append rows decoding from ``states`` (the prefill's, one list of per-layer pairs per prompt)."""
+    def add(self, states: "_PromptStates") -> None:
+        """Append rows decoding from the prefill's ``states``."""
         d = self.params.key_value_memory_dict
         for li, m in enumerate(self.mixers):
             conv, ssm = d[m.layer_idx]
-            new_conv, new_ssm = _new_rows(conv, ssm, [s[li] for s in states], f"layer {m.layer_idx}")
+            new_conv, new_ssm = _new_rows(conv, ssm, states, li, f"layer {m.layer_idx}")
             d[m.layer_idx] = (torch.cat([conv, new_conv]), torch.cat([ssm, new_ssm]))
         self.params.max_batch_size = int(d[self.mixers[0].layer_idx][0].shape[0])
 
@@ -549,12 +579,12 @@ class _SlotDecoder:
         self.graph.replay()
         return self.logits
 
-    def write(self, where: torch.Tensor, states: List[list]) -> None:
-        """Put the prefill's ``states`` (one list of per-layer pairs per prompt) into the rows ``where``."""
+    def write(self, where: torch.Tensor, states: "_PromptStates") -> None:
+        """Put the prefill's ``states`` into the rows ``where``."""
         d = self.params.key_value_memory_dict
         for li, m in enumerate(self.mixers):
             conv, ssm = d[m.layer_idx]
-            new_conv, new_ssm = _new_rows(conv, ssm, [s[li] for s in states], f"layer {m.layer_idx}")
+            new_conv, new_ssm = _new_rows(conv, ssm, states, li, f"layer {m.layer_idx}")
             conv.index_copy_(0, where, new_conv)
             ssm.index_copy_(0, where, new_ssm)
 
@@ -588,7 +618,7 @@ class _HFDecoder:
     """Batched decoding through transformers' own cache path. The cache is made by transformers itself (a one-token
     forward with ``use_cache=True``), then its states are overwritten with the prefill's."""
 
-    def __init__(self, model, fam: _Family, states: List[list], first_tokens: torch.Tensor):
+    def __init__(self, model, fam: _Family, states: "_PromptStates", first_tokens: torch.Tensor):
         self.model = model
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "cache_params"
@@ -604,7 +634,7 @@ class _HFDecoder:
         self.layers = [m.layer_idx for m in fam.mixers]
         for li, layer in enumerate(self.layers):
             conv, ssm = _hf_layer_states(cache, layer)
-            _fill_state(conv, ssm, [s[li] for s in states], f"layer {layer}")
+            _fill_state(conv, ssm, states, li, f"layer {layer}")
         self.position = max(fam.mixers[0].conv_kernel_size, 2)   # > 0 and past the conv window: a decode step
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -630,11 +660,11 @@ class _HFDecoder:
             _hf_set_layer_states(self.cache, layer, conv.index_select(0, idx).contiguous(),
                                  ssm.index_select(0, idx).contiguous())
 
-    def add(self, states: List[list]) -> None:
+    def add(self, states: "_PromptStates") -> None:
         news = []
         for li, layer in enumerate(self.layers):
             conv, ssm = _hf_layer_states(self.cache, layer)
-            news.append(_new_rows(conv, ssm, [s[li] for s in states], f"layer {layer}"))
+            news.append(_new_rows(conv, ssm, states, li, f"layer {layer}"))
         if self._stacked():
             if self.layers != list(range(len(self.layers))):
                 raise NotImplementedError("generate_packed: a stacked Mamba2Cache whose layers are not 0..n-1")
@@ -809,13 +839,24 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
 
 
 def _prefill(model, fam, seqs, take, cap, prefill_tokens, algorithm, device):
-    """Packed prefill of the prompts ``take``: (last-token logits (len(take), vocab), their states, in order)."""
+    """Packed prefill of the prompts ``take``: (last-token logits (len(take), vocab), their :class:`_PromptStates`),
+    in ``take``'s order."""
     sub = [seqs[i] for i in take]
     lengths = np.array([int(s.numel()) for s in sub], dtype=np.int64)
-    got = {}
+    orders, logits, states = [], [], []
     for group in _row_groups(pack_prompts(lengths, cap, algorithm), lengths, cap, prefill_tokens):
-        got.update(_prefill_group(model, fam, sub, group, device))
-    return torch.stack([got[k][0] for k in range(len(take))]), [got[k][1] for k in range(len(take))]
+        o, lg, st = _prefill_group(model, fam, sub, group, device)
+        orders.append(o)
+        logits.append(lg)
+        states.append(st)
+    order = np.concatenate(orders)
+    logits, states = torch.cat(logits), _PromptStates.cat(states)
+    if not np.array_equal(order, np.arange(len(take))):      # back to ``take``'s order: one gather a tensor
+        inv = np.empty_like(order)
+        inv[order] = np.arange(len(order))
+        inv_dev = host_to_device(inv, device, torch.int64)
+        logits, states = logits.index_select(0, inv_dev), states.subset(inv_dev)
+    return logits, states
 
 
 def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
@@ -856,9 +897,10 @@ def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algor
             records.append((ids, t_new))
             keep = finished(ids, t_new)
             if keep.size:
-                live = [states[k] for k in keep.tolist()]
+                live = states
                 if keep.size < ids.size:
-                    t_new = t_new.index_select(0, on_device(keep))
+                    keep_dev = on_device(keep)
+                    live, t_new = states.subset(keep_dev), t_new.index_select(0, keep_dev)
                 if decoder is None:
                     decoder = (_MambaSSMDecoder(model, fam, live, max_seqlen) if fam.kind == "mamba_ssm"
                                else _HFDecoder(model, fam, live, t_new))
@@ -924,9 +966,11 @@ def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, alg
             if keep.size:
                 where = free[:keep.size]
                 where_dev = on_device(where)
-                decoder.write(where_dev, [states[k] for k in keep.tolist()])
-                tok = tok.index_copy(0, where_dev,     # not in place: the last step's record holds ``tok``
-                                     t_new if keep.size == ids.size else t_new.index_select(0, on_device(keep)))
+                if keep.size < ids.size:
+                    keep_dev = on_device(keep)
+                    states, t_new = states.subset(keep_dev), t_new.index_select(0, keep_dev)
+                decoder.write(where_dev, states)
+                tok = tok.index_copy(0, where_dev, t_new)   # not in place: the last step's record holds ``tok``
                 owner[where] = ids[keep]
                 owner_now = owner.copy()
             continue

@@ -227,7 +227,7 @@ def test_fused_mixer_with_states_matches_the_composed_one(seed, layout):
         step = ops.CarryStep(b2, cache)
         y = carried_mamba_inner(layer, h, b2["position_ids"], step, fused=fused)
         grads = torch.autograd.grad((y * weights).sum(), [h] + list(layer.parameters()))
-        res[fused] = (y, grads, step._finals)
+        res[fused] = (y, grads, step.finals())
     torch.testing.assert_close(res[True][0], res[False][0], rtol=1e-12, atol=1e-12)
     for (name, _), a, b in zip([("h", None)] + list(layer.named_parameters()), res[True][1], res[False][1]):
         assert_grad_close(a, b, name)
@@ -294,7 +294,7 @@ def test_gpu_fused_mixer_with_states_matches_the_reference_kernels(layout, dtype
             step = ops.CarryStep(b2, cache)
             y = carried_mamba_inner(layer, h, b2["position_ids"].to(dev), step, fused=True)
             grads = torch.autograd.grad((y.float() * weights.float()).sum(), [h] + list(layer.parameters()))
-        res[backend] = (y, grads, step._finals)
+        res[backend] = (y, grads, step.finals())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))  # noqa: E731
     assert rel(res["auto"][0], res["reference"][0]) <= tol

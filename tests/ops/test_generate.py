@@ -96,17 +96,21 @@ def test_states_for_every_layer_and_the_conv_convention(seed):
     """The packed prefill's states, as the decode cache holds them, equal mamba-ssm's own prefill of each prompt
     alone: conv (d_inner, d_conv) whose last d_conv - 1 columns are the prompt's last inputs, ssm (d_inner, d_state);
     every layer."""
-    from ops.generate import _MambaSSMDecoder, _family, _prefill_group
+    from ops.generate import _MambaSSMDecoder, _family, _prefill
     model = mamba_ssm_model(seed, torch.float64, n_layer=3)
-    prompts = prompts_of([4, 1, 7, 2], seed)
+    prompts = prompts_of([1, 2, 3, 5], seed)
     fam = _family(model)
-    got = _prefill_group(model, fam, prompts, pack_prompts([len(p) for p in prompts], 9), torch.device("cpu"))
-    dec = _MambaSSMDecoder(model, fam, [got[i][1] for i in range(len(prompts))], 32)
+    # rows of 9 lay the prompts out as [3, 2, 0] [1] (a permutation that is not its own inverse): the logits and
+    # states come back in the prompts' order all the same
+    assert pack_prompts([len(p) for p in prompts], 9) == [[3, 2, 0], [1]]
+    with torch.no_grad():
+        got_logits, states = _prefill(model, fam, prompts, [0, 1, 2, 3], 9, 64, "bfd", torch.device("cpu"))
+    dec = _MambaSSMDecoder(model, fam, states, 32)
     for i, p in enumerate(prompts):
         params = _InferenceParams(16, 1)
         with torch.no_grad():
             logits = model(p[None], inference_params=params, num_last_tokens=1).logits[0, -1]
-        torch.testing.assert_close(got[i][0], logits, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got_logits[i], logits, rtol=1e-10, atol=1e-12)
         assert sorted(params.key_value_memory_dict) == [m.layer_idx for m in fam.mixers]
         for layer, (conv, ssm) in params.key_value_memory_dict.items():
             mine_conv, mine_ssm = dec.params.key_value_memory_dict[layer]
