@@ -233,7 +233,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=64, help="prompts decoded together (packed and padded)")
-    ap.add_argument("--capacity", type=int, default=2048, help="tokens per packed row")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="tokens per packed row (default: the library's, 512 for generation, 2048 for evaluation)")
     ap.add_argument("--alone", type=int, default=16, help="prompts generated one by one (their speed stands for all)")
     ap.add_argument("--eval-batch", type=int, default=16, help="sequences per padded evaluation batch")
     ap.add_argument("--workloads", default="fixed,answer",
@@ -299,7 +300,7 @@ def main(argv=None) -> dict:
         seqs = [torch.tensor(q + a, device=device) for q, a in zip(qs, ans)]
         labels = [torch.tensor([-100] * len(q) + a, device=device) for q, a in zip(qs, ans)]
         tokens = sum(len(s) for s in seqs)
-        cap = max(args.capacity, max(len(s) for s in seqs))
+        cap = None if args.capacity is None else max(args.capacity, max(len(s) for s in seqs))
         ops.evaluate_packed(model, seqs[:4], labels[:4], capacity=cap)
         padded_eval(plain, seqs[:4], labels[:4], args.eval_batch, device)
         res, t_pe = timed(device, lambda: ops.evaluate_packed(model, seqs, labels, capacity=cap))

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from . import kernel_calls
 from .states import host_to_device, sequence_spans
 
-__all__ = ["StateCache", "CarryStep", "CarryError", "CARRY_KEYS"]
+__all__ = ["StateCache", "CarryStep", "FixedLayoutStep", "CarryError", "CARRY_KEYS"]
 
 #: the batch keys the plan reads (packloader.batch.CARRY_BATCH_KEYS), one entry per segment in cu_seqlens order
 CARRY_KEYS = ("piece_doc_ids", "piece_index", "has_initial_state", "continues_after")
@@ -290,6 +290,55 @@ class CarryStep:
             for k in stored:
                 out.setdefault(int(self.doc_ids[k]), {})[layer] = (convs[k], ssms[k])
         return out
+
+
+class FixedLayoutStep(CarryStep):
+    """A plan for a CUDA graph's replays (``ops.generate_packed(..., cuda_graph=True)``'s prefill): ``K`` pieces
+    that start from zero and leave their final states (:meth:`CarryStep.final_states`), at token spans that are not
+    known when the graph is captured. ``start`` and ``length`` ((K,) int64 device tensors, flat indices into the
+    (rows, seqlen) batch) hold them when the forward runs; fill them before each run, every slot a distinct span.
+    The geometry is device work on those buffers, made once per forward (:meth:`reset` before each eager run), so a
+    captured forward recomputes it at every replay.
+
+    Args:
+        start, length: (K,) int64 device tensors, the slots' token spans.
+        shape: (rows, seqlen) of the batches it plans.
+    """
+
+    def __init__(self, start: torch.Tensor, length: torch.Tensor, shape):
+        rows, seqlen = int(shape[0]), int(shape[1])
+        k, n = int(start.numel()), int(shape[0]) * int(shape[1])
+        if k > n or tuple(length.shape) != (k,):
+            raise ValueError(f"FixedLayoutStep: {k} slots (start {tuple(start.shape)}, length "
+                             f"{tuple(length.shape)}) in a batch of {rows} x {seqlen} tokens")
+        # the template: every token its own segment, the first K of them carried (slots 0..K-1, stored)
+        template = {"position_ids": torch.zeros((rows, seqlen), dtype=torch.int64),
+                    "piece_doc_ids": torch.arange(n), "piece_index": torch.zeros(n, dtype=torch.int64),
+                    "has_initial_state": torch.zeros(n, dtype=torch.bool),
+                    "continues_after": torch.arange(n) < k}
+        super().__init__(template, StateCache())
+        self._start, self._length, self._shape = start, length, (rows, seqlen)
+
+    def reset(self) -> None:
+        """Forget the geometry and the final states of the last forward (before an eager run or a capture)."""
+        self._device_cache.clear()
+        self._final_layers.clear()
+
+    def geometry(self, device: torch.device) -> dict:
+        got = self._device_cache.get(device)
+        if got is None:
+            k = self.num_slots
+            rows, seqlen = self._shape
+            slots = torch.full((2, rows * seqlen), -1, dtype=torch.int32, device=device)
+            slots[1].index_copy_(0, self._start + self._length - 1, torch.arange(k, dtype=torch.int32, device=device))
+            none = torch.zeros(k, dtype=torch.bool, device=device)
+            got = {"start": self._start, "length": self._length, "has": none, "from_batch": none,
+                   "slots": slots.view(2, rows, seqlen), "pass_a_rows": None, "pass_a_span": None,
+                   "pass_a_slots": None, "pass_a_pos": None,
+                   "middle": torch.zeros(0, dtype=torch.int64, device=device), "depth_at": [], "depth_idx": [],
+                   "depth_pred": [], "pred": torch.zeros(k, dtype=torch.int64, device=device)}
+            self._device_cache[device] = got
+        return got
 
 
 def _middle_decays(step: CarryStep, g: dict, delta: torch.Tensor, dbias: torch.Tensor, A: torch.Tensor):

@@ -43,9 +43,11 @@ __all__ = ["generate_packed", "evaluate_packed", "PackedEvalResult", "PackedEval
 
 Prompts = Sequence[Union[Sequence[int], torch.Tensor]]
 
-_DEFAULT_CAPACITY = 2048        # tokens per packed row when capacity=None (raised to the longest prompt)
+_DEFAULT_CAPACITY = 2048        # evaluate_packed: tokens per packed row when capacity=None (at least the longest)
+_DEFAULT_GENERATE_CAPACITY = 512  # generate_packed's rows: a prefill of 64 GSM8K prompts takes 7.0 ms of H100 time
+                                  # in rows of 512 (6.8 in 256, 12.7 in 2048: long rows leave the scan's grid small)
 _DEFAULT_PREFILL_TOKENS = 65536  # tokens per packed forward when prefill_tokens=None
-_SLOT_REFILL_DIVISOR = 2        # cuda_graph=True: a packed prefill joins once 1/this of the rows is free
+_SLOT_REFILL_DIVISOR = 8        # cuda_graph=True: a packed prefill joins once 1/this of the rows is free
 
 
 # --------------------------------------------------------------------------------------------------
@@ -87,10 +89,10 @@ def _check_vocab(seqs: List[torch.Tensor], vocab: Optional[int], name: str) -> N
             raise ValueError(f"{name}[{i}] has token id {int(t.max())}, outside the model's vocabulary of {vocab}")
 
 
-def _capacity(lengths: np.ndarray, capacity: Optional[int], what: str) -> int:
+def _capacity(lengths: np.ndarray, capacity: Optional[int], what: str, default: int = _DEFAULT_CAPACITY) -> int:
     longest = int(lengths.max())
     if capacity is None:
-        return max(longest, min(_DEFAULT_CAPACITY, int(lengths.sum())))
+        return max(longest, min(default, int(lengths.sum())))
     if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 1:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
     if longest > capacity:
@@ -453,6 +455,111 @@ class _PromptStates:
                               for li in range(len(parts[0].layers))])
 
 
+def _captured(fn, device: torch.device):
+    """(a CUDA graph of ``fn()``, its output): two warm-up runs on a side stream (Triton's first launches compile),
+    then the capture."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+class _GraphedPrefill:
+    """``cuda_graph=True``'s packed prefill of mamba-ssm models: at most ``slots`` prompts in at most ``rows`` rows
+    of ``length`` tokens, the forward captured once as a CUDA graph over fixed buffers and replayed for every group
+    of prompts that fits. The eager prefill's host work (tens of milliseconds for 24 layers, whatever the prompt
+    count) becomes one copy of the layout and one replay. Every slot needs a segment: the slots no prompt takes end
+    in scratch rows of one-token segments. A run with rows=2, length=8, slots=4 and prompts a, b, c::
+
+        row 0     [ a a a b b b b . ]    . padding (a segment of its own, no slot)
+        row 1     [ c c c . . . . . ]
+        scratch   [ s . . . . . . . ]    s: the unused slot 3 ends here
+
+    ``capture=False`` runs the same forward eagerly on the same buffers (the CPU tests of it)."""
+
+    def __init__(self, model, fam: _Family, rows: int, length: int, slots: int, device: torch.device,
+                 capture: bool):
+        from .carry import FixedLayoutStep
+        self.model, self.fam, self.rows, self.length, self.slots = model, fam, rows, length, slots
+        total = rows + -(-slots // length)                   # the rows, then the scratch rows
+        n = total * length
+        self.buf = torch.zeros(2 * n + 3 * slots, dtype=torch.int64, device=device)
+        self.host = np.zeros(2 * n + 3 * slots, dtype=np.int64)
+        self.ids, self.pos = self.buf[:n].view(total, length), self.buf[n:2 * n].view(total, length)
+        self.start, self.span, self.last = (self.buf[2 * n + j * slots:2 * n + (j + 1) * slots] for j in range(3))
+        self.step = FixedLayoutStep(self.start, self.span, (total, length))
+        self._load([], [])
+        self.graph = None
+        if capture:
+            self.graph, (self.logits, self.layers) = _captured(self._forward, device)
+
+    def _load(self, seqs: List[torch.Tensor], rows: List[List[int]]) -> np.ndarray:
+        """Lay ``rows`` (indices into ``seqs``) out in the buffers; returns the prompts in layout order."""
+        total, L, K = self.ids.shape[0], self.length, self.slots
+        n = total * L
+        h = self.host
+        ids, pos = h[:n].reshape(total, L), h[n:2 * n].reshape(total, L)
+        start, span, last = (h[2 * n + j * K:2 * n + (j + 1) * K] for j in range(3))
+        ids[:] = 0
+        pos[:] = 0                                          # scratch rows: one-token segments
+        pos[:self.rows] = np.arange(L)                      # empty rows: one padding segment each
+        order = []
+        for r, row in enumerate(rows):
+            c = 0
+            for i in row:
+                m = int(seqs[i].numel())
+                ids[r, c:c + m] = seqs[i].numpy()
+                pos[r, c:c + m] = np.arange(m)
+                start[len(order)], span[len(order)] = r * L + c, m
+                order.append(i)
+                c += m
+            pos[r, c:] = np.arange(L - c)
+        p = len(order)
+        start[p:] = self.rows * L + np.arange(K - p)        # the unused slots: scratch tokens
+        span[p:] = 1
+        last[:] = start + span - 1
+        self.buf.copy_(host_to_device(h, self.buf.device))
+        return np.asarray(order, dtype=np.int64)
+
+    def _forward(self):
+        model = self.model
+        self.step.reset()
+        hook = _KeepPositions(model.lm_head, self.last)
+        validate = model.__dict__.get("_packloader_validate")
+        model._packloader_validate = False          # positions made here: checking them would wait for the GPU
+        try:
+            logits = _logits_of(model(self.ids, position_ids=self.pos, carry=self.step))
+        finally:
+            hook.remove()
+            if validate is None:
+                model.__dict__.pop("_packloader_validate", None)
+            else:
+                model._packloader_validate = validate
+        return (logits.reshape(-1, logits.shape[-1]),
+                [self.step.final_states(m.layer_idx) for m in self.fam.mixers])
+
+    def __call__(self, seqs: List[torch.Tensor], rows: List[List[int]]):
+        """(the prompts in layout order, their last-token logits, their :class:`_PromptStates`): buffers the next
+        call overwrites (read them, in stream order, before it)."""
+        if len(rows) > self.rows or sum(len(r) for r in rows) > self.slots:
+            raise RuntimeError(f"generate_packed: a prefill of {len(rows)} rows / {sum(len(r) for r in rows)} "
+                               f"prompts for a graph of {self.rows} / {self.slots}")
+        order = self._load(seqs, rows)
+        if self.graph is None:
+            logits, layers = self._forward()
+        else:
+            self.graph.replay()
+            logits, layers = self.logits, self.layers
+        p = len(order)
+        return order, logits[:p], _PromptStates([(c[:p], s[:p]) for c, s in layers])
+
+
 # --------------------------------------------------------------------------------------------------
 # decoding caches
 
@@ -750,8 +857,9 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
         prompts: token-id lists or 1-D integer tensors, any lengths (>= 1 token each).
         max_new_tokens: new tokens per prompt, an int for all or one int per prompt (0: the prompt comes back as it
             is).
-        capacity: tokens per packed row (default: 2048, or fewer when all prompts fit in fewer, but at least the
-            longest prompt). A prompt longer than ``capacity`` is an error.
+        capacity: tokens per packed row of the prefill (default: 512, or fewer when all prompts fit in fewer, but
+            at least the longest prompt; shorter rows run side by side, longer rows leave the GPU idle). A prompt
+            longer than ``capacity`` is an error.
         temperature: 0 (default) decodes greedily (argmax); > 0 samples from ``softmax(logits / temperature)``.
         top_k: sample among the ``top_k`` most likely tokens only (None: all).
         top_p: sample among the smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus;
@@ -766,11 +874,13 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
         prefill_tokens: tokens per packed forward (rows x capacity; default 65536, one row at least); bounds the
             prefill's activation memory.
         algorithm: the :func:`packer_algos.pack` algorithm ("bfd", "ffd", "first_fit", "next_fit").
-        cuda_graph: decode from a cache of ``batch_size`` fixed rows, each step one CUDA graph replay (captured once
-            per call: 0.07-0.08 s for 24 layers on an H100). mamba-ssm's ``generate(..., cg=True)`` does this for one
-            padded batch; here it serves the whole stream of prompts. A stopped prompt's row is refilled by a waiting
-            one; every step decodes all rows. CUDA models of mamba-ssm (``MambaLMHeadModel``) only; transformers'
-            models decode eagerly.
+        cuda_graph: decode from a cache of ``batch_size`` fixed rows, each step one CUDA graph replay, and prefill
+            through graphs too (one a power-of-two row count, the rows padded to it). mamba-ssm's
+            ``generate(..., cg=True)`` does this for one padded batch; here it serves the whole stream of prompts. A
+            stopped prompt's row is refilled by a waiting one; every step decodes all rows. The graphs are captured
+            on first use (0.07-0.08 s for the decode of 24 layers on an H100) and kept on the model, as mamba-ssm
+            keeps its own: a later call of the same shapes replays them; moving or replacing a parameter drops them.
+            CUDA models of mamba-ssm (``MambaLMHeadModel``) only; transformers' models decode eagerly.
 
     Returns:
         one 1-D int64 tensor per prompt, on the model's device: the prompt followed by its new tokens.
@@ -807,7 +917,7 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
     if eos_token_id is not None:
         stops.add(int(eos_token_id))
     lengths = np.array([int(s.numel()) for s in seqs], dtype=np.int64)
-    cap = _capacity(lengths, capacity, "prompts")
+    cap = _capacity(lengths, capacity, "prompts", _DEFAULT_GENERATE_CAPACITY)
     device = _model_device(model)
     if cuda_graph:
         _check_cuda_graph(fam, device)
@@ -843,20 +953,49 @@ def _prefill(model, fam, seqs, take, cap, prefill_tokens, algorithm, device):
     in ``take``'s order."""
     sub = [seqs[i] for i in take]
     lengths = np.array([int(s.numel()) for s in sub], dtype=np.int64)
-    orders, logits, states = [], [], []
-    for group in _row_groups(pack_prompts(lengths, cap, algorithm), lengths, cap, prefill_tokens):
-        o, lg, st = _prefill_group(model, fam, sub, group, device)
-        orders.append(o)
-        logits.append(lg)
-        states.append(st)
-    order = np.concatenate(orders)
-    logits, states = torch.cat(logits), _PromptStates.cat(states)
-    if not np.array_equal(order, np.arange(len(take))):      # back to ``take``'s order: one gather a tensor
+    return _in_take_order([_prefill_group(model, fam, sub, group, device) for group in
+                           _row_groups(pack_prompts(lengths, cap, algorithm), lengths, cap, prefill_tokens)], device)
+
+
+def _in_take_order(groups, device):
+    """(logits, :class:`_PromptStates`) in ``take``'s order from the groups' (order, logits, states)."""
+    order = np.concatenate([g[0] for g in groups])
+    logits, states = torch.cat([g[1] for g in groups]), _PromptStates.cat([g[2] for g in groups])
+    if not np.array_equal(order, np.arange(len(order))):     # back to ``take``'s order: one gather a tensor
         inv = np.empty_like(order)
         inv[order] = np.arange(len(order))
         inv_dev = host_to_device(inv, device, torch.int64)
         logits, states = logits.index_select(0, inv_dev), states.subset(inv_dev)
     return logits, states
+
+
+class _PrefillGraphs:
+    """The graphed prefills (:class:`_GraphedPrefill`) of one ``cuda_graph=True`` generation: rows of ``length``
+    tokens, one graph per row count (1, 2, 4, ... up to ``max_rows``), captured on first use; ``__call__`` is
+    :func:`_prefill`'s."""
+
+    def __init__(self, model, fam: _Family, length: int, slots: int, max_rows: int, device: torch.device,
+                 capture: bool):
+        self.model, self.fam, self.length, self.slots, self.max_rows = model, fam, length, slots, max_rows
+        self.device, self.capture = device, capture
+        self.graphs: Dict[int, _GraphedPrefill] = {}
+
+    def __call__(self, seqs: List[torch.Tensor], take: List[int], algorithm: str):
+        sub = [seqs[i] for i in take]
+        rows = pack_prompts(np.array([int(t.numel()) for t in sub], dtype=np.int64), self.length, algorithm)
+        groups = []
+        for i in range(0, len(rows), self.max_rows):
+            part = rows[i:i + self.max_rows]
+            count = min(self.max_rows, 1 << (len(part) - 1).bit_length())
+            if count not in self.graphs:
+                self.graphs[count] = _GraphedPrefill(self.model, self.fam, count, self.length, self.slots,
+                                                     self.device, self.capture)
+            order, logits, states = self.graphs[count](sub, part)
+            if len(rows) > self.max_rows:       # the next replay of a graph overwrites its outputs
+                states = _PromptStates([(c.clone(), s.clone()) for c, s in states.layers])
+                logits = logits.clone()
+            groups.append((order, logits, states))
+        return _in_take_order(groups, self.device)
 
 
 def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
@@ -931,18 +1070,39 @@ def _check_cuda_graph(fam: _Family, device: torch.device) -> None:
         raise ValueError(f"generate_packed: cuda_graph=True needs the model on a CUDA device, it is on {device}")
 
 
+def _kept_graphs(model, device: torch.device) -> dict:
+    """The CUDA graphs of earlier ``cuda_graph=True`` calls (decoders and prefills by their shapes), kept on the model
+    as mamba-ssm keeps its own: a call of the same shapes replays them instead of capturing again. They read the
+    parameters where they were: any parameter moved or replaced (``.to()``, new tensors) drops them all."""
+    key = (device, tuple(p.data_ptr() for p in model.parameters()))
+    kept = model.__dict__.get("_packloader_generate_graphs")
+    if kept is None or kept["key"] != key:
+        kept = model.__dict__["_packloader_generate_graphs"] = {"key": key}
+    return kept
+
+
 def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
                        generator, stop_tensor, device, batch_size, records):
     """``_generate_stream`` over the fixed rows of a :class:`_SlotDecoder`, with the same tokens. Waiting prompts are
-    prefilled (packed, as a group) once half of the rows is free: a prefill costs the host tens of milliseconds, a
-    step under a graph about one. A record's prompt index is -1 for a free row."""
+    prefilled (packed, as a group, through :class:`_PrefillGraphs`) once an eighth of the rows is free. A record's
+    prompt index is -1 for a free row."""
     queue = list(todo)
     budget = np.asarray(budgets, dtype=np.int64)
     produced = np.zeros(len(budgets), dtype=np.int64)
     slots = min(batch_size, len(todo))
     refill_at = max(1, batch_size // _SLOT_REFILL_DIVISOR)
     max_seqlen = max(int(seqs[i].numel()) for i in todo) + max(budgets)
-    decoder = _SlotDecoder(model, fam, slots, max_seqlen, device, capture=device.type == "cuda")
+    kept = _kept_graphs(model, device)
+    max_seqlen = 1 << (max_seqlen - 1).bit_length()
+    decoder = kept.get(("decode", slots, max_seqlen))
+    if decoder is None:
+        decoder = kept[("decode", slots, max_seqlen)] = _SlotDecoder(model, fam, slots, max_seqlen, device,
+                                                                     capture=device.type == "cuda")
+    max_rows = max(1, prefill_tokens // cap)
+    prefill = kept.get(("prefill", cap, slots, max_rows))
+    if prefill is None:
+        prefill = kept[("prefill", cap, slots, max_rows)] = _PrefillGraphs(model, fam, cap, slots, max_rows, device,
+                                                                           capture=device.type == "cuda")
     owner = np.full(slots, -1, dtype=np.int64)          # the prompt decoding in each row, -1: free
     owner_now = owner.copy()                            # the records' copy: ``owner`` changes in place
 
@@ -954,7 +1114,7 @@ def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, alg
         free = np.flatnonzero(owner < 0)
         if queue and (free.size == slots or free.size >= refill_at):
             take, queue = queue[:free.size], queue[free.size:]
-            logits, states = _prefill(model, fam, seqs, take, cap, prefill_tokens, algorithm, device)
+            logits, states = prefill(seqs, take, algorithm)
             ids = np.asarray(take, dtype=np.int64)
             t_new = _next_tokens(logits, temperature, top_k, top_p, generator)
             records.append((ids, t_new))

@@ -172,6 +172,42 @@ def test_fixed_rows_decoder_gives_the_same_tokens(seed, monkeypatch, batch_size)
         assert o[len(p):].tolist() == (new[:new.index(stop) + 1] if stop in new else new)
 
 
+@pytest.mark.parametrize("prefill_tokens", [None, 3])
+def test_graphed_prefill_layouts(seed, monkeypatch, prefill_tokens):
+    """cuda_graph=True's prefill runs on fixed buffers: rows padded to a power-of-two count, the slots no prompt takes
+    in scratch rows of one-token segments (here 7 slots over rows of 3 tokens: three scratch rows), and with
+    prefill_tokens=3 one row a forward (a refill of several groups). Each prompt's tokens are its tokens alone."""
+    slots_on_the_cpu(monkeypatch)
+    model = mamba_ssm_model(seed)
+    prompts = prompts_of([2, 1, 3, 2, 1, 3, 2, 3, 1], seed)
+    budgets = [4, 3, 1, 5, 2, 6, 3, 2, 4]
+    for batch_size in (None, 4):
+        out = ops.generate_packed(model, prompts, budgets, capacity=3, batch_size=batch_size,
+                                  prefill_tokens=prefill_tokens, cuda_graph=True)
+        for p, o, b in zip(prompts, out, budgets):
+            assert o.tolist() == greedy_alone_plain(model, p, b).tolist()
+
+
+def test_graphed_prefill_equals_the_eager_prefill(seed):
+    """The fixed-buffer prefill (run eagerly here) gives the eager packed prefill's logits and every layer's states,
+    in the prompts' order: fewer prompts than slots, a one-token prompt first in a row, rows padded to the graph's
+    row count, scratch rows, and more rows than one forward takes."""
+    from ops.generate import _PrefillGraphs, _family, _prefill
+    model = mamba_ssm_model(seed, torch.float64, n_layer=2)
+    fam = _family(model)
+    prompts = prompts_of([1, 3, 2, 1, 3, 2], seed)
+    cpu = torch.device("cpu")
+    for take, max_rows in (([0, 1, 2, 3, 4, 5], 8), ([3, 0, 5], 8), ([1, 3], 8), ([0, 1, 2, 3, 4, 5], 2)):
+        graphs = _PrefillGraphs(model, fam, 3, 7, max_rows, cpu, capture=False)
+        with torch.no_grad():
+            want_logits, want = _prefill(model, fam, prompts, take, 3, 64, "bfd", cpu)
+            got_logits, got = graphs(prompts, take, "bfd")
+        torch.testing.assert_close(got_logits, want_logits, rtol=1e-10, atol=1e-12)
+        for li in range(len(fam.mixers)):
+            for a, b in zip(got.layer(li), want.layer(li)):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_cuda_graph_is_refused_where_it_cannot_run(seed):
     model = mamba_ssm_model(seed)
     with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device, it is on cpu"):
