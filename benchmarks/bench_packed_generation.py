@@ -179,6 +179,9 @@ def run_generation(kind, model, plain, prompts, budgets, workload, args, skip, d
     """The generation modes on one workload (``budgets``: new tokens per prompt); rows of the table."""
     rows = []
     graphs = packed_graphs(kind, args)
+    if graphs:   # the graphs this workload needs (decode, a prefill a row count) are captured once, kept on the model
+        ops.generate_packed(model, prompts, budgets, capacity=args.capacity, batch_size=args.batch_size,
+                            cuda_graph=True)
     packed, t_packed = timed(device, lambda: ops.generate_packed(model, prompts, budgets, capacity=args.capacity,
                                                                   batch_size=args.batch_size, cuda_graph=graphs))
     packed_new = [o[len(p):].tolist() for o, p in zip(packed, prompts)]
@@ -234,7 +237,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=64, help="prompts decoded together (packed and padded)")
     ap.add_argument("--capacity", type=int, default=None,
-                    help="tokens per packed row (default: the library's, 512 for generation, 2048 for evaluation)")
+                    help="tokens per packed row (default: the library's, 256 for generation, 2048 for evaluation)")
     ap.add_argument("--alone", type=int, default=16, help="prompts generated one by one (their speed stands for all)")
     ap.add_argument("--eval-batch", type=int, default=16, help="sequences per padded evaluation batch")
     ap.add_argument("--workloads", default="fixed,answer",

@@ -218,7 +218,8 @@ class CarryStep:
             span = (a_rows[0], len(a_rows)) if rows is not None and consecutive else None
             got = {"start": start, "length": length, "has": has, "from_batch": from_batch,
                    "slots": slots.view(2, batch, seqlen),
-                   "pass_a_rows": rows, "pass_a_span": span, "pass_a_slots": cache_only if rows is None else cache_only[:, rows].contiguous(),
+                   "pass_a_rows": rows, "pass_a_span": span,
+                   "pass_a_slots": cache_only if rows is None else cache_only[:, rows].contiguous(),
                    "pass_a_pos": pos.to(torch.int32) if rows is None else pos[rows].to(torch.int32).contiguous(),
                    "middle": host_to_device([m[0] for m in self.middle], device, torch.int64),
                    "depth_at": [host_to_device(self.depth == d, device)

@@ -44,10 +44,10 @@ __all__ = ["generate_packed", "evaluate_packed", "PackedEvalResult", "PackedEval
 Prompts = Sequence[Union[Sequence[int], torch.Tensor]]
 
 _DEFAULT_CAPACITY = 2048        # evaluate_packed: tokens per packed row when capacity=None (at least the longest)
-_DEFAULT_GENERATE_CAPACITY = 512  # generate_packed's rows: a prefill of 64 GSM8K prompts takes 7.0 ms of H100 time
-                                  # in rows of 512 (6.8 in 256, 12.7 in 2048: long rows leave the scan's grid small)
+_DEFAULT_GENERATE_CAPACITY = 256  # generate_packed's rows: a prefill of 64 GSM8K prompts takes 6.8 ms of H100 time
+                                  # in rows of 256 (7.0 in 512, 12.7 in 2048: long rows leave the scan's grid small)
 _DEFAULT_PREFILL_TOKENS = 65536  # tokens per packed forward when prefill_tokens=None
-_SLOT_REFILL_DIVISOR = 8        # cuda_graph=True: a packed prefill joins once 1/this of the rows is free
+_SLOT_REFILL_DIVISOR = 4        # cuda_graph=True: a packed prefill joins once 1/this of the rows is free
 
 
 # --------------------------------------------------------------------------------------------------
@@ -857,7 +857,7 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
         prompts: token-id lists or 1-D integer tensors, any lengths (>= 1 token each).
         max_new_tokens: new tokens per prompt, an int for all or one int per prompt (0: the prompt comes back as it
             is).
-        capacity: tokens per packed row of the prefill (default: 512, or fewer when all prompts fit in fewer, but
+        capacity: tokens per packed row of the prefill (default: 256, or fewer when all prompts fit in fewer, but
             at least the longest prompt; shorter rows run side by side, longer rows leave the GPU idle). A prompt
             longer than ``capacity`` is an error.
         temperature: 0 (default) decodes greedily (argmax); > 0 samples from ``softmax(logits / temperature)``.
@@ -1084,7 +1084,7 @@ def _kept_graphs(model, device: torch.device) -> dict:
 def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
                        generator, stop_tensor, device, batch_size, records):
     """``_generate_stream`` over the fixed rows of a :class:`_SlotDecoder`, with the same tokens. Waiting prompts are
-    prefilled (packed, as a group, through :class:`_PrefillGraphs`) once an eighth of the rows is free. A record's
+    prefilled (packed, as a group, through :class:`_PrefillGraphs`) once a quarter of the rows is free. A record's
     prompt index is -1 for a free row."""
     queue = list(todo)
     budget = np.asarray(budgets, dtype=np.int64)
