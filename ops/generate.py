@@ -661,15 +661,7 @@ class _SlotDecoder:
         self.tokens = torch.zeros(slots, dtype=torch.int64, device=device)
         self.graph = None
         if capture:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):          # warm-up outside the graph (Triton's first launches compile)
-                    self._forward()
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._forward()
+            self.graph, self.logits = _captured(self._forward, device)
             for conv, ssm in self.params.key_value_memory_dict.values():   # the warm-up stepped them
                 conv.zero_()
                 ssm.zero_()
