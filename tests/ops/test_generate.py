@@ -208,6 +208,34 @@ def test_graphed_prefill_equals_the_eager_prefill(seed):
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_graphs_are_kept_until_a_parameter_moves(seed, monkeypatch):
+    """cuda_graph=True keeps its decoder and prefill graphs on the model: a second call of the same shapes reuses
+    them (and sees weights changed in place); a model whose parameters were replaced (``.to()``) gets new ones, never
+    graphs reading the old tensors."""
+    slots_on_the_cpu(monkeypatch)
+    model = mamba_ssm_model(seed)
+    prompts = prompts_of([3, 5, 2, 4], seed)
+    first = ops.generate_packed(model, prompts, 4, capacity=8, batch_size=2, cuda_graph=True)
+    kept = model.__dict__["_packloader_generate_graphs"]
+    parts = {k: v for k, v in kept.items() if k != "key"}
+    assert {k[0] for k in parts} == {"decode", "prefill"}
+    again = ops.generate_packed(model, prompts, 4, capacity=8, batch_size=2, cuda_graph=True)
+    assert model.__dict__["_packloader_generate_graphs"] is kept
+    assert all(kept[k] is v for k, v in parts.items())
+    assert [x.tolist() for x in again] == [x.tolist() for x in first]
+    with torch.no_grad():                           # in place: the kept graphs read the new values
+        model.backbone.layers[0].mixer.out_proj.weight.mul_(-1.0)
+    changed = ops.generate_packed(model, prompts, 4, capacity=8, batch_size=2, cuda_graph=True)
+    assert model.__dict__["_packloader_generate_graphs"] is kept
+    for p, o in zip(prompts, changed):
+        assert o.tolist() == greedy_alone_plain(model, p, 4).tolist()
+    model.to(torch.float64)                         # new parameter tensors: the graphs go
+    moved = ops.generate_packed(model, prompts, 4, capacity=8, batch_size=2, cuda_graph=True)
+    assert model.__dict__["_packloader_generate_graphs"] is not kept
+    for p, o in zip(prompts, moved):
+        assert o.tolist() == greedy_alone_plain(model, p, 4).tolist()
+
+
 def test_cuda_graph_is_refused_where_it_cannot_run(seed):
     model = mamba_ssm_model(seed)
     with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device, it is on cpu"):
