@@ -44,7 +44,7 @@ The ops compute no gradients (generation runs under ``torch.no_grad`` / ``infere
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -161,128 +161,149 @@ if HAS_TRITON:
 
     @triton.jit
     def _state_step_kernel(state_ptr, x_ptr, dt_ptr, dtw_ptr, dtb_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, z_ptr, out_ptr,
-                           batch, dim, dstate, rank,
+                           dim, dstate, rank,
                            ss_b, ss_d, ss_n, sx_b, sx_d, sdt_b, sdt_k, sw_d, sw_r, sa_d, sa_n,
                            sb_b, sb_n, sc_b, sc_n, sz_b, sz_d, so_b, so_d,
                            DT_PROJ: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-                           HAS_D: tl.constexpr, HAS_Z: tl.constexpr, ROWS: tl.constexpr,
+                           HAS_D: tl.constexpr, HAS_Z: tl.constexpr, LOADS_FIRST: tl.constexpr, RANK: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-        # one program: ROWS rows x BLOCK_D channels; what the rows share (A, D, dt bias, the dt_proj tiles, which the
-        # later rows read from L1) is loaded once per program
+        # one program: one row x BLOCK_D channels. LOADS_FIRST (few programs, latency-bound): every load is issued
+        # before the dt projection, whose loop over the rank (RANK) is unrolled; else the projection comes first
+        # (fewer registers held across it: more programs in flight)
+        row = tl.program_id(0)
         ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         nn = tl.arange(0, BLOCK_N)
         mc = ch < dim
         mn = nn < dstate
         m2 = mc[:, None] & mn[None, :]
+        sp = state_ptr + row * ss_b + ch[:, None] * ss_d + nn[None, :] * ss_n
+        if LOADS_FIRST:
+            h = tl.load(sp, mask=m2, other=0.0).to(tl.float32)
+            bv = tl.load(b_ptr + row * sb_b + nn * sb_n, mask=mn, other=0.0).to(tl.float32)
+            cv = tl.load(c_ptr + row * sc_b + nn * sc_n, mask=mn, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + row * sx_b + ch * sx_d, mask=mc, other=0.0).to(tl.float32)
         a = -tl.exp(tl.load(alog_ptr + ch[:, None] * sa_d + nn[None, :] * sa_n, mask=m2, other=0.0).to(tl.float32))
-        if HAS_DT_BIAS:
-            dt_b = tl.load(dtb_ptr + ch, mask=mc, other=0.0).to(tl.float32)
-        if HAS_D:
-            d_skip = tl.load(d_ptr + ch, mask=mc, other=0.0).to(tl.float32)
-        for i in tl.static_range(ROWS):
-            row = tl.program_id(0) * ROWS + i
-            mcl = mc & ((row + 0 * ch) < batch)   # (a scalar condition broadcast as a block: Triton's interpreter
-            mnl = mn & ((row + 0 * nn) < batch)   # takes no scalar & block masks)
-            m2l = mcl[:, None] & mnl[None, :]
-            if DT_PROJ:  # dt = dt_low @ W.T, the low-rank projection fused here
-                dt = tl.zeros([BLOCK_D], dtype=tl.float32)
-                for r0 in range(0, rank, BLOCK_R):
+        if DT_PROJ:  # dt = dt_low @ W.T, the low-rank projection fused here
+            dt = tl.zeros([BLOCK_D], dtype=tl.float32)
+            if LOADS_FIRST:
+                for r0 in tl.static_range(0, RANK, BLOCK_R):
                     rr = r0 + tl.arange(0, BLOCK_R)
-                    mr = (rr < rank) & ((row + 0 * rr) < batch)
+                    mr = rr < RANK
                     low = tl.load(dt_ptr + row * sdt_b + rr * sdt_k, mask=mr, other=0.0).to(tl.float32)
                     w = tl.load(dtw_ptr + ch[:, None] * sw_d + rr[None, :] * sw_r, mask=mc[:, None] & mr[None, :],
                                 other=0.0).to(tl.float32)
                     dt += tl.sum(w * low[None, :], axis=1)
-                # rounded to dt's dtype, as F.linear's output is (the reference, and mamba-ssm's step)
-                dt = dt.to(dt_ptr.dtype.element_ty).to(tl.float32)
             else:
-                dt = tl.load(dt_ptr + row * sdt_b + ch * sdt_k, mask=mcl, other=0.0).to(tl.float32)
-            if HAS_DT_BIAS:
-                dt += dt_b
-            if SOFTPLUS:
-                dt = _softplus_f32(dt)
-            bv = tl.load(b_ptr + row * sb_b + nn * sb_n, mask=mnl, other=0.0).to(tl.float32)
-            cv = tl.load(c_ptr + row * sc_b + nn * sc_n, mask=mnl, other=0.0).to(tl.float32)
-            xv = tl.load(x_ptr + row * sx_b + ch * sx_d, mask=mcl, other=0.0).to(tl.float32)
-            sp = state_ptr + row * ss_b + ch[:, None] * ss_d + nn[None, :] * ss_n
-            h = tl.load(sp, mask=m2l, other=0.0).to(tl.float32)
-            tl.debug_barrier()  # every thread holding a copy of an element has read it before any writes it
-            h = h * tl.exp(dt[:, None] * a) + (dt * xv)[:, None] * bv[None, :]
-            tl.store(sp, h.to(state_ptr.dtype.element_ty), mask=m2l)
-            y = tl.sum(h * cv[None, :], axis=1)
-            if HAS_D:
-                y += xv * d_skip
-            if HAS_Z:
-                zv = tl.load(z_ptr + row * sz_b + ch * sz_d, mask=mcl, other=0.0).to(tl.float32)
-                y = y * zv * tl.sigmoid(zv)
-            tl.store(out_ptr + row * so_b + ch * so_d, y.to(out_ptr.dtype.element_ty), mask=mcl)
-
-
-_SM_COUNT = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+                for r0 in range(0, rank, BLOCK_R):
+                    rr = r0 + tl.arange(0, BLOCK_R)
+                    mr = rr < rank
+                    low = tl.load(dt_ptr + row * sdt_b + rr * sdt_k, mask=mr, other=0.0).to(tl.float32)
+                    w = tl.load(dtw_ptr + ch[:, None] * sw_d + rr[None, :] * sw_r, mask=mc[:, None] & mr[None, :],
+                                other=0.0).to(tl.float32)
+                    dt += tl.sum(w * low[None, :], axis=1)
+            # rounded to dt's dtype, as F.linear's output is (the reference, and mamba-ssm's step)
+            dt = dt.to(dt_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            dt = tl.load(dt_ptr + row * sdt_b + ch * sdt_k, mask=mc, other=0.0).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt += tl.load(dtb_ptr + ch, mask=mc, other=0.0).to(tl.float32)
+        if SOFTPLUS:
+            dt = _softplus_f32(dt)
+        if not LOADS_FIRST:
+            bv = tl.load(b_ptr + row * sb_b + nn * sb_n, mask=mn, other=0.0).to(tl.float32)
+            cv = tl.load(c_ptr + row * sc_b + nn * sc_n, mask=mn, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + row * sx_b + ch * sx_d, mask=mc, other=0.0).to(tl.float32)
+            h = tl.load(sp, mask=m2, other=0.0).to(tl.float32)
+        tl.debug_barrier()  # every thread holding a copy of an element has read it before any writes it
+        h = h * tl.exp(dt[:, None] * a) + (dt * xv)[:, None] * bv[None, :]
+        tl.store(sp, h.to(state_ptr.dtype.element_ty), mask=m2)
+        y = tl.sum(h * cv[None, :], axis=1)
+        if HAS_D:
+            y += xv * tl.load(d_ptr + ch, mask=mc, other=0.0).to(tl.float32)
+        if HAS_Z:
+            zv = tl.load(z_ptr + row * sz_b + ch * sz_d, mask=mc, other=0.0).to(tl.float32)
+            y = y * zv * tl.sigmoid(zv)
+        tl.store(out_ptr + row * so_b + ch * so_d, y.to(out_ptr.dtype.element_ty), mask=mc)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _conv_step_triton(x, conv_state, weight, bias, silu, out):
+def _conv_launch(batch: int, dim: int) -> Tuple[int, int]:
+    """(channels per program, warps) of the conv step, measured as :func:`_state_launch`'s choices."""
+    if batch * dim < 65536:
+        return 64, 4
+    return (128, 4) if batch * dim < 262144 else (128, 2)
+
+
+def _conv_step_triton(x, conv_state, weight, bias, silu, out, launch: Optional[Tuple[int, int]] = None):
     batch, dim = x.shape
-    block = 64
+    block, warps = launch if launch is not None else _conv_launch(batch, dim)
     grid = (batch, triton.cdiv(dim, block))
     width = conv_state.shape[2]
     _conv_step_kernel[grid](
         x, conv_state, weight, bias if bias is not None else weight, out, dim, width,
         x.stride(0), x.stride(1), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_D=block, BLOCK_W=max(2, _next_pow2(width)), num_warps=2,
+        HAS_BIAS=bias is not None, SILU=bool(silu), BLOCK_D=block, BLOCK_W=max(2, _next_pow2(width)),
+        num_warps=warps,
     )
     return out
 
 
-def _state_launch_shape(batch: int, dim: int, n_sm: int, block_n: int = 16) -> Tuple[int, int]:
-    """(channels, rows) per program: the most channels (64, 32, 16; fewer for a large dstate, at most 1024 state
-    elements a program), then the most rows (4, 2, 1) that still give every multiprocessor a program. Rows share a
-    program's A, D, dt bias and dt_proj tiles."""
-    cap = max(1, 1024 // block_n)
-    block_d = min(16, cap)
-    for cand in (64, 32):
-        if cand <= cap and batch * -(-dim // cand) >= n_sm:
-            block_d = cand
-            break
-    programs_d = -(-dim // block_d)
-    for rows in (4, 2):
-        if -(-batch // rows) * programs_d >= n_sm:
-            return block_d, rows
-    return block_d, 1
+class StateLaunch(NamedTuple):
+    """How :func:`selective_state_step`'s kernel runs (``_state_launch`` picks it from the shape)."""
+    fuse_dt_proj: bool   # project dt inside the kernel (each program reads its channels' rows of dt_proj_weight)
+    loads_first: bool    # issue every load before the dt projection (latency-bound: few programs)
+    block_d: int         # channels per program (one row each)
+    num_warps: int
+
+
+# Above this many dt_proj multiply-adds (batch x dim x rank) the fused projection's weight reads (each row's
+# programs read all of dt_proj_weight) cost more than one matmul plus the kernel without it. The choices below
+# were measured on an H100 (bf16, d_state 16): benchmarks/bench_decode_kernels.py.
+_FUSED_DT_PROJ_MAX_MACS = 6_000_000
+
+
+def _state_launch(batch: int, dim: int, rank: int) -> StateLaunch:
+    """The launch for a (batch, dim) step with a dt projection of ``rank`` (0: dt given per channel)."""
+    if batch < 8:   # few programs: short ones, every load in flight at once
+        return StateLaunch(True, True, 16, 4)
+    if rank and batch * dim * rank > _FUSED_DT_PROJ_MAX_MACS:
+        return StateLaunch(False, False, 64, 2)
+    return StateLaunch(True, False, 64, 4 if batch < 32 else 2)
 
 
 def _state_step_triton(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weight, dt_softplus, out,
-                       n_sm: int = 132):
+                       launch: Optional[StateLaunch] = None):
     batch, dim, dstate = ssm_state.shape
     block_n = max(16, _next_pow2(dstate))
-    block_d, rows = _state_launch_shape(batch, dim, n_sm, block_n)
-    rank = dt.shape[1] if dt_proj_weight is not None else 1
+    rank = dt.shape[1] if dt_proj_weight is not None else 0
+    if launch is None:
+        launch = _state_launch(batch, dim, rank)
+    block_d = launch.block_d
+    while block_d > 4 and block_d * block_n > 1024:   # a (channels, dstate) tile of at most 1024 states
+        block_d //= 2
+    fuse = dt_proj_weight is not None and launch.fuse_dt_proj
+    if dt_proj_weight is not None and not fuse:   # one matmul; rounded to dt's dtype as the fused projection is
+        ct = torch.promote_types(dt.dtype, dt_proj_weight.dtype)
+        dt = F.linear(dt.to(ct), dt_proj_weight.to(ct)).to(dt.dtype)
     block_r = min(32, max(16, _next_pow2(rank)))
-    w = dt_proj_weight if dt_proj_weight is not None else A_log   # placeholders for absent pointers
+    w = dt_proj_weight if fuse else A_log   # placeholders for absent pointers
     zz = z if z is not None else x
-    grid = (triton.cdiv(batch, rows), triton.cdiv(dim, block_d))
+    grid = (batch, triton.cdiv(dim, block_d))
     _state_step_kernel[grid](
         ssm_state, x, dt, w, dt_bias if dt_bias is not None else A_log, A_log, B, C,
         D if D is not None else A_log, zz, out,
-        batch, dim, dstate, rank,
+        dim, dstate, rank,
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), x.stride(0), x.stride(1),
         dt.stride(0), dt.stride(1), w.stride(0), w.stride(1), A_log.stride(0), A_log.stride(1),
         B.stride(0), B.stride(1), C.stride(0), C.stride(1), zz.stride(0), zz.stride(1), out.stride(0), out.stride(1),
-        DT_PROJ=dt_proj_weight is not None, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-        HAS_D=D is not None, HAS_Z=z is not None, ROWS=rows,
-        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4,
+        DT_PROJ=fuse, HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
+        HAS_D=D is not None, HAS_Z=z is not None, LOADS_FIRST=launch.loads_first,
+        RANK=rank if (fuse and launch.loads_first) else 0,
+        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=launch.num_warps,
     )
     return out
 
@@ -347,8 +368,7 @@ def _state_step_cuda(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weigh
                                 dstate=(ssm_state.shape[2], MAX_DSTATE)):
         return selective_state_step_ref(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weight, dt_softplus)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return _state_step_triton(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weight, dt_softplus, out,
-                              n_sm=_sm_count(x.device))
+    return _state_step_triton(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weight, dt_softplus, out)
 
 
 @_state_step_op.register_fake

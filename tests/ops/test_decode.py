@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import ops
 from ops import PackedMamba
+from ops import decode as dec
 from ops.decode import causal_conv1d_step, selective_state_step
 
 F64 = torch.float64
@@ -242,9 +243,11 @@ assert dec.HAS_TRITON
 torch.manual_seed(0)
 F64 = torch.float64
 worst = 0.0
-for b, d, n, w, r, bias, proj, strided, n_sm in [(2, 40, 16, 4, 5, True, True, False, 4), (3, 70, 4, 3, 40, False, True, True, 4),
-                                                  (1, 33, 7, 2, 3, True, False, False, 4), (7, 40, 16, 4, 50, True, True, False, 2),
-                                                  (5, 33, 16, 4, 20, True, True, True, 1)]:
+LAUNCHES = [None, dec.StateLaunch(True, True, 16, 4), dec.StateLaunch(True, False, 64, 4),
+            dec.StateLaunch(False, False, 64, 2), dec.StateLaunch(False, True, 32, 2)]
+for b, d, n, w, r, bias, proj, strided in [(2, 40, 16, 4, 5, True, True, False), (3, 70, 4, 3, 40, False, True, True),
+                                           (1, 33, 7, 2, 3, True, False, False), (9, 40, 16, 4, 50, True, True, False),
+                                           (5, 33, 16, 4, 20, True, True, True), (2, 24, 64, 4, 40, True, True, False)]:
     x = torch.randn(b, d)
     cs = torch.randn(b, w, d).transpose(1, 2) if strided else torch.randn(b, d, w)
     W, bb = torch.randn(d, w), (torch.randn(d) if bias else None)
@@ -258,18 +261,20 @@ for b, d, n, w, r, bias, proj, strided, n_sm in [(2, 40, 16, 4, 5, True, True, F
     Wd = 0.3 * torch.randn(d, r) if proj else None
     args = [dt, torch.randn(d, n), B, C, torch.randn(d), torch.randn(b, d), 0.5 * torch.randn(d), Wd, True]
     h = torch.randn(b, n, d).transpose(1, 2) if strided else torch.randn(b, d, n)
-    h_k, h_r = h.clone(), h.double()
-    y = dec._state_step_triton(h_k, x, *args, torch.empty(b, d), n_sm=n_sm)
+    h_r = h.double()
     y_r = dec.selective_state_step_ref(h_r, x.double(), *[a.double() if isinstance(a, torch.Tensor) else a for a in args])
-    worst = max(worst, ((y.double() - y_r).abs().max() / y_r.abs().max()).item(),
-                ((h_k.double() - h_r).abs().max() / h_r.abs().max()).item())
+    for launch in LAUNCHES:   # fused dt projection or one matmul, loads first or not, tiles of 64 channels
+        h_k = h.clone()
+        y = dec._state_step_triton(h_k, x, *args, torch.empty(b, d), launch=launch)
+        worst = max(worst, ((y.double() - y_r).abs().max() / y_r.abs().max()).item(),
+                    ((h_k.double() - h_r).abs().max() / h_r.abs().max()).item())
 print("worst", worst)
 """
 
 
 def test_triton_kernels_in_the_interpreter():
-    """The Triton kernels' logic (shift, fused dt projection, several rows per program, tail rows, strided states)
-    on the CPU through Triton's interpreter, against the float64 reference; where Triton is installed."""
+    """The Triton kernels' logic (shift, dt projection fused or by one matmul, loads before or after it, channel
+    tails, strided states, every launch the shapes choose from) on the CPU through Triton's interpreter, against the float64 reference; where Triton is installed."""
     import os
     import pathlib
     import subprocess
@@ -338,6 +343,40 @@ def test_triton_kernels_match_the_float64_reference(seed, cuda, dtype, strided):
                 expected = ref.step(h.double(), conv_r, ssm_r)[0]
             torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     torch.testing.assert_close(ssm.double(), ssm_r, rtol=1e-5, atol=1e-5 * ssm_r.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_state_launch_matches_the_float64_reference(seed, cuda, dtype):
+    """Each launch ``_state_launch`` chooses from (dt projection fused or one matmul, loads first or after, 16 or 64
+    channels a program), and the default at a shape of each rule (batch 1, 16; 64 x 2048 x 64 takes the matmul),
+    on the GPU against float64 math; mamba-ssm's strides (x, z and dt, B, C are views of the projections)."""
+    from ops.decode import HAS_TRITON
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    launches = [None] + [dec.StateLaunch(f, first, bd, w) for f in (True, False) for first in (True, False)
+                         for bd, w in ((16, 4), (64, 2))]
+    for batch, dim, rank in ((1, 1536, 48), (16, 1536, 48), (64, 2048, 64), (5, 100, 40)):
+        assert dec._state_launch(64, 2048, 64).fuse_dt_proj is False
+        xz = torch.randn(batch, 2 * dim, device=cuda, dtype=dtype)
+        x_dbl = torch.randn(batch, rank + 32, device=cuda, dtype=dtype)
+        dt, B, C = torch.split(x_dbl, [rank, 16, 16], dim=-1)
+        args = [dt, torch.randn(dim, 16, device=cuda), B, C, torch.randn(dim, device=cuda), xz[:, dim:],
+                0.5 * torch.randn(dim, device=cuda, dtype=dtype), rank ** -0.5 * torch.randn(dim, rank, device=cuda,
+                                                                                           dtype=dtype), True]
+        h0 = torch.randn(batch, dim, 16, device=cuda, dtype=dtype)
+        h_r = h0.double()
+        y_r = dec.selective_state_step_ref(h_r, xz[:, :dim].double(),
+                                           *[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+        for launch in launches:
+            h = h0.clone()
+            y = dec._state_step_triton(h, xz[:, :dim], *args, torch.empty(batch, dim, device=cuda, dtype=dtype),
+                                       launch=launch)
+            torch.testing.assert_close(y.double(), y_r, rtol=rtol, atol=rtol * y_r.abs().max().item(),
+                                       msg=lambda m: f"{batch}x{dim}x{rank} {launch}: {m}")
+            torch.testing.assert_close(h.double(), h_r, rtol=rtol, atol=rtol * h_r.abs().max().item(),
+                                       msg=lambda m: f"{batch}x{dim}x{rank} {launch} state: {m}")
 
 
 @pytest.mark.gpu
