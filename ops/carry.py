@@ -278,6 +278,11 @@ class CarryStep:
         return self._final_layers[layer]
 
     @property
+    def kept_layers(self):
+        """The layers whose final states :meth:`keep` stored in this step."""
+        return self._final_layers.keys()
+
+    @property
     def slot_segments(self) -> np.ndarray:
         """The segment (index in ``cu_seqlens`` order) of each slot."""
         return self._carried.numpy()

@@ -28,6 +28,7 @@ mixers and the hybrids with attention layers are refused by :func:`generate_pack
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -274,15 +275,8 @@ def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[Lis
     try:
         if fam.kind == "mamba_ssm":
             cache.step(dict(keys, position_ids=pos_host))
-            validate = model.__dict__.get("_packloader_validate")
-            model._packloader_validate = False     # positions made here: checking them would wait for the GPU
-            try:
+            with _positions_unchecked(model):
                 logits = _logits_of(model(ids, position_ids=pos, carry=cache.pending_step))
-            finally:
-                if validate is None:
-                    model.__dict__.pop("_packloader_validate", None)
-                else:
-                    model._packloader_validate = validate
         elif fam.falcon or fam.mamba2:
             logits, finals = _swapped_prefill(model, fam, ids, pos, seg)
         else:
@@ -304,15 +298,34 @@ def _prefill_group(model, fam: _Family, seqs: List[torch.Tensor], rows: List[Lis
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, last)
     if not (fam.falcon or fam.mamba2):
         # the carry step's slots are the prompts' segments in layout order (padding carries nothing): ``order``
-        step = cache.pending_step
-        layers = []
-        for m in fam.mixers:
-            if step is None or m.layer_idx not in step._final_layers:
-                raise RuntimeError(f"generate_packed: the packed prefill left no states at layer {m.layer_idx} "
-                                   f"({type(m).__name__}); this mixer did not take the carry path")
-            layers.append(step.final_states(m.layer_idx))
-        finals = _PromptStates(layers)
+        finals = _PromptStates(_final_states(cache.pending_step, fam))
     return np.asarray(order, dtype=np.int64), logits, finals
+
+
+@contextlib.contextmanager
+def _positions_unchecked(model):
+    """The converted mamba-ssm model's position check off for a forward over positions made here (checking them
+    would wait for the GPU); its own setting back after."""
+    validate = model.__dict__.get("_packloader_validate")
+    model._packloader_validate = False
+    try:
+        yield
+    finally:
+        if validate is None:
+            model.__dict__.pop("_packloader_validate", None)
+        else:
+            model._packloader_validate = validate
+
+
+def _final_states(step, fam: _Family) -> List[tuple]:
+    """Every mixer's final states (conv, ssm) of the carry step's slots, in layer order; an error naming the first
+    mixer that left none (it did not take the carry path)."""
+    kept = step.kept_layers if step is not None else ()
+    for m in fam.mixers:
+        if m.layer_idx not in kept:
+            raise RuntimeError(f"generate_packed: the packed prefill left no states at layer {m.layer_idx} "
+                               f"({type(m).__name__}); this mixer did not take the carry path")
+    return [step.final_states(m.layer_idx) for m in fam.mixers]
 
 
 def _last_inputs(x: torch.Tensor, pos: torch.Tensor, n_seg: int, k: int) -> torch.Tensor:
@@ -531,18 +544,12 @@ class _GraphedPrefill:
         model = self.model
         self.step.reset()
         hook = _KeepPositions(model.lm_head, self.last)
-        validate = model.__dict__.get("_packloader_validate")
-        model._packloader_validate = False          # positions made here: checking them would wait for the GPU
         try:
-            logits = _logits_of(model(self.ids, position_ids=self.pos, carry=self.step))
+            with _positions_unchecked(model):
+                logits = _logits_of(model(self.ids, position_ids=self.pos, carry=self.step))
         finally:
             hook.remove()
-            if validate is None:
-                model.__dict__.pop("_packloader_validate", None)
-            else:
-                model._packloader_validate = validate
-        return (logits.reshape(-1, logits.shape[-1]),
-                [self.step.final_states(m.layer_idx) for m in self.fam.mixers])
+        return logits.reshape(-1, logits.shape[-1]), _final_states(self.step, self.fam)
 
     def __call__(self, seqs: List[torch.Tensor], rows: List[List[int]]):
         """(the prompts in layout order, their last-token logits, their :class:`_PromptStates`): buffers the next

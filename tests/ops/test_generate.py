@@ -244,6 +244,27 @@ def test_cuda_graph_is_refused_where_it_cannot_run(seed):
         ops.generate_packed(model, [[1, 2]], 2, cuda_graph=1)
 
 
+def test_a_mixer_that_leaves_no_states_is_named(seed, monkeypatch):
+    """A prefill whose mixer at some layer did not keep its final states (it did not take the carry path) is refused
+    naming that layer, eagerly and on the fixed-row (cuda_graph) path's buffers, instead of decoding from nothing."""
+    import ops.carry as carry
+    import ops.generate as gen
+
+    model = mamba_ssm_model(seed)
+    prompts = prompts_of([5, 3, 7], seed)
+    keep = carry.CarryStep.keep
+
+    def keep_all_but_layer_1(self, layer, conv_final, ssm_final):
+        if layer != 1:
+            keep(self, layer, conv_final, ssm_final)
+    monkeypatch.setattr(carry.CarryStep, "keep", keep_all_but_layer_1)
+    with pytest.raises(RuntimeError, match="the packed prefill left no states at layer 1 "):
+        ops.generate_packed(model, prompts, 3, capacity=12)
+    monkeypatch.setattr(gen, "_check_cuda_graph", lambda fam, device: None)   # the fixed rows, run eagerly
+    with pytest.raises(RuntimeError, match="the packed prefill left no states at layer 1 "):
+        ops.generate_packed(model, prompts, 3, capacity=12, cuda_graph=True)
+
+
 def test_seeded_sampling_is_reproducible(seed):
     model = mamba_ssm_model(seed)
     prompts = prompts_of([6, 2, 9, 4, 3], seed)
