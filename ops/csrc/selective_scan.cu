@@ -138,6 +138,26 @@ __device__ __forceinline__ int segment_bound(const int *pos, int k, int K, int L
   return L;
 }
 
+// ---- cuts inside sequences (ScanParams::cut_summary): rows of a few long sequences have few starts to cut at, so
+// segment k of K starts at timestep k L / K rounded down to a chunk start, wherever that falls. The scan is affine
+// in the state it starts from: a segment's end state is P h_in + s, with P the product of its decays and s its end
+// state from zero (P = -1 where a sequence starts inside it: h_in is dropped, not multiplied by 0, so an inf or NaN
+// stays in its sequence). A summary pass (scan_cut_states_kernel) writes {P, s} of every segment but the last; each
+// segment then folds those before it into its starting state. The backward mirrors it: its adjoint is affine in the
+// adjoint entering the segment's end with the same P (scan_cut_adjoints_kernel), folded from the last segment back.
+// One pass's bits are not kept (the fold multiplies in another order); float64 and the unsplit run are the reference.
+__device__ __forceinline__ int time_cut(int k, int K, int L) {
+  if (k <= 0) return 0;
+  if (k >= K) return L;
+  return (int)((int64_t)k * L / K) / kChunk * kChunk;
+}
+__device__ __forceinline__ int seg_bound(const ScanParams &p, int k, int K, int lane) {
+  return p.cut_summary ? time_cut(k, K, p.seqlen) : segment_bound(p.pos + (int64_t)blockIdx.y * p.seqlen, k, K,
+                                                                   p.seqlen, lane);
+}
+// the state (or adjoint) after a segment with summary {P, s}, from x entering it
+__device__ __forceinline__ float cut_fold(float2 ps, float x) { return ps.x < 0.f ? ps.y : fmaf(ps.x, x, ps.y); }
+
 // The forward: kP threads a channel (kP = 1, 2, 4 or 8, chosen per launch: fwd_lanes), each carrying kS = 16 / kP
 // of its states (lane sub of the channel: states sub, sub + kP, sub + 2 kP, ...), a warp the 32 / kP channels of one
 // block. With kP = 1 what belongs to a (channel, timestep) (the softplus, dt * u, the D skip, silu(z), the output)
@@ -284,8 +304,8 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   const int L = p.seqlen;
   const int *pos = p.pos + (int64_t)b * L;
   // this warp's segment of the row (grid z): timesteps [seg_lo, seg_hi), from the run holding seg_lo
-  const int seg_lo = segment_bound(pos, blockIdx.z, gridDim.z, L, lane);
-  const int seg_hi = segment_bound(pos, blockIdx.z + 1, gridDim.z, L, lane);
+  const int seg_lo = seg_bound(p, blockIdx.z, gridDim.z, lane);
+  const int seg_hi = seg_bound(p, blockIdx.z + 1, gridDim.z, lane);
   if (seg_lo >= seg_hi) return;   // warp-uniform: an empty segment
   const bool d_ok = d < p.dim;
   const int grp_lo = d0 / p.dim_per_group;
@@ -316,6 +336,19 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   float h[kS];
 #pragma unroll
   for (int j = 0; j < kS; ++j) h[j] = 0.f;
+  if (p.cut_summary && seg_lo > 0 && d_ok) {   // cut inside a sequence: the state the segments before hand on
+    const float2 *sum = reinterpret_cast<const float2 *>(p.cut_summary) +
+                        ((int64_t)b * (gridDim.z - 1) * p.dim + d) * kLanes;
+    for (int c = 0; c < (int)blockIdx.z; ++c) {
+#pragma unroll
+      for (int j = 0; j < kS; ++j) h[j] = cut_fold(sum[(int64_t)c * p.dim * kLanes + sub + kP * j], h[j]);
+    }
+    // saved as the state at the end of the chunk before: the backward recomputes from the state this segment started
+    // from (the segment before does not store its last chunk's end)
+    float *sv = saved + (seg_lo / kChunk - 1) * kLanes;
+#pragma unroll
+    for (int j = 0; j < kS; ++j) sv[sub + kP * j] = h[j];
+  }
   // carried states: this row's slots; thread state k is state index sub + kP k of channel d
   const int *slots_i = kStates ? p.state_slots + (int64_t)b * L : nullptr;
   const int *slots_f = kStates ? p.state_slots + ((int64_t)p.batch + b) * L : nullptr;
@@ -452,8 +485,10 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     for (int k = 0; k < kR; ++k) o.v[k] = from_f<in_t>(outv[sub * kR + k][ch]);
     store_run<kVec>(out, o, t0 + sub * kR, seg_lo, seg_hi, d_ok);
     const int t_end = t0 + kFwdRun, t_last = min(t_end, L) - 1;
-    // the state at the end of chunk t0 / 64, by the segment that holds the chunk's last timestep
-    if (d_ok && (t_end % kChunk == 0 || t_end >= L) && t_last >= seg_lo && t_last < seg_hi) {
+    // the state at the end of chunk t0 / 64, by the segment that holds the chunk's last timestep (cut inside a
+    // sequence: by the segment after the cut, as it starts)
+    if (d_ok && (t_end % kChunk == 0 || t_end >= L) && t_last >= seg_lo && t_last < seg_hi &&
+        !(p.cut_summary && t_end == seg_hi && seg_hi < L)) {
       float *sv = saved + (t0 / kChunk) * kLanes;
       if constexpr (kVec && kP == 1) {
 #pragma unroll
@@ -538,8 +573,8 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   // this block's segment of the row (grid z), [seg_lo, seg_hi): its chunks, walked in reverse, see every other
   // timestep as padding (no input, no output, the state and the adjoint dropped), so nothing crosses seg_lo (a
   // sequence start: the adjoint it hands back is dropped anyway) or seg_hi (the next segment's start)
-  const int seg_lo = segment_bound(pos, blockIdx.z, gridDim.z, L, lane);
-  const int seg_hi = segment_bound(pos, blockIdx.z + 1, gridDim.z, L, lane);
+  const int seg_lo = seg_bound(p, blockIdx.z, gridDim.z, lane);
+  const int seg_hi = seg_bound(p, blockIdx.z + 1, gridDim.z, lane);
   if (seg_lo >= seg_hi) return;   // block-uniform: an empty segment (its dA / dD / ddelta_bias rows stay zero)
   const int c_lo = seg_lo / kChunk, c_hi = (seg_hi - 1) / kChunk;
   const bool d_ok = d < p.dim;
@@ -571,6 +606,14 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   const bool want_y = kHasZ || out_rec != nullptr;   // the forward output is recomputed (block-uniform)
 
   float gca = 0.f, gcb = 0.f;   // adjoints carried from t+1 (already multiplied by a_{t+1})
+  if (p.cut_summary && (int)blockIdx.z + 1 < (int)gridDim.z && d_ok) {   // cut inside a sequence: what the segments
+    const float2 *sum = reinterpret_cast<const float2 *>(p.cut_summary) +     // after hand back, the last first
+                        ((int64_t)b * (gridDim.z - 1) * p.dim + d) * kLanes;
+    for (int c = (int)gridDim.z - 2; c >= (int)blockIdx.z; --c) {   // summary c: the segment after cut c + 1
+      gca = cut_fold(sum[(int64_t)c * p.dim * kLanes + n], gca);
+      gcb = cut_fold(sum[(int64_t)c * p.dim * kLanes + n + 8], gcb);
+    }
+  }
   // dA, dD, ddelta_bias: summed per chunk, then over the row's chunks (not one running sum of L terms: as accurate as
   // upstream's block reductions, test_scan_bf16_accuracy_no_worse_than_upstream_one_by_one)
   float dAa_acc = 0.f, dAb_acc = 0.f, dD_acc = 0.f, dbias_acc = 0.f;
@@ -842,6 +885,114 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   }
 }
 
+// ---- the summaries of cuts inside sequences (see time_cut): a thread a (channel, state), 8 channels a block, one
+// segment a block (grid z: the cuts). Loads run kCutRun timesteps ahead of the recurrence; u, delta, z, dout are
+// read by the channel's 16 threads at one address, B or C a row a state.
+constexpr int kCutRun = 8;
+constexpr int kCutChannels = 128 / kLanes;   // 8
+
+template <typename T>
+__device__ __forceinline__ float ld_f(const T *q, int t) { return to_f(q[t]); }
+
+// forward: {P, s} of segment c (before cut c + 1), as scan_fwd_kernel's steps compute them (scan_step's select)
+template <typename in_t, typename w_t>
+__global__ void __launch_bounds__(128) scan_cut_states_kernel(const ScanParams p) {
+  const int n = threadIdx.x % kLanes, d = blockIdx.x * kCutChannels + threadIdx.x / kLanes;
+  const int b = blockIdx.y, c = blockIdx.z, K = gridDim.z + 1, L = p.seqlen;
+  if (d >= p.dim) return;
+  const int lo = time_cut(c, K, L), hi = time_cut(c + 1, K, L);
+  const bool n_ok = n < p.dstate;
+  const float A2 = n_ok ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
+  const float bias = p.delta_bias ? p.delta_bias[d] : 0.f;
+  const int64_t row = ((int64_t)b * p.dim + d) * L;
+  const in_t *u = reinterpret_cast<const in_t *>(p.u) + row;
+  const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
+  const int grp = d / p.dim_per_group;
+  const w_t *Bn = reinterpret_cast<const w_t *>(p.B) + (((int64_t)b * p.n_groups + grp) * p.dstate + (n_ok ? n : 0)) * L;
+  const int *pos = p.pos + (int64_t)b * L;
+  float h = 0.f, P = 1.f;
+  for (int t0 = lo; t0 < hi; t0 += kCutRun) {
+    float dt[kCutRun], bx[kCutRun];
+    bool keep[kCutRun];
+#pragma unroll
+    for (int j = 0; j < kCutRun; ++j) {
+      const int t = min(t0 + j, hi - 1);
+      float dtv = ld_f(delta, t) + bias;
+      dtv = p.softplus ? softplus_(dtv) : dtv;
+      bx[j] = (dtv * ld_f(u, t)) * (n_ok ? ld_f(Bn, t) : 0.f);
+      dt[j] = dtv;
+      keep[j] = pos[t] != 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kCutRun; ++j) {
+      if (t0 + j < hi) {
+        const float a = exp2f(dt[j] * A2);
+        h = keep[j] ? fmaf(a, h, bx[j]) : bx[j];
+        P = (keep[j] && P >= 0.f) ? P * a : -1.f;
+      }
+    }
+  }
+  reinterpret_cast<float2 *>(p.cut_summary)[(((int64_t)b * (K - 1) + c) * p.dim + d) * kLanes + n] =
+      make_float2(P, n_ok ? h : 0.f);
+}
+
+// backward: {P, g} of segment c + 1 (after cut c + 1): g the adjoint its first timestep hands back (multiplied by
+// its decay, as scan_bwd_kernel's gca) from a zero adjoint entering its end
+template <typename in_t, typename w_t>
+__global__ void __launch_bounds__(128) scan_cut_adjoints_kernel(const ScanParams p) {
+  const int n = threadIdx.x % kLanes, d = blockIdx.x * kCutChannels + threadIdx.x / kLanes;
+  const int b = blockIdx.y, c = blockIdx.z, K = gridDim.z + 1, L = p.seqlen;
+  if (d >= p.dim) return;
+  const int lo = time_cut(c + 1, K, L), hi = time_cut(c + 2, K, L);
+  const bool n_ok = n < p.dstate;
+  const float A2 = n_ok ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
+  const float bias = p.delta_bias ? p.delta_bias[d] : 0.f;
+  const int64_t row = ((int64_t)b * p.dim + d) * L;
+  const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
+  const in_t *z = p.z ? reinterpret_cast<const in_t *>(p.z) + row : nullptr;
+  const in_t *dout = reinterpret_cast<const in_t *>(p.dout) + row;
+  const int grp = d / p.dim_per_group;
+  const w_t *Cn = reinterpret_cast<const w_t *>(p.C) + (((int64_t)b * p.n_groups + grp) * p.dstate + (n_ok ? n : 0)) * L;
+  const int *pos = p.pos + (int64_t)b * L;
+  float g = 0.f, P = 1.f;
+  for (int t1 = hi; t1 > lo; t1 -= kCutRun) {   // timesteps t1 - 1 down to t1 - kCutRun
+    float dt[kCutRun], cy[kCutRun];
+    bool keep[kCutRun];
+#pragma unroll
+    for (int j = 0; j < kCutRun; ++j) {
+      const int t = max(t1 - 1 - j, lo);
+      float dtv = ld_f(delta, t) + bias;
+      dt[j] = p.softplus ? softplus_(dtv) : dtv;
+      float dy = ld_f(dout, t);
+      if (z) {
+        const float zv = ld_f(z, t);
+        dy = dy * zv * sigmoidf_(zv);
+      }
+      cy[j] = n_ok ? ld_f(Cn, t) * dy : 0.f;
+      keep[j] = pos[t] != 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kCutRun; ++j) {
+      if (t1 - 1 - j >= lo) {
+        const float a = exp2f(dt[j] * A2);
+        const float ga = g + cy[j];
+        g = keep[j] ? ga * a : 0.f;
+        P = (keep[j] && P >= 0.f) ? P * a : -1.f;
+      }
+    }
+  }
+  reinterpret_cast<float2 *>(p.cut_summary)[(((int64_t)b * (K - 1) + c) * p.dim + d) * kLanes + n] =
+      make_float2(P, n_ok ? g : 0.f);
+}
+
+template <typename in_t, typename w_t, bool kForward>
+void cut_summary_launch(const ScanParams &p, int segments, cudaStream_t st) {
+  if (!p.cut_summary || segments <= 1) return;
+  const dim3 grid((p.dim + kCutChannels - 1) / kCutChannels, p.batch, segments - 1);
+  if constexpr (kForward) scan_cut_states_kernel<in_t, w_t><<<grid, 128, 0, st>>>(p);
+  else scan_cut_adjoints_kernel<in_t, w_t><<<grid, 128, 0, st>>>(p);
+}
+
 // cp.async moves 4-byte units: every row it reads must start 4-byte aligned (for 16-bit tensors: seqlen even and the
 // tensor's data 4-byte aligned, which a contiguous view at an odd element offset is not); else the kernels stage
 // with plain loads (tests/ops/test_kernel_emulation.py: a misaligned cp.async faults the GPU).
@@ -878,7 +1029,9 @@ void fwd_launch_lanes(const ScanParams &p, cudaStream_t st) {
 
 template <typename in_t, typename w_t>
 void fwd_launch(const ScanParams &p, cudaStream_t st) {
-  switch (p.fwd_lanes ? p.fwd_lanes : scan_fwd_lanes(p.batch, p.dim, p.fwd_segments, p.sm_count)) {
+  cut_summary_launch<in_t, w_t, true>(p, p.fwd_segments, st);
+  switch (p.fwd_lanes ? p.fwd_lanes
+                      : scan_fwd_lanes(p.batch, p.dim, p.fwd_segments, p.cut_summary != nullptr, p.sm_count)) {
     case 1: fwd_launch_lanes<in_t, w_t, 1>(p, st); break;
     case 2: fwd_launch_lanes<in_t, w_t, 2>(p, st); break;
     case 4: fwd_launch_lanes<in_t, w_t, 4>(p, st); break;
@@ -888,6 +1041,7 @@ void fwd_launch(const ScanParams &p, cudaStream_t st) {
 
 template <typename in_t, typename w_t>
 void bwd_launch(const ScanParams &p, cudaStream_t st) {
+  cut_summary_launch<in_t, w_t, false>(p, p.bwd_segments, st);
   const dim3 grid((p.dim + kDB - 1) / kDB, p.batch, max(1, p.bwd_segments));
   const int smem = sizeof(BwdSmem<in_t, w_t>);
   bool_switch(p.z != nullptr, [&](auto has_z) {
@@ -908,12 +1062,12 @@ void bwd_launch(const ScanParams &p, cudaStream_t st) {
 
 // The forward takes the fewest threads a channel (the least work repeated per (channel, timestep)) that still give
 // each multiprocessor SCAN_FWD_WARPS_PER_SM warps: fewer, and a warp's chain of timesteps sets the time (see
-// scan_fwd_kernel; measured in RESULTS.md). A row cut into segments counts as at most two rows: a row of one long
+// scan_fwd_kernel; measured in RESULTS.md). A row cut at sequence starts counts as at most two rows: a row of one long
 // sequence leaves all but its first segment empty, and with the lanes chosen for that many full rows its warps would
 // crawl (bench_scan_segments.py, RESULTS.md: with two, packed rows run within 13 % of their best layout on average,
-// rows of one sequence 15 % slower than without segments).
-int scan_fwd_lanes(int batch, int dim, int segments, int sm_count) {
-  const int64_t rows = (int64_t)batch * min(max(segments, 1), 2);
+// rows of one sequence 15 % slower than without segments). Cut inside sequences (cut_inside), every segment is full.
+int scan_fwd_lanes(int batch, int dim, int segments, bool cut_inside, int sm_count) {
+  const int64_t rows = (int64_t)batch * (cut_inside ? max(segments, 1) : min(max(segments, 1), 2));
   for (int lanes = 1; lanes < 8; lanes *= 2)
     if (rows * ((dim + 32 / lanes - 1) / (32 / lanes)) >= (int64_t)kScanFwdWarpsPerSM * sm_count) return lanes;
   return 8;
