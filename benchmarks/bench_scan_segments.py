@@ -1,8 +1,8 @@
 """The packed scan on grids too small to fill the GPU: rows cut into segments that run side by side.
 
 Two ways to cut (``ops/csrc/selective_scan.cu``): at sequence starts (``segment_bound``: free, but a row of one long
-sequence cannot be cut) and anywhere (``time_cut``: a summary pass per cut and a fold; what the plain scan does since
-it can). For each shape (batch x dim x seqlen, bf16, dstate 16, with z, D, delta_bias, softplus) and each kind of
+sequence cannot be cut) and anywhere (``cut_bound``: at a start where a window of the row has one, else inside a
+sequence, with a summary pass per such cut and a fold; what the plain scan does where it can). For each shape (batch x dim x seqlen, bf16, dstate 16, with z, D, delta_bias, softplus) and each kind of
 row, times the forward and the backward kernels for every segment count (1, 2, 4, ...) cut either way (the forward's
 layout chosen by the kernel), the plan ``ops`` makes (``ops/contract.py``: ``scan_fwd_segments`` /
 ``scan_bwd_segments``) through the ops, and mamba-ssm's ``selective_scan_fn`` on the same tensors without boundaries
@@ -133,7 +133,7 @@ def main(argv=None):
                     ms = bench(lambda: ext.scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, out, saved, k, 0,
                                                     None, None, None, cs), args.warmup, args.iters)
                     rec["fwd"][f"{mode}_seg{k}"] = round(ms, 4)
-            ext.scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, out, saved, 1, 0)
+            ext.scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, out, saved, 1, 0, None, None, None, None)
             for mode in ("starts", "inside"):
                 for k in ks:
                     dA = torch.zeros(Bz * k, D, N, device="cuda")

@@ -128,7 +128,7 @@ SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a 
 SCAN_FWD_WARPS_PER_SM = 7
 # Where a grid is too small to fill the GPU, the scan cuts each row into segments that run side by side
 # (scan_segments): at sequence starts where sequences carry states (a packed row's sequences are independent), else
-# anywhere, each segment starting from the state the ones before hand on (ops/csrc/selective_scan.cu, time_cut). The
+# anywhere, each segment starting from the state the ones before hand on (ops/csrc/selective_scan.cu, cut_bound). The
 # backward aims at this many blocks of 128 threads per multiprocessor (it runs 3 at a time); no segment is planned
 # shorter than SCAN_MIN_SEGMENT timesteps (cut at sequence starts) or SCAN_MIN_CUT_SEGMENT (cut anywhere).
 SCAN_BWD_BLOCKS_PER_SM = 6
@@ -165,8 +165,9 @@ def scan_segments(units: int, seqlen: int, target: int, cut_inside: bool = False
     At sequence starts (``ops/csrc/selective_scan.cu``, ``segment_bound``), segment ``k`` of ``K`` runs from the first
     sequence start at or after ``k * seqlen / K`` to the next segment's start: rows with fewer, longer sequences get
     empty segments and are no faster, but never wrong; the bits are those of one pass over the row. ``cut_inside``
-    (``time_cut``): segment ``k`` starts at ``k * seqlen / K`` rounded down to a multiple of ``SCAN_CHUNK``, inside
-    a sequence or not, from the state the segments before it hand on (a summary pass per cut, then a fold)."""
+    (``cut_bound``): window ``k`` starts at ``k * seqlen / K`` rounded down to a multiple of ``SCAN_CHUNK``; segment
+    ``k`` starts at the window's first sequence start or, where it has none, at the window's start, inside a sequence,
+    from the state the segments before it hand on (a summary pass per such cut, then a fold)."""
     shortest = SCAN_MIN_CUT_SEGMENT if cut_inside else SCAN_MIN_SEGMENT
     k = 1
     while units * k < target and seqlen >= 2 * k * shortest:

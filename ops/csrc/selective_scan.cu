@@ -119,15 +119,14 @@ __device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
 // bound(K) = L, else the first sequence start (position id 0) at or after k L / K; a stretch with no start in it
 // stays in one segment (its later segments are empty). Used where a grid has too few warps to fill the GPU.
 constexpr int kSearchLoads = 8;   // position ids a lane reads per round trip of the search (8 x 32 timesteps)
-__device__ __forceinline__ int segment_bound(const int *pos, int k, int K, int L, int lane) {
-  if (k <= 0) return 0;
-  if (k >= K) return L;
-  for (int t = (int)((int64_t)k * L / K); t < L; t += 32 * kSearchLoads) {
+// the first sequence start in [from, to), else `to`; every lane of the warp calls it
+__device__ __forceinline__ int first_start(const int *pos, int from, int to, int lane) {
+  for (int t = from; t < to; t += 32 * kSearchLoads) {
     int v[kSearchLoads];
 #pragma unroll
     for (int i = 0; i < kSearchLoads; ++i) {
       const int ti = t + 32 * i + lane;
-      v[i] = ti < L ? pos[ti] : 1;
+      v[i] = ti < to ? pos[ti] : 1;
     }
 #pragma unroll
     for (int i = 0; i < kSearchLoads; ++i) {
@@ -135,25 +134,43 @@ __device__ __forceinline__ int segment_bound(const int *pos, int k, int K, int L
       if (m) return t + 32 * i + __ffs(m) - 1;
     }
   }
-  return L;
+  return to;
+}
+__device__ __forceinline__ int segment_bound(const int *pos, int k, int K, int L, int lane) {
+  if (k <= 0) return 0;
+  if (k >= K) return L;
+  return first_start(pos, (int)((int64_t)k * L / K), L, lane);
 }
 
-// ---- cuts inside sequences (ScanParams::cut_summary): rows of a few long sequences have few starts to cut at, so
-// segment k of K starts at timestep k L / K rounded down to a chunk start, wherever that falls. The scan is affine
-// in the state it starts from: a segment's end state is P h_in + s, with P the product of its decays and s its end
-// state from zero (P = -1 where a sequence starts inside it: h_in is dropped, not multiplied by 0, so an inf or NaN
-// stays in its sequence). A summary pass (scan_cut_states_kernel) writes {P, s} of every segment but the last; each
-// segment then folds those before it into its starting state. The backward mirrors it: its adjoint is affine in the
-// adjoint entering the segment's end with the same P (scan_cut_adjoints_kernel), folded from the last segment back.
-// One pass's bits are not kept (the fold multiplies in another order); float64 and the unsplit run are the reference.
-__device__ __forceinline__ int time_cut(int k, int K, int L) {
+// ---- cuts inside sequences (ScanParams::cut_summary): a row of a few long sequences has few starts to cut at. Its
+// window k of K starts at k L / K rounded down to a chunk start; segment k starts at the first sequence start in its
+// window (a cut that costs nothing) or, where the window has none, at the window's start, inside a sequence. The scan
+// is affine in the state it starts from: a segment's end state is P h_in + s, with P the product of its decays and s
+// its end state from zero (P = -1 where a sequence starts inside it: h_in is dropped, not multiplied by 0, so an inf
+// or NaN stays in its sequence). A summary pass (scan_cut_summary_kernel) writes {P, s} of each segment that ends at
+// a cut inside a sequence ({-1, 0} for the others: the next segment drops its state anyway); each segment then folds
+// the summaries before it into its starting state. The backward mirrors it: its adjoint is affine in the adjoint
+// entering the segment's end with the same P, folded from the last segment back. One pass's bits are not kept (the
+// fold multiplies in another order); float64 and the unsplit run are the reference.
+__device__ __forceinline__ int cut_window(int k, int K, int L) {
   if (k <= 0) return 0;
   if (k >= K) return L;
   return (int)((int64_t)k * L / K) / kChunk * kChunk;
 }
+__device__ __forceinline__ int cut_bound(const int *pos, int k, int K, int L, int lane) {
+  if (k <= 0) return 0;
+  if (k >= K) return L;
+  const int w0 = cut_window(k, K, L), w1 = cut_window(k + 1, K, L);
+  const int t = first_start(pos, w0, w1, lane);
+  return t < w1 ? t : w0;
+}
+// whether a segment boundary t (0 < t < L) cuts a sequence
+__device__ __forceinline__ bool cuts_inside(const ScanParams &p, const int *pos, int t) {
+  return p.cut_summary && t > 0 && t < p.seqlen && pos[t] != 0;
+}
 __device__ __forceinline__ int seg_bound(const ScanParams &p, int k, int K, int lane) {
-  return p.cut_summary ? time_cut(k, K, p.seqlen) : segment_bound(p.pos + (int64_t)blockIdx.y * p.seqlen, k, K,
-                                                                   p.seqlen, lane);
+  const int *pos = p.pos + (int64_t)blockIdx.y * p.seqlen;
+  return p.cut_summary ? cut_bound(pos, k, K, p.seqlen, lane) : segment_bound(pos, k, K, p.seqlen, lane);
 }
 // the state (or adjoint) after a segment with summary {P, s}, from x entering it
 __device__ __forceinline__ float cut_fold(float2 ps, float x) { return ps.x < 0.f ? ps.y : fmaf(ps.x, x, ps.y); }
@@ -336,7 +353,7 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   float h[kS];
 #pragma unroll
   for (int j = 0; j < kS; ++j) h[j] = 0.f;
-  if (p.cut_summary && seg_lo > 0 && d_ok) {   // cut inside a sequence: the state the segments before hand on
+  if (cuts_inside(p, pos, seg_lo) && d_ok) {   // cut inside a sequence: the state the segments before hand on
     const float2 *sum = reinterpret_cast<const float2 *>(p.cut_summary) +
                         ((int64_t)b * (gridDim.z - 1) * p.dim + d) * kLanes;
     for (int c = 0; c < (int)blockIdx.z; ++c) {
@@ -488,7 +505,7 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     // the state at the end of chunk t0 / 64, by the segment that holds the chunk's last timestep (cut inside a
     // sequence: by the segment after the cut, as it starts)
     if (d_ok && (t_end % kChunk == 0 || t_end >= L) && t_last >= seg_lo && t_last < seg_hi &&
-        !(p.cut_summary && t_end == seg_hi && seg_hi < L)) {
+        !(t_end == seg_hi && cuts_inside(p, pos, seg_hi))) {
       float *sv = saved + (t0 / kChunk) * kLanes;
       if constexpr (kVec && kP == 1) {
 #pragma unroll
@@ -885,112 +902,101 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   }
 }
 
-// ---- the summaries of cuts inside sequences (see time_cut): a thread a (channel, state), 8 channels a block, one
-// segment a block (grid z: the cuts). Loads run kCutRun timesteps ahead of the recurrence; u, delta, z, dout are
-// read by the channel's 16 threads at one address, B or C a row a state.
+// ---- the summaries of cuts inside sequences (see cut_bound): a thread a channel, its 16 states in registers (what
+// belongs to a (channel, timestep), the softplus and silu, is done once), one segment a block (grid z: the cuts).
+// The channel's own rows are loaded one run of kCutRun timesteps ahead; B or C, shared by the warp's channels, as
+// used. The backward's summary walks forward too: the adjoint a segment hands back from a zero adjoint at its end is
+// g = sum_t (prod_{s <= t} a_s) C_t dy_t over the timesteps before its first sequence start (scan_bwd_kernel's
+// reverse recurrence, unrolled).
 constexpr int kCutRun = 8;
-constexpr int kCutChannels = 128 / kLanes;   // 8
+constexpr int kCutThreads = 64;
 
-template <typename T>
-__device__ __forceinline__ float ld_f(const T *q, int t) { return to_f(q[t]); }
-
-// forward: {P, s} of segment c (before cut c + 1), as scan_fwd_kernel's steps compute them (scan_step's select)
-template <typename in_t, typename w_t>
-__global__ void __launch_bounds__(128) scan_cut_states_kernel(const ScanParams p) {
-  const int n = threadIdx.x % kLanes, d = blockIdx.x * kCutChannels + threadIdx.x / kLanes;
-  const int b = blockIdx.y, c = blockIdx.z, K = gridDim.z + 1, L = p.seqlen;
+template <typename in_t, typename w_t, bool kAdjoint>
+__global__ void __launch_bounds__(kCutThreads) scan_cut_summary_kernel(const ScanParams p) {
+  const int b = blockIdx.y, c = blockIdx.z, K = gridDim.z + 1, L = p.seqlen, lane = threadIdx.x % 32;
+  const int *pos = p.pos + (int64_t)b * L;
+  // forward: segment c, read by the segments after cut c + 1; backward: segment c + 1, read by those before it
+  const int cut = cut_bound(pos, c + 1, K, L, lane);
+  const int lo = kAdjoint ? cut : cut_bound(pos, c, K, L, lane);
+  const int hi = kAdjoint ? cut_bound(pos, c + 2, K, L, lane) : cut;
+  const int d = blockIdx.x * kCutThreads + threadIdx.x;
   if (d >= p.dim) return;
-  const int lo = time_cut(c, K, L), hi = time_cut(c + 1, K, L);
-  const bool n_ok = n < p.dstate;
-  const float A2 = n_ok ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
+  float2 *sum = reinterpret_cast<float2 *>(p.cut_summary) + (((int64_t)b * (K - 1) + c) * p.dim + d) * kLanes;
+  if (!cuts_inside(p, pos, cut)) {   // block-uniform: the segment after the cut drops what comes through it
+#pragma unroll
+    for (int n = 0; n < kLanes; ++n) sum[n] = make_float2(-1.f, 0.f);
+    return;
+  }
+  float A2[kLanes];
+#pragma unroll
+  for (int n = 0; n < kLanes; ++n) A2[n] = n < p.dstate ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
   const float bias = p.delta_bias ? p.delta_bias[d] : 0.f;
   const int64_t row = ((int64_t)b * p.dim + d) * L;
-  const in_t *u = reinterpret_cast<const in_t *>(p.u) + row;
   const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
-  const int grp = d / p.dim_per_group;
-  const w_t *Bn = reinterpret_cast<const w_t *>(p.B) + (((int64_t)b * p.n_groups + grp) * p.dstate + (n_ok ? n : 0)) * L;
-  const int *pos = p.pos + (int64_t)b * L;
-  float h = 0.f, P = 1.f;
-  for (int t0 = lo; t0 < hi; t0 += kCutRun) {
-    float dt[kCutRun], bx[kCutRun];
-    bool keep[kCutRun];
+  // forward: u; backward: dout (and z)
+  const in_t *x = reinterpret_cast<const in_t *>(kAdjoint ? p.dout : p.u) + row;
+  const in_t *z = kAdjoint && p.z ? reinterpret_cast<const in_t *>(p.z) + row : nullptr;
+  const w_t *W = reinterpret_cast<const w_t *>(kAdjoint ? p.C : p.B) +
+                 ((int64_t)b * p.n_groups + d / p.dim_per_group) * p.dstate * L;   // B (forward) or C rows
+  float P[kLanes], s[kLanes];   // the decays' product; the state (forward) or the adjoint (backward) from zero
+#pragma unroll
+  for (int n = 0; n < kLanes; ++n) { P[n] = 1.f; s[n] = 0.f; }
+  bool started = false;   // a sequence starts in the segment (after its first timestep)
+  struct Run { float delta[kCutRun], x[kCutRun], z[kCutRun]; int pos[kCutRun]; };
+  auto load = [&](Run &r, int t0) {
 #pragma unroll
     for (int j = 0; j < kCutRun; ++j) {
       const int t = min(t0 + j, hi - 1);
-      float dtv = ld_f(delta, t) + bias;
-      dtv = p.softplus ? softplus_(dtv) : dtv;
-      bx[j] = (dtv * ld_f(u, t)) * (n_ok ? ld_f(Bn, t) : 0.f);
-      dt[j] = dtv;
-      keep[j] = pos[t] != 0;
+      r.delta[j] = to_f(delta[t]);
+      r.x[j] = to_f(x[t]);
+      r.z[j] = z ? to_f(z[t]) : 0.f;
+      r.pos[j] = t0 + j < hi ? pos[t] : 1;
     }
+  };
+  Run cur, nxt;
+  load(cur, lo);
+  for (int t0 = lo; t0 < hi; t0 += kCutRun) {
+    if (t0 + kCutRun < hi) load(nxt, t0 + kCutRun);
 #pragma unroll
     for (int j = 0; j < kCutRun; ++j) {
-      if (t0 + j < hi) {
-        const float a = exp2f(dt[j] * A2);
-        h = keep[j] ? fmaf(a, h, bx[j]) : bx[j];
-        P = (keep[j] && P >= 0.f) ? P * a : -1.f;
+      const int t = t0 + j;
+      if (t >= hi) break;
+      float dt = cur.delta[j] + bias;
+      dt = p.softplus ? softplus_(dt) : dt;
+      const bool keep = cur.pos[j] != 0;
+      if constexpr (kAdjoint) {
+        if (!keep) { started = true; break; }   // warp-uniform: nothing from here on reaches the segment's start
+        const float dy = z ? cur.x[j] * cur.z[j] * sigmoidf_(cur.z[j]) : cur.x[j];
+#pragma unroll
+        for (int n = 0; n < kLanes; ++n) {
+          P[n] *= exp2f(dt * A2[n]);
+          const float cn = n < p.dstate ? to_f(W[(int64_t)n * L + t]) : 0.f;
+          s[n] = fmaf(P[n], cn * dy, s[n]);
+        }
+      } else {
+        started |= !keep;
+        const float dtu = dt * cur.x[j];
+#pragma unroll
+        for (int n = 0; n < kLanes; ++n) {
+          const float a2 = dt * A2[n];
+          const float bn = n < p.dstate ? to_f(W[(int64_t)n * L + t]) : 0.f;
+          s[n] = scan_step(a2, dtu * bn, s[n], keep);
+          P[n] *= exp2f(a2);
+        }
       }
     }
+    if (kAdjoint && started) break;
+    cur = nxt;
   }
-  reinterpret_cast<float2 *>(p.cut_summary)[(((int64_t)b * (K - 1) + c) * p.dim + d) * kLanes + n] =
-      make_float2(P, n_ok ? h : 0.f);
+#pragma unroll
+  for (int n = 0; n < kLanes; ++n) sum[n] = make_float2(started ? -1.f : P[n], s[n]);
 }
 
-// backward: {P, g} of segment c + 1 (after cut c + 1): g the adjoint its first timestep hands back (multiplied by
-// its decay, as scan_bwd_kernel's gca) from a zero adjoint entering its end
-template <typename in_t, typename w_t>
-__global__ void __launch_bounds__(128) scan_cut_adjoints_kernel(const ScanParams p) {
-  const int n = threadIdx.x % kLanes, d = blockIdx.x * kCutChannels + threadIdx.x / kLanes;
-  const int b = blockIdx.y, c = blockIdx.z, K = gridDim.z + 1, L = p.seqlen;
-  if (d >= p.dim) return;
-  const int lo = time_cut(c + 1, K, L), hi = time_cut(c + 2, K, L);
-  const bool n_ok = n < p.dstate;
-  const float A2 = n_ok ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
-  const float bias = p.delta_bias ? p.delta_bias[d] : 0.f;
-  const int64_t row = ((int64_t)b * p.dim + d) * L;
-  const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
-  const in_t *z = p.z ? reinterpret_cast<const in_t *>(p.z) + row : nullptr;
-  const in_t *dout = reinterpret_cast<const in_t *>(p.dout) + row;
-  const int grp = d / p.dim_per_group;
-  const w_t *Cn = reinterpret_cast<const w_t *>(p.C) + (((int64_t)b * p.n_groups + grp) * p.dstate + (n_ok ? n : 0)) * L;
-  const int *pos = p.pos + (int64_t)b * L;
-  float g = 0.f, P = 1.f;
-  for (int t1 = hi; t1 > lo; t1 -= kCutRun) {   // timesteps t1 - 1 down to t1 - kCutRun
-    float dt[kCutRun], cy[kCutRun];
-    bool keep[kCutRun];
-#pragma unroll
-    for (int j = 0; j < kCutRun; ++j) {
-      const int t = max(t1 - 1 - j, lo);
-      float dtv = ld_f(delta, t) + bias;
-      dt[j] = p.softplus ? softplus_(dtv) : dtv;
-      float dy = ld_f(dout, t);
-      if (z) {
-        const float zv = ld_f(z, t);
-        dy = dy * zv * sigmoidf_(zv);
-      }
-      cy[j] = n_ok ? ld_f(Cn, t) * dy : 0.f;
-      keep[j] = pos[t] != 0;
-    }
-#pragma unroll
-    for (int j = 0; j < kCutRun; ++j) {
-      if (t1 - 1 - j >= lo) {
-        const float a = exp2f(dt[j] * A2);
-        const float ga = g + cy[j];
-        g = keep[j] ? ga * a : 0.f;
-        P = (keep[j] && P >= 0.f) ? P * a : -1.f;
-      }
-    }
-  }
-  reinterpret_cast<float2 *>(p.cut_summary)[(((int64_t)b * (K - 1) + c) * p.dim + d) * kLanes + n] =
-      make_float2(P, n_ok ? g : 0.f);
-}
-
-template <typename in_t, typename w_t, bool kForward>
+template <typename in_t, typename w_t, bool kAdjoint>
 void cut_summary_launch(const ScanParams &p, int segments, cudaStream_t st) {
   if (!p.cut_summary || segments <= 1) return;
-  const dim3 grid((p.dim + kCutChannels - 1) / kCutChannels, p.batch, segments - 1);
-  if constexpr (kForward) scan_cut_states_kernel<in_t, w_t><<<grid, 128, 0, st>>>(p);
-  else scan_cut_adjoints_kernel<in_t, w_t><<<grid, 128, 0, st>>>(p);
+  const dim3 grid((p.dim + kCutThreads - 1) / kCutThreads, p.batch, segments - 1);
+  scan_cut_summary_kernel<in_t, w_t, kAdjoint><<<grid, kCutThreads, 0, st>>>(p);
 }
 
 // cp.async moves 4-byte units: every row it reads must start 4-byte aligned (for 16-bit tensors: seqlen even and the
@@ -1029,7 +1035,7 @@ void fwd_launch_lanes(const ScanParams &p, cudaStream_t st) {
 
 template <typename in_t, typename w_t>
 void fwd_launch(const ScanParams &p, cudaStream_t st) {
-  cut_summary_launch<in_t, w_t, true>(p, p.fwd_segments, st);
+  cut_summary_launch<in_t, w_t, false>(p, p.fwd_segments, st);
   switch (p.fwd_lanes ? p.fwd_lanes
                       : scan_fwd_lanes(p.batch, p.dim, p.fwd_segments, p.cut_summary != nullptr, p.sm_count)) {
     case 1: fwd_launch_lanes<in_t, w_t, 1>(p, st); break;
@@ -1041,7 +1047,7 @@ void fwd_launch(const ScanParams &p, cudaStream_t st) {
 
 template <typename in_t, typename w_t>
 void bwd_launch(const ScanParams &p, cudaStream_t st) {
-  cut_summary_launch<in_t, w_t, false>(p, p.bwd_segments, st);
+  cut_summary_launch<in_t, w_t, true>(p, p.bwd_segments, st);
   const dim3 grid((p.dim + kDB - 1) / kDB, p.batch, max(1, p.bwd_segments));
   const int smem = sizeof(BwdSmem<in_t, w_t>);
   bool_switch(p.z != nullptr, [&](auto has_z) {
