@@ -941,7 +941,7 @@ __global__ void __launch_bounds__(kCutThreads) scan_cut_summary_kernel(const Sca
   float P[kLanes], s[kLanes];   // the decays' product; the state (forward) or the adjoint (backward) from zero
 #pragma unroll
   for (int n = 0; n < kLanes; ++n) { P[n] = 1.f; s[n] = 0.f; }
-  bool started = false;   // a sequence starts in the segment (after its first timestep)
+  bool started = false;   // a sequence starts in the segment (backward: after its first timestep)
   struct Run { float delta[kCutRun], x[kCutRun], z[kCutRun]; int pos[kCutRun]; };
   auto load = [&](Run &r, int t0) {
 #pragma unroll
@@ -957,35 +957,39 @@ __global__ void __launch_bounds__(kCutThreads) scan_cut_summary_kernel(const Sca
   load(cur, lo);
   for (int t0 = lo; t0 < hi; t0 += kCutRun) {
     if (t0 + kCutRun < hi) load(nxt, t0 + kCutRun);
+    // fully unrolled (no break: the run's arrays stay in registers); a timestep past the segment is skipped
 #pragma unroll
     for (int j = 0; j < kCutRun; ++j) {
       const int t = t0 + j;
-      if (t >= hi) break;
-      float dt = cur.delta[j] + bias;
-      dt = p.softplus ? softplus_(dt) : dt;
       const bool keep = cur.pos[j] != 0;
-      if constexpr (kAdjoint) {
-        if (!keep) { started = true; break; }   // warp-uniform: nothing from here on reaches the segment's start
-        const float dy = z ? cur.x[j] * cur.z[j] * sigmoidf_(cur.z[j]) : cur.x[j];
+      // backward: from a sequence start on, nothing reaches the segment's first timestep
+      const bool live = t < hi && !(kAdjoint && (started || !keep));
+      if (kAdjoint) started |= t < hi && !keep;
+      if (live) {   // warp-uniform
+        float dt = cur.delta[j] + bias;
+        dt = p.softplus ? softplus_(dt) : dt;
+        if constexpr (kAdjoint) {
+          const float dy = z ? cur.x[j] * cur.z[j] * sigmoidf_(cur.z[j]) : cur.x[j];
 #pragma unroll
-        for (int n = 0; n < kLanes; ++n) {
-          P[n] *= exp2f(dt * A2[n]);
-          const float cn = n < p.dstate ? to_f(W[(int64_t)n * L + t]) : 0.f;
-          s[n] = fmaf(P[n], cn * dy, s[n]);
-        }
-      } else {
-        started |= !keep;
-        const float dtu = dt * cur.x[j];
+          for (int n = 0; n < kLanes; ++n) {
+            P[n] *= exp2f(dt * A2[n]);
+            const float cn = n < p.dstate ? to_f(W[(int64_t)n * L + t]) : 0.f;
+            s[n] = fmaf(P[n], cn * dy, s[n]);
+          }
+        } else {
+          started |= !keep;
+          const float dtu = dt * cur.x[j];
 #pragma unroll
-        for (int n = 0; n < kLanes; ++n) {
-          const float a2 = dt * A2[n];
-          const float bn = n < p.dstate ? to_f(W[(int64_t)n * L + t]) : 0.f;
-          s[n] = scan_step(a2, dtu * bn, s[n], keep);
-          P[n] *= exp2f(a2);
+          for (int n = 0; n < kLanes; ++n) {
+            const float a = exp2f(dt * A2[n]);   // scan_step's bits, its decay kept for P
+            const float bx = dtu * (n < p.dstate ? to_f(W[(int64_t)n * L + t]) : 0.f);
+            s[n] = keep ? fmaf(a, s[n], bx) : bx;
+            P[n] *= a;
+          }
         }
       }
     }
-    if (kAdjoint && started) break;
+    if (kAdjoint && started) break;   // warp-uniform
     cur = nxt;
   }
 #pragma unroll
