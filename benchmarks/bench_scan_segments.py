@@ -1,16 +1,14 @@
-"""The packed scan on grids too small to fill the GPU: rows cut into segments that run side by side.
+"""The packed scan on grids too small to fill the GPU: rows cut at sequence starts into segments run side by side.
 
-Two ways to cut (``ops/csrc/selective_scan.cu``): at sequence starts (``segment_bound``: free, but a row of one long
-sequence cannot be cut) and anywhere (``cut_bound``: at a start where a window of the row has one, else inside a
-sequence, with a summary pass per such cut and a fold; what the plain scan does where it can). For each shape (batch x dim x seqlen, bf16, dstate 16, with z, D, delta_bias, softplus) and each kind of
-row, times the forward and the backward kernels for every segment count (1, 2, 4, ...) cut either way (the forward's
-layout chosen by the kernel), the plan ``ops`` makes (``ops/contract.py``: ``scan_fwd_segments`` /
-``scan_bwd_segments``) through the ops, and mamba-ssm's ``selective_scan_fn`` on the same tensors without boundaries
-(when installed). Rows:
+For each shape (batch x dim x seqlen, bf16, dstate 16, with z, D, delta_bias, softplus) and each kind of row, times
+the forward kernel in every layout (threads a channel: 1, 2, 4, 8) and segment count (1, 2, 4, ...), the backward
+kernel for every segment count, the plan ``ops`` makes (``ops/contract.py``: ``scan_fwd_segments`` /
+``scan_bwd_segments``, the layout chosen by the kernel) through the ops, and mamba-ssm's ``selective_scan_fn`` on the
+same tensors without boundaries (when installed). Rows:
 
 - ``packed``: 10-20 sequences a row, cut at random (``bench_ops.py``'s rows);
 - ``lognormal``: lengths lognormal(5.5, 0.9) clipped to [8, 2048], packed in order;
-- ``one``: one sequence a row (no start to cut at).
+- ``one``: one sequence a row (nothing to cut: later segments are empty; the worst case of a plan).
 
     python3 benchmarks/bench_scan_segments.py --out benchmarks/results/scan_segments/scan_segments.json
     python3 benchmarks/bench_scan_segments.py --shapes 1x1024x2048,2x5120x4096 --rows packed
@@ -64,7 +62,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="comma list of BATCHxDIMxSEQLEN")
     ap.add_argument("--rows", default="packed,lognormal,one", help="comma list of packed, lognormal, one")
-    ap.add_argument("--max-segments", type=int, default=32)
+    ap.add_argument("--max-segments", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None)
@@ -72,7 +70,7 @@ def main(argv=None):
 
     import ops  # noqa: F401  (registers torch.ops.packloader.*)
     from ops import _cuda
-    from ops.contract import scan_bwd_segments, scan_cut_summary_shape, scan_fwd_segments
+    from ops.contract import scan_bwd_segments, scan_fwd_segments
 
     ext = _cuda.load()
     kops = torch.ops.packloader
@@ -102,16 +100,9 @@ def main(argv=None):
         du, ddelta, dz = torch.empty_like(u), torch.empty_like(u), torch.empty_like(u)
         dB = torch.zeros(Bz, 1, N, L, device="cuda")
         dC = torch.zeros(Bz, 1, N, L, device="cuda")
-        ks = [k for k in (1, 2, 4, 8, 16, 32) if k <= args.max_segments and L // k >= 64]
-        entry = {"shape": [Bz, D, L], "plan": {"fwd_segments": scan_fwd_segments(Bz, D, L, sm, cut_inside=True),
-                                               "bwd_segments": scan_bwd_segments(Bz, D, L, sm, cut_inside=True)},
-                 "rows": {}}
-
-        def summary(k, mode):
-            if mode == "starts" or k == 1:
-                return None
-            return torch.empty(scan_cut_summary_shape(Bz, k, D), device="cuda")
-
+        ks = [k for k in (1, 2, 4, 8, 16, 32) if k <= args.max_segments and L // k >= 128]
+        entry = {"shape": [Bz, D, L], "plan": {"fwd_segments": scan_fwd_segments(Bz, D, L, sm),
+                                               "bwd_segments": scan_bwd_segments(Bz, D, L, sm)}, "rows": {}}
         if selective_scan_fn is not None:
             B3, C3 = Bm[:, 0].contiguous(), Cm[:, 0].contiguous()
             uq = u.detach().clone().requires_grad_(True)
@@ -127,23 +118,19 @@ def main(argv=None):
         for kind in args.rows.split(","):
             pos = position_ids(kind, Bz, L)
             rec = {"sequences_per_row": [int((pos[b] == 0).sum()) for b in range(Bz)], "fwd": {}, "bwd": {}}
-            for mode in ("starts", "inside"):
+            for lanes in (1, 2, 4, 8):
                 for k in ks:
-                    cs = summary(k, mode)
-                    ms = bench(lambda: ext.scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, out, saved, k, 0,
-                                                    None, None, None, cs), args.warmup, args.iters)
-                    rec["fwd"][f"{mode}_seg{k}"] = round(ms, 4)
-            ext.scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, out, saved, 1, 0, None, None, None, None)
-            for mode in ("starts", "inside"):
-                for k in ks:
-                    dA = torch.zeros(Bz * k, D, N, device="cuda")
-                    dD = torch.zeros(Bz * k, D, device="cuda")
-                    ddb = torch.zeros(Bz * k, D, device="cuda")
-                    cs = summary(k, mode)
-                    ms = bench(lambda: ext.scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, saved, dout, None,
-                                                    du, ddelta, dz, dA, dB, dC, dD, ddb, None, k, None, None, None,
-                                                    None, cs), args.warmup, args.iters)
-                    rec["bwd"][f"{mode}_seg{k}"] = round(ms, 4)
+                    ms = bench(lambda: ext.scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, out, saved, k,
+                                                    lanes), args.warmup, args.iters)
+                    rec["fwd"][f"lanes{lanes}_seg{k}"] = round(ms, 4)
+            ext.scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, out, saved, 1, 0)
+            for k in ks:
+                dA = torch.zeros(Bz * k, D, N, device="cuda")
+                dD = torch.zeros(Bz * k, D, device="cuda")
+                ddb = torch.zeros(Bz * k, D, device="cuda")
+                ms = bench(lambda: ext.scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, saved, dout, None, du,
+                                                ddelta, dz, dA, dB, dC, dD, ddb, None, k), args.warmup, args.iters)
+                rec["bwd"][f"seg{k}"] = round(ms, 4)
             # the plan, through the ops (allocations and the sums of the per-segment rows included)
             f = bench(lambda: kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True), args.warmup,
                       args.iters)
@@ -157,12 +144,11 @@ def main(argv=None):
             rec["plan_ops"] = {"fwd": round(f, 4), "fwd+bwd": round(fbm, 4)}
             best_f = min(rec["fwd"].items(), key=lambda kv: kv[1])
             best_b = min(rec["bwd"].items(), key=lambda kv: kv[1])
-            for mode in ("starts", "inside"):
-                for part in ("fwd", "bwd"):
-                    print(f"{shape:<14} {kind:<9} {part + ' ' + mode + ' seg ' + ','.join(map(str, ks)):<26} "
-                          + " ".join(f"{rec[part][f'{mode}_seg{k}']:8.3f}" for k in ks))
-            print(f"{shape:<14} {kind:<9} {'best fwd / bwd':<26} {best_f[1]:8.3f} {best_b[1]:8.3f} ({best_f[0]}, "
-                  f"{best_b[0]})")
+            print(f"{shape:<14} {kind:<9} {'fwd lanes1..8 x seg1':<26} "
+                  + " ".join(f"{rec['fwd'][f'lanes{l}_seg1']:8.3f}" for l in (1, 2, 4, 8)))
+            print(f"{shape:<14} {kind:<9} {'fwd best':<26} {best_f[1]:8.3f} ({best_f[0]})")
+            print(f"{shape:<14} {kind:<9} {'bwd seg ' + ','.join(map(str, ks)):<26} "
+                  + " ".join(f"{rec['bwd'][f'seg{k}']:8.3f}" for k in ks) + f"  best {best_b[0]}")
             print(f"{shape:<14} {kind:<9} {'plan (ops) fwd / fwd+bwd':<26} {f:8.3f} {fbm:8.3f}  plan "
                   f"{entry['plan']}", flush=True)
             entry["rows"][kind] = rec

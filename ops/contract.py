@@ -126,14 +126,11 @@ SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a 
 # multiprocessor (with fewer, one warp's chain of timesteps sets the time): ops/csrc/selective_scan.cu, scan_fwd_lanes
 # (a row cut into segments counts as two rows there)
 SCAN_FWD_WARPS_PER_SM = 7
-# Where a grid is too small to fill the GPU, the scan cuts each row into segments that run side by side
-# (scan_segments): at sequence starts where sequences carry states (a packed row's sequences are independent), else
-# anywhere, each segment starting from the state the ones before hand on (ops/csrc/selective_scan.cu, cut_bound). The
-# backward aims at this many blocks of 128 threads per multiprocessor (it runs 3 at a time); no segment is planned
-# shorter than SCAN_MIN_SEGMENT timesteps (cut at sequence starts) or SCAN_MIN_CUT_SEGMENT (cut anywhere).
+# A packed row's sequences are independent: where a grid is too small to fill the GPU, the scan cuts each row at
+# sequence starts into segments that run side by side (scan_segments). The backward aims at this many blocks of 128
+# threads per multiprocessor (it runs 3 at a time), and no segment is planned shorter than SCAN_MIN_SEGMENT timesteps.
 SCAN_BWD_BLOCKS_PER_SM = 6
 SCAN_MIN_SEGMENT = 256
-SCAN_MIN_CUT_SEGMENT = 128
 
 # The ops' outputs follow their inputs' strides (the conv) and the CUDA implementations read raw pointers: a compiler
 # (inductor) must hand them their inputs with exactly the strides seen when tracing.
@@ -157,36 +154,26 @@ def scan_blocks(dim: int) -> int:
     return -(-dim // SCAN_BLOCK_CHANNELS)
 
 
-def scan_segments(units: int, seqlen: int, target: int, cut_inside: bool = False) -> int:
+def scan_segments(units: int, seqlen: int, target: int) -> int:
     """Segments (a power of two) each row of the scan is cut into: the fewest that make ``units`` (the grid's warps or
-    blocks for whole rows) times the segments reach ``target``, none planned shorter than ``SCAN_MIN_SEGMENT``
-    (``SCAN_MIN_CUT_SEGMENT`` with ``cut_inside``).
+    blocks for whole rows) times the segments reach ``target``, none planned shorter than ``SCAN_MIN_SEGMENT``.
 
-    At sequence starts (``ops/csrc/selective_scan.cu``, ``segment_bound``), segment ``k`` of ``K`` runs from the first
-    sequence start at or after ``k * seqlen / K`` to the next segment's start: rows with fewer, longer sequences get
-    empty segments and are no faster, but never wrong; the bits are those of one pass over the row. ``cut_inside``
-    (``cut_bound``): window ``k`` starts at ``k * seqlen / K`` rounded down to a multiple of ``SCAN_CHUNK``; segment
-    ``k`` starts at the window's first sequence start or, where it has none, at the window's start, inside a sequence,
-    from the state the segments before it hand on (a summary pass per such cut, then a fold)."""
-    shortest = SCAN_MIN_CUT_SEGMENT if cut_inside else SCAN_MIN_SEGMENT
+    Segment ``k`` of ``K`` runs from the first sequence start at or after ``k * seqlen / K`` to the next segment's
+    start (``ops/csrc/selective_scan.cu``, ``segment_bound``): rows with fewer, longer sequences get empty segments
+    and are no faster, but never wrong; the bits are those of one pass over the row."""
     k = 1
-    while units * k < target and seqlen >= 2 * k * shortest:
+    while units * k < target and seqlen >= 2 * k * SCAN_MIN_SEGMENT:
         k *= 2
     return k
 
 
-def scan_fwd_segments(batch: int, dim: int, seqlen: int, sm_count: int, cut_inside: bool = False) -> int:
+def scan_fwd_segments(batch: int, dim: int, seqlen: int, sm_count: int) -> int:
     """Segments of the forward: warps of one thread a channel (32 channels a warp) against
     ``SCAN_FWD_WARPS_PER_SM`` warps per multiprocessor."""
-    return scan_segments(batch * -(-dim // 32), seqlen, SCAN_FWD_WARPS_PER_SM * sm_count, cut_inside)
+    return scan_segments(batch * -(-dim // 32), seqlen, SCAN_FWD_WARPS_PER_SM * sm_count)
 
 
-def scan_bwd_segments(batch: int, dim: int, seqlen: int, sm_count: int, cut_inside: bool = False) -> int:
+def scan_bwd_segments(batch: int, dim: int, seqlen: int, sm_count: int) -> int:
     """Segments of the backward: blocks of ``SCAN_BLOCK_CHANNELS`` channels against ``SCAN_BWD_BLOCKS_PER_SM`` blocks
     per multiprocessor. dA / dD / ddelta_bias come per (row, segment)."""
-    return scan_segments(batch * scan_blocks(dim), seqlen, SCAN_BWD_BLOCKS_PER_SM * sm_count, cut_inside)
-
-
-def scan_cut_summary_shape(batch: int, segments: int, dim: int) -> tuple:
-    """The float32 scratch of a scan cut inside sequences: a {P, s} pair per (row, cut, channel, state lane)."""
-    return (batch, segments - 1, dim, SCAN_LANES, 2)
+    return scan_segments(batch * scan_blocks(dim), seqlen, SCAN_BWD_BLOCKS_PER_SM * sm_count)

@@ -37,7 +37,7 @@ from . import backends as _backends
 from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids
 from .states import check_state, state_slots
 from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
-                       scan_chunks, scan_cut_summary_shape, scan_fwd_segments)
+                       scan_chunks, scan_fwd_segments)
 
 __all__ = ["packed_selective_scan", "selective_scan_ref", "linear_scan", "selective_scan_fwd", "selective_scan_bwd"]
 
@@ -383,22 +383,10 @@ def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sl
     # a final-state slot that no sequence ends in stays zero
     final = torch.zeros(num_final, dim, A.shape[1], device=u.device, dtype=torch.float32) if num_final else None
     if u.numel() > 0:
-        # rows cut at sequence starts where sequences carry states, else anywhere (a summary per cut: scratch)
-        segments = scan_fwd_segments(batch, dim, seqlen, _sm_count(u.device), cut_inside=slots is None)
+        segments = scan_fwd_segments(batch, dim, seqlen, _sm_count(u.device))
         ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, saved, segments, 0,
-                     slots, h0, final, _cut_summary(u, segments, slots))
+                     slots, h0, final)
     return out, saved, final
-
-
-def _cut_summary(u, segments, slots):
-    """The scratch of a plain scan cut into segments inside sequences (written in full by its summary pass)."""
-    if slots is not None or segments <= 1:
-        return None
-    from ._cuda import kernel_outputs
-
-    with kernel_outputs():
-        return torch.empty(scan_cut_summary_shape(u.shape[0], segments, u.shape[1]), device=u.device,
-                           dtype=torch.float32)
 
 
 def _state_args(state_slots):
@@ -458,7 +446,7 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     # an initial-state slot that no sequence starts from gets a zero gradient
     dinit = torch.zeros(h0.shape, device=u.device, dtype=torch.float32) if h0 is not None else None
     # dA / dD / ddelta_bias come per (batch row, segment) and are summed here (no atomics: the same bits every run)
-    segments = scan_bwd_segments(batch, dim, seqlen, _sm_count(u.device), cut_inside=slots is None)
+    segments = scan_bwd_segments(batch, dim, seqlen, _sm_count(u.device))
     rows = batch * segments
     dA = torch.zeros((rows,) + tuple(A.shape), device=u.device, dtype=torch.float32)
     dD = torch.zeros(rows, dim, device=u.device, dtype=torch.float32) if D is not None else None
@@ -480,8 +468,7 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     if u.numel() > 0:
         # the kernel recomputes the forward output (it needs it for dz) and writes it to out when asked
         ext.scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), saved.contiguous(), dout, out,
-                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_part, segments, slots, h0, dfinal, dinit,
-                     _cut_summary(u, segments, slots))
+                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_part, segments, slots, h0, dfinal, dinit)
     if deterministic:
         n_groups = B.shape[1]
         slots = det_part.view(batch, n_groups, det_part.shape[1] // n_groups, 2, *det_part.shape[3:])

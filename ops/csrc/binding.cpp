@@ -50,18 +50,6 @@ static po::ScanParams scan_params(const Tensor &u, const Tensor &delta, const Te
   return p;
 }
 
-// cuts inside sequences (ScanParams::cut_summary): float32 (batch, segments - 1, dim, 16, 2) scratch, given only
-// for a plain scan (no carried states) cut into segments
-static float *cut_summary_ptr(const Tensor &u, const OptT &cut_summary, const OptT &slots, int64_t segments) {
-  if (!cut_summary.has_value()) return nullptr;
-  TORCH_CHECK(!slots.has_value() && segments > 1, "scan: cut_summary is for a plain scan cut into segments");
-  TORCH_CHECK(cut_summary->scalar_type() == at::kFloat && cut_summary->is_contiguous() &&
-                  cut_summary->device() == u.device() &&
-                  cut_summary->sizes() == at::IntArrayRef({u.size(0), segments - 1, u.size(1), PACKLOADER_SCAN_LANES, 2}),
-              "scan: cut_summary must be float32 (batch, segments - 1, dim, 16, 2), contiguous, on u's device");
-  return cut_summary->data_ptr<float>();
-}
-
 // carried states (ops/contract.py): state_slots (2, batch, seqlen) int32, initial_state / final_state (slots, dim,
 // dstate) float32 contiguous; all absent for the plain scan
 static void check_states(const Tensor &u, const Tensor &A, const OptT &slots, std::initializer_list<const OptT *> st) {
@@ -81,7 +69,7 @@ static void check_states(const Tensor &u, const Tensor &A, const OptT &slots, st
 
 void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
               bool softplus, Tensor out, Tensor saved, int64_t segments, int64_t lanes, OptT state_slots,
-              OptT initial_state, OptT final_state, OptT cut_summary) {
+              OptT initial_state, OptT final_state) {
   c10::cuda::CUDAGuard guard(u.device());
   TORCH_CHECK(segments >= 1 && segments <= 65535, "scan_fwd: segments must be in [1, 65535], got ", segments);
   TORCH_CHECK(lanes == 0 || lanes == 1 || lanes == 2 || lanes == 4 || lanes == 8,
@@ -95,7 +83,6 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
   p.state_slots = ptr_or_null<const int>(state_slots);
   p.initial_state = ptr_or_null<const float>(initial_state);
   p.final_state = ptr_or_null<float>(final_state);
-  p.cut_summary = cut_summary_ptr(u, cut_summary, state_slots, segments);
   po::scan_fwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -103,7 +90,7 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
 void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT z, OptT delta_bias, Tensor pos,
               bool softplus, Tensor saved, Tensor dout, OptT out_rec, Tensor du, Tensor ddelta, OptT dz, Tensor dA,
               Tensor dB, Tensor dC, OptT dD, OptT ddelta_bias, OptT det_part, int64_t segments, OptT state_slots,
-              OptT initial_state, OptT dfinal_state, OptT dinitial_state, OptT cut_summary) {
+              OptT initial_state, OptT dfinal_state, OptT dinitial_state) {
   c10::cuda::CUDAGuard guard(u.device());
   TORCH_CHECK(segments >= 1 && segments <= 65535 && dA.size(0) == u.size(0) * segments &&
                   (!dD.has_value() || dD->size(0) == dA.size(0)) &&
@@ -137,7 +124,6 @@ void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
   p.initial_state = ptr_or_null<const float>(initial_state);
   p.dfinal_state = ptr_or_null<const float>(dfinal_state);
   p.dinitial_state = ptr_or_null<float>(dinitial_state);
-  p.cut_summary = cut_summary_ptr(u, cut_summary, state_slots, segments);
   po::scan_bwd_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -14,9 +14,8 @@ struct ScanParams {
   int batch, dim, seqlen, dstate, n_groups, dim_per_group, nchunks;
   int sm_count;     // the GPU's multiprocessors: the forward's layout depends on how many warps fill them
   int fwd_lanes;    // threads a channel in the forward (1, 2, 4, 8); 0 (what the binding passes): scan_fwd_lanes
-  // segments a row is cut into, run side by side (grid z; 0 or 1: none), chosen by the caller (ops/contract.py,
-  // scan_segments): at sequence starts, or anywhere with cut_summary; the backward writes dA / dD / ddelta_bias per
-  // (row, segment)
+  // segments a row is cut into at sequence starts, run side by side (grid z; 0 or 1: none), chosen by the caller
+  // (ops/contract.py, scan_segments); the backward writes dA / dD / ddelta_bias per (row, segment)
   int fwd_segments, bwd_segments;
   bool softplus;
   int in_dtype;     // u, delta, z, dout, out, du, ddelta, dz
@@ -46,12 +45,6 @@ struct ScanParams {
   float *final_state;                // forward: (slots, dim, dstate) fp32, h after the sequence's last token
   const float *dfinal_state;         // backward: the gradient of final_state (may be null: zero)
   float *dinitial_state;             // backward: the gradient of initial_state (written where a slot starts)
-  // cuts inside sequences (null: segments are cut at sequence starts): where given, segment k of a row starts at
-  // timestep k L / K rounded down to a chunk start, and each launch first writes here, per (row, cut, channel,
-  // state), the cut's summary {P, s}: the forward's {product of the decays, state from zero} of the segment before
-  // the cut, the backward's {the same product, adjoint from zero} of the segment after it (P = -1: a sequence starts
-  // in it); each segment then folds the summaries into its starting state / adjoint. (batch, K - 1, dim, 16) float2.
-  float *cut_summary;
 };
 
 // The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.
@@ -67,7 +60,7 @@ constexpr int kScanFwdWarpsPerSM = PACKLOADER_SCAN_FWD_WARPS_PER_SM;   // the fo
 void scan_fwd_launch(const ScanParams &p, cudaStream_t stream);
 // threads a channel (1, 2, 4 or 8) the forward takes for this many channels (rows cut into this many segments) on
 // this many multiprocessors
-int scan_fwd_lanes(int batch, int dim, int segments, bool cut_inside, int sm_count);
+int scan_fwd_lanes(int batch, int dim, int segments, int sm_count);
 void scan_bwd_launch(const ScanParams &p, cudaStream_t stream);
 
 // Causal conv1d. x/out/dout/dx share one layout given by strides (elements); weight (dim, width) fp32.

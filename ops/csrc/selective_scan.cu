@@ -119,14 +119,15 @@ __device__ __forceinline__ void reduce_scatter8(float (&v)[16], int lane8) {
 // bound(K) = L, else the first sequence start (position id 0) at or after k L / K; a stretch with no start in it
 // stays in one segment (its later segments are empty). Used where a grid has too few warps to fill the GPU.
 constexpr int kSearchLoads = 8;   // position ids a lane reads per round trip of the search (8 x 32 timesteps)
-// the first sequence start in [from, to), else `to`; every lane of the warp calls it
-__device__ __forceinline__ int first_start(const int *pos, int from, int to, int lane) {
-  for (int t = from; t < to; t += 32 * kSearchLoads) {
+__device__ __forceinline__ int segment_bound(const int *pos, int k, int K, int L, int lane) {
+  if (k <= 0) return 0;
+  if (k >= K) return L;
+  for (int t = (int)((int64_t)k * L / K); t < L; t += 32 * kSearchLoads) {
     int v[kSearchLoads];
 #pragma unroll
     for (int i = 0; i < kSearchLoads; ++i) {
       const int ti = t + 32 * i + lane;
-      v[i] = ti < to ? pos[ti] : 1;
+      v[i] = ti < L ? pos[ti] : 1;
     }
 #pragma unroll
     for (int i = 0; i < kSearchLoads; ++i) {
@@ -134,46 +135,8 @@ __device__ __forceinline__ int first_start(const int *pos, int from, int to, int
       if (m) return t + 32 * i + __ffs(m) - 1;
     }
   }
-  return to;
+  return L;
 }
-__device__ __forceinline__ int segment_bound(const int *pos, int k, int K, int L, int lane) {
-  if (k <= 0) return 0;
-  if (k >= K) return L;
-  return first_start(pos, (int)((int64_t)k * L / K), L, lane);
-}
-
-// ---- cuts inside sequences (ScanParams::cut_summary): a row of a few long sequences has few starts to cut at. Its
-// window k of K starts at k L / K rounded down to a chunk start; segment k starts at the first sequence start in its
-// window (a cut that costs nothing) or, where the window has none, at the window's start, inside a sequence. The scan
-// is affine in the state it starts from: a segment's end state is P h_in + s, with P the product of its decays and s
-// its end state from zero (P = -1 where a sequence starts inside it: h_in is dropped, not multiplied by 0, so an inf
-// or NaN stays in its sequence). A summary pass (scan_cut_summary_kernel) writes {P, s} of each segment that ends at
-// a cut inside a sequence ({-1, 0} for the others: the next segment drops its state anyway); each segment then folds
-// the summaries before it into its starting state. The backward mirrors it: its adjoint is affine in the adjoint
-// entering the segment's end with the same P, folded from the last segment back. One pass's bits are not kept (the
-// fold multiplies in another order); float64 and the unsplit run are the reference.
-__device__ __forceinline__ int cut_window(int k, int K, int L) {
-  if (k <= 0) return 0;
-  if (k >= K) return L;
-  return (int)((int64_t)k * L / K) / kChunk * kChunk;
-}
-__device__ __forceinline__ int cut_bound(const int *pos, int k, int K, int L, int lane) {
-  if (k <= 0) return 0;
-  if (k >= K) return L;
-  const int w0 = cut_window(k, K, L), w1 = cut_window(k + 1, K, L);
-  const int t = first_start(pos, w0, w1, lane);
-  return t < w1 ? t : w0;
-}
-// whether a segment boundary t (0 < t < L) cuts a sequence
-__device__ __forceinline__ bool cuts_inside(const ScanParams &p, const int *pos, int t) {
-  return p.cut_summary && t > 0 && t < p.seqlen && pos[t] != 0;
-}
-__device__ __forceinline__ int seg_bound(const ScanParams &p, int k, int K, int lane) {
-  const int *pos = p.pos + (int64_t)blockIdx.y * p.seqlen;
-  return p.cut_summary ? cut_bound(pos, k, K, p.seqlen, lane) : segment_bound(pos, k, K, p.seqlen, lane);
-}
-// the state (or adjoint) after a segment with summary {P, s}, from x entering it
-__device__ __forceinline__ float cut_fold(float2 ps, float x) { return ps.x < 0.f ? ps.y : fmaf(ps.x, x, ps.y); }
 
 // The forward: kP threads a channel (kP = 1, 2, 4 or 8, chosen per launch: fwd_lanes), each carrying kS = 16 / kP
 // of its states (lane sub of the channel: states sub, sub + kP, sub + 2 kP, ...), a warp the 32 / kP channels of one
@@ -321,8 +284,8 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   const int L = p.seqlen;
   const int *pos = p.pos + (int64_t)b * L;
   // this warp's segment of the row (grid z): timesteps [seg_lo, seg_hi), from the run holding seg_lo
-  const int seg_lo = seg_bound(p, blockIdx.z, gridDim.z, lane);
-  const int seg_hi = seg_bound(p, blockIdx.z + 1, gridDim.z, lane);
+  const int seg_lo = segment_bound(pos, blockIdx.z, gridDim.z, L, lane);
+  const int seg_hi = segment_bound(pos, blockIdx.z + 1, gridDim.z, L, lane);
   if (seg_lo >= seg_hi) return;   // warp-uniform: an empty segment
   const bool d_ok = d < p.dim;
   const int grp_lo = d0 / p.dim_per_group;
@@ -353,19 +316,6 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   float h[kS];
 #pragma unroll
   for (int j = 0; j < kS; ++j) h[j] = 0.f;
-  if (cuts_inside(p, pos, seg_lo) && d_ok) {   // cut inside a sequence: the state the segments before hand on
-    const float2 *sum = reinterpret_cast<const float2 *>(p.cut_summary) +
-                        ((int64_t)b * (gridDim.z - 1) * p.dim + d) * kLanes;
-    for (int c = 0; c < (int)blockIdx.z; ++c) {
-#pragma unroll
-      for (int j = 0; j < kS; ++j) h[j] = cut_fold(sum[(int64_t)c * p.dim * kLanes + sub + kP * j], h[j]);
-    }
-    // saved as the state at the end of the chunk before: the backward recomputes from the state this segment started
-    // from (the segment before does not store its last chunk's end)
-    float *sv = saved + (seg_lo / kChunk - 1) * kLanes;
-#pragma unroll
-    for (int j = 0; j < kS; ++j) sv[sub + kP * j] = h[j];
-  }
   // carried states: this row's slots; thread state k is state index sub + kP k of channel d
   const int *slots_i = kStates ? p.state_slots + (int64_t)b * L : nullptr;
   const int *slots_f = kStates ? p.state_slots + ((int64_t)p.batch + b) * L : nullptr;
@@ -502,10 +452,8 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     for (int k = 0; k < kR; ++k) o.v[k] = from_f<in_t>(outv[sub * kR + k][ch]);
     store_run<kVec>(out, o, t0 + sub * kR, seg_lo, seg_hi, d_ok);
     const int t_end = t0 + kFwdRun, t_last = min(t_end, L) - 1;
-    // the state at the end of chunk t0 / 64, by the segment that holds the chunk's last timestep (cut inside a
-    // sequence: by the segment after the cut, as it starts)
-    if (d_ok && (t_end % kChunk == 0 || t_end >= L) && t_last >= seg_lo && t_last < seg_hi &&
-        !(t_end == seg_hi && cuts_inside(p, pos, seg_hi))) {
+    // the state at the end of chunk t0 / 64, by the segment that holds the chunk's last timestep
+    if (d_ok && (t_end % kChunk == 0 || t_end >= L) && t_last >= seg_lo && t_last < seg_hi) {
       float *sv = saved + (t0 / kChunk) * kLanes;
       if constexpr (kVec && kP == 1) {
 #pragma unroll
@@ -590,8 +538,8 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   // this block's segment of the row (grid z), [seg_lo, seg_hi): its chunks, walked in reverse, see every other
   // timestep as padding (no input, no output, the state and the adjoint dropped), so nothing crosses seg_lo (a
   // sequence start: the adjoint it hands back is dropped anyway) or seg_hi (the next segment's start)
-  const int seg_lo = seg_bound(p, blockIdx.z, gridDim.z, lane);
-  const int seg_hi = seg_bound(p, blockIdx.z + 1, gridDim.z, lane);
+  const int seg_lo = segment_bound(pos, blockIdx.z, gridDim.z, L, lane);
+  const int seg_hi = segment_bound(pos, blockIdx.z + 1, gridDim.z, L, lane);
   if (seg_lo >= seg_hi) return;   // block-uniform: an empty segment (its dA / dD / ddelta_bias rows stay zero)
   const int c_lo = seg_lo / kChunk, c_hi = (seg_hi - 1) / kChunk;
   const bool d_ok = d < p.dim;
@@ -623,14 +571,6 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   const bool want_y = kHasZ || out_rec != nullptr;   // the forward output is recomputed (block-uniform)
 
   float gca = 0.f, gcb = 0.f;   // adjoints carried from t+1 (already multiplied by a_{t+1})
-  if (p.cut_summary && (int)blockIdx.z + 1 < (int)gridDim.z && d_ok) {   // cut inside a sequence: what the segments
-    const float2 *sum = reinterpret_cast<const float2 *>(p.cut_summary) +     // after hand back, the last first
-                        ((int64_t)b * (gridDim.z - 1) * p.dim + d) * kLanes;
-    for (int c = (int)gridDim.z - 2; c >= (int)blockIdx.z; --c) {   // summary c: the segment after cut c + 1
-      gca = cut_fold(sum[(int64_t)c * p.dim * kLanes + n], gca);
-      gcb = cut_fold(sum[(int64_t)c * p.dim * kLanes + n + 8], gcb);
-    }
-  }
   // dA, dD, ddelta_bias: summed per chunk, then over the row's chunks (not one running sum of L terms: as accurate as
   // upstream's block reductions, test_scan_bf16_accuracy_no_worse_than_upstream_one_by_one)
   float dAa_acc = 0.f, dAb_acc = 0.f, dD_acc = 0.f, dbias_acc = 0.f;
@@ -902,107 +842,6 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   }
 }
 
-// ---- the summaries of cuts inside sequences (see cut_bound): a thread a channel, its 16 states in registers (what
-// belongs to a (channel, timestep), the softplus and silu, is done once), one segment a block (grid z: the cuts).
-// The channel's own rows are loaded one run of kCutRun timesteps ahead; B or C, shared by the warp's channels, as
-// used. The backward's summary walks forward too: the adjoint a segment hands back from a zero adjoint at its end is
-// g = sum_t (prod_{s <= t} a_s) C_t dy_t over the timesteps before its first sequence start (scan_bwd_kernel's
-// reverse recurrence, unrolled).
-constexpr int kCutRun = 8;
-constexpr int kCutThreads = 64;
-
-template <typename in_t, typename w_t, bool kAdjoint>
-__global__ void __launch_bounds__(kCutThreads) scan_cut_summary_kernel(const ScanParams p) {
-  const int b = blockIdx.y, c = blockIdx.z, K = gridDim.z + 1, L = p.seqlen, lane = threadIdx.x % 32;
-  const int *pos = p.pos + (int64_t)b * L;
-  // forward: segment c, read by the segments after cut c + 1; backward: segment c + 1, read by those before it
-  const int cut = cut_bound(pos, c + 1, K, L, lane);
-  const int lo = kAdjoint ? cut : cut_bound(pos, c, K, L, lane);
-  const int hi = kAdjoint ? cut_bound(pos, c + 2, K, L, lane) : cut;
-  const int d = blockIdx.x * kCutThreads + threadIdx.x;
-  if (d >= p.dim) return;
-  float2 *sum = reinterpret_cast<float2 *>(p.cut_summary) + (((int64_t)b * (K - 1) + c) * p.dim + d) * kLanes;
-  if (!cuts_inside(p, pos, cut)) {   // block-uniform: the segment after the cut drops what comes through it
-#pragma unroll
-    for (int n = 0; n < kLanes; ++n) sum[n] = make_float2(-1.f, 0.f);
-    return;
-  }
-  float A2[kLanes];
-#pragma unroll
-  for (int n = 0; n < kLanes; ++n) A2[n] = n < p.dstate ? p.A[(int64_t)d * p.dstate + n] * kLog2e : 0.f;
-  const float bias = p.delta_bias ? p.delta_bias[d] : 0.f;
-  const int64_t row = ((int64_t)b * p.dim + d) * L;
-  const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
-  // forward: u; backward: dout (and z)
-  const in_t *x = reinterpret_cast<const in_t *>(kAdjoint ? p.dout : p.u) + row;
-  const in_t *z = kAdjoint && p.z ? reinterpret_cast<const in_t *>(p.z) + row : nullptr;
-  const w_t *W = reinterpret_cast<const w_t *>(kAdjoint ? p.C : p.B) +
-                 ((int64_t)b * p.n_groups + d / p.dim_per_group) * p.dstate * L;   // B (forward) or C rows
-  float P[kLanes], s[kLanes];   // the decays' product; the state (forward) or the adjoint (backward) from zero
-#pragma unroll
-  for (int n = 0; n < kLanes; ++n) { P[n] = 1.f; s[n] = 0.f; }
-  bool started = false;   // a sequence starts in the segment (backward: after its first timestep)
-  struct Run { float delta[kCutRun], x[kCutRun], z[kCutRun]; int pos[kCutRun]; };
-  auto load = [&](Run &r, int t0) {
-#pragma unroll
-    for (int j = 0; j < kCutRun; ++j) {
-      const int t = min(t0 + j, hi - 1);
-      r.delta[j] = to_f(delta[t]);
-      r.x[j] = to_f(x[t]);
-      r.z[j] = z ? to_f(z[t]) : 0.f;
-      r.pos[j] = t0 + j < hi ? pos[t] : 1;
-    }
-  };
-  Run cur, nxt;
-  load(cur, lo);
-  for (int t0 = lo; t0 < hi; t0 += kCutRun) {
-    if (t0 + kCutRun < hi) load(nxt, t0 + kCutRun);
-    // fully unrolled (no break: the run's arrays stay in registers); a timestep past the segment is skipped
-#pragma unroll
-    for (int j = 0; j < kCutRun; ++j) {
-      const int t = t0 + j;
-      const bool keep = cur.pos[j] != 0;
-      // backward: from a sequence start on, nothing reaches the segment's first timestep
-      const bool live = t < hi && !(kAdjoint && (started || !keep));
-      if (kAdjoint) started |= t < hi && !keep;
-      if (live) {   // warp-uniform
-        float dt = cur.delta[j] + bias;
-        dt = p.softplus ? softplus_(dt) : dt;
-        if constexpr (kAdjoint) {
-          const float dy = z ? cur.x[j] * cur.z[j] * sigmoidf_(cur.z[j]) : cur.x[j];
-#pragma unroll
-          for (int n = 0; n < kLanes; ++n) {
-            P[n] *= exp2f(dt * A2[n]);
-            const float cn = n < p.dstate ? to_f(W[(int64_t)n * L + t]) : 0.f;
-            s[n] = fmaf(P[n], cn * dy, s[n]);
-          }
-        } else {
-          started |= !keep;
-          const float dtu = dt * cur.x[j];
-#pragma unroll
-          for (int n = 0; n < kLanes; ++n) {
-            const float a = exp2f(dt * A2[n]);   // scan_step's bits, its decay kept for P
-            const float bx = dtu * (n < p.dstate ? to_f(W[(int64_t)n * L + t]) : 0.f);
-            s[n] = keep ? fmaf(a, s[n], bx) : bx;
-            P[n] *= a;
-          }
-        }
-      }
-    }
-    if (kAdjoint && started) break;   // warp-uniform
-    cur = nxt;
-  }
-#pragma unroll
-  for (int n = 0; n < kLanes; ++n) sum[n] = make_float2(started ? -1.f : P[n], s[n]);
-}
-
-template <typename in_t, typename w_t, bool kAdjoint>
-void cut_summary_launch(const ScanParams &p, int segments, cudaStream_t st) {
-  if (!p.cut_summary || segments <= 1) return;
-  const dim3 grid((p.dim + kCutThreads - 1) / kCutThreads, p.batch, segments - 1);
-  scan_cut_summary_kernel<in_t, w_t, kAdjoint><<<grid, kCutThreads, 0, st>>>(p);
-}
-
 // cp.async moves 4-byte units: every row it reads must start 4-byte aligned (for 16-bit tensors: seqlen even and the
 // tensor's data 4-byte aligned, which a contiguous view at an odd element offset is not); else the kernels stage
 // with plain loads (tests/ops/test_kernel_emulation.py: a misaligned cp.async faults the GPU).
@@ -1039,9 +878,7 @@ void fwd_launch_lanes(const ScanParams &p, cudaStream_t st) {
 
 template <typename in_t, typename w_t>
 void fwd_launch(const ScanParams &p, cudaStream_t st) {
-  cut_summary_launch<in_t, w_t, false>(p, p.fwd_segments, st);
-  switch (p.fwd_lanes ? p.fwd_lanes
-                      : scan_fwd_lanes(p.batch, p.dim, p.fwd_segments, p.cut_summary != nullptr, p.sm_count)) {
+  switch (p.fwd_lanes ? p.fwd_lanes : scan_fwd_lanes(p.batch, p.dim, p.fwd_segments, p.sm_count)) {
     case 1: fwd_launch_lanes<in_t, w_t, 1>(p, st); break;
     case 2: fwd_launch_lanes<in_t, w_t, 2>(p, st); break;
     case 4: fwd_launch_lanes<in_t, w_t, 4>(p, st); break;
@@ -1051,7 +888,6 @@ void fwd_launch(const ScanParams &p, cudaStream_t st) {
 
 template <typename in_t, typename w_t>
 void bwd_launch(const ScanParams &p, cudaStream_t st) {
-  cut_summary_launch<in_t, w_t, true>(p, p.bwd_segments, st);
   const dim3 grid((p.dim + kDB - 1) / kDB, p.batch, max(1, p.bwd_segments));
   const int smem = sizeof(BwdSmem<in_t, w_t>);
   bool_switch(p.z != nullptr, [&](auto has_z) {
@@ -1072,12 +908,12 @@ void bwd_launch(const ScanParams &p, cudaStream_t st) {
 
 // The forward takes the fewest threads a channel (the least work repeated per (channel, timestep)) that still give
 // each multiprocessor SCAN_FWD_WARPS_PER_SM warps: fewer, and a warp's chain of timesteps sets the time (see
-// scan_fwd_kernel; measured in RESULTS.md). A row cut at sequence starts counts as at most two rows: a row of one long
+// scan_fwd_kernel; measured in RESULTS.md). A row cut into segments counts as at most two rows: a row of one long
 // sequence leaves all but its first segment empty, and with the lanes chosen for that many full rows its warps would
 // crawl (bench_scan_segments.py, RESULTS.md: with two, packed rows run within 13 % of their best layout on average,
-// rows of one sequence 15 % slower than without segments). Cut inside sequences (cut_inside), every segment is full.
-int scan_fwd_lanes(int batch, int dim, int segments, bool cut_inside, int sm_count) {
-  const int64_t rows = (int64_t)batch * (cut_inside ? max(segments, 1) : min(max(segments, 1), 2));
+// rows of one sequence 15 % slower than without segments).
+int scan_fwd_lanes(int batch, int dim, int segments, int sm_count) {
+  const int64_t rows = (int64_t)batch * min(max(segments, 1), 2);
   for (int lanes = 1; lanes < 8; lanes *= 2)
     if (rows * ((dim + 32 / lanes - 1) / (32 / lanes)) >= (int64_t)kScanFwdWarpsPerSM * sm_count) return lanes;
   return 8;

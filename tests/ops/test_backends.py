@@ -20,8 +20,7 @@ from ops import backends
 from ops import conv1d_interface as conv_mod
 from ops import selective_scan_interface as scan_mod
 from ops.backends import KernelUnsupportedError, get_backend, implementation, set_backend, use_backend
-from ops.contract import (MAX_DSTATE, SCAN_LANES, scan_bwd_segments, scan_chunks, scan_cut_summary_shape,
-                          scan_fwd_segments)
+from ops.contract import MAX_DSTATE, SCAN_LANES, scan_bwd_segments, scan_chunks, scan_fwd_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_ONLY = not torch.cuda.is_available()
@@ -180,23 +179,13 @@ class FakeExt:
         assert groups == 1 or (u.shape[1] // groups) % 16 == 0, "a 16-channel block must not straddle groups"
         assert pos.dtype == torch.int32 and pos.is_contiguous() and pos.shape == (u.shape[0], u.shape[2])
 
-    @staticmethod
-    def _check_cut_summary(u, segments, cut_summary):
-        """a plain scan cut into segments gets the scratch of its cuts inside sequences, and only then"""
-        if segments == 1:
-            assert cut_summary is None
-        else:
-            assert cut_summary.shape == scan_cut_summary_shape(u.shape[0], segments, u.shape[1])
-            assert cut_summary.dtype == F32 and cut_summary.is_contiguous()
-
     def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved, segments, lanes,
-                 state_slots=None, initial_state=None, final_state=None, cut_summary=None):
+                 state_slots=None, initial_state=None, final_state=None):
         assert state_slots is None and initial_state is None and final_state is None, "the plain scan: no states"
         self._check_scan(u, delta, A, B, C, D, z, delta_bias, pos)
         self.calls.append(("scan_fwd", u.shape[1], B.shape[1]))
         # segments as ops/contract.py plans them for the GPU (132 multiprocessors off CUDA); the layout is the kernel's
-        assert segments == scan_fwd_segments(u.shape[0], u.shape[1], u.shape[2], 132, cut_inside=True) and lanes == 0
-        self._check_cut_summary(u, segments, cut_summary)
+        assert segments == scan_fwd_segments(u.shape[0], u.shape[1], u.shape[2], 132) and lanes == 0
         assert out.shape == u.shape and out.dtype == u.dtype and out.is_contiguous()
         assert saved.shape == (u.shape[0], u.shape[1], scan_chunks(u.shape[2]), SCAN_LANES) and saved.dtype == F32
         o, s, _ = scan_mod._scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, pos, softplus)
@@ -205,13 +194,12 @@ class FakeExt:
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz,
                  dA, dB, dC, dD, ddb, det_part, segments, state_slots=None, initial_state=None,
-                 dfinal_state=None, dinitial_state=None, cut_summary=None):
+                 dfinal_state=None, dinitial_state=None):
         assert state_slots is None and initial_state is None and dfinal_state is None and dinitial_state is None
         self._check_scan(u, delta, A, B, C, D, z, delta_bias, pos)
         self.calls.append(("scan_bwd", u.shape[1], B.shape[1]))
         batch, dim = u.shape[:2]
-        assert segments == scan_bwd_segments(batch, dim, u.shape[2], 132, cut_inside=True)
-        self._check_cut_summary(u, segments, cut_summary)
+        assert segments == scan_bwd_segments(batch, dim, u.shape[2], 132)
         assert dout.dtype == u.dtype and dout.is_contiguous() and saved.is_contiguous()
         rows = batch * segments
         assert dA.dtype == F32 and dA.shape == (rows,) + tuple(A.shape)

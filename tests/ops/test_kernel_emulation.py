@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ops import _build
-from ops.contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES, conv_mask_stride, scan_cut_summary_shape
+from ops.contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES, conv_mask_stride
 
 from ._helpers import misaligned_copy
 from .test_cuda_kernels import (GRAD_NAMES, TOL, conv_ref64, kernel_err, lengths_mix, position_ids_for, rel_err,
@@ -174,23 +174,14 @@ def ptr(t):
     return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
 
-def cut_summary_for(u, segments, cut_inside):
-    """The scratch of a scan cut inside sequences, NaN until the summary pass writes it (None: cut at starts)."""
-    if not cut_inside or segments <= 1:
-        return None
-    return torch.full(scan_cut_summary_shape(u.shape[0], segments, u.shape[1]), float("nan"))
-
-
-def run_emulated(so, u, delta, A, B, C, D, z, delta_bias, pos, softplus, segments=1, cut_inside=False):
+def run_emulated(so, u, delta, A, B, C, D, z, delta_bias, pos, softplus, segments=1):
     batch, dim, L = u.shape
     groups, dstate = B.shape[1], B.shape[2]
     out = torch.full_like(u, float("nan"))
     saved = torch.full((batch, dim, -(-L // SCAN_CHUNK), SCAN_LANES), float("nan"))
-    summary = cut_summary_for(u, segments, cut_inside)   # held until the call returns
     emu_call(so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), batch, dim, L, dstate, groups,
              int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z), ptr(delta_bias), ptr(pos),
-             ptr(out), ptr(saved), segments, 0, ptr(None), ptr(None), ptr(None),   # no carried states
-             ptr(summary))
+             ptr(out), ptr(saved), segments, 0, ptr(None), ptr(None), ptr(None))   # no carried states
     return out, saved
 
 
@@ -291,10 +282,10 @@ def test_emulated_forward_keeps_inf_in_its_sequence(emulator, fwd_lanes):
     assert torch.isfinite(out[..., 20:]).all() and torch.isfinite(saved).all()
 
 
-def scan_fwd_lanes_twin(batch: int, dim: int, segments: int, sm_count: int, cut_inside: bool = False) -> int:
+def scan_fwd_lanes_twin(batch: int, dim: int, segments: int, sm_count: int) -> int:
     """selective_scan.cu's scan_fwd_lanes in Python: the fewest threads a channel that make SCAN_FWD_WARPS_PER_SM
-    warps a multiprocessor, a row cut at sequence starts counting as at most two rows (cut inside: every segment)."""
-    rows = batch * (max(segments, 1) if cut_inside else min(max(segments, 1), 2))
+    warps a multiprocessor, a row cut into segments counting as at most two rows."""
+    rows = batch * min(max(segments, 1), 2)
     for lanes in (1, 2, 4):
         if rows * -(-dim // (32 // lanes)) >= SCAN_FWD_WARPS_PER_SM * sm_count:
             return lanes
@@ -309,16 +300,14 @@ def test_scan_forward_layout_choice(emulator, sm_count):
     batches = (1, 2, 3, 4, 8, 16, 64, 256)
     for dim in (1, 16, 33, 768, 1536, 2048, 2560, 4096, 5120, 8192):
         for segments in (1, 2, 8):
-            for cut in (0, 1):
-                lanes = [emulator.emu_scan_fwd_lanes(batch, dim, segments, cut, sm_count) for batch in batches]
-                assert lanes == [scan_fwd_lanes_twin(batch, dim, segments, sm_count, cut) for batch in batches]
-                assert lanes == sorted(lanes, reverse=True) and set(lanes) <= set(FWD_LANES)
-        assert all(emulator.emu_scan_fwd_lanes(b, dim, 8, 0, sm_count) ==
-                   emulator.emu_scan_fwd_lanes(2 * b, dim, 1, 0, sm_count) for b in batches)
-        assert all(emulator.emu_scan_fwd_lanes(b, dim, 8, 1, sm_count) ==
-                   emulator.emu_scan_fwd_lanes(8 * b, dim, 1, 0, sm_count) for b in batches)
-    assert emulator.emu_scan_fwd_lanes(1, 32, 1, 0, sm_count) == 8
-    assert emulator.emu_scan_fwd_lanes(256, 8192, 1, 0, sm_count) == 1
+            lanes = [emulator.emu_scan_fwd_lanes(batch, dim, segments, sm_count) for batch in batches]
+            assert lanes == [scan_fwd_lanes_twin(batch, dim, segments, sm_count) for batch in batches]
+            assert lanes == sorted(lanes, reverse=True) and set(lanes) <= set(FWD_LANES)
+        assert all(emulator.emu_scan_fwd_lanes(b, dim, 8, sm_count) == emulator.emu_scan_fwd_lanes(2 * b, dim, 1,
+                                                                                                   sm_count)
+                   for b in batches)
+    assert emulator.emu_scan_fwd_lanes(1, 32, 1, sm_count) == 8
+    assert emulator.emu_scan_fwd_lanes(256, 8192, 1, sm_count) == 1
 
 
 def check_states(u, A, state_slots, *states):
@@ -334,14 +323,6 @@ def check_states(u, A, state_slots, *states):
             assert t.shape[1:] == (u.shape[1], A.shape[1])
 
 
-def check_cut_summary(u, segments, state_slots, cut_summary):
-    """binding.cpp's cut_summary_ptr: a plain scan cut into segments, float32 (batch, segments - 1, dim, 16, 2)."""
-    if cut_summary is not None:
-        assert state_slots is None and segments > 1
-        assert cut_summary.dtype == torch.float32 and cut_summary.is_contiguous()
-        assert cut_summary.shape == scan_cut_summary_shape(u.shape[0], segments, u.shape[1])
-
-
 class EmulatedExt:
     """The compiled extension's scan entry points (ops/csrc/binding.cpp's signatures) on the emulated kernels, so that
     the Python side of the CUDA path (ops.selective_scan_interface) runs on CPU tensors."""
@@ -350,29 +331,27 @@ class EmulatedExt:
         self.so = so
 
     def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved, segments, lanes,
-                 state_slots=None, initial_state=None, final_state=None, cut_summary=None):
+                 state_slots=None, initial_state=None, final_state=None):
         assert segments >= 1 and lanes in (0, 1, 2, 4, 8)
         check_states(u, A, state_slots, initial_state, final_state)
-        check_cut_summary(u, segments, state_slots, cut_summary)
         emu_call(self.so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
                  u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
                  ptr(z), ptr(delta_bias), ptr(pos), ptr(out), ptr(saved), segments, lanes, ptr(state_slots),
-                 ptr(initial_state), ptr(final_state), ptr(cut_summary))
+                 ptr(initial_state), ptr(final_state))
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
                  dB, dC, dD, ddelta_bias, det_part, segments, state_slots=None, initial_state=None,
-                 dfinal_state=None, dinitial_state=None, cut_summary=None):
+                 dfinal_state=None, dinitial_state=None):
         # binding.cpp's checks: the per-(row, segment) sums have batch * segments rows; the states
         assert dA.shape[0] == u.shape[0] * segments and all(t is None or t.shape[0] == dA.shape[0]
                                                              for t in (dD, ddelta_bias))
         check_states(u, A, state_slots, initial_state, dfinal_state, dinitial_state)
         assert (initial_state is None) == (dinitial_state is None)
-        check_cut_summary(u, segments, state_slots, cut_summary)
         emu_call(self.so, "emu_scan_bwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
                  u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
                  ptr(z), ptr(delta_bias), ptr(pos), ptr(saved), ptr(dout), ptr(out_rec), ptr(du), ptr(ddelta), ptr(dz),
                  ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_part), segments, ptr(state_slots),
-                 ptr(initial_state), ptr(dfinal_state), ptr(dinitial_state), ptr(cut_summary))
+                 ptr(initial_state), ptr(dfinal_state), ptr(dinitial_state))
 
 
     @staticmethod
@@ -433,7 +412,7 @@ class EmulatedExt:
                           dw_part, dinitial_state)
 
 
-def run_emulated_bwd(so, inputs, pos, softplus, saved, dout, segments=1, cut_inside=False):
+def run_emulated_bwd(so, inputs, pos, softplus, saved, dout, segments=1):
     u, delta, A, B, C, D, z, db = inputs
     batch, dim, L = u.shape
     groups, dstate = B.shape[1], B.shape[2]
@@ -447,8 +426,7 @@ def run_emulated_bwd(so, inputs, pos, softplus, saved, dout, segments=1, cut_ins
     dD = (torch.full((rows, dim), nan) if segments == 1 else torch.zeros(rows, dim)) if D is not None else None
     ddb = (torch.full((rows, dim), nan) if segments == 1 else torch.zeros(rows, dim)) if db is not None else None
     EmulatedExt(so).scan_bwd(u, delta, A, B, C, D, z, db, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
-                             dB, dC, dD, ddb, None, segments,
-                             cut_summary=cut_summary_for(u, segments, cut_inside))
+                             dB, dC, dD, ddb, None, segments)
     grads = (du, ddelta, dA.sum(0), dB.to(B.dtype), dC.to(C.dtype), None if dD is None else dD.sum(0), dz,
              None if ddb is None else ddb.sum(0))
     return out_rec, grads
@@ -631,53 +609,6 @@ def test_emulated_segments_give_the_bits_of_one_pass(emulator, seed, lanes, segm
         assert kernel_err(g, rg) <= tol, (name, kernel_err(g, rg))
 
 
-def scan_inputs(batch, dim, dstate, L, dtype, groups=1):
-    u = torch.randn(batch, dim, L).to(dtype)
-    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
-    A = -torch.exp(0.5 * torch.randn(dim, dstate))
-    B = torch.randn(batch, groups, dstate, L).to(dtype)
-    C = torch.randn(batch, groups, dstate, L).to(dtype)
-    z = torch.randn(batch, dim, L).to(dtype)
-    return (u, delta, A, B, C, torch.randn(dim), z, 0.5 * torch.randn(dim))
-
-
-@pytest.mark.parametrize("lanes", [1, 8], ids=lambda k: f"lanes{k}")
-@pytest.mark.parametrize("segments", [2, 3, 8], ids=lambda k: f"seg{k}")
-@pytest.mark.parametrize("dtype,L,dstate", [(torch.float32, 203, 16), (torch.bfloat16, 512, 12)],
-                         ids=["fp32-L203", "bf16-L512-n12"])
-def test_emulated_cuts_inside_sequences_match_one_pass(emulator, seed, lanes, segments, dtype, L, dstate):
-    """Cut anywhere (a summary pass per cut, then each segment folds the summaries before it into its starting
-    state, and the backward the summaries after it into its starting adjoint), the forward's output and saved
-    states and every gradient match one pass and float64: rows of one sequence (every cut inside it), starts on and
-    beside the cuts, length 1, padding; segments longer than, equal to and shorter than a chunk (empty ones), L not a
-    multiple of the chunk."""
-    rows = segment_rows(L) + [[L]]
-    batch, dim = len(rows), 40
-    pos = position_ids_for(rows, "cpu").int().contiguous()
-    inputs = scan_inputs(batch, dim, dstate, L, dtype)
-    emulator.emu_set_fwd_lanes(lanes)
-    try:
-        out1, saved1 = run_emulated(emulator, *inputs, pos, True)
-        out, saved = run_emulated(emulator, *inputs, pos, True, segments=segments, cut_inside=True)
-    finally:
-        emulator.emu_set_fwd_lanes(0)
-    ref_out, ref_saved = ref64(*inputs, pos, True)
-    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-3}[dtype]
-    assert not out.isnan().any() and not saved[..., :dstate].isnan().any()
-    assert kernel_err(out, ref_out) <= tol and kernel_err(saved[..., :dstate], ref_saved) <= 1e-5
-    torch.testing.assert_close(out.float(), out1.float(), rtol=tol, atol=tol * out1.float().abs().max().item())
-    torch.testing.assert_close(saved, saved1, rtol=1e-5, atol=1e-5 * saved1.abs().max().item())
-    dout = torch.randn_like(out)
-    _, grads1 = run_emulated_bwd(emulator, inputs, pos, True, saved1, dout)
-    rec, grads = run_emulated_bwd(emulator, inputs, pos, True, saved, dout, segments=segments, cut_inside=True)
-    assert torch.equal(rec, out)   # the recomputed output is this forward's, bit for bit
-    _, _, ref_grads = scan_ref_grads(inputs, pos, True, dout)
-    for name, g, g1, rg in zip(GRAD_NAMES, grads, grads1, ref_grads):
-        assert not g.isnan().any(), name
-        assert kernel_err(g, rg) <= tol, (name, kernel_err(g, rg))
-        assert kernel_err(g, rg) <= 1.5 * kernel_err(g1, rg) + 1e-6, (name, kernel_err(g, rg), kernel_err(g1, rg))
-
-
 def test_emulated_segments_keep_inf_in_its_sequence(emulator):
     """An inf in one sequence stays there when the row runs as segments: a segment starting after it, or computing
     the tail of the sequence before its own start, sees none of it (forward and backward)."""
@@ -690,13 +621,11 @@ def test_emulated_segments_keep_inf_in_its_sequence(emulator):
     A = -torch.exp(0.5 * torch.randn(dim, dstate))
     B, C = torch.randn(batch, 1, dstate, L), torch.randn(batch, 1, dstate, L)
     inputs = (u, delta, A, B, C, torch.randn(dim), None, 0.5 * torch.randn(dim))
-    # at starts: cuts at 64 (inside the third sequence) and at 32, 64, 96; cut inside: at 64 (2), at 0, 64, 64 (4)
-    for segments, cut_inside in ((2, False), (4, False), (2, True), (4, True)):
-        out, saved = run_emulated(emulator, *inputs, pos, True, segments=segments, cut_inside=cut_inside)
+    for segments in (2, 4):   # cuts at 64 (inside the third sequence) and at 32, 64, 96
+        out, saved = run_emulated(emulator, *inputs, pos, True, segments=segments)
         assert torch.isfinite(out[..., 40:]).all(), segments
         dout = torch.randn_like(out)
-        _, grads = run_emulated_bwd(emulator, inputs, pos, True, saved, dout, segments=segments,
-                                    cut_inside=cut_inside)
+        _, grads = run_emulated_bwd(emulator, inputs, pos, True, saved, dout, segments=segments)
         du, ddelta, dB = grads[0], grads[1], grads[3]
         assert torch.isfinite(du[..., 40:]).all() and torch.isfinite(ddelta[..., 40:]).all(), segments
         assert torch.isfinite(dB[..., 40:]).all(), segments
@@ -716,8 +645,8 @@ def test_cuda_path_plans_segments_and_sums_their_rows(cuda_path_on_cpu, monkeypa
     dout = torch.randn(batch, dim, L).to(dtype)
     out1, saved1, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
     one = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved1, dout, True)
-    monkeypatch.setattr(ssi, "scan_fwd_segments", lambda *a, **k: 4)
-    monkeypatch.setattr(ssi, "scan_bwd_segments", lambda *a, **k: 3)
+    monkeypatch.setattr(ssi, "scan_fwd_segments", lambda *a: 4)
+    monkeypatch.setattr(ssi, "scan_bwd_segments", lambda *a: 3)
     out, saved, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
     assert torch.equal(out, out1) and torch.equal(saved, saved1)
     cut = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True)
@@ -967,8 +896,8 @@ def test_emulated_states_match_float64(cuda_path_on_cpu, fwd_lanes, monkeypatch,
     states', with a gradient flowing into the final states; and the same bits as the plain kernels where no
     sequence starts from a state."""
     ssi = cuda_path_on_cpu
-    monkeypatch.setattr(ssi, "scan_fwd_segments", lambda *a, **k: segments)
-    monkeypatch.setattr(ssi, "scan_bwd_segments", lambda *a, **k: segments)
+    monkeypatch.setattr(ssi, "scan_fwd_segments", lambda *a: segments)
+    monkeypatch.setattr(ssi, "scan_bwd_segments", lambda *a: segments)
     batch, dim, dstate, L = 2, 24, 13, 140   # 12 channels a group: the group-by-group launches
     u = torch.randn(batch, dim, L).to(dtype)
     delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)

@@ -9,8 +9,8 @@ using namespace packloader_ops;
 // multiprocessors), so that the tests run every layout at small sizes
 static int emu_fwd_lanes = 0;
 extern "C" void emu_set_fwd_lanes(int lanes) { emu_fwd_lanes = lanes; }
-extern "C" int emu_scan_fwd_lanes(int batch, int dim, int segments, int cut_inside, int sm_count) {
-  return scan_fwd_lanes(batch, dim, segments, cut_inside != 0, sm_count);
+extern "C" int emu_scan_fwd_lanes(int batch, int dim, int segments, int sm_count) {
+  return scan_fwd_lanes(batch, dim, segments, sm_count);
 }
 
 extern "C" int emu_fault_count() { return emu_faults.exchange(0); }
@@ -35,27 +35,25 @@ extern "C" void emu_scan_fwd(int in_dtype, int w_f32, int batch, int dim, int se
                              int softplus, const void *u, const void *delta, const float *A, const void *B,
                              const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
                              void *out, float *saved, int segments, int lanes, const int *state_slots,
-                             const float *initial_state, float *final_state, float *cut_summary) {
+                             const float *initial_state, float *final_state) {
   ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
                              z, delta_bias, pos, saved);
   p.fwd_segments = segments;
   if (lanes) p.fwd_lanes = lanes;
   p.out = out;
   p.state_slots = state_slots; p.initial_state = initial_state; p.final_state = final_state;
-  p.cut_summary = cut_summary;
   scan_fwd_launch(p, nullptr);
 }
 
-// deterministic mode when det_part (scan_bwd's shape) is given; segments and cut_summary as binding.cpp's scan_fwd /
-// scan_bwd take them (a row cut into that many segments, run side by side: at sequence starts, or with cut_summary
-// anywhere)
+// deterministic mode when det_part (scan_bwd's shape) is given; segments as binding.cpp's scan_fwd / scan_bwd take
+// them (a row cut at sequence starts into that many segments, run side by side)
 extern "C" void emu_scan_bwd(int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate, int n_groups,
                              int softplus, const void *u, const void *delta, const float *A, const void *B,
                              const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
                              float *saved, const void *dout, void *out_rec, void *du, void *ddelta, void *dz,
                              float *dA, float *dB, float *dC, float *dD, float *ddelta_bias, float *det_part,
                              int segments, const int *state_slots, const float *initial_state,
-                             const float *dfinal_state, float *dinitial_state, float *cut_summary) {
+                             const float *dfinal_state, float *dinitial_state) {
   ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
                              z, delta_bias, pos, saved);
   p.dout = dout; p.out_rec = out_rec; p.du = du; p.ddelta = ddelta; p.dz = dz;
@@ -64,7 +62,6 @@ extern "C" void emu_scan_bwd(int in_dtype, int w_f32, int batch, int dim, int se
   p.bwd_segments = segments;   // dA / dD / ddelta_bias: batch * segments rows
   p.state_slots = state_slots; p.initial_state = initial_state; p.dfinal_state = dfinal_state;
   p.dinitial_state = dinitial_state;
-  p.cut_summary = cut_summary;
   scan_bwd_launch(p, nullptr);
 }
 
