@@ -121,15 +121,16 @@ def main(argv=None):
             for lanes in (1, 2, 4, 8):
                 for k in ks:
                     ms = bench(lambda: ext.scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, out, saved, k,
-                                                    lanes), args.warmup, args.iters)
+                                                    lanes, None, None, None), args.warmup, args.iters)
                     rec["fwd"][f"lanes{lanes}_seg{k}"] = round(ms, 4)
-            ext.scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, out, saved, 1, 0)
+            ext.scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, out, saved, 1, 0, None, None, None)
             for k in ks:
                 dA = torch.zeros(Bz * k, D, N, device="cuda")
                 dD = torch.zeros(Bz * k, D, device="cuda")
                 ddb = torch.zeros(Bz * k, D, device="cuda")
                 ms = bench(lambda: ext.scan_bwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True, saved, dout, None, du,
-                                                ddelta, dz, dA, dB, dC, dD, ddb, None, k), args.warmup, args.iters)
+                                                ddelta, dz, dA, dB, dC, dD, ddb, None, k, None, None, None, None),
+                           args.warmup, args.iters)
                 rec["bwd"][f"seg{k}"] = round(ms, 4)
             # the plan, through the ops (allocations and the sums of the per-segment rows included)
             f = bench(lambda: kops.selective_scan_fwd(u, delta, A, Bm, Cm, Dp, z, dbias, pos, True), args.warmup,

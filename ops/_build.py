@@ -45,9 +45,7 @@ def defines() -> list:
             f"-DPACKLOADER_CONV_SLOT_STEPS={contract.CONV_SLOT_STEPS}",
             f"-DPACKLOADER_CONV_MASK_RUN={contract.CONV_MASK_RUN}",
             f"-DPACKLOADER_SCAN_BLOCK_CHANNELS={contract.SCAN_BLOCK_CHANNELS}",
-            f"-DPACKLOADER_SCAN_FWD_WARPS_PER_SM={contract.SCAN_FWD_WARPS_PER_SM}",
-            f"-DPACKLOADER_SCAN_FWD_TP_THREADS={contract.SCAN_FWD_TP_THREADS}",
-            f"-DPACKLOADER_SCAN_FWD_TP_CHANNELS_PER_SM={contract.SCAN_FWD_TP_CHANNELS_PER_SM}"]
+            f"-DPACKLOADER_SCAN_FWD_WARPS_PER_SM={contract.SCAN_FWD_WARPS_PER_SM}"]
 
 
 def source_digest() -> str:

@@ -126,12 +126,6 @@ SCAN_BLOCK_CHANNELS = 16   # channels of one CUDA scan block; they must share a 
 # multiprocessor (with fewer, one warp's chain of timesteps sets the time): ops/csrc/selective_scan.cu, scan_fwd_lanes
 # (a row cut into segments counts as two rows there)
 SCAN_FWD_WARPS_PER_SM = 7
-# On grids of fewer than SCAN_FWD_TP_CHANNELS_PER_SM (row, channel) pairs per multiprocessor the forward runs
-# time-parallel instead: a block of SCAN_FWD_TP_THREADS threads a channel, the
-# timesteps split among them and joined by a block scan (selective_scan.cu, scan_fwd_tp_kernel); SCAN_FWD_TP_THREADS
-# is also the ``lanes`` value that asks the kernel for that layout.
-SCAN_FWD_TP_THREADS = 128
-SCAN_FWD_TP_CHANNELS_PER_SM = 16
 # A packed row's sequences are independent: where a grid is too small to fill the GPU, the scan cuts each row at
 # sequence starts into segments that run side by side (scan_segments). The backward aims at this many blocks of 128
 # threads per multiprocessor (it runs 3 at a time), and no segment is planned shorter than SCAN_MIN_SEGMENT timesteps.

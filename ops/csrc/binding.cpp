@@ -72,10 +72,8 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
               OptT initial_state, OptT final_state) {
   c10::cuda::CUDAGuard guard(u.device());
   TORCH_CHECK(segments >= 1 && segments <= 65535, "scan_fwd: segments must be in [1, 65535], got ", segments);
-  TORCH_CHECK(lanes == 0 || lanes == 1 || lanes == 2 || lanes == 4 || lanes == 8 ||
-                  lanes == po::kScanFwdTimeParallel,
-              "scan_fwd: lanes must be 0 (chosen), 1, 2, 4, 8 or ", po::kScanFwdTimeParallel, " (time-parallel), got ",
-              lanes);
+  TORCH_CHECK(lanes == 0 || lanes == 1 || lanes == 2 || lanes == 4 || lanes == 8,
+              "scan_fwd: lanes must be 0 (chosen), 1, 2, 4 or 8, got ", lanes);
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
   p.fwd_segments = segments;
   p.fwd_lanes = lanes;

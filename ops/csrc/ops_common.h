@@ -13,8 +13,7 @@ enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 struct ScanParams {
   int batch, dim, seqlen, dstate, n_groups, dim_per_group, nchunks;
   int sm_count;     // the GPU's multiprocessors: the forward's layout depends on how many warps fill them
-  int fwd_lanes;    // threads a channel in the forward (1, 2, 4, 8; kScanFwdTimeParallel: the time-parallel
-                    // kernel); 0 (what the ops pass): scan_fwd_lanes
+  int fwd_lanes;    // threads a channel in the forward (1, 2, 4, 8); 0 (what the binding passes): scan_fwd_lanes
   // segments a row is cut into at sequence starts, run side by side (grid z; 0 or 1: none), chosen by the caller
   // (ops/contract.py, scan_segments); the backward writes dA / dD / ddelta_bias per (row, segment)
   int fwd_segments, bwd_segments;
@@ -51,18 +50,15 @@ struct ScanParams {
 // The constants shared with Python live in ops/contract.py; the build (ops/_build.py) passes them as -D flags.
 #if !defined(PACKLOADER_SCAN_CHUNK) || !defined(PACKLOADER_SCAN_LANES) || !defined(PACKLOADER_CONV_SLOT_STEPS) || \
     !defined(PACKLOADER_SCAN_BLOCK_CHANNELS) || !defined(PACKLOADER_CONV_MASK_RUN) || \
-    !defined(PACKLOADER_SCAN_FWD_WARPS_PER_SM) || !defined(PACKLOADER_SCAN_FWD_TP_THREADS) || \
-    !defined(PACKLOADER_SCAN_FWD_TP_CHANNELS_PER_SM)
-#error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS, _CONV_MASK_RUN, _SCAN_BLOCK_CHANNELS, _SCAN_FWD_WARPS_PER_SM, _SCAN_FWD_TP_THREADS, _SCAN_FWD_TP_CHANNELS_PER_SM from ops/contract.py"
+    !defined(PACKLOADER_SCAN_FWD_WARPS_PER_SM)
+#error "build through ops/_build.py, which defines PACKLOADER_SCAN_CHUNK, _SCAN_LANES, _CONV_SLOT_STEPS, _CONV_MASK_RUN, _SCAN_BLOCK_CHANNELS, _SCAN_FWD_WARPS_PER_SM from ops/contract.py"
 #endif
 constexpr int kScanChunk = PACKLOADER_SCAN_CHUNK;   // timesteps staged in shared memory at a time; one saved state a chunk
 constexpr int kScanLanes = PACKLOADER_SCAN_LANES;   // state lanes per channel (dstate padded up to this)
 constexpr int kScanFwdWarpsPerSM = PACKLOADER_SCAN_FWD_WARPS_PER_SM;   // the forward's layout choice (scan_fwd_lanes)
-constexpr int kScanFwdTimeParallel = PACKLOADER_SCAN_FWD_TP_THREADS;   // threads a channel of the time-parallel forward
-constexpr int kScanFwdTimeParallelChannelsPerSM = PACKLOADER_SCAN_FWD_TP_CHANNELS_PER_SM;   // below: time-parallel
 
 void scan_fwd_launch(const ScanParams &p, cudaStream_t stream);
-// threads a channel (1, 2, 4, 8 or kScanFwdTimeParallel) the forward takes for this many channels (rows cut into this many segments) on
+// threads a channel (1, 2, 4 or 8) the forward takes for this many channels (rows cut into this many segments) on
 // this many multiprocessors
 int scan_fwd_lanes(int batch, int dim, int segments, int sm_count);
 void scan_bwd_launch(const ScanParams &p, cudaStream_t stream);

@@ -474,163 +474,6 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   for (int t0 = t_first; t0 < seg_hi; t0 += kFwdRun) run(t0, buf);
 }
 
-// ---- The time-parallel forward (small grids). The sequential forward's warps each carry channels through every
-// timestep: on a grid of few channels (a row or two of a few thousand) too few warps run and one warp's chain of
-// timesteps sets the time. Here a block of kTpThreads threads owns one channel of one row and each thread kTpItems
-// consecutive timesteps of a tile of kTpThreads * kTpItems. For each state n in turn a thread composes its timesteps'
-// steps (h <- a h + b; at a sequence start h <- b) into one map h -> P h + H, the block scans these maps (shuffles
-// in a warp, the warps' totals through shared memory, then the state the tile before ended with) and each thread
-// replays its timesteps from the state it is handed, adding C h to its outputs. A map that contains a sequence start
-// ignores the state it is given: P < 0 marks it (decays are >= 0) and applying it is a select, as in scan_step, so
-// no inf or NaN crosses a boundary. The states are the sequential forward's products in another order: equal up to
-// rounding, so the backward's recomputed output matches this forward's within rounding, not bit for bit.
-// kStates: a sequence start with an initial-state slot is a map that ignores the state given and starts from
-// a h0 + b; a sequence's last token with a final-state slot stores its replayed state (as the sequential forward).
-constexpr int kTpThreads = kScanFwdTimeParallel;   // 128 (ops/contract.py)
-constexpr int kTpItems = 8;   // timesteps a thread
-constexpr int kTpWarps = kTpThreads / 32;
-static_assert(kChunk % kTpItems == 0, "saved states fall on a thread's last timestep");
-
-// h after the map (P, H)
-__device__ __forceinline__ float tp_apply(float P, float H, float h) { return P < 0.f ? H : fmaf(P, h, H); }
-// (P, H) <- the map (Pp, Hp) followed by (P, H)
-__device__ __forceinline__ void tp_after(float Pp, float Hp, float &P, float &H) {
-  if (!(P < 0.f)) {
-    H = fmaf(P, Hp, H);
-    P = Pp < 0.f ? Pp : Pp * P;
-  }
-}
-
-template <typename in_t, typename w_t, bool kHasZ, bool kVec, bool kStates>
-__global__ void __launch_bounds__(kTpThreads, 4) scan_fwd_tp_kernel(const ScanParams p) {
-  __shared__ float2 tot[2][kTpWarps];   // the warps' maps of one state (double-buffered by state parity)
-  __shared__ float carry[2][kLanes];    // the state at the end of the tile before (double-buffered by tile parity)
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int d = blockIdx.x, b = blockIdx.y;
-  const int L = p.seqlen;
-  const int grp = d / p.dim_per_group;
-  const int64_t row = ((int64_t)b * p.dim + d) * L;
-  const in_t *u = reinterpret_cast<const in_t *>(p.u) + row;
-  const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
-  const in_t *z = kHasZ ? reinterpret_cast<const in_t *>(p.z) + row : nullptr;
-  in_t *out = reinterpret_cast<in_t *>(p.out) + row;
-  const w_t *Bp = reinterpret_cast<const w_t *>(p.B) + ((int64_t)b * p.n_groups + grp) * p.dstate * L;
-  const w_t *Cp = reinterpret_cast<const w_t *>(p.C) + ((int64_t)b * p.n_groups + grp) * p.dstate * L;
-  const int *pos = p.pos + (int64_t)b * L;
-  float *saved = p.saved + ((int64_t)b * p.dim + d) * p.nchunks * kLanes;
-  const bool has_bias = p.delta_bias != nullptr, has_D = p.D != nullptr;
-  const float bias = has_bias ? p.delta_bias[d] : 0.f;
-  const float Dd = has_D ? p.D[d] : 0.f;
-  const int *slots_i = kStates ? p.state_slots + (int64_t)b * L : nullptr;
-  const int *slots_f = kStates ? p.state_slots + ((int64_t)p.batch + b) * L : nullptr;
-  if (tid < kLanes) carry[0][tid] = 0.f;
-  int parity = 0;   // of the state iterations so far (tot's buffer)
-
-  for (int t0 = 0, tile = 0; t0 < L; t0 += kTpThreads * kTpItems, ++tile) {
-    const int ta = t0 + tid * kTpItems;   // this thread's first timestep
-    Run<in_t, kTpItems> ru, rz;
-    float dt[kTpItems], dtu[kTpItems], y[kTpItems];
-    unsigned keep = 0;   // bit i: timestep ta + i continues its sequence
-    unsigned inits = 0, finals = 0;   // kStates: bit i: timestep ta + i loads / stores a state
-    {
-      Run<in_t, kTpItems> rd;
-      load_run<kVec>(ru, u, ta, L, true);
-      load_run<kVec>(rd, delta, ta, L, true);
-      if constexpr (kHasZ) load_run<kVec>(rz, z, ta, L, true);
-#pragma unroll
-      for (int i = 0; i < kTpItems; ++i) {
-        float v = to_f(rd.v[i]);
-        v = has_bias ? v + bias : v;
-        v = p.softplus ? softplus_(v) : v;
-        dt[i] = ta + i < L ? v : 0.f;   // past L: the state passes through unchanged
-        dtu[i] = dt[i] * to_f(ru.v[i]);
-        y[i] = 0.f;
-        keep |= (ta + i >= L || pos[ta + i] != 0) ? 1u << i : 0u;
-        if constexpr (kStates) {
-          inits |= (ta + i < L && p.initial_state != nullptr && slots_i[ta + i] >= 0) ? 1u << i : 0u;
-          finals |= (ta + i < L && p.final_state != nullptr && slots_f[ta + i] >= 0) ? 1u << i : 0u;
-        }
-      }
-    }
-    const int chunk = (ta + kTpItems) / kChunk - 1;   // saved slot of this thread's last timestep, if it ends one
-    const bool saves = (ta + kTpItems) % kChunk == 0 && chunk < p.nchunks;
-    Run<w_t, kTpItems> rB, rC;
-    load_run<kVec>(rB, Bp, ta, L, p.dstate > 0);
-    load_run<kVec>(rC, Cp, ta, L, p.dstate > 0);
-#pragma unroll 1
-    for (int n = 0; n < p.dstate; ++n, parity ^= 1) {
-      const float A2 = p.A[(int64_t)d * p.dstate + n] * kLog2e;
-      float a[kTpItems], bx[kTpItems], c[kTpItems];
-#pragma unroll
-      for (int i = 0; i < kTpItems; ++i) {
-        a[i] = exp2f(dt[i] * A2);
-        bx[i] = dtu[i] * to_f(rB.v[i]);
-        c[i] = to_f(rC.v[i]);
-      }
-      if (n + 1 < p.dstate) {   // the next state's B and C, loaded while this one computes
-        load_run<kVec>(rB, Bp + (int64_t)(n + 1) * L, ta, L, true);
-        load_run<kVec>(rC, Cp + (int64_t)(n + 1) * L, ta, L, true);
-      }
-      // a sequence that continues an initial state: its first step is a h0 + b (kept in bx, P < 0 marks it)
-      if (kStates && inits) {
-#pragma unroll
-        for (int i = 0; i < kTpItems; ++i)
-          if ((inits >> i) & 1u)
-            bx[i] = fmaf(a[i], p.initial_state[((int64_t)slots_i[ta + i] * p.dim + d) * p.dstate + n], bx[i]);
-      }
-      // this thread's map
-      float P = 1.f, H = 0.f;
-#pragma unroll
-      for (int i = 0; i < kTpItems; ++i) {
-        if ((keep >> i) & 1u) {
-          H = fmaf(a[i], H, bx[i]);
-          P = P < 0.f ? P : P * a[i];
-        } else {
-          H = bx[i];
-          P = -1.f;
-        }
-      }
-      // inclusive scan over the warp's lanes
-#pragma unroll
-      for (int off = 1; off < 32; off *= 2) {
-        const float Pp = __shfl_up_sync(0xffffffffu, P, off), Hp = __shfl_up_sync(0xffffffffu, H, off);
-        if (lane >= off) tp_after(Pp, Hp, P, H);
-      }
-      if (lane == 31) tot[parity][warp] = make_float2(P, H);
-      __syncthreads();
-      // the state before this thread's first timestep: the tile's carry, the warps before, the lanes before
-      float h = carry[tile & 1][n];
-      for (int w = 0; w < warp; ++w) h = tp_apply(tot[parity][w].x, tot[parity][w].y, h);
-      const float Pe = __shfl_up_sync(0xffffffffu, P, 1), He = __shfl_up_sync(0xffffffffu, H, 1);
-      if (lane > 0) h = tp_apply(Pe, He, h);
-      if (tid == 0) {   // the state at the tile's end, for the next tile
-        float he = carry[tile & 1][n];
-        for (int w = 0; w < kTpWarps; ++w) he = tp_apply(tot[parity][w].x, tot[parity][w].y, he);
-        carry[(tile & 1) ^ 1][n] = he;
-      }
-#pragma unroll
-      for (int i = 0; i < kTpItems; ++i) {
-        h = ((keep >> i) & 1u) ? fmaf(a[i], h, bx[i]) : bx[i];
-        y[i] = fmaf(c[i], h, y[i]);
-        if (kStates && ((finals >> i) & 1u))
-          p.final_state[((int64_t)slots_f[ta + i] * p.dim + d) * p.dstate + n] = h;
-      }
-      if (saves) saved[chunk * kLanes + n] = h;
-    }
-    if (saves)
-      for (int n = p.dstate; n < kLanes; ++n) saved[chunk * kLanes + n] = 0.f;
-    Run<in_t, kTpItems> o;
-#pragma unroll
-    for (int i = 0; i < kTpItems; ++i) {
-      const float uv = to_f(ru.v[i]);
-      float ov = has_D ? __fadd_rn(y[i], __fmul_rn(Dd, uv)) : y[i];
-      if constexpr (kHasZ) { const float zv = to_f(rz.v[i]); ov = ov * (zv * sigmoidf_(zv)); }
-      o.v[i] = from_f<in_t>(ov);
-    }
-    store_run<kVec>(out, o, ta, 0, L, true);
-  }
-}
-
 // The backward: a thread carries two states of one channel (n and n + 8), 8 threads a channel, 128 threads the
 // block's 16 channels. What a timestep reads ({dt, dt*u}, {dy, u}, one 128-bit
 // {B_n, C_n, B_n+8, C_n+8}, the reset mask) and the sums over states (y, and the two sums du and ddelta are made of)
@@ -1034,23 +877,8 @@ void fwd_launch_lanes(const ScanParams &p, cudaStream_t st) {
 }
 
 template <typename in_t, typename w_t>
-void fwd_tp_launch(const ScanParams &p, cudaStream_t st) {
-  const dim3 grid(p.dim, p.batch);
-  bool_switch(p.z != nullptr, [&](auto has_z) {
-    bool_switch(fwd_vectorized<in_t, w_t>(p), [&](auto vec) {
-      bool_switch(p.state_slots != nullptr, [&](auto states) {
-        auto kernel = scan_fwd_tp_kernel<in_t, w_t, decltype(has_z)::value, decltype(vec)::value,
-                                         decltype(states)::value>;
-        kernel<<<grid, kTpThreads, 0, st>>>(p);
-      });
-    });
-  });
-}
-
-template <typename in_t, typename w_t>
 void fwd_launch(const ScanParams &p, cudaStream_t st) {
   switch (p.fwd_lanes ? p.fwd_lanes : scan_fwd_lanes(p.batch, p.dim, p.fwd_segments, p.sm_count)) {
-    case kScanFwdTimeParallel: fwd_tp_launch<in_t, w_t>(p, st); break;
     case 1: fwd_launch_lanes<in_t, w_t, 1>(p, st); break;
     case 2: fwd_launch_lanes<in_t, w_t, 2>(p, st); break;
     case 4: fwd_launch_lanes<in_t, w_t, 4>(p, st); break;
@@ -1085,7 +913,6 @@ void bwd_launch(const ScanParams &p, cudaStream_t st) {
 // crawl (bench_scan_segments.py, RESULTS.md: with two, packed rows run within 13 % of their best layout on average,
 // rows of one sequence 15 % slower than without segments).
 int scan_fwd_lanes(int batch, int dim, int segments, int sm_count) {
-  if ((int64_t)batch * dim < (int64_t)kScanFwdTimeParallelChannelsPerSM * sm_count) return kScanFwdTimeParallel;
   const int64_t rows = (int64_t)batch * min(max(segments, 1), 2);
   for (int lanes = 1; lanes < 8; lanes *= 2)
     if (rows * ((dim + 32 / lanes - 1) / (32 / lanes)) >= (int64_t)kScanFwdWarpsPerSM * sm_count) return lanes;

@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ops import _build
-from ops.contract import (SCAN_CHUNK, SCAN_FWD_TP_CHANNELS_PER_SM, SCAN_FWD_TP_THREADS, SCAN_FWD_WARPS_PER_SM,
-                          SCAN_LANES, conv_mask_stride)
+from ops.contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES, conv_mask_stride
 
 from ._helpers import misaligned_copy
 from .test_cuda_kernels import (GRAD_NAMES, TOL, conv_ref64, kernel_err, lengths_mix, position_ids_for, rel_err,
@@ -143,7 +142,7 @@ def emu_call(so, name: str, *args):
     return ret
 
 
-FWD_LANES = (1, 2, 4, 8, SCAN_FWD_TP_THREADS)   # the scan forward's layouts: threads a channel (128: time-parallel)
+FWD_LANES = (1, 2, 4, 8)   # the scan forward's layouts: threads a channel
 
 
 @pytest.fixture(params=FWD_LANES, ids=lambda k: f"lanes{k}")
@@ -284,11 +283,8 @@ def test_emulated_forward_keeps_inf_in_its_sequence(emulator, fwd_lanes):
 
 
 def scan_fwd_lanes_twin(batch: int, dim: int, segments: int, sm_count: int) -> int:
-    """selective_scan.cu's scan_fwd_lanes in Python: time-parallel below SCAN_FWD_TP_CHANNELS_PER_SM (row, channel)
-    pairs a multiprocessor, else the fewest threads a channel that make SCAN_FWD_WARPS_PER_SM warps a multiprocessor,
-    a row cut into segments counting as at most two rows."""
-    if batch * dim < SCAN_FWD_TP_CHANNELS_PER_SM * sm_count:
-        return SCAN_FWD_TP_THREADS
+    """selective_scan.cu's scan_fwd_lanes in Python: the fewest threads a channel that make SCAN_FWD_WARPS_PER_SM
+    warps a multiprocessor, a row cut into segments counting as at most two rows."""
     rows = batch * min(max(segments, 1), 2)
     for lanes in (1, 2, 4):
         if rows * -(-dim // (32 // lanes)) >= SCAN_FWD_WARPS_PER_SM * sm_count:
@@ -298,9 +294,9 @@ def scan_fwd_lanes_twin(batch: int, dim: int, segments: int, sm_count: int) -> i
 
 @pytest.mark.parametrize("sm_count", [1, 78, 114, 132])
 def test_scan_forward_layout_choice(emulator, sm_count):
-    """The forward's layout follows the warps a grid makes per multiprocessor: time-parallel below
-    SCAN_FWD_TP_CHANNELS_PER_SM (row, channel) pairs a multiprocessor, then fewer threads a channel as channels grow,
-    one step fewer where rows are cut into segments; the launcher and its Python twin agree everywhere."""
+    """The forward's layout follows the warps a grid makes per multiprocessor: fewer threads a channel as channels
+    grow, 8 for a handful, one step fewer where rows are cut into segments; the launcher and its Python twin agree
+    everywhere."""
     batches = (1, 2, 3, 4, 8, 16, 64, 256)
     for dim in (1, 16, 33, 768, 1536, 2048, 2560, 4096, 5120, 8192):
         for segments in (1, 2, 8):
@@ -309,9 +305,8 @@ def test_scan_forward_layout_choice(emulator, sm_count):
             assert lanes == sorted(lanes, reverse=True) and set(lanes) <= set(FWD_LANES)
         assert all(emulator.emu_scan_fwd_lanes(b, dim, 8, sm_count) == emulator.emu_scan_fwd_lanes(2 * b, dim, 1,
                                                                                                    sm_count)
-                   for b in batches if b * dim >= SCAN_FWD_TP_CHANNELS_PER_SM * sm_count)
-    assert emulator.emu_scan_fwd_lanes(1, 32, 1, sm_count) == (8 if sm_count == 1 else SCAN_FWD_TP_THREADS)
-    assert emulator.emu_scan_fwd_lanes(1, SCAN_FWD_TP_CHANNELS_PER_SM * sm_count, 1, sm_count) != SCAN_FWD_TP_THREADS
+                   for b in batches)
+    assert emulator.emu_scan_fwd_lanes(1, 32, 1, sm_count) == 8
     assert emulator.emu_scan_fwd_lanes(256, 8192, 1, sm_count) == 1
 
 
@@ -442,9 +437,8 @@ def run_emulated_bwd(so, inputs, pos, softplus, saved, dout, segments=1):
 @pytest.mark.parametrize("has_z", [True, False], ids=["z", "noz"])
 def test_emulated_backward_gradients_and_recomputed_output(emulator, fwd_lanes, seed, dtype, case, has_z):
     """The backward starts from the forward's saved states: its gradients match float64 autograd, and the output
-    it recomputes (recompute_out) is the forward's, bit for bit, whatever the forward's sequential layout (the two
-    sum over states in the same tree); after the time-parallel forward (its states are the same products in another
-    order), within rounding."""
+    it recomputes (recompute_out) is the forward's, bit for bit, whatever the forward's layout (the two sum over
+    states in the same tree)."""
     batch, dim, dstate, L, groups, kinds = case
     u = torch.randn(batch, dim, L).to(dtype)
     delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
@@ -457,10 +451,7 @@ def test_emulated_backward_gradients_and_recomputed_output(emulator, fwd_lanes, 
     out, saved = run_emulated(emulator, *inputs, pos, True)
     dout = torch.randn_like(out)
     out_rec, grads = run_emulated_bwd(emulator, inputs, pos, True, saved, dout)
-    if fwd_lanes == SCAN_FWD_TP_THREADS:
-        assert_elementwise(out_rec, out, "recomputed out", floor=1e-6)
-    else:
-        assert torch.equal(out_rec, out)
+    assert torch.equal(out_rec, out)
     _, _, ref_grads = scan_ref_grads(inputs, pos, True, dout)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-3}[dtype]
     for name, g, rg in zip(GRAD_NAMES, grads, ref_grads):

@@ -114,25 +114,12 @@ inline T emu_shfl(T v, int src) {   // __shfl_sync: every lane reads lane src's 
   w.bar->arrive_and_wait();
   return r;
 }
-template <typename T>
-inline T emu_shfl_up(T v, unsigned d) {   // __shfl_up_sync: lane l reads lane l - d's value (lanes < d keep theirs)
-  static_assert(sizeof(T) == 4, "32-bit shuffles");
-  EmuWarp &w = emu_warp();
-  const int l = emu_tid % 32;
-  std::memcpy(&w.xchg[l], &v, 4);
-  w.bar->arrive_and_wait();
-  T r = v;
-  if (l >= (int)d) std::memcpy(&r, &w.xchg[l - d], 4);
-  w.bar->arrive_and_wait();
-  return r;
-}
 #define __syncwarp(...) emu_syncwarp()
 #define __syncthreads() emu_block_bar->arrive_and_wait()
 #define __ballot_sync(mask, pred) emu_ballot(pred)
 #define __all_sync(mask, pred) (emu_ballot(pred) == 0xffffffffu)
 #define __shfl_xor_sync(mask, v, o) emu_shfl_xor(v, o)
 #define __shfl_sync(mask, v, src) emu_shfl(v, src)
-#define __shfl_up_sync(mask, v, d) emu_shfl_up(v, d)
 #define __cvta_generic_to_shared(p) ((size_t)(p))
 #define cudaFuncSetAttribute(...) cudaSuccess
 
