@@ -171,8 +171,9 @@ def padded_eval(model, seqs, labels, batch_size, device):
 
 
 def packed_graphs(kind, args) -> bool:
-    """--cg: the packed mode decodes with ``cuda_graph=True`` too (mamba-ssm models on CUDA)."""
-    return bool(args.cg and kind == "mamba_ssm" and args.device.startswith("cuda"))
+    """--cg: the packed mode decodes with ``cuda_graph=True`` too (on CUDA; transformers' Mamba: the decode graphed,
+    the prefill eager)."""
+    return bool(args.cg and args.device.startswith("cuda"))
 
 
 def run_generation(kind, model, plain, prompts, budgets, workload, args, skip, device):
@@ -246,8 +247,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip", default="",
                     help="comma-separated modes to skip: padded, padded_converted, one_by_one, eval")
     ap.add_argument("--cg", action="store_true",
-                    help="CUDA graphs, mamba-ssm on CUDA: the baselines call generate(cg=True), packed passes "
-                         "cuda_graph=True")
+                    help="CUDA graphs on CUDA: packed passes cuda_graph=True; mamba-ssm's baselines call "
+                         "generate(cg=True) (transformers' generate() has no such switch: its baselines stay eager)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/generation/<device>_<model>)")
     if "--smoke" in (sys.argv[1:] if argv is None else argv):   # smaller defaults; arguments given still count

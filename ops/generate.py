@@ -695,6 +695,74 @@ class _SlotDecoder:
             ssm.index_copy_(0, where, new_ssm)
 
 
+class _HFSlotDecoder:
+    """transformers' decoding over a fixed number of slots (``cuda_graph=True``), as :class:`_SlotDecoder` does for
+    mamba-ssm: a cache of ``slots`` rows made by transformers itself (a one-token forward with ``use_cache=True``),
+    every step one CUDA graph replay of the model's one-token forward, whose converted Mamba-1 / FalconMamba mixers
+    run fused state updates in place on the cache's tensors (``ops.hf.fused_step_states``: a graph replays kernels,
+    not transformers' Python). A prompt's prefilled states are written into its row of those tensors.
+    ``capture=False`` runs the same bookkeeping eagerly (the CPU tests of it)."""
+
+    def __init__(self, model, fam: _Family, slots: int, device: torch.device, capture: bool):
+        from .hf import fused_step_states
+        self.model = model
+        self.layers = [m.layer_idx for m in fam.mixers]
+        self.tokens = torch.zeros(slots, dtype=torch.int64, device=device)
+        params = inspect.signature(model.forward).parameters
+        cache_kw = "cache" if "cache" in params else "cache_params"
+        out = model(input_ids=self.tokens[:, None], use_cache=True)
+        cache = getattr(out, "cache", None)
+        if cache is None:
+            cache = getattr(out, "cache_params", None)
+        unfused = [m.layer_idx for m in fam.mixers if fused_step_states(m, cache) is None]
+        if unfused:
+            raise NotImplementedError(
+                f"generate_packed: cuda_graph=True replays each layer's single-token step from a CUDA graph, but in "
+                f"this transformers version ({type(cache).__name__} cache) layers {unfused} step through "
+                "transformers' own code, which a graph cannot replay (use cuda_graph=False)")
+        self.cache = cache
+        self.kw = {cache_kw: cache, "use_cache": True}
+        if "cache_position" in params:   # > 0 and past the conv window: a decode step (the fused step ignores it)
+            self.kw["cache_position"] = torch.full((1,), max(fam.mixers[0].conv_kernel_size, 2), dtype=torch.int64,
+                                                   device=device)
+        self.graph = None
+        if capture:
+            self.graph, self.logits = _captured(self._forward, device)
+            for layer in self.layers:   # the warm-up stepped them
+                for t in _hf_layer_states(cache, layer):
+                    t.zero_()
+
+    def _forward(self) -> torch.Tensor:
+        return _logits_of(self.model(input_ids=self.tokens[:, None], **self.kw))[:, -1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(slots, vocab) logits after ``tokens`` (slots,); with a graph, a buffer the next step overwrites."""
+        self.tokens.copy_(tokens)
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.logits
+
+    def write(self, where: torch.Tensor, states: "_PromptStates") -> None:
+        """Put the prefill's ``states`` into the rows ``where`` (in place: the graph reads these tensors)."""
+        for li, layer in enumerate(self.layers):
+            conv, ssm = _hf_layer_states(self.cache, layer)
+            new_conv, new_ssm = _new_rows(conv, ssm, states, li, f"layer {layer}")
+            conv.index_copy_(0, where, new_conv)
+            ssm.index_copy_(0, where, new_ssm)
+
+
+class _EagerPrefill:
+    """:func:`_prefill` with :class:`_PrefillGraphs`' call: the prefill of ``cuda_graph=True`` for transformers'
+    models (packed, eager; their decode runs from graphs)."""
+
+    def __init__(self, model, fam: _Family, cap: int, prefill_tokens: int, device: torch.device):
+        self.model, self.fam, self.cap, self.prefill_tokens, self.device = model, fam, cap, prefill_tokens, device
+
+    def __call__(self, seqs: List[torch.Tensor], take: List[int], algorithm: str):
+        return _prefill(self.model, self.fam, seqs, take, self.cap, self.prefill_tokens, algorithm, self.device)
+
+
 def _hf_layer_states(cache, layer: int):
     """(conv (b, d, w), ssm (b, d, n)) of ``layer`` in transformers' cache: 5.24+'s ``DynamicCache`` of linear
     attention layers, or 5.0-5.23's ``MambaCache``."""
@@ -879,7 +947,10 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
             stopped prompt's row is refilled by a waiting one; every step decodes all rows. The graphs are captured
             on first use (0.07-0.08 s for the decode of 24 layers on an H100) and kept on the model, as mamba-ssm
             keeps its own: a later call of the same shapes replays them; moving or replacing a parameter drops them.
-            CUDA models of mamba-ssm (``MambaLMHeadModel``) only; transformers' models decode eagerly.
+            CUDA models only: mamba-ssm's ``MambaLMHeadModel``, and transformers' ``MambaForCausalLM`` /
+            ``FalconMambaForCausalLM`` (their decode from graphs, the prefill eager; transformers versions whose
+            cache gives each layer ``conv_states`` / ``recurrent_states``, else NotImplementedError);
+            ``Mamba2ForCausalLM`` is refused.
 
     Returns:
         one 1-D int64 tensor per prompt, on the model's device: the prompt followed by its new tokens.
@@ -1060,11 +1131,12 @@ def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algor
 
 
 def _check_cuda_graph(fam: _Family, device: torch.device) -> None:
-    """``cuda_graph=True`` needs a CUDA model of mamba-ssm's family (the CPU tests replace this check)."""
-    if fam.kind != "mamba_ssm":
-        raise NotImplementedError("generate_packed: cuda_graph=True supports mamba-ssm's MambaLMHeadModel; "
-                                  "transformers' models keep their cache in Python objects a graph cannot replay "
-                                  "(use cuda_graph=False)")
+    """``cuda_graph=True`` needs a CUDA model of mamba-ssm's family or transformers' Mamba-1 / FalconMamba (the CPU
+    tests replace this check)."""
+    if fam.mamba2:
+        raise NotImplementedError("generate_packed: cuda_graph=True supports mamba-ssm's MambaLMHeadModel and "
+                                  "transformers' Mamba / FalconMamba models; a Mamba2ForCausalLM steps through "
+                                  "transformers' own code, which a graph cannot replay (use cuda_graph=False)")
     if device.type != "cuda":
         raise ValueError(f"generate_packed: cuda_graph=True needs the model on a CUDA device, it is on {device}")
 
@@ -1082,9 +1154,9 @@ def _kept_graphs(model, device: torch.device) -> dict:
 
 def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, algorithm, temperature, top_k, top_p,
                        generator, stop_tensor, device, batch_size, records):
-    """``_generate_stream`` over the fixed rows of a :class:`_SlotDecoder`, with the same tokens. Waiting prompts are
-    prefilled (packed, as a group, through :class:`_PrefillGraphs`) once a quarter of the rows is free. A record's
-    prompt index is -1 for a free row."""
+    """``_generate_stream`` over the fixed rows of a :class:`_SlotDecoder` (transformers: :class:`_HFSlotDecoder`),
+    with the same tokens. Waiting prompts are prefilled (packed, as a group, through :class:`_PrefillGraphs`;
+    transformers: eagerly) once a quarter of the rows is free. A record's prompt index is -1 for a free row."""
     queue = list(todo)
     budget = np.asarray(budgets, dtype=np.int64)
     produced = np.zeros(len(budgets), dtype=np.int64)
@@ -1093,15 +1165,22 @@ def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, alg
     max_seqlen = max(int(seqs[i].numel()) for i in todo) + max(budgets)
     kept = _kept_graphs(model, device)
     max_seqlen = 1 << (max_seqlen - 1).bit_length()
-    decoder = kept.get(("decode", slots, max_seqlen))
-    if decoder is None:
-        decoder = kept[("decode", slots, max_seqlen)] = _SlotDecoder(model, fam, slots, max_seqlen, device,
-                                                                     capture=device.type == "cuda")
-    max_rows = max(1, prefill_tokens // cap)
-    prefill = kept.get(("prefill", cap, slots, max_rows))
-    if prefill is None:
-        prefill = kept[("prefill", cap, slots, max_rows)] = _PrefillGraphs(model, fam, cap, slots, max_rows, device,
-                                                                           capture=device.type == "cuda")
+    capture = device.type == "cuda"
+    if fam.kind == "mamba_ssm":
+        decoder = kept.get(("decode", slots, max_seqlen))
+        if decoder is None:
+            decoder = kept[("decode", slots, max_seqlen)] = _SlotDecoder(model, fam, slots, max_seqlen, device,
+                                                                         capture)
+        max_rows = max(1, prefill_tokens // cap)
+        prefill = kept.get(("prefill", cap, slots, max_rows))
+        if prefill is None:
+            prefill = kept[("prefill", cap, slots, max_rows)] = _PrefillGraphs(model, fam, cap, slots, max_rows,
+                                                                               device, capture)
+    else:   # transformers: the decode from graphs (its cache has no sequence length), the prefill eager
+        decoder = kept.get(("decode", slots))
+        if decoder is None:
+            decoder = kept[("decode", slots)] = _HFSlotDecoder(model, fam, slots, device, capture)
+        prefill = _EagerPrefill(model, fam, cap, prefill_tokens, device)
     owner = np.full(slots, -1, dtype=np.int64)          # the prompt decoding in each row, -1: free
     owner_now = owner.copy()                            # the records' copy: ``owner`` changes in place
 

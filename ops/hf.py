@@ -472,9 +472,24 @@ def _mamba1_decode_step(mixer, args, kwargs):
     hidden_states = args[0] if args else kwargs.get("hidden_states")
     cache = kwargs.get("cache", kwargs.get("cache_params", args[1] if len(args) > 1 else None))
     mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
-    if (cache is None or mask is not None or not isinstance(hidden_states, torch.Tensor)
-            or hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or torch.is_grad_enabled()
-            or hasattr(getattr(mixer, "config", None), "_is_quantized")
+    if (mask is not None or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3
+            or hidden_states.shape[1] != 1 or torch.is_grad_enabled()):
+        return None
+    fused = fused_step_states(mixer, cache)
+    if fused is None:
+        return None
+    from .decode import mamba_step
+    conv, ssm, norm = fused
+    return mamba_step(mixer, hidden_states, conv, ssm, bc_dt_norm=norm)
+
+
+def fused_step_states(mixer, cache):
+    """``(conv_state, ssm_state, bc_dt_norm)`` where a Mamba-1 / FalconMamba ``mixer``'s single-token step on
+    ``cache`` runs as ``ops.decode``'s fused state updates, in place on those two tensors of the cache; None where
+    transformers' own code runs it: no cache, a cache without the ``has_previous_state`` / ``layers[i].conv_states``
+    API (5.0's ``MambaCache``), an empty or recording layer, a quantized model, norms other than FalconMamba's
+    modules. (``generate_packed(cuda_graph=True)`` replays these steps from a CUDA graph, so it needs them fused.)"""
+    if (cache is None or hasattr(getattr(mixer, "config", None), "_is_quantized")
             or not (hasattr(cache, "has_previous_state") and hasattr(cache, "layers"))):
         return None
     idx = mixer.layer_idx
@@ -489,8 +504,7 @@ def _mamba1_decode_step(mixer, args, kwargs):
         norm = None
     else:
         return None
-    from .decode import mamba_step
-    return mamba_step(mixer, hidden_states, layer.conv_states[0], layer.recurrent_states[0], bc_dt_norm=norm)
+    return layer.conv_states[0], layer.recurrent_states[0], norm
 
 
 def _mamba1_carried(mixer, hidden_states, pos_and_carry, attention_mask):

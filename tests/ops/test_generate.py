@@ -725,3 +725,65 @@ def test_gpu_hf_mamba2_greedy_equals_transformers(cuda, seed):
     prompts = [p.to(cuda) for p in prompts_of([37, 1, 2, 40, 9, 3], seed)]
     out = ops.generate_packed(model, prompts, 8, capacity=64)
     assert_hf_reference(plain, prompts, out, [8] * len(prompts))
+
+
+# ---- cuda_graph=True on transformers' Mamba-1 / FalconMamba: fixed rows stepped by the fused steps ----
+
+@pytest.mark.parametrize("kind", ["mamba", "falcon"])
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_hf_fixed_rows_decoder_gives_the_same_tokens(seed, monkeypatch, kind, batch_size):
+    """cuda_graph=True on transformers' Mamba / FalconMamba (the CPU runs its fixed-row bookkeeping eagerly): every
+    step goes through ops.decode's fused step on the cache's tensors (what the graph replays), and the tokens are
+    the eager decoder's, with per-prompt lengths (0 and 1 included), refills of freed rows and a stop token."""
+    import ops.decode as dec
+    slots_on_the_cpu(monkeypatch)
+    model = ops.enable_packing(hf_model(kind, seed))
+    prompts = prompts_of([5, 1, 2, 9, 3, 7], seed)
+    budgets = [6, 0, 6, 1, 6, 5]
+    eager = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size)
+    steps = []
+    real_step = dec.mamba_step
+    monkeypatch.setattr(dec, "mamba_step", lambda *a, **k: steps.append(a[1].shape[0]) or real_step(*a, **k))
+    fixed = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size, cuda_graph=True)
+    slots = 5 if batch_size is None else batch_size   # the prompts with new tokens, or batch_size
+    assert steps and set(steps) == {slots}             # every layer of every step, all rows, fused
+    for p, e, f, b in zip(prompts, eager, fixed, budgets):
+        assert len(f) == len(p) + b
+        assert f.tolist() == e.tolist()
+    stop = int(eager[0][len(prompts[0]) + 2])
+    e = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size, stop_token_ids=[stop])
+    f = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size, stop_token_ids=[stop],
+                            cuda_graph=True)
+    assert [x.tolist() for x in f] == [x.tolist() for x in e]
+
+
+def test_hf_cuda_graph_is_refused_where_a_step_is_not_fused(seed, monkeypatch):
+    """cuda_graph=True needs every layer's step fused (a graph replays kernels, not transformers' Python): a
+    Mamba2ForCausalLM, or a cache whose layers transformers steps itself, is refused naming why."""
+    import ops.hf as hf
+    with pytest.raises(NotImplementedError, match="Mamba2ForCausalLM steps through transformers' own code"):
+        ops.generate_packed(ops.enable_packing(hf_mamba2(seed)), [[1, 2]], 2, cuda_graph=True)
+    slots_on_the_cpu(monkeypatch)
+    monkeypatch.setattr(hf, "fused_step_states", lambda mixer, cache: None)
+    with pytest.raises(NotImplementedError, match=r"layers \[0, 1\] step through transformers' own code"):
+        ops.generate_packed(ops.enable_packing(hf_model("mamba", seed)), [[1, 2]], 2, cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mamba", "falcon"])
+def test_gpu_hf_cuda_graph_tokens_equal_eager(cuda, seed, kind):
+    """transformers' Mamba / FalconMamba on CUDA, fp32: generate_packed(cuda_graph=True) (the decode captured once,
+    replayed every step, rows refilled) gives the eager decoder's tokens, which are the unconverted model's on each
+    prompt alone; a second call replays the kept graph."""
+    model = hf_model(kind, seed).to(cuda)
+    plain = copy.deepcopy(model)
+    plain.generation_config.eos_token_id = None
+    ops.enable_packing(model)
+    prompts = [p.to(cuda) for p in prompts_of([5, 1, 2, 9, 3, 7, 4, 8], seed)]
+    budgets = [6, 3, 6, 1, 6, 5, 2, 7]
+    eager = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=3)
+    graphed = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=3, cuda_graph=True)
+    assert [g.tolist() for g in graphed] == [e.tolist() for e in eager]
+    assert_hf_reference(plain, prompts, graphed, budgets)
+    again = ops.generate_packed(model, prompts[:4], budgets[:4], capacity=12, batch_size=3, cuda_graph=True)
+    assert [a.tolist() for a in again] == [e.tolist() for e in eager[:4]]
