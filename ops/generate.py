@@ -649,7 +649,43 @@ class _MambaSSMDecoder:
         self.params.max_batch_size = int(d[self.mixers[0].layer_idx][0].shape[0])
 
 
-class _SlotDecoder:
+class _FixedRows:
+    """What the fixed-row decoders share: a step copies the tokens into the buffer the model reads, then replays the
+    graph (or runs the forward, without one); a prefill's states are written into rows of the cache's tensors in
+    place (the graph reads those tensors). A subclass gives ``_forward()`` and ``_layer_states()``: each layer's
+    (conv, ssm, name)."""
+
+    graph = None
+
+    def _forward(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _layer_states(self):
+        raise NotImplementedError
+
+    def _zero_states(self) -> None:
+        """After the capture: its warm-up stepped the states."""
+        for conv, ssm, _ in self._layer_states():
+            conv.zero_()
+            ssm.zero_()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(slots, vocab) logits after ``tokens`` (slots,); with a graph, a buffer the next step overwrites."""
+        self.tokens.copy_(tokens)
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.logits
+
+    def write(self, where: torch.Tensor, states: "_PromptStates") -> None:
+        """Put the prefill's ``states`` into the rows ``where``."""
+        for li, (conv, ssm, name) in enumerate(self._layer_states()):
+            new_conv, new_ssm = _new_rows(conv, ssm, states, li, name)
+            conv.index_copy_(0, where, new_conv)
+            ssm.index_copy_(0, where, new_ssm)
+
+
+class _SlotDecoder(_FixedRows):
     """mamba-ssm decoding over a fixed number of slots, each step one CUDA graph replay (``cuda_graph=True``).
 
     The cache holds ``slots`` rows for the whole generation: a prompt that stops frees its row, a waiting prompt's
@@ -666,36 +702,20 @@ class _SlotDecoder:
             self.params.key_value_memory_dict[m.layer_idx] = m.allocate_inference_cache(slots, max_seqlen)
         self.params.seqlen_offset = 1   # > 0: the mixers step from the cache
         self.tokens = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.graph = None
         if capture:
             self.graph, self.logits = _captured(self._forward, device)
-            for conv, ssm in self.params.key_value_memory_dict.values():   # the warm-up stepped them
-                conv.zero_()
-                ssm.zero_()
+            self._zero_states()
 
     def _forward(self) -> torch.Tensor:
         out = self.model(self.tokens[:, None], inference_params=self.params, num_last_tokens=1)
         return _logits_of(out)[:, -1]
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(slots, vocab) logits after ``tokens`` (slots,); with a graph, a buffer the next step overwrites."""
-        self.tokens.copy_(tokens)
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        return self.logits
-
-    def write(self, where: torch.Tensor, states: "_PromptStates") -> None:
-        """Put the prefill's ``states`` into the rows ``where``."""
+    def _layer_states(self):
         d = self.params.key_value_memory_dict
-        for li, m in enumerate(self.mixers):
-            conv, ssm = d[m.layer_idx]
-            new_conv, new_ssm = _new_rows(conv, ssm, states, li, f"layer {m.layer_idx}")
-            conv.index_copy_(0, where, new_conv)
-            ssm.index_copy_(0, where, new_ssm)
+        return [(*d[m.layer_idx], f"layer {m.layer_idx}") for m in self.mixers]
 
 
-class _HFSlotDecoder:
+class _HFSlotDecoder(_FixedRows):
     """transformers' decoding over a fixed number of slots (``cuda_graph=True``), as :class:`_SlotDecoder` does for
     mamba-ssm: a cache of ``slots`` rows made by transformers itself (a one-token forward with ``use_cache=True``),
     every step one CUDA graph replay of the model's one-token forward, whose converted Mamba-1 / FalconMamba mixers
@@ -725,31 +745,15 @@ class _HFSlotDecoder:
         if "cache_position" in params:   # > 0 and past the conv window: a decode step (the fused step ignores it)
             self.kw["cache_position"] = torch.full((1,), max(fam.mixers[0].conv_kernel_size, 2), dtype=torch.int64,
                                                    device=device)
-        self.graph = None
         if capture:
             self.graph, self.logits = _captured(self._forward, device)
-            for layer in self.layers:   # the warm-up stepped them
-                for t in _hf_layer_states(cache, layer):
-                    t.zero_()
+            self._zero_states()
 
     def _forward(self) -> torch.Tensor:
         return _logits_of(self.model(input_ids=self.tokens[:, None], **self.kw))[:, -1]
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(slots, vocab) logits after ``tokens`` (slots,); with a graph, a buffer the next step overwrites."""
-        self.tokens.copy_(tokens)
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        return self.logits
-
-    def write(self, where: torch.Tensor, states: "_PromptStates") -> None:
-        """Put the prefill's ``states`` into the rows ``where`` (in place: the graph reads these tensors)."""
-        for li, layer in enumerate(self.layers):
-            conv, ssm = _hf_layer_states(self.cache, layer)
-            new_conv, new_ssm = _new_rows(conv, ssm, states, li, f"layer {layer}")
-            conv.index_copy_(0, where, new_conv)
-            ssm.index_copy_(0, where, new_ssm)
+    def _layer_states(self):
+        return [(*_hf_layer_states(self.cache, layer), f"layer {layer}") for layer in self.layers]
 
 
 class _EagerPrefill:
