@@ -3,6 +3,7 @@ through packed rows (issue 33). Runs on a CPU as is (the PyTorch reference kerne
 
     python examples/generate_packed.py                          # 16 prompts, 16 new tokens, a tiny random model
     python examples/generate_packed.py --num-prompts 64 --check 64 --device cuda
+    python examples/generate_packed.py --num-prompts 256 --check 8 --device cuda --cuda-graph   # decode from graphs
 
 What it does, on the GSM8K sample embedded in packloader (tokenized with the embedded GPT-NeoX tokenizer):
 
@@ -76,6 +77,9 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=2, help="layers of the tiny random model (default 2)")
     p.add_argument("--from-pretrained", default=None, help="a transformers Mamba / FalconMamba checkpoint instead")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="decode in fixed rows, each step one CUDA graph replay (generate_packed(cuda_graph=True); "
+                        "CUDA only)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -94,13 +98,16 @@ def main(argv=None) -> dict:
           f"model: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{args.device}")
 
-    ops.generate_packed(model, [prompts[0].to(args.device)], 2)          # warm-up (first calls), not timed
+    # warm-up (first calls; with --cuda-graph the graphs of this batch, kept on the model), not timed
+    warm = prompts if args.cuda_graph else prompts[:1]
+    ops.generate_packed(model, [t.to(args.device) for t in warm], 2, capacity=args.capacity,
+                        cuda_graph=args.cuda_graph)
     if reference is not None:
         with torch.no_grad():
             reference.generate(prompts[0][None].to(args.device), max_new_tokens=2, do_sample=False, pad_token_id=0)
     t0 = time.perf_counter()
     outs = ops.generate_packed(model, [t.to(args.device) for t in prompts], args.max_new_tokens,
-                               capacity=args.capacity)
+                               capacity=args.capacity, cuda_graph=args.cuda_graph)
     packed_s = time.perf_counter() - t0
     new = sum(len(o) - len(t) for o, t in zip(outs, prompts))
     print(f"packed prefill + batched decode: {packed_s:.2f} s, {new} new tokens ({new / packed_s:.0f} tokens/s)")
