@@ -963,7 +963,9 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
         ValueError / TypeError: bad prompts (empty, not 1-D, not integers, token ids outside the vocabulary),
             ``max_new_tokens``, ``capacity``, sampling arguments or ``batch_size``, naming the argument; a model not
             converted by :func:`ops.enable_packing`.
-        NotImplementedError: a model whose layers cannot give per-prompt states (mamba-ssm's Mamba-2, attention).
+        NotImplementedError: a model whose layers cannot give per-prompt states (mamba-ssm's Mamba-2, attention);
+            ``cuda_graph=True`` on a model whose decode step a graph cannot replay (transformers' Mamba-2, or a
+            transformers version that steps Mamba through its own code).
     """
     fam = _family(model)
     seqs = _as_token_list(prompts, "prompts")
