@@ -1,6 +1,7 @@
 """The GPU machine's scripts (benchmarks/gpu/*.sh) are only run on a lent GPU; what can go wrong with them before
 that is checked here: they parse, and their inline import checks of the compiled upstream extensions import torch
-first (a bare ``selective_scan_cuda`` cannot find libc10.so and reports a working install as broken)."""
+first (a bare ``selective_scan_cuda`` cannot find libc10.so and reports a working install as broken); the benchmarks
+that call the compiled extension directly pass every argument its binding declares."""
 import re
 import shutil
 import subprocess
@@ -50,3 +51,40 @@ def test_gpu_script_import_checks_import_torch_first(script):
     programs = re.findall(r'python3 -c "([^"]*)"', script.read_text())
     bad = {p: _late_bare_imports(p) for p in programs if _late_bare_imports(p)}
     assert not bad, f"{script.name}: import torch (or causal_conv1d / mamba_ssm) before {bad}"
+
+
+# ---- the benchmarks that call the compiled extension directly (ext.scan_fwd(...)) run only on a GPU: their calls
+# must pass every parameter the binding declares (pybind11 without py::arg defaults takes no fewer) ----
+
+BENCHMARKS = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py"))
+BINDING = Path(__file__).resolve().parents[2] / "ops" / "csrc" / "binding.cpp"
+
+
+def _binding_arity() -> dict:
+    """{name: parameter count} of the functions binding.cpp exposes with m.def (none has defaults there)."""
+    text = BINDING.read_text()
+    exposed = re.findall(r'm\.def\("(\w+)",\s*&(\w+)', text)
+    assert exposed, "no m.def in binding.cpp"
+    arity = {}
+    for name, fn in exposed:
+        m = re.search(r"^\w[\w:<>]*\s+" + fn + r"\(([^)]*)\)\s*\{", text, re.M)
+        assert m, f"binding.cpp: no definition of {fn}"
+        arity[name] = len([p for p in m.group(1).split(",") if p.strip()])
+    return arity
+
+
+def test_benchmarks_call_the_binding_with_every_argument():
+    import ast
+    arity = _binding_arity()
+    calls = 0
+    for path in BENCHMARKS:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "ext"
+                    and node.func.attr in arity):
+                calls += 1
+                assert not node.keywords, f"{path.name}:{node.lineno}: keywords (the binding takes positions)"
+                assert len(node.args) == arity[node.func.attr], (
+                    f"{path.name}:{node.lineno}: ext.{node.func.attr} with {len(node.args)} arguments, the binding "
+                    f"takes {arity[node.func.attr]}")
+    assert calls >= 3   # bench_scan_segments.py's scan_fwd (twice) and scan_bwd
