@@ -756,6 +756,17 @@ class _HFSlotDecoder(_FixedRows):
         return [(*_hf_layer_states(self.cache, layer), f"layer {layer}") for layer in self.layers]
 
 
+class _EagerPrefill:
+    """:func:`_prefill` with :class:`_PrefillGraphs`' call: the prefill of ``cuda_graph=True`` for transformers'
+    models (packed, eager; their decode runs from graphs)."""
+
+    def __init__(self, model, fam: _Family, cap: int, prefill_tokens: int, device: torch.device):
+        self.model, self.fam, self.cap, self.prefill_tokens, self.device = model, fam, cap, prefill_tokens, device
+
+    def __call__(self, seqs: List[torch.Tensor], take: List[int], algorithm: str):
+        return _prefill(self.model, self.fam, seqs, take, self.cap, self.prefill_tokens, algorithm, self.device)
+
+
 def _hf_layer_states(cache, layer: int):
     """(conv (b, d, w), ssm (b, d, n)) of ``layer`` in transformers' cache: 5.24+'s ``DynamicCache`` of linear
     attention layers, or 5.0-5.23's ``MambaCache``."""
@@ -1175,8 +1186,7 @@ def _generate_in_slots(model, fam, seqs, todo, budgets, cap, prefill_tokens, alg
         decoder = kept.get(("decode", slots))
         if decoder is None:
             decoder = kept[("decode", slots)] = _HFSlotDecoder(model, fam, slots, device, capture)
-        def prefill(seqs_, take, algorithm_):   # _PrefillGraphs' call, run eagerly
-            return _prefill(model, fam, seqs_, take, cap, prefill_tokens, algorithm_, device)
+        prefill = _EagerPrefill(model, fam, cap, prefill_tokens, device)
     owner = np.full(slots, -1, dtype=np.int64)          # the prompt decoding in each row, -1: free
     owner_now = owner.copy()                            # the records' copy: ``owner`` changes in place
 
