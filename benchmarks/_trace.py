@@ -25,9 +25,10 @@ def _union_ms(intervals):
     return total / 1000.0
 
 
-def trace_call(fn, path=None, label="", top=0):
+def trace_call(fn, path=None, label="", top=0, cpu_top=0):
     """Profile one call of ``fn`` (synchronized before and after); write ``path`` (.json.gz) when given; ``top``:
-    also list the ``top`` kernel names with the most summed time (ms, count)."""
+    also list the ``top`` kernel names with the most summed time (ms, count); ``cpu_top``: the ``cpu_top`` host-side
+    operators with the most self time (ms, count) and the count of all host-side operator calls."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -64,6 +65,11 @@ def trace_call(fn, path=None, label="", top=0):
             by_name[e.name] = (ms + e.time_range.elapsed_us() / 1000.0, n + 1)
         ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
         summary["top_kernels"] = [[name[:90], round(ms, 3), n] for name, (ms, n) in ranked]
+    if cpu_top:
+        host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+        ranked = sorted(host, key=lambda e: -e.self_cpu_time_total)[:cpu_top]
+        summary["host_ops"] = sum(e.count for e in host)
+        summary["top_host_ops"] = [[e.key[:60], round(e.self_cpu_time_total / 1000.0, 3), e.count] for e in ranked]
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         raw = path[:-3] if path.endswith(".gz") else path

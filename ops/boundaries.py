@@ -63,10 +63,9 @@ def _check_2d(name: str, t: torch.Tensor) -> None:
 def _bad_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """Boolean (batch, seqlen): True where an id neither restarts at 0 nor counts up by 1."""
     p = position_ids
-    prev = torch.empty_like(p)
-    prev[:, :1] = -1  # the first column must be 0, i.e. "previous + 1" with previous = -1
-    prev[:, 1:] = p[:, :-1]
-    return (p != 0) & (p != prev + 1)
+    # the id each token may take besides 0: the previous one plus 1; 0 for the first column (it must be 0)
+    allowed = torch.nn.functional.pad(p[:, :-1] + 1, (1, 0))
+    return (p != 0) & (p != allowed)
 
 
 def validate_position_ids(position_ids: torch.Tensor) -> None:
@@ -85,7 +84,12 @@ def validate_position_ids(position_ids: torch.Tensor) -> None:
     if position_ids.numel() == 0:
         return
     bad = _bad_positions(position_ids)
-    if not bool(bad.any()):  # the one sync
+    # the one sync, which also tells whether every row is one sequence (valid ids ending at seqlen - 1): then the
+    # scan's forward runs rows whole instead of planning to cut them (single_sequence_rows)
+    single = position_ids[:, -1] == position_ids.shape[1] - 1
+    any_bad, all_single = torch.stack([bad.any(), single.all()]).tolist()
+    if not any_bad:
+        _single_rows.put(position_ids, bool(all_single))
         return
     row, col = (int(v) for v in bad.nonzero()[0].tolist())
     got = int(position_ids[row, col])
@@ -236,6 +240,40 @@ def row_positions(batch: int, seqlen: int, device=None) -> torch.Tensor:
     return torch.arange(seqlen, dtype=torch.int32, device=device).expand(batch, seqlen).contiguous()
 
 
+# The ids the mixers use for rows without boundaries, made once per (shape, device) and shared by every layer and
+# step (no kernels to make them, the conv's run mask kept with them): never handed out to be changed.
+_shared_rows: dict = {}
+_SHARED_ROWS_KEPT = 8
+
+
+def shared_row_positions(batch: int, seqlen: int, device) -> torch.Tensor:
+    """:func:`row_positions`, the same tensor on every call for a shape and device (internal: not to be changed).
+    Made afresh under ``torch.compile`` and while a CUDA graph is being captured (a tensor made there is not
+    filled until the graph is replayed)."""
+    device = torch.device(device)
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return row_positions(batch, seqlen, device)
+    key = (batch, seqlen, str(device))
+    got = _shared_rows.get(key)
+    if got is None:
+        with torch.inference_mode(False):   # usable (savable for backward) outside inference mode too
+            got = row_positions(batch, seqlen, device)
+        if len(_shared_rows) >= _SHARED_ROWS_KEPT:
+            _shared_rows.pop(next(iter(_shared_rows)))
+        _shared_rows[key] = got
+    return got
+
+
+def single_sequence_rows(position_ids: torch.Tensor) -> bool:
+    """Whether ``position_ids`` (the int32 tensor the kernels get) is known to hold one sequence in every row: the
+    ids of :func:`shared_row_positions`, or ids :func:`validate_position_ids` checked and found so (while they are
+    alive and unchanged). False when not known: nothing is synced here."""
+    key = (position_ids.shape[0], position_ids.shape[1], str(position_ids.device)) if position_ids.dim() == 2 else None
+    if key is not None and _shared_rows.get(key) is position_ids:
+        return True
+    return bool(_single_rows.get(position_ids))
+
+
 def _check_agree(pos: torch.Tensor, seq_idx: torch.Tensor) -> None:
     other = seq_idx_to_position_ids(seq_idx.to(pos.device))
     diff = (other == 0) != (pos == 0)
@@ -357,6 +395,8 @@ def _check_shape(pos: torch.Tensor, batch: Optional[int], seqlen: Optional[int])
 # (each check is a host sync that stops the host from running ahead of the GPU), and every layer gets the same int32
 # tensor (so the conv's run mask, kept per tensor, is made once too). Value: (the int32 ids, whether checked).
 _resolved = TensorMemo()
+# position_ids checked by validate_position_ids and found to hold one sequence a row (True) or not (False)
+_single_rows = TensorMemo()
 
 
 def resolve_boundaries(
@@ -487,7 +527,7 @@ def resolve_for_op(what: str, position_ids: Optional[torch.Tensor], seq_idx: Opt
         return pos, boundaries.seq_idx, validate and not given, boundaries
     pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=device, validate=validate)
     if pos is None:
-        pos = row_positions(batch, seqlen, device)
+        pos = shared_row_positions(batch, seqlen, device)
     return pos, seq_idx, validate, None
 
 

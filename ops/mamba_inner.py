@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from . import backends as _backends
 from . import conv1d_interface as _conv_ops
 from . import kernel_calls
-from .boundaries import resolve_position_ids, row_positions
+from .boundaries import resolve_position_ids, shared_row_positions
 from .conv1d_interface import packed_causal_conv1d
 from .selective_scan_interface import packed_selective_scan
 
@@ -311,8 +311,8 @@ def packed_mamba_inner_fn(
     """
     batch, seqlen, _ = hidden_states.shape
     pos = resolve_position_ids(position_ids, seq_idx, batch, seqlen, device=hidden_states.device, validate=validate)
-    if pos is None:
-        pos = row_positions(batch, seqlen, hidden_states.device)
+    if pos is None:   # each row one sequence: the shared ids (no kernels to make them; the scan runs rows whole)
+        pos = shared_row_positions(batch, seqlen, hidden_states.device)
     args = (hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
             delta_proj_weight, out_proj_weight, out_proj_bias, _fp32(A), _fp32(D), _fp32(delta_bias),
             pos, delta_softplus, checkpoint_lvl)

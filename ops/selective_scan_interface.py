@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
-from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids
+from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids, single_sequence_rows
 from .states import check_state, state_slots
 from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
                        scan_chunks, scan_fwd_segments)
@@ -345,6 +345,16 @@ def _sm_count(device: torch.device) -> int:
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _segments(plan, u: torch.Tensor, pos: torch.Tensor) -> int:
+    """The segments a row is cut into (``plan``: ``scan_fwd_segments`` / ``scan_bwd_segments`` of ops/contract.py),
+    1 where every row is known to be one sequence (nothing to cut at: a plan of K would leave K - 1 segments empty
+    and give the one that runs the layout of a K-times larger grid)."""
+    if single_sequence_rows(pos):
+        return 1
+    batch, dim, seqlen = u.shape
+    return plan(batch, dim, seqlen, _sm_count(u.device))
+
+
 def _group_slices(dim: int, n_groups: int):
     """A kernel block owns SCAN_BLOCK_CHANNELS channels that must share a group; otherwise the kernel runs group
     by group."""
@@ -383,7 +393,7 @@ def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sl
     # a final-state slot that no sequence ends in stays zero
     final = torch.zeros(num_final, dim, A.shape[1], device=u.device, dtype=torch.float32) if num_final else None
     if u.numel() > 0:
-        segments = scan_fwd_segments(batch, dim, seqlen, _sm_count(u.device))
+        segments = _segments(scan_fwd_segments, u, pos)
         ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, saved, segments, 0,
                      slots, h0, final)
     return out, saved, final
@@ -446,7 +456,7 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     # an initial-state slot that no sequence starts from gets a zero gradient
     dinit = torch.zeros(h0.shape, device=u.device, dtype=torch.float32) if h0 is not None else None
     # dA / dD / ddelta_bias come per (batch row, segment) and are summed here (no atomics: the same bits every run)
-    segments = scan_bwd_segments(batch, dim, seqlen, _sm_count(u.device))
+    segments = _segments(scan_bwd_segments, u, pos)
     rows = batch * segments
     dA = torch.zeros((rows,) + tuple(A.shape), device=u.device, dtype=torch.float32)
     dD = torch.zeros(rows, dim, device=u.device, dtype=torch.float32) if D is not None else None

@@ -478,3 +478,79 @@ def test_packed_boundaries_under_torch_compile():
     want = f(x, bounds)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the scan's plan may know without a sync: rows of one sequence
+
+def test_validation_records_whether_every_row_is_one_sequence():
+    from ops.boundaries import single_sequence_rows
+
+    one = torch.arange(7, dtype=torch.int32).expand(3, 7).contiguous()
+    packed = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 2, 3]], dtype=torch.int32)
+    last_short = torch.tensor([[0, 1, 2, 3, 4, 5, 0]], dtype=torch.int32)   # ends in a new sequence of 1
+    for ids in (one, packed, last_short):
+        assert not single_sequence_rows(ids)          # nothing known before a check
+    validate_position_ids(one)
+    validate_position_ids(packed)
+    validate_position_ids(last_short)
+    assert single_sequence_rows(one)
+    assert not single_sequence_rows(packed)
+    assert not single_sequence_rows(last_short)
+    one[1, 3] = 0                                   # changed in place: no longer known
+    assert not single_sequence_rows(one)
+    with pytest.raises(BoundaryError, match=r"position_ids\[0, 2\] = 5"):
+        bad = torch.tensor([[0, 1, 5, 6]], dtype=torch.int32)
+        validate_position_ids(bad)
+    assert not single_sequence_rows(bad)
+    # through the model-level resolution: the int32 tensor the kernels get is the one known
+    pos = resolve_position_ids(torch.arange(5).expand(2, 5), batch=2, seqlen=5)
+    assert pos.dtype == torch.int32 and single_sequence_rows(pos)
+    assert not single_sequence_rows(resolve_position_ids(torch.arange(5).expand(2, 5), validate=False))
+
+
+def test_shared_row_positions_are_made_once_and_usable_everywhere():
+    from ops.boundaries import row_positions, shared_row_positions, single_sequence_rows
+
+    a = shared_row_positions(2, 9, "cpu")
+    assert a is shared_row_positions(2, 9, torch.device("cpu"))
+    assert torch.equal(a, row_positions(2, 9)) and a.dtype == torch.int32 and a.is_contiguous()
+    assert single_sequence_rows(a)
+    assert shared_row_positions(3, 9, "cpu") is not a
+    # first made under inference mode, the ids still serve a training step (saved for backward)
+    with torch.inference_mode():
+        b = shared_row_positions(1, 11, "cpu")
+    assert not b.is_inference()
+    x = torch.randn(1, 11, requires_grad=True)
+    (x * b).sum().backward()
+    assert torch.equal(x.grad, b.float())
+    # under torch.compile they are made afresh (nothing kept from a traced call)
+    from ops.boundaries import _shared_rows
+
+    def f(t):
+        return t + shared_row_positions(1, 5, "cpu")
+
+    out = torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(1, 5, dtype=torch.int32))
+    assert out.tolist() == [[0, 1, 2, 3, 4]] and (1, 5, "cpu") not in _shared_rows
+
+
+def test_the_scan_runs_rows_of_one_sequence_whole():
+    from ops.boundaries import shared_row_positions
+    from ops.contract import scan_bwd_segments, scan_fwd_segments
+    from ops.selective_scan_interface import _segments
+
+    u = torch.empty(1, 1024, 2048)
+    planned_fwd, planned_bwd = scan_fwd_segments(1, 1024, 2048, 132), scan_bwd_segments(1, 1024, 2048, 132)
+    assert planned_fwd > 1 and planned_bwd > 1      # a small grid: cut into segments where it can be
+    one = torch.arange(2048, dtype=torch.int32).expand(1, 2048).contiguous()
+    assert _segments(scan_fwd_segments, u, one) == planned_fwd       # not known yet: the plan
+    validate_position_ids(one)
+    assert _segments(scan_fwd_segments, u, one) == 1
+    assert _segments(scan_bwd_segments, u, one) == 1
+    assert _segments(scan_fwd_segments, u, shared_row_positions(1, 2048, "cpu")) == 1
+    packed = one.clone()
+    packed[0, 1000] = 0
+    packed[0, 1001:] = torch.arange(1, 1048, dtype=torch.int32)
+    validate_position_ids(packed)
+    assert _segments(scan_fwd_segments, u, packed) == planned_fwd
+    assert _segments(scan_bwd_segments, u, packed) == planned_bwd
