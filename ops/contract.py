@@ -53,7 +53,8 @@ dD, dz, ddelta_bias, out, dinitial_state)``
     - Each gradient has its input's shape and dtype. An optional input that was not given gets an empty
       float32 tensor of shape ``(0,)`` in its place (custom ops cannot return None).
     - ``out``: with ``recompute_out``, the forward's ``out`` recomputed (the backward recomputes it anyway; the
-      CUDA kernel gives the forward's bits exactly), so a caller that needs it in its backward (``out_proj``'s
+      CUDA kernel gives the forward's bits exactly, but on rows of one sequence that the forward cut along time,
+      ``ops/time_split.py``: there within rounding), so a caller that needs it in its backward (``out_proj``'s
       weight gradient in the fused mixer) need not keep it from the forward; else an empty ``(0,)`` tensor.
     - ``dfinal_state`` (optional): the gradient of ``final_state``; it enters the adjoint at each sequence's last
       token. ``dinitial_state``: ``initial_state``'s shape, the adjoint a continued sequence's first step hands back

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as _backends
+from . import time_split
 from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids, single_sequence_rows
 from .states import check_state, state_slots
 from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
@@ -355,6 +356,17 @@ def _segments(plan, u: torch.Tensor, pos: torch.Tensor) -> int:
     return plan(batch, dim, seqlen, _sm_count(u.device))
 
 
+def _time_split(which: str, u: torch.Tensor, pos: torch.Tensor, B: torch.Tensor, slots) -> Optional[Tuple[int, int]]:
+    """``(pieces, piece)`` where a call cuts its rows along time (:mod:`ops.time_split`): no carried states, every
+    row known to be one sequence, one B/C group, a grid the plan would cut (``which``: "fwd" / "bwd"), Triton."""
+    if slots is not None or B.shape[1] != 1 or not time_split.HAS_TRITON or u.device.type != "cuda":
+        return None
+    if not single_sequence_rows(pos):
+        return None
+    batch, dim, seqlen = u.shape
+    return time_split.split_plan(which, batch, dim, seqlen, _sm_count(u.device))
+
+
 def _group_slices(dim: int, n_groups: int):
     """A kernel block owns SCAN_BLOCK_CHANNELS channels that must share a group; otherwise the kernel runs group
     by group."""
@@ -393,9 +405,17 @@ def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sl
     # a final-state slot that no sequence ends in stays zero
     final = torch.zeros(num_final, dim, A.shape[1], device=u.device, dtype=torch.float32) if num_final else None
     if u.numel() > 0:
-        segments = _segments(scan_fwd_segments, u, pos)
-        ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, saved, segments, 0,
-                     slots, h0, final)
+        cut = _time_split("fwd", u, pos, B, slots)
+        if cut is not None:   # rows of one sequence on a small grid: cut along time (ops/time_split.py)
+            pieces, piece = cut
+            pos_c, slots_c, init = time_split.forward_states(u, delta, A, B, delta_bias, softplus, pieces, piece)
+            lanes = time_split.fwd_lanes(batch * pieces, dim, _sm_count(u.device))
+            ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos_c, bool(softplus), out, saved, pieces, lanes,
+                         slots_c, init, None)
+        else:
+            segments = _segments(scan_fwd_segments, u, pos)
+            ext.scan_fwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), out, saved, segments, 0,
+                         slots, h0, final)
     return out, saved, final
 
 
@@ -455,8 +475,18 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     batch, dim, seqlen = u.shape
     # an initial-state slot that no sequence starts from gets a zero gradient
     dinit = torch.zeros(h0.shape, device=u.device, dtype=torch.float32) if h0 is not None else None
+    # rows of one sequence on a small grid: cut along time (ops/time_split.py), each piece from the forward's state
+    # before it, with the gradient that enters its end from the pieces after it
+    cut = _time_split("bwd", u, pos, B, slots) if u.numel() > 0 else None
+    if cut is not None:
+        segments, piece = cut
+        pos, slots, h0, dfinal = time_split.backward_states(saved, dout, z, delta, A, C, delta_bias, softplus,
+                                                            segments, piece)
+        with kernel_outputs():   # written by the kernel, not used
+            dinit_cut = torch.empty(h0.shape, device=u.device, dtype=torch.float32)
+    else:
+        segments = _segments(scan_bwd_segments, u, pos)
     # dA / dD / ddelta_bias come per (batch row, segment) and are summed here (no atomics: the same bits every run)
-    segments = _segments(scan_bwd_segments, u, pos)
     rows = batch * segments
     dA = torch.zeros((rows,) + tuple(A.shape), device=u.device, dtype=torch.float32)
     dD = torch.zeros(rows, dim, device=u.device, dtype=torch.float32) if D is not None else None
@@ -478,7 +508,8 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
     if u.numel() > 0:
         # the kernel recomputes the forward output (it needs it for dz) and writes it to out when asked
         ext.scan_bwd(u, delta, A, B, C, D, z, delta_bias, pos, bool(softplus), saved.contiguous(), dout, out,
-                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_part, segments, slots, h0, dfinal, dinit)
+                     du, ddelta, dz, dA, dB, dC, dD, ddb, det_part, segments, slots, h0, dfinal,
+                     dinit if cut is None else dinit_cut)
     if deterministic:
         n_groups = B.shape[1]
         slots = det_part.view(batch, n_groups, det_part.shape[1] // n_groups, 2, *det_part.shape[3:])

@@ -1,0 +1,324 @@
+"""Rows of one sequence cut along time into pieces that the scan kernels run side by side (small grids).
+
+On a grid too small to fill the GPU (one or two rows of a few thousand channels: prefill, evaluation, small-batch
+fine-tuning) the scan cuts packed rows at sequence starts into segments (``ops/contract.py``, ``scan_segments``); a
+row that is one sequence has no start to cut at. Here it is cut anyway, into ``K`` pieces of ``piece`` timesteps (a
+multiple of ``SCAN_CHUNK``), and each piece is run from its true initial state, which the scan's linearity gives
+cheaply: within a piece ``k`` of timesteps ``[t0, t1)``::
+
+    h(t1 - 1) = P_k h(t0 - 1) + E_k      P_k = exp(A sum_t dt_t),   E_k = sum_t exp(A sum_{s > t} dt_s) dt_t B_t u_t
+
+so ``H_k`` (the state before piece ``k``) follows from ``H_0 = 0``, ``H_k = P_{k-1} H_{k-1} + E_{k-1}``. ``E`` and
+the sums of ``dt`` are plain reductions over time (no recurrence), one Triton kernel; then one pass of the scan
+kernel over all pieces side by side, each continuing from ``H_k`` (the carried-state slots of ``ops/contract.py``)::
+
+    row      [ t0 ............................................................ L ]
+    pieces   [ piece 0       | piece 1       | piece 2       | piece 3       ]
+    pass     [ from 0        | from H_1      | from H_2      | from H_3      ]   side by side, the bits of one pass
+                                                                               up to rounding
+
+The backward mirrors it: the state before each piece is the forward's saved chunk state; the adjoint a piece hands
+back through its start with no gradient entering its end, ``D_k = sum_t exp(A sum_{t0 <= s <= t} dt_s) C_t g_t``
+(``g`` the output's gradient, gated by ``silu(z)``), is again a reduction; the gradient entering the end of piece
+``k - 1`` is ``G_{k-1} = D_k + P_k G_k`` (``G_{K-1} = 0``); one pass of the backward kernel with those final-state
+gradients gives every gradient exactly as the uncut backward does (up to rounding).
+
+Used by the CUDA implementation of the scan ops (``ops.selective_scan_interface``) for calls without carried states
+on rows known to be one sequence (``ops.boundaries.single_sequence_rows``), where Triton imports. The references
+(:func:`piece_sums_ref`, :func:`piece_prefix_ref`) are the oracle of the Triton kernels and run the same plan on any
+device (the CPU tests).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, scan_bwd_segments, scan_fwd_segments
+from .decode import HAS_TRITON
+
+__all__ = ["split_plan", "piece_layout", "piece_sums", "piece_sums_ref", "piece_prefix", "piece_prefix_ref",
+           "fwd_lanes", "forward_states", "backward_states", "MAX_PIECES"]
+
+MAX_PIECES = 64        # at most this many pieces a row (the plans stay far below)
+
+
+def split_plan(which: str, batch: int, dim: int, seqlen: int, sm_count: int) -> Optional[Tuple[int, int]]:
+    """``(pieces, piece)`` for rows of one sequence in the scan's forward (``which="fwd"``) or backward (``"bwd"``):
+    the segments the plan of ``ops/contract.py`` gives packed rows of that grid, each ``piece`` timesteps (a multiple
+    of ``SCAN_CHUNK``: the backward reads the state before a piece from the forward's saved chunk states); None where
+    the plan does not cut (the grid fills the GPU, or the row is too short)."""
+    plan = scan_fwd_segments if which == "fwd" else scan_bwd_segments
+    k = plan(batch, dim, seqlen, sm_count)
+    if k <= 1:
+        return None
+    piece = -(-seqlen // k)
+    piece = -(-piece // SCAN_CHUNK) * SCAN_CHUNK
+    pieces = -(-seqlen // piece)
+    if pieces <= 1 or pieces > MAX_PIECES:
+        return None
+    return pieces, piece
+
+
+def fwd_lanes(rows: int, dim: int, sm_count: int) -> int:
+    """The scan forward's layout (threads a channel) for ``rows`` full rows: the fewest that make
+    ``SCAN_FWD_WARPS_PER_SM`` warps a multiprocessor (``selective_scan.cu``, ``scan_fwd_lanes``, which counts a row cut
+    into segments as at most two rows: here every piece is full)."""
+    for lanes in (1, 2, 4):
+        if rows * -(-dim // (32 // lanes)) >= SCAN_FWD_WARPS_PER_SM * sm_count:
+            return lanes
+    return 8
+
+
+_layouts: dict = {}
+_LAYOUTS_KEPT = 8
+
+
+def piece_layout(batch: int, seqlen: int, pieces: int, piece: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(position_ids, state_slots)`` (int32) that make the kernels run each piece as a sequence of its own that
+    continues from a state: ids restart at every piece start; ``state_slots[0]`` names, at the start of piece ``k >=
+    1`` of row ``b``, initial-state slot ``b * pieces + k``, ``state_slots[1]`` at the end of piece ``k < pieces - 1``
+    final-state slot ``b * pieces + k`` (-1 elsewhere). Made once per shape and device (made afresh while a CUDA
+    graph is captured or under ``torch.compile``); not to be changed."""
+    device = torch.device(device)
+    fresh = torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    key = (batch, seqlen, pieces, piece, str(device))
+    got = None if fresh else _layouts.get(key)
+    if got is not None:
+        return got
+    with torch.inference_mode(False):
+        t = torch.arange(seqlen, dtype=torch.int32)
+        pos = (t % piece).expand(batch, seqlen).contiguous()
+        slots = torch.full((2, batch, seqlen), -1, dtype=torch.int32)
+        rows = torch.arange(batch, dtype=torch.int32)[:, None] * pieces
+        k = torch.arange(pieces, dtype=torch.int32)
+        starts, ends = (k * piece)[1:], ((k + 1) * piece - 1)[:-1]
+        slots[0][:, starts.long()] = rows + k[1:]
+        slots[1][:, ends.long()] = rows + k[:-1]
+        got = (pos.to(device), slots.to(device))
+    if not fresh:
+        if len(_layouts) >= _LAYOUTS_KEPT:
+            _layouts.pop(next(iter(_layouts)))
+        _layouts[key] = got
+    return got
+
+
+# --------------------------------------------------------------------------------------------------
+# the per-piece reductions
+
+def _dt(delta: torch.Tensor, delta_bias: Optional[torch.Tensor], softplus: bool, ct: torch.dtype) -> torch.Tensor:
+    dt = delta.to(ct)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(ct)[:, None]
+    return F.softplus(dt) if softplus else dt
+
+
+def piece_sums_ref(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, pieces: int, piece: int):
+    """The per-piece reductions in torch (float64 for float64 inputs, else float32): ``(sums, dt_sums)``,
+    ``sums`` (batch, pieces, dim, dstate), ``dt_sums`` (batch, pieces, dim).
+
+    ``forward``: ``sums[b, k] = E_k``, the state a piece ends in from a zero state (``x`` is ``u``, ``bc`` is ``B``);
+    else ``D_k``, the adjoint its first step hands back with no gradient entering its end (``x`` is the output's
+    gradient, gated by ``silu(z)`` where ``z`` is given; ``bc`` is ``C``). ``bc``: (batch, dstate, seqlen) or
+    (batch, 1, dstate, seqlen)."""
+    ct = torch.float64 if delta.dtype == torch.float64 else torch.float32
+    batch, dim, L = delta.shape
+    dt = _dt(delta, delta_bias, softplus, ct)
+    g = x.to(ct)
+    if not forward and z is not None:
+        g = g * F.silu(z.to(ct))
+    bcx = (bc[:, 0] if bc.dim() == 4 else bc).to(ct)        # (batch, n, L)
+    pad = pieces * piece - L
+    dt, g, bcx = (F.pad(t, (0, pad)) for t in (dt, g, bcx))
+    dtp = dt.view(batch, dim, pieces, piece)
+    if forward:
+        # exp(A * sum_{s > t} dt_s) dt_t u_t B_t
+        after = dtp.flip(-1).cumsum(-1).flip(-1) - dtp
+        w = torch.exp(after[:, :, :, None, :] * A.to(ct)[None, :, None, :, None])      # (b, d, k, n, p)
+        term = (dtp * g.view(batch, dim, pieces, piece))[:, :, :, None, :]
+    else:
+        # exp(A * sum_{t0 <= s <= t} dt_s) C_t g_t
+        upto = dtp.cumsum(-1)
+        w = torch.exp(upto[:, :, :, None, :] * A.to(ct)[None, :, None, :, None])
+        term = g.view(batch, dim, pieces, piece)[:, :, :, None, :]
+    bcp = bcx.view(batch, -1, pieces, piece)[:, None]            # (b, 1, n, k, p) -> align as (b, 1, k, n, p)
+    bcp = bcp.permute(0, 1, 3, 2, 4)
+    sums = (w * term * bcp).sum(-1)                              # (b, d, k, n)
+    return sums.permute(0, 2, 1, 3).contiguous(), dtp.sum(-1).permute(0, 2, 1).contiguous()
+
+
+def piece_prefix_ref(forward: bool, sums: torch.Tensor, dt_sums: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """(batch, pieces, dim, dstate): ``forward``: ``H_0 = 0, H_k = P_{k-1} H_{k-1} + E_{k-1}`` (the state before each
+    piece); else ``G_{K-1} = 0, G_{k-1} = D_k + P_k G_k`` (the gradient entering each piece's end). ``P_k = exp(A
+    dt_sums_k)``."""
+    P = torch.exp(dt_sums[..., None] * A.to(sums.dtype))
+    out = torch.zeros_like(sums)
+    pieces = sums.shape[1]
+    if forward:
+        for k in range(1, pieces):
+            out[:, k] = P[:, k - 1] * out[:, k - 1] + sums[:, k - 1]
+    else:
+        for k in range(pieces - 1, 0, -1):
+            out[:, k - 1] = sums[:, k] + P[:, k] * out[:, k]
+    return out
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .decode import _softplus_f32
+
+    @triton.jit
+    def _piece_sums_kernel(delta_ptr, bias_ptr, A_ptr, x_ptr, z_ptr, bc_ptr, sums_ptr, dts_ptr,
+                           dim, L, dstate, piece, pieces,
+                           HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_Z: tl.constexpr,
+                           FORWARD: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr):
+        # program: BD channels of one piece of one row; walks the piece BT timesteps at a time (forward: from its
+        # end, weights from the dt after each timestep; backward: from its start, weights from the dt up to it)
+        pid_d, k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        d = pid_d * BD + tl.arange(0, BD)
+        n = tl.arange(0, BN)
+        tt = tl.arange(0, BT)
+        d_ok, n_ok = d < dim, n < dstate
+        A2 = tl.load(A_ptr + d[:, None] * dstate + n[None, :], mask=d_ok[:, None] & n_ok[None, :],
+                     other=0.0) * 1.4426950408889634
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + d, mask=d_ok, other=0.0)
+        row = (b * dim + d).to(tl.int64) * L                     # (BD,)
+        bc_row = (b * dstate + n).to(tl.int64) * L                # (BN,)
+        t_lo = k * piece
+        t_hi = tl.minimum(t_lo + piece, L)
+        acc = tl.zeros((BD, BN), dtype=tl.float32)
+        carry = tl.zeros((BD,), dtype=tl.float32)
+        ntiles = tl.cdiv(t_hi - t_lo, BT)
+        for i in range(0, ntiles):
+            if FORWARD:
+                t = t_hi - (i + 1) * BT + tt
+            else:
+                t = t_lo + i * BT + tt
+            t_ok = (t >= t_lo) & (t < t_hi)
+            m = d_ok[:, None] & t_ok[None, :]
+            dt = tl.load(delta_ptr + row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                dt = dt + bias[:, None]
+            if SOFTPLUS:
+                dt = _softplus_f32(dt)
+            dt = tl.where(m, dt, 0.0)
+            xv = tl.load(x_ptr + row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
+            bcv = tl.load(bc_ptr + bc_row[:, None] + t[None, :], mask=n_ok[:, None] & t_ok[None, :],
+                          other=0.0).to(tl.float32)
+            if FORWARD:
+                # sum of dt after t: later tiles (carry) plus this tile's after t
+                after = carry[:, None] + (tl.cumsum(dt, axis=1, reverse=True) - dt)
+                w = tl.exp2(A2[:, :, None] * after[:, None, :])
+                term = (dt * xv)[:, None, :] * bcv[None, :, :]
+            else:
+                if HAS_Z:
+                    zv = tl.load(z_ptr + row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
+                    xv = xv * (zv * tl.sigmoid(zv))
+                upto = carry[:, None] + tl.cumsum(dt, axis=1)
+                w = tl.exp2(A2[:, :, None] * upto[:, None, :])
+                term = xv[:, None, :] * bcv[None, :, :]
+            acc += tl.sum(w * term, axis=2)
+            carry += tl.sum(dt, axis=1)
+        out = ((b * pieces + k) * dim + d).to(tl.int64)
+        tl.store(sums_ptr + out[:, None] * dstate + n[None, :], acc, mask=d_ok[:, None] & n_ok[None, :])
+        tl.store(dts_ptr + out, carry, mask=d_ok)
+
+    @triton.jit
+    def _piece_prefix_kernel(sums_ptr, dts_ptr, A_ptr, out_ptr, dim, dstate, pieces,
+                             FORWARD: tl.constexpr, BLOCK: tl.constexpr):
+        # program: BLOCK (channel, state) pairs of one row, the pieces in order (forward) or in reverse
+        pid, b = tl.program_id(0), tl.program_id(1)
+        i = pid * BLOCK + tl.arange(0, BLOCK)
+        ok = i < dim * dstate
+        d = i // dstate
+        A2 = tl.load(A_ptr + i, mask=ok, other=0.0) * 1.4426950408889634
+        h = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in range(0, pieces):
+            if FORWARD:
+                k = j
+            else:
+                k = pieces - 1 - j
+            at = (b * pieces + k).to(tl.int64)
+            tl.store(out_ptr + at * dim * dstate + i, h, mask=ok)
+            s = tl.load(dts_ptr + at * dim + d, mask=ok, other=0.0)
+            e = tl.load(sums_ptr + at * dim * dstate + i, mask=ok, other=0.0)
+            h = tl.exp2(A2 * s) * h + e
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return HAS_TRITON and t.device.type == "cuda"
+
+
+def piece_sums(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, pieces: int, piece: int):
+    """:func:`piece_sums_ref`, by the Triton kernel on CUDA tensors (float32 results; ``delta``, ``x``, ``z``
+    contiguous (batch, dim, seqlen) of one dtype, ``bc`` contiguous (batch, 1, dstate, seqlen), ``A`` / ``delta_bias``
+    float32)."""
+    if not _use_triton(delta) or delta.dtype == torch.float64:
+        return piece_sums_ref(forward, delta, delta_bias, A, x, z, bc, softplus, pieces, piece)
+    return _piece_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, pieces, piece)
+
+
+def _piece_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, pieces, piece):
+    batch, dim, L = delta.shape
+    dstate = A.shape[1]
+    sums = torch.empty(batch, pieces, dim, dstate, device=delta.device, dtype=torch.float32)
+    dts = torch.empty(batch, pieces, dim, device=delta.device, dtype=torch.float32)
+    BD, BT = 16, 32
+    grid = (triton.cdiv(dim, BD), pieces, batch)
+    _piece_sums_kernel[grid](delta, delta_bias if delta_bias is not None else A, A, x,
+                             z if z is not None else x, bc, sums, dts, dim, L, dstate, piece, pieces,
+                             HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus), HAS_Z=z is not None,
+                             FORWARD=forward, BD=BD, BN=max(16, triton.next_power_of_2(dstate)), BT=BT,
+                             num_warps=4)
+    return sums, dts
+
+
+def piece_prefix(forward: bool, sums: torch.Tensor, dt_sums: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """:func:`piece_prefix_ref`, by one Triton kernel on CUDA tensors (float32)."""
+    if not _use_triton(sums) or sums.dtype == torch.float64:
+        return piece_prefix_ref(forward, sums, dt_sums, A)
+    return _piece_prefix_triton(forward, sums, dt_sums, A)
+
+
+def _piece_prefix_triton(forward, sums, dt_sums, A):
+    batch, pieces, dim, dstate = sums.shape
+    out = torch.empty_like(sums)
+    BLOCK = 256
+    _piece_prefix_kernel[(triton.cdiv(dim * dstate, BLOCK), batch)](sums, dt_sums, A, out, dim, dstate, pieces,
+                                                                    FORWARD=forward, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# what the scan kernels are called with
+
+def forward_states(u, delta, A, B, delta_bias, softplus: bool, pieces: int, piece: int):
+    """``(position_ids, state_slots, initial_state)`` for a forward of the scan over rows of one sequence (``u``,
+    ``delta`` (batch, dim, seqlen), ``B`` (batch, 1, dstate, seqlen) or (batch, dstate, seqlen), ``A`` (dim, dstate))
+    cut into ``pieces`` pieces of ``piece`` timesteps: each piece a sequence that continues from its true initial
+    state, slot ``b * pieces + k`` of ``initial_state`` (batch * pieces, dim, dstate)."""
+    batch, dim, L = u.shape
+    sums, dts = piece_sums(True, delta, delta_bias, A, u, None, B, softplus, pieces, piece)
+    init = piece_prefix(True, sums, dts, A).view(batch * pieces, dim, A.shape[1])
+    pos, slots = piece_layout(batch, L, pieces, piece, u.device)
+    return pos, slots, init
+
+
+def backward_states(saved, dout, z, delta, A, C, delta_bias, softplus: bool, pieces: int, piece: int):
+    """``(position_ids, state_slots, initial_state, dfinal_state)`` for the backward of :func:`forward_states`' cut:
+    the state before each piece read from the forward's ``saved`` chunk states (``piece`` is a multiple of
+    ``SCAN_CHUNK``), the gradient entering each piece's end from the pieces after it."""
+    batch, dim, L = dout.shape
+    dstate = A.shape[1]
+    per = piece // SCAN_CHUNK
+    init = torch.zeros(batch, pieces, dim, dstate, device=saved.device, dtype=saved.dtype)
+    # the state after the last timestep of piece k - 1: chunk k * per - 1
+    init[:, 1:] = saved[:, :, per - 1:(pieces - 1) * per:per, :dstate].transpose(1, 2)
+    sums, dts = piece_sums(False, delta, delta_bias, A, dout, z, C, softplus, pieces, piece)
+    dfinal = piece_prefix(False, sums, dts, A).view(batch * pieces, dim, dstate)
+    pos, slots = piece_layout(batch, L, pieces, piece, dout.device)
+    return pos, slots, init.view(batch * pieces, dim, dstate), dfinal
