@@ -124,7 +124,7 @@ def main(argv=None):
               flush=True)
         results.append(entry)
     doc = {"benchmark": "bench_time_split", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "python": platform.python_version(), "date_utc": datetime.datetime.utcnow().isoformat(timespec="seconds"),
+           "python": platform.python_version(), "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "code_commit": _commit(), "command": " ".join(["python3", "benchmarks/bench_time_split.py"] + (argv or sys.argv[1:])),
            "dtype": "bf16", "results": results}
     if args.out:

@@ -132,6 +132,11 @@ SCAN_FWD_WARPS_PER_SM = 7
 # threads per multiprocessor (it runs 3 at a time), and no segment is planned shorter than SCAN_MIN_SEGMENT timesteps.
 SCAN_BWD_BLOCKS_PER_SM = 6
 SCAN_MIN_SEGMENT = 256
+# Rows of one sequence have no start to cut at; the scan cuts them along time instead (ops/time_split.py: a reduction
+# pass gives each piece its initial state) only on grids of at most this many blocks of SCAN_BLOCK_CHANNELS channels
+# per multiprocessor (batch x dim <= 2,112 on an H100): measured there, the cut lost once the uncut grid was twice
+# that (bench_time_split.py, RESULTS.md)
+TIME_SPLIT_MAX_BLOCKS_PER_SM = 1
 
 # The ops' outputs follow their inputs' strides (the conv) and the CUDA implementations read raw pointers: a compiler
 # (inductor) must hand them their inputs with exactly the strides seen when tracing.

@@ -35,7 +35,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, scan_bwd_segments, scan_fwd_segments
+from .contract import (SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, TIME_SPLIT_MAX_BLOCKS_PER_SM, scan_blocks,
+                       scan_bwd_segments, scan_fwd_segments)
 from .decode import HAS_TRITON
 
 __all__ = ["split_plan", "piece_layout", "piece_sums", "piece_sums_ref", "piece_prefix", "piece_prefix_ref",
@@ -48,7 +49,10 @@ def split_plan(which: str, batch: int, dim: int, seqlen: int, sm_count: int) -> 
     """``(pieces, piece)`` for rows of one sequence in the scan's forward (``which="fwd"``) or backward (``"bwd"``):
     the segments the plan of ``ops/contract.py`` gives packed rows of that grid, each ``piece`` timesteps (a multiple
     of ``SCAN_CHUNK``: the backward reads the state before a piece from the forward's saved chunk states); None where
-    the plan does not cut (the grid fills the GPU, or the row is too short)."""
+    the grid is not small enough for the cut to pay (``TIME_SPLIT_MAX_BLOCKS_PER_SM``) or the plan does not cut (the
+    row is too short)."""
+    if batch * scan_blocks(dim) > TIME_SPLIT_MAX_BLOCKS_PER_SM * sm_count:
+        return None
     plan = scan_fwd_segments if which == "fwd" else scan_bwd_segments
     k = plan(batch, dim, seqlen, sm_count)
     if k <= 1:
@@ -88,15 +92,14 @@ def piece_layout(batch: int, seqlen: int, pieces: int, piece: int, device) -> Tu
     if got is not None:
         return got
     with torch.inference_mode(False):
-        t = torch.arange(seqlen, dtype=torch.int32)
+        t = torch.arange(seqlen, dtype=torch.int32, device=device)
         pos = (t % piece).expand(batch, seqlen).contiguous()
-        slots = torch.full((2, batch, seqlen), -1, dtype=torch.int32)
-        rows = torch.arange(batch, dtype=torch.int32)[:, None] * pieces
-        k = torch.arange(pieces, dtype=torch.int32)
-        starts, ends = (k * piece)[1:], ((k + 1) * piece - 1)[:-1]
-        slots[0][:, starts.long()] = rows + k[1:]
-        slots[1][:, ends.long()] = rows + k[:-1]
-        got = (pos.to(device), slots.to(device))
+        slots = torch.full((2, batch, seqlen), -1, dtype=torch.int32, device=device)
+        k = torch.arange(pieces, dtype=torch.int32, device=device)
+        slot = torch.arange(batch, dtype=torch.int32, device=device)[:, None] * pieces + k   # (batch, pieces)
+        slots[0][:, piece::piece] = slot[:, 1:]                                            # piece starts, k >= 1
+        slots[1][:, piece - 1:(pieces - 1) * piece:piece] = slot[:, :-1]                   # piece ends, k < K - 1
+        got = (pos, slots)
     if not fresh:
         if len(_layouts) >= _LAYOUTS_KEPT:
             _layouts.pop(next(iter(_layouts)))

@@ -106,14 +106,16 @@ def test_piece_layout():
 
 @pytest.mark.parametrize("which", ["fwd", "bwd"])
 def test_split_plan(which):
-    for batch, dim, L in [(1, 2048, 4096), (1, 2048, 16384), (2, 1536, 8192), (1, 768, 2048), (1, 4096, 65536)]:
+    for batch, dim, L in [(1, 2048, 4096), (1, 2048, 16384), (1, 1536, 8192), (2, 768, 2048), (1, 1024, 65536)]:
         plan = time_split.split_plan(which, batch, dim, L, 132)
         assert plan is not None, (batch, dim, L)
         pieces, piece = plan
         assert piece % SCAN_CHUNK == 0 and (pieces - 1) * piece < L <= pieces * piece and pieces >= 2
         assert piece >= 256
-    # grids that fill the GPU, rows too short to cut
+    # grids where the cut does not pay, rows too short to cut
     assert time_split.split_plan(which, 8, 4096, 4096, 132) is None
+    assert time_split.split_plan(which, 2, 2048, 4096, 132) is None
+    assert time_split.split_plan(which, 1, 4096, 16384, 132) is None
     assert time_split.split_plan(which, 1, 2048, 300, 132) is None
 
 
@@ -169,12 +171,12 @@ def test_triton_reductions_in_the_interpreter():
 # GPU: the CUDA ops with the cut against the same ops without it
 
 def _cuda_ok():
-    return torch.cuda.is_available() and ops.kernels_available() and time_split.HAS_TRITON
+    return torch.cuda.is_available() and "cuda" in ops.backends.available_backends() and time_split.HAS_TRITON
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 2048, 4096), (1, 1024, 8192 + 64 * 3 + 5), (2, 1536, 4096)])
+@pytest.mark.parametrize("shape", [(1, 2048, 4096), (1, 1024, 8192 + 64 * 3 + 5), (2, 768, 4096 + 64)])
 def test_cuda_cut_matches_uncut(monkeypatch, dtype, shape):
     """The scan ops on rows of one sequence, with the cut (the grids below fill a fraction of an H100) and without
     it (the plan switched off): outputs and every gradient within fp32 rounding (bf16: within the uncut run's own
@@ -199,8 +201,6 @@ def test_cuda_cut_matches_uncut(monkeypatch, dtype, shape):
     cut = run()
     monkeypatch.setattr(time_split, "split_plan", lambda *a: None)
     whole = run()
-    u64, delta64, A64, B64, C64, D64, z64, b64 = (None if t is None else t.double().cpu()
-                                                  for t in (u, delta, A, B, C, D, z, bias))
     names = ("out", "du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias", "out recomputed")
     if dtype == torch.float32:
         for name, a, b in zip(names, cut, whole):
@@ -208,13 +208,11 @@ def test_cuda_cut_matches_uncut(monkeypatch, dtype, shape):
             err = ((a.float() - b.float()).abs().max() / scale).item()
             assert err < 1e-5, (name, err)
     else:
-        # against float64 on the CPU: the cut no further than the uncut run
-        ref_out, ref_saved, _ = _scan_fwd_reference(u64, delta64, A64, B64, C64, D64, z64, b64,
-                                                    pos.cpu(), True)
-        for name, a, b in zip(names[:1], cut, whole):
-            e_cut = (a.double().cpu() - ref_out).abs().max().item()
-            e_whole = (b.double().cpu() - ref_out).abs().max().item()
-            assert e_cut <= 1.5 * e_whole + 1e-6, (name, e_cut, e_whole)
-        for name, a, b in zip(names[1:], cut[1:], whole[1:]):
-            scale = b.float().abs().max().clamp(min=1e-6)
-            assert ((a.float() - b.float()).abs().max() / scale).item() < 2e-2, name
+        # against float64 (the reference, on the GPU): the cut no further than the uncut run
+        f64 = [None if t is None else t.double() for t in (u, delta, A, B, C, D, z, bias)]
+        ref_out, ref_saved, _ = _scan_fwd_reference(*f64, pos, True)
+        ref = (ref_out,) + tuple(_scan_bwd_reference(*f64, pos, True, ref_saved, dout.double(), True)[:9])
+        for name, a, b, r in zip(names, cut, whole, ref):
+            e_cut = ((a.double() - r).abs().max() / r.abs().max()).item()
+            e_whole = ((b.double() - r).abs().max() / r.abs().max()).item()
+            assert e_cut <= 1.5 * e_whole + 1e-5, (name, e_cut, e_whole)
