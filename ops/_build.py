@@ -25,6 +25,7 @@ import pathlib
 import shutil
 import sys
 import threading
+import time
 import warnings
 
 from . import contract
@@ -37,6 +38,9 @@ AOT_MODULE = "ops._C"
 
 _ext = None
 _lock = threading.Lock()
+# torch's just-in-time build holds a lock file in the build folder while it compiles; one this old was left behind by
+# a process killed mid-build (a build takes 1-3 minutes), and every later build would wait for it forever
+STALE_LOCK_SECONDS = 30 * 60
 
 
 def defines() -> list:
@@ -145,6 +149,7 @@ def _load_jit():
             "(PACKLOADER_BUILD_CUDA=1 pip install --no-build-isolation . builds one)")
     build = build_dir()
     build.mkdir(parents=True, exist_ok=True)
+    check_build_lock(build)
     major, minor = torch.cuda.get_device_capability()
     fresh = not any(build.glob("*.so"))
     if fresh:
@@ -167,6 +172,24 @@ def _load_jit():
     if fresh:
         print("packloader ops: CUDA kernels built.", file=sys.stderr, flush=True)
     return ext
+
+
+def check_build_lock(build: pathlib.Path, now: float = None) -> None:
+    """Before a just-in-time build in ``build``: a lock file (torch's ``lock``) older than ``STALE_LOCK_SECONDS`` is
+    removed with a warning (its process died mid-build); a younger one is reported on stderr (torch waits for it)."""
+    lock = pathlib.Path(build) / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"packloader ops: removing the build lock {lock}, {age / 60:.0f} minutes old: the process that "
+                      "made it died mid-build", stacklevel=3)
+        lock.unlink(missing_ok=True)
+    else:
+        print(f"packloader ops: waiting for the build lock {lock} ({age:.0f} s old): another process is building the "
+              f"kernels; if none is, delete the file (it is removed by itself after {STALE_LOCK_SECONDS // 60} "
+              "minutes)", file=sys.stderr, flush=True)
 
 
 def load_extension():

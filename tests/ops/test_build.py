@@ -77,3 +77,22 @@ def test_an_installed_extension_built_from_other_sources_is_refused(monkeypatch,
     current = _FakeModule(_build.source_digest())
     monkeypatch.setattr(importlib, "import_module", lambda name: current)
     assert _build._load_aot() is current
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_reported(tmp_path, capsys):
+    """A lock file left by a process killed mid-build would make every later just-in-time build wait forever: one older
+    than STALE_LOCK_SECONDS is removed with a warning; a younger one is kept (torch waits for it) and reported."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    _build.check_build_lock(tmp_path)   # no lock: nothing to do
+    assert not lock.exists() and capsys.readouterr().err == ""
+    lock.write_text("")
+    _build.check_build_lock(tmp_path)
+    assert lock.exists() and "waiting for the build lock" in capsys.readouterr().err
+    old = time.time() - _build.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="removing the build lock"):
+        _build.check_build_lock(tmp_path)
+    assert not lock.exists()

@@ -216,3 +216,34 @@ def test_cuda_cut_matches_uncut(monkeypatch, dtype, shape):
             e_cut = ((a.double() - r).abs().max() / r.abs().max()).item()
             e_whole = ((b.double() - r).abs().max() / r.abs().max()).item()
             assert e_cut <= 1.5 * e_whole + 1e-5, (name, e_cut, e_whole)
+
+
+@pytest.mark.parametrize("ids", ["none", "checked"])
+def test_the_mixer_hands_its_scan_rows_known_to_be_one_sequence(monkeypatch, ids):
+    """The cut applies only where the scan ops know each row is one sequence: the fused mixer's forward and backward
+    (from its saved ids) both see that, without position_ids and with ids the entry check found so."""
+    from ops import kernel_calls, mamba_inner
+    from ops.boundaries import single_sequence_rows
+
+    seen = []
+
+    def spy(name):
+        real = getattr(kernel_calls, name)
+
+        def call(*args):
+            seen.append((name, single_sequence_rows(args[8])))
+            return real(*args)
+        return call
+
+    monkeypatch.setattr(mamba_inner.kernel_calls, "selective_scan_fwd", spy("selective_scan_fwd"))
+    monkeypatch.setattr(mamba_inner.kernel_calls, "selective_scan_bwd", spy("selective_scan_bwd"))
+    torch.manual_seed(0)
+    mixer = ops.PackedMamba(d_model=16, d_state=4, d_conv=4, expand=2)
+    x = torch.randn(2, 40, 16, requires_grad=True)
+    pos = None if ids == "none" else torch.arange(40).expand(2, 40).contiguous()
+    mixer(x, position_ids=pos).sum().backward()
+    assert seen == [("selective_scan_fwd", True), ("selective_scan_bwd", True)]
+    seen.clear()
+    packed = torch.tensor([list(range(20)) + list(range(20))] * 2)
+    mixer(x, position_ids=packed).sum().backward()
+    assert seen == [("selective_scan_fwd", False), ("selective_scan_bwd", False)]
