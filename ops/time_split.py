@@ -30,6 +30,7 @@ device (the CPU tests).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -252,6 +253,11 @@ if HAS_TRITON:
             h = tl.exp2(A2 * s) * h + e
 
 
+def _on(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it ``t``'s (CPU tensors: Triton's interpreter)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.device.type == "cuda"
 
@@ -272,11 +278,12 @@ def _piece_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, pieces
     dts = torch.empty(batch, pieces, dim, device=delta.device, dtype=torch.float32)
     BD, BT = 16, 32
     grid = (triton.cdiv(dim, BD), pieces, batch)
-    _piece_sums_kernel[grid](delta, delta_bias if delta_bias is not None else A, A, x,
-                             z if z is not None else x, bc, sums, dts, dim, L, dstate, piece, pieces,
-                             HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus), HAS_Z=z is not None,
-                             FORWARD=forward, BD=BD, BN=max(16, triton.next_power_of_2(dstate)), BT=BT,
-                             num_warps=4)
+    with _on(delta):
+        _piece_sums_kernel[grid](delta, delta_bias if delta_bias is not None else A, A, x,
+                                 z if z is not None else x, bc, sums, dts, dim, L, dstate, piece, pieces,
+                                 HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus), HAS_Z=z is not None,
+                                 FORWARD=forward, BD=BD, BN=max(16, triton.next_power_of_2(dstate)), BT=BT,
+                                 num_warps=4)
     return sums, dts
 
 
@@ -291,8 +298,9 @@ def _piece_prefix_triton(forward, sums, dt_sums, A):
     batch, pieces, dim, dstate = sums.shape
     out = torch.empty_like(sums)
     BLOCK = 256
-    _piece_prefix_kernel[(triton.cdiv(dim * dstate, BLOCK), batch)](sums, dt_sums, A, out, dim, dstate, pieces,
-                                                                    FORWARD=forward, BLOCK=BLOCK, num_warps=4)
+    with _on(sums):
+        _piece_prefix_kernel[(triton.cdiv(dim * dstate, BLOCK), batch)](sums, dt_sums, A, out, dim, dstate, pieces,
+                                                                        FORWARD=forward, BLOCK=BLOCK, num_warps=4)
     return out
 
 
