@@ -532,6 +532,50 @@ def test_cuda_path_on_emulated_kernels(cuda_path_on_cpu, seed, groups, dim):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("dtype,batch,L,pieces", [(torch.float32, 1, 3 * 64 + 37, 4), (torch.bfloat16, 1, 3 * 64 + 37, 4),
+                                                  (torch.float32, 2, 4 * 64, 2)],
+                         ids=["fp32-tail", "bf16-tail", "fp32-two-rows"])
+def test_cut_along_time_on_emulated_kernels(cuda_path_on_cpu, monkeypatch, seed, dtype, batch, L, pieces):
+    """Rows of one sequence cut along time (ops/time_split.py) through the CUDA path's Python side on the kernels'
+    own code: the pieces, each continued from the state the reductions give it (their torch references here), with
+    the layout chosen for the pieces, reproduce the uncut output and every gradient (the backward's pieces start
+    from the forward's saved chunk states, their ends take the gradients of the pieces after them)."""
+    from ops.boundaries import shared_row_positions, single_sequence_rows
+
+    ssi = cuda_path_on_cpu
+    dim, dstate, piece = 40, 16, 64 * (-(-L // (64 * pieces)))
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, dstate, L).to(dtype), torch.randn(batch, dstate, L).to(dtype)
+    D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
+    pos = shared_row_positions(batch, L, "cpu")
+    dout = torch.randn(batch, dim, L).to(dtype)
+
+    def run():
+        out, saved, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+        return (out,) + tuple(ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True)[:9])
+
+    whole = run()   # on the CPU the interface never cuts: the uncut kernels
+    calls = []
+
+    def cut(which, u_, pos_, B_, slots):
+        calls.append(which)
+        return (-(-L // piece), piece) if slots is None and single_sequence_rows(pos_) else None
+
+    monkeypatch.setattr(ssi, "_time_split", cut)
+    got = run()
+    assert calls == ["fwd", "bwd"]
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for name, a, b in zip(["out"] + GRAD_NAMES + ["out recomputed"], got, whole):
+        assert not a.float().isnan().any(), name
+        err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
+        assert err <= tol, (name, err)
+    # the check can fail: pieces from zero states differ
+    monkeypatch.setattr(ssi.time_split, "piece_prefix", lambda forward, s, d, A_: torch.zeros_like(s))
+    assert (run()[0].float() - whole[0].float()).abs().max() > 1e-2
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # segments: a row cut at sequence starts into segments run side by side (ops/contract.py, scan_segments)
 
