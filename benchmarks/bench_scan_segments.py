@@ -50,6 +50,23 @@ def lognormal_position_ids(batch, seqlen, seed=0):
     return torch.stack(rows).int().cuda()
 
 
+def scan_inputs(batch, dim, seqlen, dstate=16, dtype=torch.bfloat16, seed=0):
+    """(u, delta, A, B, C, D, z, delta_bias, dout) on the GPU: B / C (batch, 1, dstate, seqlen), A / D / delta_bias
+    float32, the rest ``dtype``; delta around softplus(-4)."""
+    torch.manual_seed(seed)
+    shape = (batch, dim, seqlen)
+    u = torch.randn(shape, device="cuda", dtype=dtype)
+    delta = (0.5 * torch.randn(shape, device="cuda") - 4.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate, device="cuda"))
+    Bm = torch.randn(batch, 1, dstate, seqlen, device="cuda", dtype=dtype)
+    Cm = torch.randn(batch, 1, dstate, seqlen, device="cuda", dtype=dtype)
+    Dp = torch.randn(dim, device="cuda")
+    z = torch.randn(shape, device="cuda", dtype=dtype)
+    dbias = 0.5 * torch.randn(dim, device="cuda")
+    dout = torch.randn(shape, device="cuda", dtype=dtype)
+    return u, delta, A, Bm, Cm, Dp, z, dbias, dout
+
+
 def position_ids(kind, batch, seqlen):
     if kind == "packed":
         return packed_position_ids(batch, seqlen)[0]
@@ -85,16 +102,7 @@ def main(argv=None):
     print(f"{'shape':<14} {'rows':<9} {'what':<26} {'ms':>8}")
     for shape in args.shapes.split(","):
         Bz, D, L = (int(v) for v in shape.split("x"))
-        torch.manual_seed(0)
-        u = torch.randn(Bz, D, L, device="cuda", dtype=dt)
-        delta = (0.5 * torch.randn(Bz, D, L, device="cuda") - 4.0).to(dt)
-        A = -torch.exp(0.5 * torch.randn(D, N, device="cuda"))
-        Bm = torch.randn(Bz, 1, N, L, device="cuda", dtype=dt)
-        Cm = torch.randn(Bz, 1, N, L, device="cuda", dtype=dt)
-        Dp = torch.randn(D, device="cuda")
-        z = torch.randn(Bz, D, L, device="cuda", dtype=dt)
-        dbias = 0.5 * torch.randn(D, device="cuda")
-        dout = torch.randn(Bz, D, L, device="cuda", dtype=dt)
+        u, delta, A, Bm, Cm, Dp, z, dbias, dout = scan_inputs(Bz, D, L, N, dt)
         out = torch.empty_like(u)
         saved = torch.empty(Bz, D, -(-L // 64), 16, device="cuda")
         du, ddelta, dz = torch.empty_like(u), torch.empty_like(u), torch.empty_like(u)

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_ops import bench, bench_graph  # noqa: E402
+from bench_scan_segments import scan_inputs  # noqa: E402
 
 SHAPES = "1x1536x4096,1x2048x4096,1x2048x16384,2x2048x4096,1x4096x4096,1x4096x16384,2x4096x4096,1x5120x8192"
 
@@ -65,16 +66,7 @@ def main(argv=None):
     print(head)
     for shape in args.shapes.split(","):
         Bz, D, L = (int(v) for v in shape.split("x"))
-        torch.manual_seed(0)
-        u = torch.randn(Bz, D, L, device="cuda", dtype=dt)
-        delta = (0.5 * torch.randn(Bz, D, L, device="cuda") - 4.0).to(dt)
-        A = -torch.exp(0.5 * torch.randn(D, N, device="cuda"))
-        Bm = torch.randn(Bz, 1, N, L, device="cuda", dtype=dt)
-        Cm = torch.randn(Bz, 1, N, L, device="cuda", dtype=dt)
-        Dp = torch.randn(D, device="cuda")
-        z = torch.randn(Bz, D, L, device="cuda", dtype=dt)
-        dbias = 0.5 * torch.randn(D, device="cuda")
-        dout = torch.randn(Bz, D, L, device="cuda", dtype=dt)
+        u, delta, A, Bm, Cm, Dp, z, dbias, dout = scan_inputs(Bz, D, L, N, dt)
         pos = ops.boundaries.shared_row_positions(Bz, L, u.device)
         entry = {"shape": [Bz, D, L], "pieces": {"fwd": plan("fwd", Bz, D, L, sm), "bwd": plan("bwd", Bz, D, L, sm)},
                  "ms": {}, "graph_ms": {}}
