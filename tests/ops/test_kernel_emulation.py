@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ops import _build
-from ops.contract import SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES, conv_mask_stride
+from ops.contract import SCAN_CHUNK, SCAN_LANES, conv_mask_stride
 
 from ._helpers import misaligned_copy
 from .test_cuda_kernels import (GRAD_NAMES, TOL, conv_ref64, kernel_err, lengths_mix, position_ids_for, rel_err,
@@ -285,11 +285,9 @@ def test_emulated_forward_keeps_inf_in_its_sequence(emulator, fwd_lanes):
 def scan_fwd_lanes_twin(batch: int, dim: int, segments: int, sm_count: int) -> int:
     """selective_scan.cu's scan_fwd_lanes in Python: the fewest threads a channel that make SCAN_FWD_WARPS_PER_SM
     warps a multiprocessor, a row cut into segments counting as at most two rows."""
-    rows = batch * min(max(segments, 1), 2)
-    for lanes in (1, 2, 4):
-        if rows * -(-dim // (32 // lanes)) >= SCAN_FWD_WARPS_PER_SM * sm_count:
-            return lanes
-    return 8
+    from ops.time_split import fwd_lanes   # the rule for full rows, which the cut along time passes to the launch
+
+    return fwd_lanes(batch * min(max(segments, 1), 2), dim, sm_count)
 
 
 @pytest.mark.parametrize("sm_count", [1, 78, 114, 132])
