@@ -23,9 +23,12 @@ Usage (a mamba-ssm model converted by :func:`ops.enable_packing`, or :class:`ops
 
 A piece whose predecessor is in the same step starts from that predecessor's final state, computed in the same
 forward and differentiated through: the scan is linear in its initial state (a piece's final state is
-``P h0 + h_end(0)``, ``P`` the product of its decays), so the mixer scans once with the states it already has, chains
-the final states of the step's pieces in order, and scans again with the true initial states; the conv's state is the
-``width - 1`` inputs that end the predecessor. A piece whose predecessor ended in an earlier step starts from the
+``P h0 + h_end(0)``, ``P`` the product of its decays). The composed mixer (:func:`carried_mamba_inner_ref`) scans once
+with the states it already has, chains the final states of the step's pieces in order, and scans again with the true
+initial states. The fused one (:class:`CarriedMambaInnerFn`) gets each predecessor's ``h_end(0)`` and ``P`` from a
+reduction over its tokens (``ops.time_split.segment_sums``, no scan), so it scans once; its backward reduces each
+continuation's start adjoint the same way, chains the gradients entering the predecessors' ends back, and runs the
+scan's backward once. The conv's state is the ``width - 1`` inputs that end the predecessor. A piece whose predecessor ended in an earlier step starts from the
 cached state (no gradient crosses the step). Only the mixers of a batch that has continuations take this path; every
 other batch runs exactly as without carry.
 """
@@ -183,6 +186,13 @@ class CarryStep:
         self.middle = [(k, int(seg_start[carried[k]] // seqlen), int(seg_start[carried[k]] % seqlen),
                         int(seg_end[carried[k]] - seg_start[carried[k]]))
                        for k in preds if self.source[k] == "batch"]
+        # the fused mixer's reductions: over the in-batch predecessors (their end states from zero, forward) and the
+        # in-batch continuations (the adjoints their starts hand back, backward); the longest of each, on the host
+        seg_len = seg_end - seg_start
+        self.pred_slots = preds
+        self.succ_slots = [k for k, src in enumerate(self.source) if src == "batch"]
+        self.pred_max = int(max((seg_len[carried[k]] for k in preds), default=0))
+        self.succ_max = int(max((seg_len[carried[k]] for k in self.succ_slots), default=0))
         self.has_continuations = any(s != "none" for s in self.source) or bool(self.store.any())
         self._pos = torch.as_tensor(pos)
         self._carried = torch.as_tensor(carried, dtype=torch.int64)
@@ -231,6 +241,10 @@ class CarryStep:
                    "depth_pred": [host_to_device(self.pred[self.depth == d], device)
                                   for d in range(1, int(self.depth.max(initial=0)) + 1)],
                    "pred": host_to_device(np.maximum(self.pred, 0), device)}
+            pred_idx = host_to_device(self.pred_slots, device, torch.int64)
+            succ_idx = host_to_device(self.succ_slots, device, torch.int64)
+            got.update({"pred_slots": pred_idx, "pred_start": start[pred_idx], "pred_length": length[pred_idx],
+                        "succ_slots": succ_idx, "succ_start": start[succ_idx], "succ_length": length[succ_idx]})
             self._device_cache[device] = got
         return got
 
@@ -426,7 +440,7 @@ def carried_mamba_inner_ref(mixer, hidden_states: torch.Tensor, pos: torch.Tenso
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
         a_args = (pick(xc), pick(args[1]), A, pick(Bm), pick(Cm), D, pick(args[6]), dbias, g["pass_a_pos"], True)
         _, _, fin0 = selective_scan_fwd(*a_args, g["pass_a_slots"], ssm0, step.num_slots)
-        ssm_init = _chain_forward(fin0, _middle_decays(step, g, delta, dbias, A), ssm0, g)
+        ssm_init = _chain_forward_ref(fin0, _middle_decays(step, g, delta, dbias, A), ssm0, g)
     y, _, ssm_final = selective_scan_fwd(*args, g["slots"], ssm_init, step.num_slots)
     step.keep(layer, conv_final, ssm_final)
     return F.linear(y.transpose(1, 2), mixer.out_proj.weight, mixer.out_proj.bias)
@@ -505,14 +519,56 @@ def _decays(slices, dbias, A):
     return torch.exp(sums[..., None] * A.to(ct))
 
 
-def _chain_forward(fin0, P_all, ssm0, g):
-    """The true initial states: h0(k) = P(k-1) h0(k-1) + h_end(k-1) down each chain, in depth order."""
+def _chain_forward_ref(fin0, P_all, ssm0, g):
+    """The true initial states: h0(k) = P(k-1) h0(k-1) + h_end(k-1) down each chain, in depth order (``fin0``: the
+    end states of the first pass, from the cached states at depth 0, from zero deeper)."""
     init, true_final = ssm0, fin0
     for at in g["depth_at"]:
         at3 = at[:, None, None]
         init = torch.where(at3, true_final[g["pred"]], init)
         true_final = torch.where(at3, fin0 + P_all * init, true_final)
     return init
+
+
+def _slot_sums(step, g, which: str, forward: bool, x, z, delta, A, bc, delta_bias):
+    """(sums, P) (K, d, n) over the slots ``which`` ("pred": the in-batch predecessors, "succ": the in-batch
+    continuations): :func:`ops.time_split.segment_sums` (``E`` forward, ``D`` backward) and the decay ``exp(A sum
+    dt)`` over each slot's tokens; zeros (and P zeros) for the other slots."""
+    from .time_split import segment_sums
+    idx = g[which + "_slots"]
+    sums, dts = segment_sums(forward, delta, delta_bias, A, x, z, bc, True, g[which + "_start"],
+                             g[which + "_length"], step.pred_max if which == "pred" else step.succ_max)
+    shape = (step.num_slots,) + tuple(sums.shape[1:])
+    full = torch.zeros(shape, dtype=sums.dtype, device=sums.device).index_copy_(0, idx, sums)
+    P = torch.zeros(shape, dtype=sums.dtype, device=sums.device).index_copy_(
+        0, idx, torch.exp(dts[..., None] * A.to(dts.dtype)))
+    return full, P
+
+
+def _chain_forward(step, g, ssm0, xc, delta, A, Bm, delta_bias):
+    """The true initial state of every slot: the cached ones, and for an in-batch continuation its predecessor's end
+    state, ``P h0 + E`` with ``E`` its end state from zero (a reduction over its tokens, no scan), down each chain in
+    depth order."""
+    E, P = _slot_sums(step, g, "pred", True, xc, None, delta, A, Bm, delta_bias)
+    init = ssm0.to(E.dtype)
+    true_final = E + P * init
+    for at in g["depth_at"]:
+        at3 = at[:, None, None]
+        init = torch.where(at3, true_final[g["pred"]], init)
+        true_final = torch.where(at3, E + P * init, true_final)
+    return init.to(ssm0.dtype)
+
+
+def _chain_backward(step, g, dout_y, z, delta, A, Cm, delta_bias):
+    """The gradient entering the end of every slot (K, d, n): for an in-batch predecessor, the adjoint its
+    continuation's start hands back, ``D + P G`` with ``D`` that continuation's from its own outputs (a reduction
+    over its tokens) and ``G`` the gradient entering its end; deepest first. Zero for the other slots (a state kept
+    for a later step is detached)."""
+    Dsum, P = _slot_sums(step, g, "succ", False, dout_y, z, delta, A, Cm, delta_bias)
+    G = torch.zeros_like(Dsum)
+    for idx, pred in zip(reversed(g["depth_idx"]), reversed(g["depth_pred"])):
+        G = G.index_copy(0, pred, Dsum.index_select(0, idx) + P.index_select(0, idx) * G.index_select(0, idx))
+    return G
 
 
 def _fused_inputs(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
@@ -572,8 +628,10 @@ def _fused_grads(ctx, dx, dz, z, hidden_states, in_proj_weight, dcw, dcb, cb, dx
 
 class CarriedMambaInnerFn(torch.autograd.Function):
     """:class:`ops.mamba_inner.PackedMambaInnerFn` on a batch with continuations (``step``): the conv and the scan
-    start the continued pieces from their states, chained through the batch as ``carried_mamba_inner_ref`` does, and
-    the backward runs back through the chain (the scans' backward with the states, the decays, the first pass)."""
+    start the continued pieces from their states, chained through the batch (the predecessors' end states from
+    reductions over their tokens: :func:`_chain_forward`), one scan; the backward gives each predecessor's end the
+    gradient its continuation's start hands back (:func:`_chain_backward`, reductions again) and runs the scan's
+    backward once with those final-state gradients. Equal to ``carried_mamba_inner_ref`` (two scans, autograd)."""
 
     @staticmethod
     def forward(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
@@ -588,30 +646,24 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         runmask = runmask_for(x, cw, position_ids)
         xc, conv_final, conv_init = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)
         x_dbl, delta, Bm, Cm = _fused_projections(xc, x_proj_weight, delta_proj_weight, d_state)
-        ssm_init, a_saved, P_all = ssm0, None, None
+        ssm_init = ssm0
         if g["depth_at"]:
-            pick = _row_picker(g)
-            _, a_saved, fin0 = kernel_calls.selective_scan_fwd(
-                pick(xc), pick(delta), A, pick(Bm), pick(Cm), D, pick(z), delta_bias, g["pass_a_pos"], True,
-                g["pass_a_slots"], ssm0, step.num_slots)
-            P_all = _middle_decays(step, g, delta, delta_bias, A)
-            ssm_init = _chain_forward(fin0, P_all, ssm0, g)
+            ssm_init = _chain_forward(step, g, ssm0, xc, delta, A, Bm, delta_bias)
         out_z, saved, ssm_final = kernel_calls.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, g["slots"], ssm_init, step.num_slots)
         y = _fused_out_proj(out_z, out_proj_weight, out_proj_bias)
         step.keep(layer, conv_final, ssm_final)
         ctx.step, ctx.g, ctx.k = step, g, k
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0,
-                              ssm_init, a_saved, P_all, conv_init)
+                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, conv0,
+                              ssm_init, conv_init)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         from .mamba_inner import _bmm_w, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
-         Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm0, ssm_init, a_saved, P_all,
-         conv_init) = ctx.saved_tensors
+         Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm_init, conv_init) = ctx.saved_tensors
         step, g, k = ctx.step, ctx.g, ctx.k
         dt_rank = delta_proj_weight.shape[1]
         _, _, w_dtype_xp, w_dtype_dt, w_dtype_out, _ = ctx.dtypes
@@ -620,34 +672,14 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
-        dxc, ddelta, dA, dB, dC, dD, dz, ddb, out_z, dinit = kernel_calls.selective_scan_bwd(
+        # the gradient entering each in-batch predecessor's end (its continuation's start), known before the scan's
+        # backward runs: one pass of it is then exact for the whole chain
+        dfinal = _chain_backward(step, g, dout_y, z, delta, A, Cm, delta_bias) if g["depth_at"] else None
+        dxc, ddelta, dA, dB, dC, dD, dz, ddb, out_z, _ = kernel_calls.selective_scan_bwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, saved, dout_y, True, g["slots"], ssm_init,
-            None)
+            dfinal)
         dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)
         del out_z
-        if a_saved is not None:   # back through the chain, the middle pieces' decays and the first pass
-            g_fin0, g_P = _chain_backward(dinit, P_all, ssm_init, g)
-            slices = [delta[row, :, c0:c0 + n].detach().requires_grad_(True) for _, row, c0, n in step.middle]
-            if slices:
-                with torch.enable_grad():
-                    db_leaf = delta_bias.detach().requires_grad_(True)
-                    A_leaf = A.detach().requires_grad_(True)
-                    P_mid = _decays(slices, db_leaf, A_leaf)
-                    got = torch.autograd.grad(P_mid, slices + [db_leaf, A_leaf], g_P[g["middle"]].to(P_mid.dtype))
-                for (_, row, c0, n), gs in zip(step.middle, got[:len(slices)]):
-                    ddelta[row, :, c0:c0 + n] += gs.to(ddelta.dtype)
-                ddb = ddb + got[-2].to(ddb.dtype)
-                dA = dA + got[-1].to(dA.dtype)
-            pick = _row_picker(g)
-            xcA = pick(xc)
-            gA = kernel_calls.selective_scan_bwd(
-                xcA, pick(delta), A, pick(Bm), pick(Cm), D, pick(z), delta_bias, g["pass_a_pos"], True, a_saved,
-                torch.zeros_like(xcA), False, g["pass_a_slots"], ssm0, g_fin0)
-            for full, part in ((dxc, gA[0]), (ddelta, gA[1]), (dB, gA[3]), (dC, gA[4])):
-                _add_rows(full, part, g)
-            dA = dA + gA[2]
-            if ctx.has_db:
-                ddb = ddb + gA[7]
         dx_proj_weight, ddelta_proj_weight, dxc = _x_proj_backward(dB, dC, ddelta, dxc, x_dbl, xc, x_proj_weight,
                                                                    delta_proj_weight, w_dtype_xp, w_dtype_dt)
         # conv: the continued outputs' gradient goes through their recomputation from the states (and is zeroed in
@@ -706,28 +738,6 @@ def _tokens_of(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict] = None, ke
     return t[flat // L, :, flat % L]
 
 
-def _row_picker(g: dict):
-    """The first pass's rows of a (batch, ...) tensor: all of them; a view where they are consecutive rows (no copy);
-    else a gathered copy."""
-    rows, span = g["pass_a_rows"], g["pass_a_span"]
-    if rows is None:
-        return lambda t: t
-    if span is not None:
-        return lambda t: t.narrow(0, span[0], span[1]).contiguous()
-    return lambda t: t.index_select(0, rows).contiguous()
-
-
-def _add_rows(full: torch.Tensor, part: torch.Tensor, g: dict) -> None:
-    """full[the first pass's rows] += part (in place; :func:`_row_picker`'s inverse)."""
-    rows, span = g["pass_a_rows"], g["pass_a_span"]
-    if rows is None:
-        full += part.to(full.dtype)
-    elif span is not None:
-        full.narrow(0, span[0], span[1]).add_(part.to(full.dtype))
-    else:
-        full.index_add_(0, rows, part.to(full.dtype))
-
-
 def _conv_with_states(x, cw, cb, pos, runmask, conv0, g, k):
     """(xc, conv_final, conv_init): the conv kernel's output with each continued slot's first k outputs recomputed from
     its state (the states chained through the batch), every slot's last k inputs, and the states it started from."""
@@ -747,25 +757,3 @@ def _conv_respliced(x, cw, cb, pos, runmask, conv_init, g, k):
     if conv_init is not None:
         kernel_calls.conv_states_fwd(xc, x, cw, cb, True, conv_init, g["start"], g["length"], g["has"])
     return xc
-
-
-def _chain_backward(dinit, P_all, ssm_init, g):
-    """The gradients of the first pass's final states and of the decays, from the gradient of the initial states
-    (``_chain_forward`` run backwards, deepest first)."""
-    g_tf = torch.zeros_like(dinit)
-    g_fin0 = torch.zeros_like(dinit)
-    g_P = torch.zeros_like(dinit)
-    g_init = dinit.clone()
-    at_all = torch.zeros(dinit.shape[0], dtype=torch.bool, device=dinit.device)
-    for at, idx, pred in zip(reversed(g["depth_at"]), reversed(g["depth_idx"]), reversed(g["depth_pred"])):
-        at3 = at[:, None, None]
-        at_all |= at
-        # true_final(s) = fin0(s) + P(s) init(s) for s at this depth
-        g_fin0 = torch.where(at3, g_fin0 + g_tf, g_fin0)
-        g_P = torch.where(at3, g_P + g_tf * ssm_init, g_P)
-        g_init = torch.where(at3, g_init + g_tf * P_all, g_init)
-        # init(s) = true_final(pred(s))
-        g_tf = g_tf.index_add(0, pred, g_init.index_select(0, idx))
-        g_tf = torch.where(at3, 0.0, g_tf)
-    # slots at depth 0: true_final = fin0
-    return g_fin0 + torch.where(at_all[:, None, None], 0.0, g_tf), g_P

@@ -40,7 +40,8 @@ from .contract import (SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, TIME_SPLIT_MAX_BLOCKS_
                        scan_bwd_segments, scan_fwd_segments)
 from .decode import HAS_TRITON
 
-__all__ = ["split_plan", "piece_layout", "piece_sums", "piece_sums_ref", "piece_prefix", "piece_prefix_ref",
+__all__ = ["split_plan", "piece_layout", "piece_spans", "segment_sums", "segment_sums_ref", "piece_sums",
+           "piece_sums_ref", "piece_prefix", "piece_prefix_ref",
            "fwd_lanes", "forward_states", "backward_states", "MAX_PIECES"]
 
 MAX_PIECES = 64        # at most this many pieces a row (the plans stay far below)
@@ -80,11 +81,12 @@ _layouts: dict = {}
 _LAYOUTS_KEPT = 8
 
 
-def piece_layout(batch: int, seqlen: int, pieces: int, piece: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(position_ids, state_slots)`` (int32) that make the kernels run each piece as a sequence of its own that
+def piece_layout(batch: int, seqlen: int, pieces: int, piece: int, device) -> Tuple[torch.Tensor, ...]:
+    """``(position_ids, state_slots, start, length)``: ids and slots (int32) that make the kernels run each piece as a sequence of its own that
     continues from a state: ids restart at every piece start; ``state_slots[0]`` names, at the start of piece ``k >=
     1`` of row ``b``, initial-state slot ``b * pieces + k``, ``state_slots[1]`` at the end of piece ``k < pieces - 1``
-    final-state slot ``b * pieces + k`` (-1 elsewhere). Made once per shape and device (made afresh while a CUDA
+    final-state slot ``b * pieces + k`` (-1 elsewhere); the pieces' token spans (int64 (batch * pieces,), flat
+    token index of each piece's start and its length: :func:`piece_spans`). Made once per shape and device (made afresh while a CUDA
     graph is captured or under ``torch.compile``); not to be changed."""
     device = torch.device(device)
     fresh = torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
@@ -100,7 +102,10 @@ def piece_layout(batch: int, seqlen: int, pieces: int, piece: int, device) -> Tu
         slot = torch.arange(batch, dtype=torch.int32, device=device)[:, None] * pieces + k   # (batch, pieces)
         slots[0][:, piece::piece] = slot[:, 1:]                                            # piece starts, k >= 1
         slots[1][:, piece - 1:(pieces - 1) * piece:piece] = slot[:, :-1]                   # piece ends, k < K - 1
-        got = (pos, slots)
+        t0 = torch.arange(pieces, dtype=torch.int64, device=device) * piece
+        start = (torch.arange(batch, dtype=torch.int64, device=device)[:, None] * seqlen + t0).reshape(-1)
+        length = (seqlen - t0).clamp(max=piece).repeat(batch)
+        got = (pos, slots, start, length)
     if not fresh:
         if len(_layouts) >= _LAYOUTS_KEPT:
             _layouts.pop(next(iter(_layouts)))
@@ -109,7 +114,7 @@ def piece_layout(batch: int, seqlen: int, pieces: int, piece: int, device) -> Tu
 
 
 # --------------------------------------------------------------------------------------------------
-# the per-piece reductions
+# the reductions over segments (the pieces of a cut row; the pieces of a document chained in one step, ops/carry.py)
 
 def _dt(delta: torch.Tensor, delta_bias: Optional[torch.Tensor], softplus: bool, ct: torch.dtype) -> torch.Tensor:
     dt = delta.to(ct)
@@ -118,38 +123,56 @@ def _dt(delta: torch.Tensor, delta_bias: Optional[torch.Tensor], softplus: bool,
     return F.softplus(dt) if softplus else dt
 
 
-def piece_sums_ref(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, pieces: int, piece: int):
-    """The per-piece reductions in torch (float64 for float64 inputs, else float32): ``(sums, dt_sums)``,
-    ``sums`` (batch, pieces, dim, dstate), ``dt_sums`` (batch, pieces, dim).
+def _tokens(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t (batch, c, seqlen) at flat token indices ``idx`` (S, M) -> (S, M, c)."""
+    return t.permute(0, 2, 1).reshape(-1, t.shape[1])[idx]
 
-    ``forward``: ``sums[b, k] = E_k``, the state a piece ends in from a zero state (``x`` is ``u``, ``bc`` is ``B``);
-    else ``D_k``, the adjoint its first step hands back with no gradient entering its end (``x`` is the output's
-    gradient, gated by ``silu(z)`` where ``z`` is given; ``bc`` is ``C``). ``bc``: (batch, dstate, seqlen) or
-    (batch, 1, dstate, seqlen)."""
+
+def segment_sums_ref(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, start: torch.Tensor,
+                     length: torch.Tensor, max_length: int):
+    """The reductions over ``S`` segments in torch (float64 for float64 inputs, else float32): ``(sums, dt_sums)``,
+    ``sums`` (S, dim, dstate), ``dt_sums`` (S, dim) the sum of ``dt`` over each segment's tokens.
+
+    A segment is ``length[s]`` tokens of one row from flat token index ``start[s]`` (into (batch, seqlen); int64
+    (S,) tensors on the inputs' device, ``max_length`` at least the longest, a host int: no wait for the device).
+    ``forward``: ``sums[s] = E_s``, the state the segment ends in from a zero state (``x`` is ``u``, ``bc`` is
+    ``B``); else ``D_s``, the adjoint its first step hands back with no gradient entering its end (``x`` is the
+    output's gradient, gated by ``silu(z)`` where ``z`` is given; ``bc`` is ``C``). ``delta``, ``x``, ``z``: (batch,
+    dim, seqlen); ``bc``: (batch, dstate, seqlen) or (batch, 1, dstate, seqlen); ``A`` (dim, dstate)."""
     ct = torch.float64 if delta.dtype == torch.float64 else torch.float32
-    batch, dim, L = delta.shape
-    dt = _dt(delta, delta_bias, softplus, ct)
+    j = torch.arange(max(int(max_length), 1), device=start.device)
+    valid = j < length[:, None]                                   # (S, M)
+    idx = torch.where(valid, start[:, None] + j, start[:, None])
+    dt = torch.where(valid[..., None], _tokens(_dt(delta, delta_bias, softplus, ct), idx), 0.0)   # (S, M, d)
     g = x.to(ct)
     if not forward and z is not None:
         g = g * F.silu(z.to(ct))
-    bcx = (bc[:, 0] if bc.dim() == 4 else bc).to(ct)        # (batch, n, L)
-    pad = pieces * piece - L
-    dt, g, bcx = (F.pad(t, (0, pad)) for t in (dt, g, bcx))
-    dtp = dt.view(batch, dim, pieces, piece)
-    if forward:
-        # exp(A * sum_{s > t} dt_s) dt_t u_t B_t
-        after = dtp.flip(-1).cumsum(-1).flip(-1) - dtp
-        w = torch.exp(after[:, :, :, None, :] * A.to(ct)[None, :, None, :, None])      # (b, d, k, n, p)
-        term = (dtp * g.view(batch, dim, pieces, piece))[:, :, :, None, :]
-    else:
-        # exp(A * sum_{t0 <= s <= t} dt_s) C_t g_t
-        upto = dtp.cumsum(-1)
-        w = torch.exp(upto[:, :, :, None, :] * A.to(ct)[None, :, None, :, None])
-        term = g.view(batch, dim, pieces, piece)[:, :, :, None, :]
-    bcp = bcx.view(batch, -1, pieces, piece)[:, None]            # (b, 1, n, k, p) -> align as (b, 1, k, n, p)
-    bcp = bcp.permute(0, 1, 3, 2, 4)
-    sums = (w * term * bcp).sum(-1)                              # (b, d, k, n)
-    return sums.permute(0, 2, 1, 3).contiguous(), dtp.sum(-1).permute(0, 2, 1).contiguous()
+    g = torch.where(valid[..., None], _tokens(g, idx), 0.0)
+    bcx = _tokens((bc[:, 0] if bc.dim() == 4 else bc).to(ct), idx)              # (S, M, n)
+    if forward:      # exp(A * sum_{s > t} dt_s) dt_t u_t B_t
+        expo = dt.flip(1).cumsum(1).flip(1) - dt
+        term = dt * g
+    else:            # exp(A * sum_{t0 <= s <= t} dt_s) C_t g_t
+        expo = dt.cumsum(1)
+        term = g
+    w = torch.exp(expo[..., None] * A.to(ct))                                    # (S, M, d, n)
+    sums = (w * term[..., None] * bcx[:, :, None, :]).sum(1)
+    return sums, dt.sum(1)
+
+
+def piece_spans(batch: int, seqlen: int, pieces: int, piece: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(start, length)`` (int64, (batch * pieces,)) of the pieces of :func:`piece_layout`, segment ``b * pieces +
+    k`` piece ``k`` of row ``b`` (made once per shape and device, as the layout)."""
+    return piece_layout(batch, seqlen, pieces, piece, device)[2:]
+
+
+def piece_sums_ref(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, pieces: int, piece: int):
+    """:func:`segment_sums_ref` over the pieces of a cut: ``(sums (batch, pieces, dim, dstate), dt_sums (batch,
+    pieces, dim))``."""
+    batch, dim, L = delta.shape
+    start, length = piece_spans(batch, L, pieces, piece, delta.device)
+    sums, dts = segment_sums_ref(forward, delta, delta_bias, A, x, z, bc, softplus, start, length, piece)
+    return sums.view(batch, pieces, dim, -1), dts.view(batch, pieces, dim)
 
 
 def piece_prefix_ref(forward: bool, sums: torch.Tensor, dt_sums: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -175,13 +198,18 @@ if HAS_TRITON:
     from .decode import _softplus_f32
 
     @triton.jit
-    def _piece_sums_kernel(delta_ptr, bias_ptr, A_ptr, x_ptr, z_ptr, bc_ptr, sums_ptr, dts_ptr,
-                           dim, L, dstate, piece, pieces,
-                           HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_Z: tl.constexpr,
-                           FORWARD: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr):
-        # program: BD channels of one piece of one row; walks the piece BT timesteps at a time (forward: from its
-        # end, weights from the dt after each timestep; backward: from its start, weights from the dt up to it)
-        pid_d, k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    def _segment_sums_kernel(delta_ptr, bias_ptr, A_ptr, x_ptr, z_ptr, bc_ptr, start_ptr, len_ptr, sums_ptr, dts_ptr,
+                             dim, L, dstate, s_delta_b, s_delta_d, s_x_b, s_x_d, s_z_b, s_z_d, s_bc_b, s_bc_n,
+                             HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_Z: tl.constexpr,
+                             FORWARD: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr):
+        # program: BD channels of one segment; walks it BT timesteps at a time (forward: from its end, weights from
+        # the dt after each timestep; backward: from its start, weights from the dt up to it)
+        pid_d, seg = tl.program_id(0), tl.program_id(1)
+        start = tl.load(start_ptr + seg).to(tl.int64)
+        n_tok = tl.load(len_ptr + seg).to(tl.int64)
+        b = start // L
+        t_lo = start % L
+        t_hi = t_lo + n_tok
         d = pid_d * BD + tl.arange(0, BD)
         n = tl.arange(0, BN)
         tt = tl.arange(0, BT)
@@ -190,13 +218,14 @@ if HAS_TRITON:
                      other=0.0) * 1.4426950408889634
         if HAS_BIAS:
             bias = tl.load(bias_ptr + d, mask=d_ok, other=0.0)
-        row = (b * dim + d).to(tl.int64) * L                     # (BD,)
-        bc_row = (b * dstate + n).to(tl.int64) * L                # (BN,)
-        t_lo = k * piece
-        t_hi = tl.minimum(t_lo + piece, L)
+        d64 = d.to(tl.int64)
+        delta_row = b * s_delta_b + d64 * s_delta_d             # (BD,)
+        x_row = b * s_x_b + d64 * s_x_d
+        z_row = b * s_z_b + d64 * s_z_d
+        bc_row = b * s_bc_b + n.to(tl.int64) * s_bc_n             # (BN,)
         acc = tl.zeros((BD, BN), dtype=tl.float32)
         carry = tl.zeros((BD,), dtype=tl.float32)
-        ntiles = tl.cdiv(t_hi - t_lo, BT)
+        ntiles = tl.cdiv(n_tok, BT)
         for i in range(0, ntiles):
             if FORWARD:
                 t = t_hi - (i + 1) * BT + tt
@@ -204,13 +233,13 @@ if HAS_TRITON:
                 t = t_lo + i * BT + tt
             t_ok = (t >= t_lo) & (t < t_hi)
             m = d_ok[:, None] & t_ok[None, :]
-            dt = tl.load(delta_ptr + row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
+            dt = tl.load(delta_ptr + delta_row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 dt = dt + bias[:, None]
             if SOFTPLUS:
                 dt = _softplus_f32(dt)
             dt = tl.where(m, dt, 0.0)
-            xv = tl.load(x_ptr + row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + x_row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
             bcv = tl.load(bc_ptr + bc_row[:, None] + t[None, :], mask=n_ok[:, None] & t_ok[None, :],
                           other=0.0).to(tl.float32)
             if FORWARD:
@@ -220,14 +249,14 @@ if HAS_TRITON:
                 term = (dt * xv)[:, None, :] * bcv[None, :, :]
             else:
                 if HAS_Z:
-                    zv = tl.load(z_ptr + row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
+                    zv = tl.load(z_ptr + z_row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
                     xv = xv * (zv * tl.sigmoid(zv))
                 upto = carry[:, None] + tl.cumsum(dt, axis=1)
                 w = tl.exp2(A2[:, :, None] * upto[:, None, :])
                 term = xv[:, None, :] * bcv[None, :, :]
             acc += tl.sum(w * term, axis=2)
             carry += tl.sum(dt, axis=1)
-        out = ((b * pieces + k) * dim + d).to(tl.int64)
+        out = (seg * dim + d).to(tl.int64)
         tl.store(sums_ptr + out[:, None] * dstate + n[None, :], acc, mask=d_ok[:, None] & n_ok[None, :])
         tl.store(dts_ptr + out, carry, mask=d_ok)
 
@@ -262,29 +291,50 @@ def _use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.device.type == "cuda"
 
 
-def piece_sums(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, pieces: int, piece: int):
-    """:func:`piece_sums_ref`, by the Triton kernel on CUDA tensors (float32 results; ``delta``, ``x``, ``z``
-    contiguous (batch, dim, seqlen) of one dtype, ``bc`` contiguous (batch, 1, dstate, seqlen), ``A`` / ``delta_bias``
-    float32)."""
+def segment_sums(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, start: torch.Tensor,
+                 length: torch.Tensor, max_length: int):
+    """:func:`segment_sums_ref`, by one Triton kernel on CUDA tensors (float32 results; ``delta``, ``x``, ``z``:
+    (batch, dim, seqlen) of one dtype, any strides with the time axis unit-strided; ``bc`` (batch, dstate, seqlen)
+    or (batch, 1, dstate, seqlen) likewise; ``A`` / ``delta_bias`` float32 contiguous). No wait for the device."""
     if not _use_triton(delta) or delta.dtype == torch.float64:
-        return piece_sums_ref(forward, delta, delta_bias, A, x, z, bc, softplus, pieces, piece)
-    return _piece_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, pieces, piece)
+        return segment_sums_ref(forward, delta, delta_bias, A, x, z, bc, softplus, start, length, max_length)
+    return _segment_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, start, length)
 
 
-def _piece_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, pieces, piece):
+def _unit_time(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _segment_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, start, length):
     batch, dim, L = delta.shape
     dstate = A.shape[1]
-    sums = torch.empty(batch, pieces, dim, dstate, device=delta.device, dtype=torch.float32)
-    dts = torch.empty(batch, pieces, dim, device=delta.device, dtype=torch.float32)
+    S = start.numel()
+    bc = bc[:, 0] if bc.dim() == 4 else bc
+    has_z = z is not None
+    delta, x, bc = _unit_time(delta), _unit_time(x), _unit_time(bc)
+    z = _unit_time(z) if has_z else x
+    sums = torch.empty(S, dim, dstate, device=delta.device, dtype=torch.float32)
+    dts = torch.empty(S, dim, device=delta.device, dtype=torch.float32)
+    if S == 0:
+        return sums, dts
     BD, BT = 16, 32
-    grid = (triton.cdiv(dim, BD), pieces, batch)
     with _on(delta):
-        _piece_sums_kernel[grid](delta, delta_bias if delta_bias is not None else A, A, x,
-                                 z if z is not None else x, bc, sums, dts, dim, L, dstate, piece, pieces,
-                                 HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus), HAS_Z=z is not None,
-                                 FORWARD=forward, BD=BD, BN=max(16, triton.next_power_of_2(dstate)), BT=BT,
-                                 num_warps=4)
+        _segment_sums_kernel[(triton.cdiv(dim, BD), S)](
+            delta, delta_bias if delta_bias is not None else A, A.contiguous(), x, z, bc, start, length, sums, dts,
+            dim, L, dstate, delta.stride(0), delta.stride(1), x.stride(0), x.stride(1), z.stride(0), z.stride(1),
+            bc.stride(0), bc.stride(1),
+            HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus), HAS_Z=has_z, FORWARD=forward,
+            BD=BD, BN=max(16, triton.next_power_of_2(dstate)), BT=BT, num_warps=4)
     return sums, dts
+
+
+def piece_sums(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, pieces: int, piece: int):
+    """:func:`segment_sums` over the pieces of a cut (:func:`piece_spans`): ``(sums (batch, pieces, dim, dstate),
+    dt_sums (batch, pieces, dim))``."""
+    batch, dim, L = delta.shape
+    start, length = piece_spans(batch, L, pieces, piece, delta.device)
+    sums, dts = segment_sums(forward, delta, delta_bias, A, x, z, bc, softplus, start, length, piece)
+    return sums.view(batch, pieces, dim, -1), dts.view(batch, pieces, dim)
 
 
 def piece_prefix(forward: bool, sums: torch.Tensor, dt_sums: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -315,7 +365,7 @@ def forward_states(u, delta, A, B, delta_bias, softplus: bool, pieces: int, piec
     batch, dim, L = u.shape
     sums, dts = piece_sums(True, delta, delta_bias, A, u, None, B, softplus, pieces, piece)
     init = piece_prefix(True, sums, dts, A).view(batch * pieces, dim, A.shape[1])
-    pos, slots = piece_layout(batch, L, pieces, piece, u.device)
+    pos, slots = piece_layout(batch, L, pieces, piece, u.device)[:2]
     return pos, slots, init
 
 
@@ -331,5 +381,5 @@ def backward_states(saved, dout, z, delta, A, C, delta_bias, softplus: bool, pie
     init[:, 1:] = saved[:, :, per - 1:(pieces - 1) * per:per, :dstate].transpose(1, 2)
     sums, dts = piece_sums(False, delta, delta_bias, A, dout, z, C, softplus, pieces, piece)
     dfinal = piece_prefix(False, sums, dts, A).view(batch * pieces, dim, dstate)
-    pos, slots = piece_layout(batch, L, pieces, piece, dout.device)
+    pos, slots = piece_layout(batch, L, pieces, piece, dout.device)[:2]
     return pos, slots, init.view(batch * pieces, dim, dstate), dfinal

@@ -93,7 +93,8 @@ def test_cut_changes_nothing_where_a_piece_starts_from_zero_only():
 
 
 def test_piece_layout():
-    pos, slots = time_split.piece_layout(2, 200, 4, 64, "cpu")
+    pos, slots, start, length = time_split.piece_layout(2, 200, 4, 64, "cpu")
+    assert start.tolist() == [0, 64, 128, 192, 200, 264, 328, 392] and length.tolist() == [64, 64, 64, 8] * 2
     assert pos.dtype == slots.dtype == torch.int32 and pos.shape == (2, 200) and slots.shape == (2, 2, 200)
     assert (pos == 0).nonzero()[:, 1].tolist() == [0, 64, 128, 192] * 2
     for b in range(2):
@@ -126,21 +127,26 @@ def test_fwd_lanes_matches_the_layout_rule():
 
 
 _INTERPRETED = r"""
+import numpy as np
 import torch
 from ops import time_split as ts
+np.seterr(over="raise", invalid="raise")   # an inf or a NaN in the interpreted kernels fails
 torch.manual_seed(0)
 worst = 0.0
 for forward in (True, False):
     for (batch, dim, dstate, L, piece, has_z, has_bias, softplus) in [(1, 20, 16, 3 * 64 + 5, 64, True, True, True),
                                                                    (2, 16, 5, 2 * 64, 64, False, False, False)]:
         pieces = -(-L // piece)
-        delta = torch.randn(batch, dim, L) * 0.5 - 1
+        # delta goes through softplus, or is already a step size (positive)
+        delta = torch.randn(batch, dim, L) * 0.5 - 1 if softplus else torch.rand(batch, dim, L) * 0.2
         bias = torch.randn(dim) * 0.3 if has_bias else None
         A = -torch.rand(dim, dstate) * 4 - 0.05
         x = torch.randn(batch, dim, L)
         z = torch.randn(batch, dim, L) if has_z else None
         bc = torch.randn(batch, 1, dstate, L)
-        s, d = ts._piece_sums_triton(forward, delta, bias, A, x, z, bc, softplus, pieces, piece)
+        start, length = ts.piece_spans(batch, L, pieces, piece, "cpu")
+        s, d = ts._segment_sums_triton(forward, delta, bias, A, x, z, bc, softplus, start, length)
+        s, d = s.view(batch, pieces, dim, dstate), d.view(batch, pieces, dim)
         s_r, d_r = ts.piece_sums_ref(forward, delta.double(), None if bias is None else bias.double(), A.double(),
                                      x.double(), None if z is None else z.double(), bc.double(), softplus, pieces,
                                      piece)
@@ -149,13 +155,31 @@ for forward in (True, False):
         p = ts._piece_prefix_triton(forward, s, d, A)
         p_r = ts.piece_prefix_ref(forward, s_r, d_r, A.double())
         worst = max(worst, ((p.double() - p_r).abs().max() / p_r.abs().max()).item())
+# segments of any length at any place (the carry's chains), strided inputs (z and x halves of one tensor, B and C
+# parts of another, as the fused mixer has them), a segment of one token
+batch, dim, dstate, L = 3, 20, 16, 150
+xz = torch.randn(batch, 2 * dim, L)
+dbl = torch.randn(batch, L, 2 * dstate + 3).transpose(1, 2)
+delta = torch.randn(batch, dim, L) * 0.5 - 1
+A = -torch.rand(dim, dstate) * 4 - 0.05
+bias = torch.randn(dim) * 0.3
+start = torch.tensor([0 * L + 7, 1 * L + 0, 1 * L + 149, 2 * L + 40, 0 * L + 100])
+length = torch.tensor([90, 150, 1, 33, 50])
+for forward in (True, False):
+    args = (delta, bias, A, xz[:, :dim], xz[:, dim:] if not forward else None, dbl[:, 3:3 + dstate], True)
+    s, d = ts._segment_sums_triton(forward, *args, start, length)
+    s_r, d_r = ts.segment_sums_ref(forward, *[a.double() if torch.is_tensor(a) else a for a in args], start,
+                                   length, 150)
+    worst = max(worst, ((s.double() - s_r).abs().max() / s_r.abs().max()).item(),
+                ((d.double() - d_r).abs().max() / d_r.abs().max()).item())
+assert worst == worst, "NaN"
 print("worst", worst)
 """
 
 
 def test_triton_reductions_in_the_interpreter():
-    """The Triton piece sums (both directions, tails, dstate below 16, with and without z / bias / softplus) and the
-    prefix over pieces against their float64 references, on the CPU through Triton's interpreter."""
+    """The Triton piece sums (both directions, tails, dstate below 16, with and without z / bias / softplus; segments
+    of any length anywhere in strided inputs) and the prefix over pieces against their float64 references, on the CPU through Triton's interpreter."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
     root = pathlib.Path(__file__).resolve().parents[2]
