@@ -186,13 +186,24 @@ class CarryStep:
         self.middle = [(k, int(seg_start[carried[k]] // seqlen), int(seg_start[carried[k]] % seqlen),
                         int(seg_end[carried[k]] - seg_start[carried[k]]))
                        for k in preds if self.source[k] == "batch"]
-        # the fused mixer's reductions: over the in-batch predecessors (their end states from zero, forward) and the
-        # in-batch continuations (the adjoints their starts hand back, backward); the longest of each, on the host
+        # the fused mixer's chains: each from a slot whose state is known before the forward (cached, or zero) through
+        # its in-batch continuations; the reductions run over the predecessors ("chain_pred", chain by chain, in
+        # order) forward and over their continuations ("chain_succ", the same order) backward
         seg_len = seg_end - seg_start
-        self.pred_slots = preds
-        self.succ_slots = [k for k, src in enumerate(self.source) if src == "batch"]
-        self.pred_max = int(max((seg_len[carried[k]] for k in preds), default=0))
-        self.succ_max = int(max((seg_len[carried[k]] for k in self.succ_slots), default=0))
+        succ_of = {int(p): k for k, p in enumerate(self.pred) if p >= 0}
+        self.chain_pred, self.chain_offsets = [], [0]
+        for head in (k for k in range(len(carried)) if self.pred[k] < 0 and k in succ_of):
+            cur = head
+            while cur in succ_of:
+                self.chain_pred.append(cur)
+                cur = succ_of[cur]
+            self.chain_offsets.append(len(self.chain_pred))
+        self.chain_heads = [self.chain_pred[o] for o in self.chain_offsets[:-1]]
+        self.chain_succ = [succ_of[p] for p in self.chain_pred]
+        self._slot_start = seg_start[carried] if len(carried) else np.zeros(0, dtype=np.int64)
+        self._slot_length = seg_len[carried] if len(carried) else np.zeros(0, dtype=np.int64)
+        self.pred_max = int(max((seg_len[carried[k]] for k in self.chain_pred), default=0))
+        self.succ_max = int(max((seg_len[carried[k]] for k in self.chain_succ), default=0))
         self.has_continuations = any(s != "none" for s in self.source) or bool(self.store.any())
         self._pos = torch.as_tensor(pos)
         self._carried = torch.as_tensor(carried, dtype=torch.int64)
@@ -217,7 +228,6 @@ class CarryStep:
             slots[0, start[has_idx]] = k[has_idx]    # indices made on the host: a mask as an index waits for the GPU
             slots[1, start + length - 1] = k
             cache_only = slots.clone()
-            from_batch = host_to_device([s == "batch" for s in self.source], device, torch.bool)
             batch_idx = host_to_device([i for i, s in enumerate(self.source) if s == "batch"], device, torch.int64)
             cache_only[0].index_fill_(0, start[batch_idx], -1)   # ``x[idx] = -1`` copies the -1 and waits
             rows = None if len(self.pass_a_rows) == batch else host_to_device(self.pass_a_rows, device, torch.int64)
@@ -226,7 +236,7 @@ class CarryStep:
             a_rows = self.pass_a_rows
             consecutive = bool(a_rows) and a_rows == list(range(a_rows[0], a_rows[0] + len(a_rows)))
             span = (a_rows[0], len(a_rows)) if rows is not None and consecutive else None
-            got = {"start": start, "length": length, "has": has, "from_batch": from_batch,
+            got = {"start": start, "length": length, "has": has,
                    "slots": slots.view(2, batch, seqlen),
                    "pass_a_rows": rows, "pass_a_span": span,
                    "pass_a_slots": cache_only if rows is None else cache_only[:, rows].contiguous(),
@@ -234,17 +244,12 @@ class CarryStep:
                    "middle": host_to_device([m[0] for m in self.middle], device, torch.int64),
                    "depth_at": [host_to_device(self.depth == d, device)
                                 for d in range(1, int(self.depth.max(initial=0)) + 1)],
-                   # the same slots as indices, and their predecessors' (made here: a boolean mask as an index
-                   # would wait for the GPU in every layer's backward)
-                   "depth_idx": [host_to_device(np.flatnonzero(self.depth == d), device)
-                                 for d in range(1, int(self.depth.max(initial=0)) + 1)],
-                   "depth_pred": [host_to_device(self.pred[self.depth == d], device)
-                                  for d in range(1, int(self.depth.max(initial=0)) + 1)],
                    "pred": host_to_device(np.maximum(self.pred, 0), device)}
-            pred_idx = host_to_device(self.pred_slots, device, torch.int64)
-            succ_idx = host_to_device(self.succ_slots, device, torch.int64)
-            got.update({"pred_slots": pred_idx, "pred_start": start[pred_idx], "pred_length": length[pred_idx],
-                        "succ_slots": succ_idx, "succ_start": start[succ_idx], "succ_length": length[succ_idx]})
+            chain = {name: host_to_device(getattr(self, name), device, torch.int64)
+                     for name in ("chain_pred", "chain_succ", "chain_offsets", "chain_heads")}
+            for name in ("chain_pred", "chain_succ"):
+                chain[name + "_start"], chain[name + "_length"] = start[chain[name]], length[chain[name]]
+            got.update(chain)
             self._device_cache[device] = got
         return got
 
@@ -352,11 +357,11 @@ class FixedLayoutStep(CarryStep):
             slots = torch.full((2, rows * seqlen), -1, dtype=torch.int32, device=device)
             slots[1].index_copy_(0, self._start + self._length - 1, torch.arange(k, dtype=torch.int32, device=device))
             none = torch.zeros(k, dtype=torch.bool, device=device)
-            got = {"start": self._start, "length": self._length, "has": none, "from_batch": none,
+            got = {"start": self._start, "length": self._length, "has": none,
                    "slots": slots.view(2, rows, seqlen), "pass_a_rows": None, "pass_a_span": None,
                    "pass_a_slots": None, "pass_a_pos": None,
-                   "middle": torch.zeros(0, dtype=torch.int64, device=device), "depth_at": [], "depth_idx": [],
-                   "depth_pred": [], "pred": torch.zeros(k, dtype=torch.int64, device=device)}
+                   "middle": torch.zeros(0, dtype=torch.int64, device=device), "depth_at": [],
+                   "pred": torch.zeros(k, dtype=torch.int64, device=device)}
             self._device_cache[device] = got
         return got
 
@@ -478,21 +483,48 @@ def _final_geometry(g: dict, k: int):
     return _cached(g, ("final", k), make)
 
 
-def _finals_from(xf: torch.Tensor, inside, conv_init, g, k):
-    """Each slot's last k inputs (K, d, k) from its gathered tokens ``xf`` (K, k, d), its initial state before it."""
-    idx = _cached(g, ("finals_idx", k), lambda: (g["length"][:, None] + torch.arange(k, device=xf.device))
-                  .clamp(max=k - 1)[:, None, :])
-    before = torch.where(g["has"][:, None, None], conv_init.gather(2, idx.expand(-1, conv_init.shape[1], -1)), 0.0)
-    return torch.where(inside[:, None, :], xf.permute(0, 2, 1), before.to(xf.dtype))
+def _conv_sources(step: "CarryStep", g: dict, k: int):
+    """Where each slot's conv state (its ``k`` inputs before its first token, oldest first) comes from, made on the
+    host once a step and width: ``(token, is_token, slot, col)``, (K, k) each. An in-batch continuation's input ``j``
+    is the token ``k - j`` places before its start in the document, found by walking back through its predecessors
+    (past those shorter than ``k``) to a token (``is_token``: flat index ``token``) or to the cached state of the
+    chain's first piece (``conv0[slot, :, col]``); before a document's start it is the slot's own state (zeros: an
+    in-batch continuation has no cached one). Any other slot keeps its own state (``conv0[s, :, j]``)."""
+    def make():
+        K = step.num_slots
+        token = np.zeros((K, k), dtype=np.int64)
+        is_token = np.zeros((K, k), dtype=bool)
+        slot = np.repeat(np.arange(K, dtype=np.int64)[:, None], k, 1)
+        col = np.repeat(np.arange(k, dtype=np.int64)[None, :], K, 0)
+        start, length = step._slot_start, step._slot_length
+        for s in range(K):
+            if step.source[s] != "batch":
+                continue
+            for j in range(k):
+                need, cur = k - j, int(step.pred[s])
+                while True:
+                    if length[cur] >= need:
+                        token[s, j], is_token[s, j] = start[cur] + length[cur] - need, True
+                        break
+                    need -= int(length[cur])
+                    if step.source[cur] == "batch":
+                        cur = int(step.pred[cur])
+                    else:   # the cached state of the chain's first piece, or the document's start (own zeros)
+                        if step.source[cur] == "cache":
+                            slot[s, j], col[s, j] = cur, k - need
+                        break
+        dev = g["start"].device
+        return (host_to_device(token, dev), host_to_device(is_token, dev), host_to_device(slot, dev),
+                host_to_device(col, dev))
+    return _cached(g, ("conv_sources", k), make)
 
 
-def _conv_chain(xf, inside, conv0, g, k):
-    """The conv's initial states: the cached ones, and for an in-batch continuation its predecessor's last inputs
-    (in depth order)."""
-    conv_init = conv0
-    for at in g["depth_at"]:
-        conv_init = torch.where(at[:, None, None], _finals_from(xf, inside, conv_init, g, k)[g["pred"]], conv_init)
-    return conv_init
+def _conv_initial(step, x, conv0, g, k):
+    """The conv's initial states (K, d, k) from :func:`_conv_sources`: the cached ones, and for an in-batch
+    continuation the inputs before it (no loop over the chains)."""
+    token, is_token, slot, col = _conv_sources(step, g, k)
+    got = torch.where(is_token[..., None], _tokens_of(x, token, g, ("conv_sources", k)), conv0[slot, :, col])
+    return got.permute(0, 2, 1).contiguous()
 
 
 def _put_tokens(t: torch.Tensor, flat: torch.Tensor, vals: torch.Tensor, accumulate: bool = False,
@@ -530,45 +562,28 @@ def _chain_forward_ref(fin0, P_all, ssm0, g):
     return init
 
 
-def _slot_sums(step, g, which: str, forward: bool, x, z, delta, A, bc, delta_bias):
-    """(sums, P) (K, d, n) over the slots ``which`` ("pred": the in-batch predecessors, "succ": the in-batch
-    continuations): :func:`ops.time_split.segment_sums` (``E`` forward, ``D`` backward) and the decay ``exp(A sum
-    dt)`` over each slot's tokens; zeros (and P zeros) for the other slots."""
-    from .time_split import segment_sums
-    idx = g[which + "_slots"]
-    sums, dts = segment_sums(forward, delta, delta_bias, A, x, z, bc, True, g[which + "_start"],
-                             g[which + "_length"], step.pred_max if which == "pred" else step.succ_max)
-    shape = (step.num_slots,) + tuple(sums.shape[1:])
-    full = torch.zeros(shape, dtype=sums.dtype, device=sums.device).index_copy_(0, idx, sums)
-    P = torch.zeros(shape, dtype=sums.dtype, device=sums.device).index_copy_(
-        0, idx, torch.exp(dts[..., None] * A.to(dts.dtype)))
-    return full, P
-
-
 def _chain_forward(step, g, ssm0, xc, delta, A, Bm, delta_bias):
     """The true initial state of every slot: the cached ones, and for an in-batch continuation its predecessor's end
-    state, ``P h0 + E`` with ``E`` its end state from zero (a reduction over its tokens, no scan), down each chain in
-    depth order."""
-    E, P = _slot_sums(step, g, "pred", True, xc, None, delta, A, Bm, delta_bias)
-    init = ssm0.to(E.dtype)
-    true_final = E + P * init
-    for at in g["depth_at"]:
-        at3 = at[:, None, None]
-        init = torch.where(at3, true_final[g["pred"]], init)
-        true_final = torch.where(at3, E + P * init, true_final)
-    return init.to(ssm0.dtype)
+    state ``P h0 + E``, ``E`` the predecessor's end state from zero and ``P`` its decay (reductions over its tokens,
+    no scan), down each chain in order (one prefix from the chain's first state)."""
+    from .time_split import chain_prefix, segment_sums
+    E, dts = segment_sums(True, delta, delta_bias, A, xc, None, Bm, True, g["chain_pred_start"],
+                          g["chain_pred_length"], step.pred_max)
+    ends = chain_prefix(E, dts, A, g["chain_offsets"], ssm0.index_select(0, g["chain_heads"]))
+    return ssm0.index_copy(0, g["chain_succ"], ends.to(ssm0.dtype))
 
 
 def _chain_backward(step, g, dout_y, z, delta, A, Cm, delta_bias):
     """The gradient entering the end of every slot (K, d, n): for an in-batch predecessor, the adjoint its
-    continuation's start hands back, ``D + P G`` with ``D`` that continuation's from its own outputs (a reduction
-    over its tokens) and ``G`` the gradient entering its end; deepest first. Zero for the other slots (a state kept
-    for a later step is detached)."""
-    Dsum, P = _slot_sums(step, g, "succ", False, dout_y, z, delta, A, Cm, delta_bias)
-    G = torch.zeros_like(Dsum)
-    for idx, pred in zip(reversed(g["depth_idx"]), reversed(g["depth_pred"])):
-        G = G.index_copy(0, pred, Dsum.index_select(0, idx) + P.index_select(0, idx) * G.index_select(0, idx))
-    return G
+    continuation's start hands back, ``D + P G``, ``D`` the continuation's from its own outputs (a reduction over its
+    tokens) and ``G`` the gradient entering the continuation's end, along each chain from its last piece (one
+    prefix). Zero for the other slots (a state kept for a later step is detached)."""
+    from .time_split import chain_prefix, segment_sums
+    Dsum, dts = segment_sums(False, delta, delta_bias, A, dout_y, z, Cm, True, g["chain_succ_start"],
+                             g["chain_succ_length"], step.succ_max)
+    back = chain_prefix(Dsum, dts, A, g["chain_offsets"], reverse=True)
+    dfinal = torch.zeros((step.num_slots,) + tuple(back.shape[1:]), dtype=back.dtype, device=back.device)
+    return dfinal.index_copy_(0, g["chain_pred"], back)
 
 
 def _fused_inputs(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
@@ -644,7 +659,7 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         g = step.geometry(x.device)
         conv0, ssm0 = step.initial(layer, (d_inner, k), (d_inner, d_state), x.dtype, x.device)
         runmask = runmask_for(x, cw, position_ids)
-        xc, conv_final, conv_init = _conv_with_states(x, cw, cb, position_ids, runmask, conv0, g, k)
+        xc, conv_final, conv_init = _conv_with_states(step, x, cw, cb, position_ids, runmask, conv0, g, k)
         x_dbl, delta, Bm, Cm = _fused_projections(xc, x_proj_weight, delta_proj_weight, d_state)
         ssm_init = ssm0
         if g["depth_at"]:
@@ -655,15 +670,15 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         step.keep(layer, conv_final, ssm_final)
         ctx.step, ctx.g, ctx.k = step, g, k
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, conv0,
-                              ssm_init, conv_init)
+                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, ssm_init,
+                              conv_init)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         from .mamba_inner import _bmm_w, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
-         Cm, D, delta_bias, position_ids, saved, runmask, conv0, ssm_init, conv_init) = ctx.saved_tensors
+         Cm, D, delta_bias, position_ids, saved, runmask, ssm_init, conv_init) = ctx.saved_tensors
         step, g, k = ctx.step, ctx.g, ctx.k
         dt_rank = delta_proj_weight.shape[1]
         _, _, w_dtype_xp, w_dtype_dt, w_dtype_out, _ = ctx.dtypes
@@ -694,12 +709,9 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         if cb is not None:
             dcb = dcb + ddb_conv.to(dcb.dtype)
         if chained:   # an in-batch chain: the states are this step's inputs (the predecessors' last ones)
-            fflat, inside = _final_geometry(g, k)
-            with torch.enable_grad():
-                xf = _tokens_of(x, fflat, g, "final").detach().requires_grad_(True)
-                chain = _conv_chain(xf, inside, conv0, g, k)
-                (gxf,) = torch.autograd.grad(chain, xf, dconv_init.to(chain.dtype))
-            _put_tokens(dx, fflat, gxf.to(dx.dtype), accumulate=True, g=g, key="final")
+            token, is_token = _conv_sources(step, g, k)[:2]
+            _put_tokens(dx, token, torch.where(is_token[..., None], dconv_init.permute(0, 2, 1), 0.0),
+                        accumulate=True, g=g, key=("conv_sources", k))
         return _fused_grads(ctx, dx, dz, z, hidden_states, in_proj_weight, dcw, dcb, cb, dx_proj_weight,
                             ddelta_proj_weight, dout_proj_weight, dout_proj_bias, dA, dD, ddb) + (None, None, None)
 
@@ -738,13 +750,10 @@ def _tokens_of(t: torch.Tensor, flat: torch.Tensor, g: Optional[dict] = None, ke
     return t[flat // L, :, flat % L]
 
 
-def _conv_with_states(x, cw, cb, pos, runmask, conv0, g, k):
+def _conv_with_states(step, x, cw, cb, pos, runmask, conv0, g, k):
     """(xc, conv_final, conv_init): the conv kernel's output with each continued slot's first k outputs recomputed from
     its state (the states chained through the batch), every slot's last k inputs, and the states it started from."""
-    conv_init = conv0
-    if g["depth_at"]:
-        fflat, inside = _final_geometry(g, k)
-        conv_init = _conv_chain(_tokens_of(x, fflat, g, "final"), inside, conv0, g, k)
+    conv_init = _conv_initial(step, x, conv0, g, k) if g["depth_at"] else conv0
     xc = kernel_calls.causal_conv1d_fwd(x, cw, cb, pos, True, runmask)
     conv_final = kernel_calls.conv_states_fwd(xc, x, cw, cb, True, conv_init, g["start"], g["length"],
                                                       g["has"])

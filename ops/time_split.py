@@ -41,7 +41,7 @@ from .contract import (SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, TIME_SPLIT_MAX_BLOCKS_
 from .decode import HAS_TRITON
 
 __all__ = ["split_plan", "piece_layout", "piece_spans", "segment_sums", "segment_sums_ref", "piece_sums",
-           "piece_sums_ref", "piece_prefix", "piece_prefix_ref",
+           "piece_sums_ref", "piece_prefix", "piece_prefix_ref", "chain_prefix", "chain_prefix_ref",
            "fwd_lanes", "forward_states", "backward_states", "MAX_PIECES"]
 
 MAX_PIECES = 64        # at most this many pieces a row (the plans stay far below)
@@ -175,20 +175,35 @@ def piece_sums_ref(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool
     return sums.view(batch, pieces, dim, -1), dts.view(batch, pieces, dim)
 
 
+def chain_prefix_ref(sums: torch.Tensor, dt_sums: torch.Tensor, A: torch.Tensor, offsets, h0=None,
+                     inclusive: bool = True, reverse: bool = False) -> torch.Tensor:
+    """(S, dim, dstate): along each chain ``c`` of segments ``offsets[c] .. offsets[c + 1] - 1`` (in list order, or
+    reversed), ``h <- P_i h + sums_i`` with ``P_i = exp(A dt_sums_i)``, from ``h0[c]`` (zero without ``h0``); ``out[i]``
+    is ``h`` after segment ``i`` (``inclusive``) or before it. ``sums`` (S, dim, dstate), ``dt_sums`` (S, dim),
+    ``offsets`` (C + 1,) (a tensor or a list; every segment in a chain), ``h0`` (C, dim, dstate)."""
+    P = torch.exp(dt_sums[..., None] * A.to(sums.dtype))
+    out = torch.zeros_like(sums)
+    offsets = offsets.tolist() if torch.is_tensor(offsets) else list(offsets)
+    for c in range(len(offsets) - 1):
+        order = range(offsets[c], offsets[c + 1])
+        h = torch.zeros_like(sums[0]) if h0 is None else h0[c].to(sums.dtype)
+        for i in (reversed(order) if reverse else order):
+            if not inclusive:
+                out[i] = h
+            h = P[i] * h + sums[i]
+            if inclusive:
+                out[i] = h
+    return out
+
+
 def piece_prefix_ref(forward: bool, sums: torch.Tensor, dt_sums: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     """(batch, pieces, dim, dstate): ``forward``: ``H_0 = 0, H_k = P_{k-1} H_{k-1} + E_{k-1}`` (the state before each
     piece); else ``G_{K-1} = 0, G_{k-1} = D_k + P_k G_k`` (the gradient entering each piece's end). ``P_k = exp(A
-    dt_sums_k)``."""
-    P = torch.exp(dt_sums[..., None] * A.to(sums.dtype))
-    out = torch.zeros_like(sums)
-    pieces = sums.shape[1]
-    if forward:
-        for k in range(1, pieces):
-            out[:, k] = P[:, k - 1] * out[:, k - 1] + sums[:, k - 1]
-    else:
-        for k in range(pieces - 1, 0, -1):
-            out[:, k - 1] = sums[:, k] + P[:, k] * out[:, k]
-    return out
+    dt_sums_k)``: :func:`chain_prefix_ref` along each row, exclusive."""
+    batch, pieces = sums.shape[:2]
+    out = chain_prefix_ref(sums.flatten(0, 1), dt_sums.flatten(0, 1), A, [b * pieces for b in range(batch + 1)],
+                           inclusive=False, reverse=not forward)
+    return out.view(sums.shape)
 
 
 if HAS_TRITON:
@@ -261,25 +276,37 @@ if HAS_TRITON:
         tl.store(dts_ptr + out, carry, mask=d_ok)
 
     @triton.jit
-    def _piece_prefix_kernel(sums_ptr, dts_ptr, A_ptr, out_ptr, dim, dstate, pieces,
-                             FORWARD: tl.constexpr, BLOCK: tl.constexpr):
-        # program: BLOCK (channel, state) pairs of one row, the pieces in order (forward) or in reverse
-        pid, b = tl.program_id(0), tl.program_id(1)
+    def _chain_prefix_kernel(sums_ptr, dts_ptr, A_ptr, h0_ptr, off_ptr, out_ptr, dim, dstate, per_chain,
+                             UNIFORM: tl.constexpr, HAS_H0: tl.constexpr, INCLUSIVE: tl.constexpr,
+                             REVERSE: tl.constexpr, BLOCK: tl.constexpr):
+        # program: BLOCK (channel, state) pairs of one chain, its segments in list order (or reversed)
+        pid, c = tl.program_id(0), tl.program_id(1)
         i = pid * BLOCK + tl.arange(0, BLOCK)
         ok = i < dim * dstate
         d = i // dstate
         A2 = tl.load(A_ptr + i, mask=ok, other=0.0) * 1.4426950408889634
-        h = tl.zeros((BLOCK,), dtype=tl.float32)
-        for j in range(0, pieces):
-            if FORWARD:
-                k = j
+        if UNIFORM:
+            lo = c * per_chain
+            hi = lo + per_chain
+        else:
+            lo = tl.load(off_ptr + c)
+            hi = tl.load(off_ptr + c + 1)
+        if HAS_H0:
+            h = tl.load(h0_ptr + c.to(tl.int64) * dim * dstate + i, mask=ok, other=0.0).to(tl.float32)
+        else:
+            h = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in range(0, hi - lo):
+            if REVERSE:
+                at = (hi - 1 - j).to(tl.int64)
             else:
-                k = pieces - 1 - j
-            at = (b * pieces + k).to(tl.int64)
-            tl.store(out_ptr + at * dim * dstate + i, h, mask=ok)
+                at = (lo + j).to(tl.int64)
+            if not INCLUSIVE:
+                tl.store(out_ptr + at * dim * dstate + i, h, mask=ok)
             s = tl.load(dts_ptr + at * dim + d, mask=ok, other=0.0)
             e = tl.load(sums_ptr + at * dim * dstate + i, mask=ok, other=0.0)
             h = tl.exp2(A2 * s) * h + e
+            if INCLUSIVE:
+                tl.store(out_ptr + at * dim * dstate + i, h, mask=ok)
 
 
 def _on(t: torch.Tensor):
@@ -337,21 +364,39 @@ def piece_sums(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, pi
     return sums.view(batch, pieces, dim, -1), dts.view(batch, pieces, dim)
 
 
+def chain_prefix(sums: torch.Tensor, dt_sums: torch.Tensor, A: torch.Tensor, offsets: torch.Tensor, h0=None,
+                 inclusive: bool = True, reverse: bool = False) -> torch.Tensor:
+    """:func:`chain_prefix_ref`, by one Triton kernel on CUDA tensors (float32; ``offsets`` an int64 device tensor:
+    no wait for the device)."""
+    if not _use_triton(sums) or sums.dtype == torch.float64:
+        return chain_prefix_ref(sums, dt_sums, A, offsets, h0, inclusive, reverse)
+    return _chain_prefix_triton(sums, dt_sums, A, offsets, None, h0, inclusive, reverse)
+
+
+def _chain_prefix_triton(sums, dt_sums, A, offsets, per_chain, h0, inclusive, reverse):
+    """``per_chain``: every chain that many consecutive segments (``offsets`` unused, the chains ``S / per_chain``)."""
+    S, dim, dstate = sums.shape
+    chains = S // per_chain if per_chain else offsets.numel() - 1
+    out = torch.empty_like(sums)   # every segment is in a chain
+    if S == 0 or chains == 0:
+        return out
+    BLOCK = 256
+    with _on(sums):
+        _chain_prefix_kernel[(triton.cdiv(dim * dstate, BLOCK), chains)](
+            sums, dt_sums, A.contiguous(), h0.contiguous() if h0 is not None else sums,
+            offsets if offsets is not None else dt_sums, out, dim, dstate, per_chain or 0,
+            UNIFORM=bool(per_chain), HAS_H0=h0 is not None, INCLUSIVE=inclusive, REVERSE=reverse, BLOCK=BLOCK,
+            num_warps=4)
+    return out
+
+
 def piece_prefix(forward: bool, sums: torch.Tensor, dt_sums: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     """:func:`piece_prefix_ref`, by one Triton kernel on CUDA tensors (float32)."""
     if not _use_triton(sums) or sums.dtype == torch.float64:
         return piece_prefix_ref(forward, sums, dt_sums, A)
-    return _piece_prefix_triton(forward, sums, dt_sums, A)
-
-
-def _piece_prefix_triton(forward, sums, dt_sums, A):
-    batch, pieces, dim, dstate = sums.shape
-    out = torch.empty_like(sums)
-    BLOCK = 256
-    with _on(sums):
-        _piece_prefix_kernel[(triton.cdiv(dim * dstate, BLOCK), batch)](sums, dt_sums, A, out, dim, dstate, pieces,
-                                                                        FORWARD=forward, BLOCK=BLOCK, num_warps=4)
-    return out
+    batch, pieces = sums.shape[:2]
+    out = _chain_prefix_triton(sums.flatten(0, 1), dt_sums.flatten(0, 1), A, None, pieces, None, False, not forward)
+    return out.view(sums.shape)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -192,7 +192,7 @@ def test_layers_that_cannot_carry_refuse_a_continuation():
 
 
 # a batch whose pieces continue from the cache and from each other (a middle piece of one token, a piece shorter
-# than the conv width, a chain of three rows); one whose continuations all come from the cache (one piece of a
+# than the conv width, a chain of three rows); one whose chains start with pieces shorter than the conv's width; one whose continuations all come from the cache (one piece of a
 # document a step: no autograd through the conv's states), with pieces of 1 and 2 tokens, shorter than the
 # conv's width - 1, and one continuing after; and one whose in-batch predecessors sit in rows 0 and 2
 _FIRST = [[(6, 5, 0, True), (4, 7, 0, True), (3, 8, 0, True), (3, -1, 0, False)]]
@@ -202,6 +202,11 @@ _SECOND = {
     "from_cache": [[(1, 7, 1, False), (15, -1, 0, False)], [(9, 5, 1, True), (7, -1, 0, False)],
                    [(2, 8, 1, False), (14, -1, 0, False)], [(16, -1, 0, False)]],
     # the in-batch predecessors in rows 0 and 2 only (rows that are not consecutive: the first pass gathers them)
+    # a chain from zero whose first pieces are shorter than the conv's width - 1 together (1 + 1 tokens before the
+    # third piece: its conv state reaches back past the document's start), and one from the cache through a 1-token
+    # piece (2 tokens before: one from the cached state)
+    "short_heads": [[(1, 9, 0, True), (1, 7, 1, True), (14, -1, 0, False)], [(1, 9, 1, True), (15, 7, 2, False)],
+                    [(16, 9, 2, False)], [(16, -1, 0, False)]],
     "gapped": [[(4, 5, 1, True), (12, -1, 0, False)], [(3, 5, 2, False), (13, -1, 0, False)],
                [(6, -1, 0, False), (10, 7, 1, True)], [(5, 7, 2, False), (11, 8, 1, False)]],
 }

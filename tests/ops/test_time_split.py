@@ -152,7 +152,8 @@ for forward in (True, False):
                                      piece)
         worst = max(worst, ((s.double() - s_r).abs().max() / s_r.abs().max()).item(),
                     ((d.double() - d_r).abs().max() / d_r.abs().max()).item())
-        p = ts._piece_prefix_triton(forward, s, d, A)
+        p = ts._chain_prefix_triton(s.flatten(0, 1), d.flatten(0, 1), A, None, pieces, None, False,
+                                    not forward).view(s.shape)
         p_r = ts.piece_prefix_ref(forward, s_r, d_r, A.double())
         worst = max(worst, ((p.double() - p_r).abs().max() / p_r.abs().max()).item())
 # segments of any length at any place (the carry's chains), strided inputs (z and x halves of one tensor, B and C
@@ -172,6 +173,17 @@ for forward in (True, False):
                                    length, 150)
     worst = max(worst, ((s.double() - s_r).abs().max() / s_r.abs().max()).item(),
                 ((d.double() - d_r).abs().max() / d_r.abs().max()).item())
+# chains of any lengths (the carry's), from given states, inclusive, both directions
+S, dim, dstate = 7, 20, 16
+sums, dts = torch.randn(S, dim, dstate), torch.rand(S, dim)
+A = -torch.rand(dim, dstate) * 4 - 0.05
+offsets, h0 = torch.tensor([0, 3, 4, 7]), torch.randn(3, dim, dstate)
+for reverse in (False, True):
+    for start in (None, h0):
+        p = ts._chain_prefix_triton(sums, dts, A, offsets, None, start, True, reverse)
+        p_r = ts.chain_prefix_ref(sums.double(), dts.double(), A.double(), offsets,
+                                  None if start is None else start.double(), True, reverse)
+        worst = max(worst, ((p.double() - p_r).abs().max() / p_r.abs().max()).item())
 assert worst == worst, "NaN"
 print("worst", worst)
 """
@@ -179,7 +191,8 @@ print("worst", worst)
 
 def test_triton_reductions_in_the_interpreter():
     """The Triton piece sums (both directions, tails, dstate below 16, with and without z / bias / softplus; segments
-    of any length anywhere in strided inputs) and the prefix over pieces against their float64 references, on the CPU through Triton's interpreter."""
+    of any length anywhere in strided inputs) and the prefixes over pieces and over chains (from given states)
+    against their float64 references, on the CPU through Triton's interpreter."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
     root = pathlib.Path(__file__).resolve().parents[2]
