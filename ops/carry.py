@@ -175,8 +175,9 @@ class CarryStep:
         succ_in_batch = set(int(p) for p in self.pred if p >= 0)
         self.store = np.array([bool(cont[i]) and k not in succ_in_batch for k, i in enumerate(carried)], dtype=bool)
         self.consumed_docs = consumed
-        # where the in-batch predecessors are: the first scan runs only on their rows, and the decay P is summed only
-        # over the pieces that are both continued in this batch and continue one here ("middle" pieces)
+        # for the composed mixer (carried_mamba_inner_ref): where the in-batch predecessors are (its first scan runs only
+        # on their rows), and the pieces both continued in this batch and continuing one here ("middle" pieces: their
+        # decay P is summed over their tokens)
         flat_pos = torch.as_tensor(pos).reshape(-1).cpu().numpy()
         seg_start = np.flatnonzero(flat_pos == 0)
         seqlen = torch.as_tensor(pos).shape[1]
