@@ -45,9 +45,10 @@ __all__ = ["split_plan", "piece_layout", "piece_spans", "segment_sums", "segment
            "fwd_lanes", "forward_states", "backward_states", "MAX_PIECES"]
 
 MAX_PIECES = 64        # at most this many pieces a row (the plans stay far below)
-# the segment reductions' tile (timesteps, warps) forward / backward, 16 channels x all states a program: measured at
-# 2 x 4096 channels x 4096 tokens on an H100 (0.69 / 0.68 ms; BT 64, 32 channels, 8 warps: 0.87-1.9 ms)
-SEGMENT_SUMS_TILE = {True: (32, 4), False: (16, 2)}
+# the segment reductions' tile: 16 channels x all states x SEGMENT_SUMS_TIME timesteps a program on
+# SEGMENT_SUMS_WARPS warps, measured at 2 x 4096 channels x 4096 tokens on an H100 (0.37 / 0.33 ms forward / backward;
+# 8-64 timesteps on 2-8 warps: 0.37-0.78 ms)
+SEGMENT_SUMS_TIME, SEGMENT_SUMS_WARPS = 16, 4
 
 
 def split_plan(which: str, batch: int, dim: int, seqlen: int, sm_count: int) -> Optional[Tuple[int, int]]:
@@ -241,7 +242,7 @@ if HAS_TRITON:
         x_row = b * s_x_b + d64 * s_x_d
         z_row = b * s_z_b + d64 * s_z_d
         bc_row = b * s_bc_b + n.to(tl.int64) * s_bc_n             # (BN,)
-        acc = tl.zeros((BD, BN), dtype=tl.float32)
+        acc = tl.zeros((BD, BN, BT), dtype=tl.float32)   # summed over time once, at the end: no sum a tile
         carry = tl.zeros((BD,), dtype=tl.float32)
         ntiles = tl.cdiv(n_tok, BT)
         for i in range(0, ntiles):
@@ -272,10 +273,11 @@ if HAS_TRITON:
                 upto = carry[:, None] + tl.cumsum(dt, axis=1)
                 w = tl.exp2(A2[:, :, None] * upto[:, None, :])
                 term = xv[:, None, :] * bcv[None, :, :]
-            acc += tl.sum(w * term, axis=2)
+            acc += w * term
             carry += tl.sum(dt, axis=1)
         out = (seg * dim + d).to(tl.int64)
-        tl.store(sums_ptr + out[:, None] * dstate + n[None, :], acc, mask=d_ok[:, None] & n_ok[None, :])
+        tl.store(sums_ptr + out[:, None] * dstate + n[None, :], tl.sum(acc, axis=2),
+                 mask=d_ok[:, None] & n_ok[None, :])
         tl.store(dts_ptr + out, carry, mask=d_ok)
 
     @triton.jit
@@ -348,7 +350,7 @@ def _segment_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, star
     if S == 0:
         return sums, dts
     BD = 16
-    BT, warps = SEGMENT_SUMS_TILE[bool(forward)]
+    BT, warps = SEGMENT_SUMS_TIME, SEGMENT_SUMS_WARPS
     with _on(delta):
         _segment_sums_kernel[(triton.cdiv(dim, BD), S)](
             delta, delta_bias if delta_bias is not None else A, A.contiguous(), x, z, bc, start, length, sums, dts,
