@@ -223,9 +223,10 @@ def _time_mode(mode, model, opt, batches, args, device, trace_label=None):
         if trace_label and i == args.warmup - 1:   # the last warm-up step, profiled (not timed)
             from _trace import trace_call
             summary = trace_call(train_step, os.path.join(args.trace_dir, trace_label + ".json.gz"), trace_label,
-                                 top=args.trace_top)
-            print("  trace " + ", ".join(f"{k} {v}" for k, v in summary.items() if k != "top_kernels"), flush=True)
-            for name, ms, n in summary.get("top_kernels", []):
+                                 top=args.trace_top, cpu_top=args.trace_top)
+            print("  trace " + ", ".join(f"{k} {v}" for k, v in summary.items()
+                                         if k not in ("top_kernels", "top_host_ops")), flush=True)
+            for name, ms, n in summary.get("top_kernels", []) + summary.get("top_host_ops", []):
                 print(f"    {ms:9.3f} ms {n:6d}  {name}")
             continue
         torch.cuda.synchronize()
@@ -352,7 +353,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON path")
     ap.add_argument("--trace-dir", default=None, help="cost: profile each mode's last warm-up step (Chrome traces "
                     "there; the summaries printed and in the JSON)")
-    ap.add_argument("--trace-top", type=int, default=0, help="with --trace-dir: list the kernels with the most time")
+    ap.add_argument("--trace-top", type=int, default=0, help="with --trace-dir: list the kernels and the host-side operators with the most time")
     ap.add_argument("--plot", default=None, help="PNG of the held-out loss by position")
     ap.add_argument("--kernel-reps", type=int, default=20)
     ap.add_argument("--d-model", type=int, default=2048, help="cost: model width (1.4B: 2048)")
