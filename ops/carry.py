@@ -28,9 +28,9 @@ with the states it already has, chains the final states of the step's pieces in 
 initial states. The fused one (:class:`CarriedMambaInnerFn`) gets each predecessor's ``h_end(0)`` and ``P`` from a
 reduction over its tokens (``ops.time_split.segment_sums``, no scan), so it scans once; its backward reduces each
 continuation's start adjoint the same way, chains the gradients entering the predecessors' ends back, and runs the
-scan's backward once. The conv's state is the ``width - 1`` inputs that end the predecessor. A piece whose predecessor ended in an earlier step starts from the
-cached state (no gradient crosses the step). Only the mixers of a batch that has continuations take this path; every
-other batch runs exactly as without carry.
+scan's backward once. The conv's state is the ``width - 1`` inputs that end the predecessor. A piece whose
+predecessor ended in an earlier step starts from the cached state (no gradient crosses the step). Only the mixers
+of a batch that has continuations take this path; every other batch runs exactly as without carry.
 """
 from __future__ import annotations
 
@@ -175,9 +175,9 @@ class CarryStep:
         succ_in_batch = set(int(p) for p in self.pred if p >= 0)
         self.store = np.array([bool(cont[i]) and k not in succ_in_batch for k, i in enumerate(carried)], dtype=bool)
         self.consumed_docs = consumed
-        # for the composed mixer (carried_mamba_inner_ref): where the in-batch predecessors are (its first scan runs only
-        # on their rows), and the pieces both continued in this batch and continuing one here ("middle" pieces: their
-        # decay P is summed over their tokens)
+        # for the composed mixer (carried_mamba_inner_ref): where the in-batch predecessors are (its first scan runs
+        # only on their rows), and the pieces both continued in this batch and continuing one here ("middle" pieces:
+        # their decay P is summed over their tokens)
         flat_pos = torch.as_tensor(pos).reshape(-1).cpu().numpy()
         seg_start = np.flatnonzero(flat_pos == 0)
         seqlen = torch.as_tensor(pos).shape[1]
@@ -228,21 +228,8 @@ class CarryStep:
             has_idx = host_to_device([i for i, s in enumerate(self.source) if s != "none"], device, torch.int64)
             slots[0, start[has_idx]] = k[has_idx]    # indices made on the host: a mask as an index waits for the GPU
             slots[1, start + length - 1] = k
-            cache_only = slots.clone()
-            batch_idx = host_to_device([i for i, s in enumerate(self.source) if s == "batch"], device, torch.int64)
-            cache_only[0].index_fill_(0, start[batch_idx], -1)   # ``x[idx] = -1`` copies the -1 and waits
-            rows = None if len(self.pass_a_rows) == batch else host_to_device(self.pass_a_rows, device, torch.int64)
-            cache_only = cache_only.view(2, batch, seqlen)
-            # consecutive rows (the usual chain, one row to the next): (first, count), taken as views
-            a_rows = self.pass_a_rows
-            consecutive = bool(a_rows) and a_rows == list(range(a_rows[0], a_rows[0] + len(a_rows)))
-            span = (a_rows[0], len(a_rows)) if rows is not None and consecutive else None
             got = {"start": start, "length": length, "has": has,
-                   "slots": slots.view(2, batch, seqlen),
-                   "pass_a_rows": rows, "pass_a_span": span,
-                   "pass_a_slots": cache_only if rows is None else cache_only[:, rows].contiguous(),
-                   "pass_a_pos": pos.to(torch.int32) if rows is None else pos[rows].to(torch.int32).contiguous(),
-                   "middle": host_to_device([m[0] for m in self.middle], device, torch.int64),
+                   "slots": slots.view(2, batch, seqlen), "pos": pos,
                    "depth_at": [host_to_device(self.depth == d, device)
                                 for d in range(1, int(self.depth.max(initial=0)) + 1)],
                    "pred": host_to_device(np.maximum(self.pred, 0), device)}
@@ -359,12 +346,28 @@ class FixedLayoutStep(CarryStep):
             slots[1].index_copy_(0, self._start + self._length - 1, torch.arange(k, dtype=torch.int32, device=device))
             none = torch.zeros(k, dtype=torch.bool, device=device)
             got = {"start": self._start, "length": self._length, "has": none,
-                   "slots": slots.view(2, rows, seqlen), "pass_a_rows": None, "pass_a_span": None,
-                   "pass_a_slots": None, "pass_a_pos": None,
-                   "middle": torch.zeros(0, dtype=torch.int64, device=device), "depth_at": [],
+                   "slots": slots.view(2, rows, seqlen), "depth_at": [],
                    "pred": torch.zeros(k, dtype=torch.int64, device=device)}
             self._device_cache[device] = got
         return got
+
+
+def _first_pass_geometry(step: CarryStep, g: dict) -> dict:
+    """The composed mixer's first scan (:func:`carried_mamba_inner_ref`), made on its first use in a step: its rows
+    (None: all of them), their position_ids and state slots (the in-batch continuations start from zero there), and
+    the middle pieces' slots. The fused mixer does not scan twice and never makes it."""
+    def make():
+        pos, slots = g["pos"], g["slots"]
+        cache_only = slots.clone()
+        batch_idx = host_to_device([i for i, s in enumerate(step.source) if s == "batch"], pos.device, torch.int64)
+        cache_only.view(2, -1)[0].index_fill_(0, g["start"][batch_idx], -1)   # ``x[idx] = -1`` copies and waits
+        batch = pos.shape[0]
+        rows = None if len(step.pass_a_rows) == batch else host_to_device(step.pass_a_rows, pos.device, torch.int64)
+        return {"rows": rows,
+                "slots": cache_only if rows is None else cache_only[:, rows].contiguous(),
+                "pos": pos.to(torch.int32) if rows is None else pos[rows].to(torch.int32).contiguous(),
+                "middle": host_to_device([m[0] for m in step.middle], pos.device, torch.int64)}
+    return _cached(g, "first_pass", make)
 
 
 def _middle_decays(step: CarryStep, g: dict, delta: torch.Tensor, dbias: torch.Tensor, A: torch.Tensor):
@@ -375,7 +378,7 @@ def _middle_decays(step: CarryStep, g: dict, delta: torch.Tensor, dbias: torch.T
     if not step.middle:
         return P
     slices = [delta[row, :, c0:c0 + n] for _, row, c0, n in step.middle]
-    return P.index_put((g["middle"],), _decays(slices, dbias, A))
+    return P.index_put((_first_pass_geometry(step, g)["middle"],), _decays(slices, dbias, A))
 
 
 def _mixer_dims(mixer):
@@ -442,10 +445,11 @@ def carried_mamba_inner_ref(mixer, hidden_states: torch.Tensor, pos: torch.Tenso
     if g["depth_at"]:
         # first pass, over the rows of the in-batch predecessors only: the in-batch continuations from zero, their
         # final states h_end(0); with the decays P of the middle pieces they chain in order
-        rows = g["pass_a_rows"]
+        first = _first_pass_geometry(step, g)
+        rows = first["rows"]
         pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))  # noqa: E731
-        a_args = (pick(xc), pick(args[1]), A, pick(Bm), pick(Cm), D, pick(args[6]), dbias, g["pass_a_pos"], True)
-        _, _, fin0 = selective_scan_fwd(*a_args, g["pass_a_slots"], ssm0, step.num_slots)
+        a_args = (pick(xc), pick(args[1]), A, pick(Bm), pick(Cm), D, pick(args[6]), dbias, first["pos"], True)
+        _, _, fin0 = selective_scan_fwd(*a_args, first["slots"], ssm0, step.num_slots)
         ssm_init = _chain_forward_ref(fin0, _middle_decays(step, g, delta, dbias, A), ssm0, g)
     y, _, ssm_final = selective_scan_fwd(*args, g["slots"], ssm_init, step.num_slots)
     step.keep(layer, conv_final, ssm_final)

@@ -24,8 +24,10 @@ back through its start with no gradient entering its end, ``D_k = sum_t exp(A su
 gradients gives every gradient exactly as the uncut backward does (up to rounding).
 
 Used by the CUDA implementation of the scan ops (``ops.selective_scan_interface``) for calls without carried states
-on rows known to be one sequence (``ops.boundaries.single_sequence_rows``), where Triton imports. The references
-(:func:`piece_sums_ref`, :func:`piece_prefix_ref`) are the oracle of the Triton kernels and run the same plan on any
+on rows known to be one sequence (``ops.boundaries.single_sequence_rows``), where Triton imports. The two kernels
+take any token spans (:func:`segment_sums`) and any chains of them (:func:`chain_prefix`): the fused mixer with
+carried states (``ops/carry.py``) runs a step's chains of pieces through them. The references
+(:func:`segment_sums_ref`, :func:`chain_prefix_ref`) are the oracle of the Triton kernels and run the same plan on any
 device (the CPU tests).
 """
 from __future__ import annotations
@@ -45,10 +47,10 @@ __all__ = ["split_plan", "piece_layout", "piece_spans", "segment_sums", "segment
            "fwd_lanes", "forward_states", "backward_states", "MAX_PIECES"]
 
 MAX_PIECES = 64        # at most this many pieces a row (the plans stay far below)
-# the segment reductions' tile: 16 channels x all states x SEGMENT_SUMS_TIME timesteps a program on
+# the segment reductions' tile: SEGMENT_SUMS_CHANNELS channels x all states x SEGMENT_SUMS_TIME timesteps a program on
 # SEGMENT_SUMS_WARPS warps, measured at 2 x 4096 channels x 4096 tokens on an H100 (0.37 / 0.33 ms forward / backward;
-# 8-64 timesteps on 2-8 warps: 0.37-0.78 ms)
-SEGMENT_SUMS_TIME, SEGMENT_SUMS_WARPS = 16, 4
+# 8-64 timesteps on 2-8 warps: 0.37-0.78 ms; 8 or 32 channels: at best 7 % faster)
+SEGMENT_SUMS_CHANNELS, SEGMENT_SUMS_TIME, SEGMENT_SUMS_WARPS = 16, 16, 4
 
 
 def split_plan(which: str, batch: int, dim: int, seqlen: int, sm_count: int) -> Optional[Tuple[int, int]]:
@@ -86,12 +88,12 @@ _LAYOUTS_KEPT = 8
 
 
 def piece_layout(batch: int, seqlen: int, pieces: int, piece: int, device) -> Tuple[torch.Tensor, ...]:
-    """``(position_ids, state_slots, start, length)``: ids and slots (int32) that make the kernels run each piece as a sequence of its own that
-    continues from a state: ids restart at every piece start; ``state_slots[0]`` names, at the start of piece ``k >=
-    1`` of row ``b``, initial-state slot ``b * pieces + k``, ``state_slots[1]`` at the end of piece ``k < pieces - 1``
-    final-state slot ``b * pieces + k`` (-1 elsewhere); the pieces' token spans (int64 (batch * pieces,), flat
-    token index of each piece's start and its length: :func:`piece_spans`). Made once per shape and device (made afresh while a CUDA
-    graph is captured or under ``torch.compile``); not to be changed."""
+    """``(position_ids, state_slots, start, length)``: ids and slots (int32) that make the kernels run each piece as a
+    sequence of its own that continues from a state: ids restart at every piece start; ``state_slots[0]`` names, at
+    the start of piece ``k >= 1`` of row ``b``, initial-state slot ``b * pieces + k``, ``state_slots[1]`` at the end
+    of piece ``k < pieces - 1`` final-state slot ``b * pieces + k`` (-1 elsewhere); the pieces' token spans (int64
+    (batch * pieces,): the flat token index of each piece's start, its length; :func:`piece_spans`). Made once per
+    shape and device (made afresh while a CUDA graph is captured or under ``torch.compile``); not to be changed."""
     device = torch.device(device)
     fresh = torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
     key = (batch, seqlen, pieces, piece, str(device))
@@ -349,8 +351,7 @@ def _segment_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, star
     dts = torch.empty(S, dim, device=delta.device, dtype=torch.float32)
     if S == 0:
         return sums, dts
-    BD = 16
-    BT, warps = SEGMENT_SUMS_TIME, SEGMENT_SUMS_WARPS
+    BD, BT, warps = SEGMENT_SUMS_CHANNELS, SEGMENT_SUMS_TIME, SEGMENT_SUMS_WARPS
     with _on(delta):
         _segment_sums_kernel[(triton.cdiv(dim, BD), S)](
             delta, delta_bias if delta_bias is not None else A, A.contiguous(), x, z, bc, start, length, sums, dts,
