@@ -15,10 +15,12 @@ Models (random init, ``--dtype`` parameters, bf16 by default; d_state 16, d_conv
   import, its PyTorch fallbacks otherwise), the converted model's ``ops.decode`` (``ops.hf._mamba1_decode_step``).
 
 For every (model, width, layers, batch, graphs) the same prompt (``--prompt`` random tokens) is generated to
-``--new`` tokens by both models; the time is the median of ``--repeats`` runs after one warm-up (which also
-captures the graphs). ``tok/s`` counts new tokens of the whole ``generate`` call (prefill included);
-``decode tok/s`` takes the prefill out: (new - 1) tokens over the time of the full call minus the time of a call
-that generates one token (the prefill and the first token). ``identical`` compares the greedy tokens of the two
+``--new`` tokens by both models, alternating in ``--repeats`` rounds after one warm-up round (which also captures
+the graphs): eager decoding is host-bound, and timing one model's runs after the other's let drifts of the host
+decide the ratio. ``tok/s`` counts new tokens of the whole ``generate`` call (prefill included; median over the
+rounds); ``decode tok/s`` takes the prefill out: (new - 1) tokens over the median, over the rounds, of the full
+call's time minus the time of the call that follows it and generates one token (the prefill and the first
+token). ``decode_ratio_rounds`` in the JSON gives every round's ratio. ``identical`` compares the greedy tokens of the two
 models. Table on stdout, JSON to ``--out`` (default ``benchmarks/results/generation/decode_<gpu>.json``).
 
 Before that, one mixer's single-token step alone (``mixer_step_us`` in the JSON; ``--mixer-iters`` steps per
@@ -51,19 +53,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _timed(fn, device, repeats):
-    """(median seconds, last result) of ``repeats`` calls of ``fn`` after one warm-up call."""
-    out = fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -118,24 +107,47 @@ IMPLS = {"mamba_ssm": (mamba_ssm_models, mamba_ssm_generate), "hf": (hf_models, 
 
 
 def measure(impl, d_model, n_layer, batch, cg, args, device, dtype, models):
+    """One table row. The two models alternate within every round (unconverted first in even rounds, converted
+    first in odd ones), each running the full generation and then a one-token one, so slow drifts of a host-bound
+    run (clocks, other processes) fall on both; a round's decode time is its full call minus its one-token call,
+    and the row takes the median over ``--repeats`` rounds (after one warm-up round, which captures the graphs)."""
     _, make_gen = IMPLS[impl]
     g = torch.Generator().manual_seed(args.seed + batch)
     prompt = torch.randint(1, args.vocab, (batch, args.prompt), generator=g).to(device)
     row = {"impl": impl, "d_model": d_model, "n_layer": n_layer, "batch": batch, "cg": cg,
-           "prompt": args.prompt, "new_tokens": args.new}
-    seqs = {}
-    for name, model in zip(("unconverted", "converted"), models):
-        run = make_gen(model, prompt, args.new, cg)
-        t_full, seq = _timed(lambda: run(args.new), device, args.repeats)   # the first call captures the graphs
-        t_one, _ = _timed(lambda: run(1), device, args.repeats)             # (a shorter max_length reuses them)
-        seqs[name] = seq
+           "prompt": args.prompt, "new_tokens": args.new, "rounds": args.repeats}
+    names = ("unconverted", "converted")
+    runs = {name: make_gen(model, prompt, args.new, cg) for name, model in zip(names, models)}
+    seqs = {name: runs[name](args.new) for name in names}   # warm-up: the first call captures the graphs
+    for name in names:
+        runs[name](1)                                         # (a shorter max_length reuses them)
+    full = {name: [] for name in names}
+    decode = {name: [] for name in names}
+    for r in range(args.repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t = []
+            for n in (args.new, 1):
+                _sync(device)
+                t0 = time.perf_counter()
+                out = runs[name](n)
+                _sync(device)
+                t.append(time.perf_counter() - t0)
+                if n == args.new:
+                    seqs[name] = out
+            full[name].append(t[0])
+            decode[name].append(t[0] - t[1])
+    for name in names:
+        t_full, t_dec = statistics.median(full[name]), statistics.median(decode[name])
         row[f"{name}_tok_s"] = batch * args.new / t_full
         # None where timing noise hides the decode (tiny CPU runs)
-        row[f"{name}_decode_tok_s"] = batch * (args.new - 1) / (t_full - t_one) if t_full > t_one else None
+        row[f"{name}_decode_tok_s"] = batch * (args.new - 1) / t_dec if t_dec > 0 else None
         row[f"{name}_s"] = t_full
+        row[f"{name}_decode_s_rounds"] = decode[name]
     row["ratio"] = row["converted_tok_s"] / row["unconverted_tok_s"]
     dec = (row["converted_decode_tok_s"], row["unconverted_decode_tok_s"])
     row["decode_ratio"] = dec[0] / dec[1] if None not in dec else None
+    # the spread: the decode ratio of every round (adjacent calls of the two models)
+    row["decode_ratio_rounds"] = [u / c if c > 0 else None for u, c in zip(decode["unconverted"], decode["converted"])]
     a, b = seqs["unconverted"], seqs["converted"]
     row["identical"] = bool(a.shape == b.shape and torch.equal(a, b))
     row["tokens_differing"] = int((a != b).sum()) if a.shape == b.shape else -1
@@ -234,9 +246,15 @@ def _versions():
     return out
 
 
+def _spread(ratios) -> str:
+    """'lo-hi' of the rounds' decode ratios."""
+    vals = [v for v in (ratios or []) if v is not None]
+    return f"{min(vals):.2f}-{max(vals):.2f}" if vals else "-"
+
+
 def table(rows) -> str:
     head = (f"{'impl':<9} {'d_model':>7} {'layers':>6} {'batch':>5} {'cg':>3} | {'unconv tok/s':>12} "
-            f"{'conv tok/s':>10} {'ratio':>6} | {'unconv dec/s':>12} {'conv dec/s':>10} {'ratio':>6} | same")
+            f"{'conv tok/s':>10} {'ratio':>6} | {'unconv dec/s':>12} {'conv dec/s':>10} {'ratio':>6} {'rounds':>11} | same")
     lines = [head, "-" * len(head)]
 
     def f(v, fmt):
@@ -246,7 +264,7 @@ def table(rows) -> str:
         lines.append(f"{r['impl']:<9} {r['d_model']:>7} {r['n_layer']:>6} {r['batch']:>5} {'y' if r['cg'] else 'n':>3} | "
                      f"{r['unconverted_tok_s']:>12.0f} {r['converted_tok_s']:>10.0f} {r['ratio']:>6.3f} | "
                      f"{f(r['unconverted_decode_tok_s'], '>12.0f'):>12} {f(r['converted_decode_tok_s'], '>10.0f'):>10} "
-                     f"{f(r['decode_ratio'], '>6.3f'):>6} | "
+                     f"{f(r['decode_ratio'], '>6.3f'):>6} {_spread(r.get('decode_ratio_rounds')):>11} | "
                      f"{'yes' if r['identical'] else 'NO (%d)' % r['tokens_differing']}")
     return "\n".join(lines)
 
@@ -261,7 +279,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--new", type=int, default=128, help="new tokens per sequence")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7, help="timed rounds (each runs both models)")
     ap.add_argument("--vocab", type=int, default=50280)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--seed", type=int, default=0)

@@ -563,5 +563,8 @@ def test_bench_generate_smoke(tmp_path):
     for r in saved["rows"]:
         assert r["identical"] and r["tokens_differing"] == 0
         assert r["unconverted_tok_s"] > 0 and r["converted_tok_s"] > 0
+        # the models alternate in every timed round: one decode time each a round
+        assert len(r["converted_decode_s_rounds"]) == len(r["unconverted_decode_s_rounds"]) == r["rounds"] == 2
+        assert len(r["decode_ratio_rounds"]) == r["rounds"]
     assert [(r["batch"], r["cg"]) for r in saved["mixer_step_us"]] == [(1, False), (3, False)]
     assert all(r["previous_torch_step_us"] > 0 and r["ops_decode_us"] > 0 for r in saved["mixer_step_us"])
