@@ -13,6 +13,8 @@ Models (random init, ``--dtype`` parameters, bf16 by default; d_state 16, d_conv
 - ``hf``: transformers' ``MambaForCausalLM`` and its ``generate`` (greedy, no CUDA graphs). The unconverted
   model's single-token steps run transformers' recurrent form (mamba-ssm's / causal-conv1d's kernels where they
   import, its PyTorch fallbacks otherwise), the converted model's ``ops.decode`` (``ops.hf._mamba1_decode_step``).
+- ``hf_mamba2``: transformers' ``Mamba2ForCausalLM`` (head_dim 64, d_state 128, one group), the same way; the
+  converted model steps through ``ops.hf.mamba2_step`` (``ops.decode.mamba2_state_step``).
 
 For every (model, width, layers, batch, graphs) the same prompt (``--prompt`` random tokens) is generated to
 ``--new`` tokens by both models, alternating in ``--repeats`` rounds after one warm-up round (which also captures
@@ -83,6 +85,19 @@ def hf_models(d_model, n_layer, vocab, device, dtype, seed):
     return model, ops.enable_packing(copy.deepcopy(model))
 
 
+def hf_mamba2_models(d_model, n_layer, vocab, device, dtype, seed):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = transformers.Mamba2Config(vocab_size=vocab, hidden_size=d_model, state_size=128, num_hidden_layers=n_layer,
+                                    expand=2, conv_kernel=4, head_dim=64, num_heads=2 * d_model // 64, n_groups=1,
+                                    eos_token_id=None, pad_token_id=0)
+    model = transformers.Mamba2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model, ops.enable_packing(copy.deepcopy(model))
+
+
 def mamba_ssm_generate(model, prompt, new, cg):
     def run(n):
         out = model.generate(prompt, max_length=prompt.shape[1] + n, cg=cg, top_k=1, return_dict_in_generate=True)
@@ -100,7 +115,8 @@ def hf_generate(model, prompt, new, cg):
     return run
 
 
-IMPLS = {"mamba_ssm": (mamba_ssm_models, mamba_ssm_generate), "hf": (hf_models, hf_generate)}
+IMPLS = {"mamba_ssm": (mamba_ssm_models, mamba_ssm_generate), "hf": (hf_models, hf_generate),
+         "hf_mamba2": (hf_mamba2_models, hf_generate)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,8 +288,8 @@ def table(rows) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--impl", choices=("auto", "mamba_ssm", "hf", "both"), default="auto",
-                    help="auto: mamba_ssm where it imports, else hf")
+    ap.add_argument("--impl", choices=("auto", "mamba_ssm", "hf", "hf_mamba2", "both"), default="auto",
+                    help="auto: mamba_ssm where it imports, else hf; both: mamba_ssm and hf")
     ap.add_argument("--widths", default="768,1024,1536,2048,2560", help="d_model values")
     ap.add_argument("--layers", default="8", help="layer counts")
     ap.add_argument("--batches", default="1,16")
@@ -308,7 +324,7 @@ def main(argv=None):
         impls = [args.impl]
     if "mamba_ssm" in impls and not has_mamba_ssm:
         raise SystemExit("--impl mamba_ssm: mamba_ssm does not import here")
-    if "hf" in impls and importlib.util.find_spec("transformers") is None:
+    if {"hf", "hf_mamba2"} & set(impls) and importlib.util.find_spec("transformers") is None:
         raise SystemExit("--impl hf: transformers is not installed")
 
     widths = [int(v) for v in args.widths.split(",")]
@@ -324,7 +340,7 @@ def main(argv=None):
                 models = make_models(d_model, n_layer, args.vocab, device, dtype, args.seed)
                 for batch in batches:
                     for cg in graphs:
-                        if cg and impl == "hf":
+                        if cg and impl.startswith("hf"):
                             continue
                         row = measure(impl, d_model, n_layer, batch, cg, args, device, dtype, models)
                         rows.append(row)

@@ -9,8 +9,15 @@ Generation runs a mixer once per new token on ``(batch, 1, d_model)``. Between `
                             h <- h * exp(dt * A) + dt * B * x,  A = -exp(A_log)   (in place)
                             y = (h @ C + D * x) * silu(z)
 
-Both are ``torch.library.custom_op``s (``torch.ops.packloader.causal_conv1d_step`` /
-``selective_state_step``) that mutate their state argument and return a new tensor, with a fake implementation
+Mamba-2's step (``mamba2_state_step``) is the state update with one ``A`` and one ``dt`` per head of ``headdim``
+channels, ``B`` / ``C`` shared by the heads of a group::
+
+    mamba2_state_step       dt = softplus(dt + dt_bias)                     (batch, heads)
+                            h[:, head] <- h * exp(dt A) + dt x B[group]     (in place, (batch, heads, headdim, dstate))
+                            y = h @ C[group] + D x   (* silu(z))
+
+All three are ``torch.library.custom_op``s (``torch.ops.packloader.causal_conv1d_step`` /
+``selective_state_step`` / ``mamba2_state_step``) that mutate their state argument and return a new tensor, with a fake implementation
 (so ``torch.compile`` traces them) and three implementations picked as the other ops of :mod:`ops.backends` are.
 The checked entry points :func:`causal_conv1d_step` / :func:`selective_state_step` call the op under
 ``torch.compile`` and its implementation directly in eager mode (the dispatcher's Python round trip of a custom op
@@ -65,6 +72,8 @@ __all__ = [
     "causal_conv1d_step_ref",
     "selective_state_step_ref",
     "mamba_step",
+    "mamba2_state_step",
+    "mamba2_state_step_ref",
     "HAS_TRITON",
 ]
 
@@ -120,6 +129,33 @@ def selective_state_step_ref(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch
     if z is not None:
         y = y * F.silu(z)
     return y.to(dtype)
+
+
+def mamba2_state_step_ref(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor,
+                          B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor] = None,
+                          z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+                          dt_softplus: bool = True) -> torch.Tensor:
+    """Mamba-2's scan step in torch ops (updates ``ssm_state`` in place), arithmetic in float32 (float64 for
+    float64), as mamba-ssm's ``selective_state_update`` computes it; returns ``x``'s dtype. Arguments as
+    :func:`mamba2_state_step`."""
+    heads, groups = ssm_state.shape[1], B.shape[1]
+    dt = _ssm_float(dt)
+    if dt_bias is not None:
+        dt = dt + _ssm_float(dt_bias)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dA = torch.exp(dt * -torch.exp(_ssm_float(A_log)))                         # (batch, heads)
+    Bh = _ssm_float(B).repeat_interleave(heads // groups, dim=1)               # (batch, heads, dstate)
+    Ch = _ssm_float(C).repeat_interleave(heads // groups, dim=1)
+    xf = _ssm_float(x)
+    h = _ssm_float(ssm_state) * dA[..., None, None] + (dt[..., None] * xf)[..., None] * Bh[:, :, None, :]
+    ssm_state.copy_(h)
+    y = (h * Ch[:, :, None, :]).sum(-1)
+    if D is not None:
+        y = y + xf * (_ssm_float(D)[:, None] if D.dim() == 1 else _ssm_float(D))
+    if z is not None:
+        y = y * F.silu(_ssm_float(z))
+    return y.to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -226,6 +262,47 @@ if HAS_TRITON:
         tl.store(out_ptr + row * so_b + ch * so_d, y.to(out_ptr.dtype.element_ty), mask=mc)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _mamba2_state_step_kernel(state_ptr, x_ptr, dt_ptr, dtb_ptr, alog_ptr, b_ptr, c_ptr, d_ptr, z_ptr, out_ptr,
+                                  headdim, dstate, heads_per_group,
+                                  ss_b, ss_h, ss_p, ss_n, sx_b, sx_h, sx_p, sdt_b, sdt_h, sdtb_h, sa_h,
+                                  sb_b, sb_g, sb_n, sc_b, sc_g, sc_n, sd_h, sd_p, sz_b, sz_h, sz_p, so_b, so_h, so_p,
+                                  HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
+                                  HAS_Z: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        # one program: one row, one head, BLOCK_P of its channels; its dt and A are scalars
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+        nn = tl.arange(0, BLOCK_N)
+        group = head // heads_per_group
+        mp = p < headdim
+        mn = nn < dstate
+        m2 = mp[:, None] & mn[None, :]
+        sp = state_ptr + row * ss_b + head * ss_h + p[:, None] * ss_p + nn[None, :] * ss_n
+        h = tl.load(sp, mask=m2, other=0.0).to(tl.float32)
+        bv = tl.load(b_ptr + row * sb_b + group * sb_g + nn * sb_n, mask=mn, other=0.0).to(tl.float32)
+        cv = tl.load(c_ptr + row * sc_b + group * sc_g + nn * sc_n, mask=mn, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + row * sx_b + head * sx_h + p * sx_p, mask=mp, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + row * sdt_b + head * sdt_h).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt += tl.load(dtb_ptr + head * sdtb_h).to(tl.float32)
+        if SOFTPLUS:
+            dt = _softplus_f32(dt)
+        decay = tl.exp(dt * -tl.exp(tl.load(alog_ptr + head * sa_h).to(tl.float32)))
+        tl.debug_barrier()  # every thread holding a copy of an element has read it before any writes it
+        h = h * decay + (dt * xv)[:, None] * bv[None, :]
+        tl.store(sp, h.to(state_ptr.dtype.element_ty), mask=m2)
+        y = tl.sum(h * cv[None, :], axis=1)
+        if HAS_D:
+            y += xv * tl.load(d_ptr + head * sd_h + p * sd_p, mask=mp, other=0.0).to(tl.float32)
+        if HAS_Z:
+            zv = tl.load(z_ptr + row * sz_b + head * sz_h + p * sz_p, mask=mp, other=0.0).to(tl.float32)
+            y = y * zv * tl.sigmoid(zv)
+        tl.store(out_ptr + row * so_b + head * so_h + p * so_p, y.to(out_ptr.dtype.element_ty), mask=mp)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -308,6 +385,32 @@ def _state_step_triton(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_wei
     return out
 
 
+def _mamba2_state_step_triton(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_softplus, out):
+    batch, heads, headdim, dstate = ssm_state.shape
+    block_n = max(16, _next_pow2(dstate))
+    block_p = max(1, min(_next_pow2(headdim), 1024 // block_n))   # a (channels, dstate) tile of at most 1024 states
+    if D is not None and D.dim() == 1:
+        sd_h, sd_p = D.stride(0), 0
+    elif D is not None:
+        sd_h, sd_p = D.stride(0), D.stride(1)
+    else:
+        sd_h = sd_p = 0
+    zz = z if z is not None else x
+    grid = (batch, heads, triton.cdiv(headdim, block_p))
+    _mamba2_state_step_kernel[grid](
+        ssm_state, x, dt, dt_bias if dt_bias is not None else A_log, A_log, B, C, D if D is not None else A_log, zz,
+        out, headdim, dstate, heads // B.shape[1],
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
+        x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
+        dt_bias.stride(0) if dt_bias is not None else 0, A_log.stride(0),
+        B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2), sd_h, sd_p,
+        zz.stride(0), zz.stride(1), zz.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), HAS_D=D is not None, HAS_Z=z is not None,
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4 if block_p * block_n >= 512 else 2,
+    )
+    return out
+
+
 def _kernel_or_reference(op: str, dtypes, **limits) -> bool:
     """True: run the Triton kernel; False: the reference (``use_backend("reference")``); else
     KernelUnsupportedError."""
@@ -373,6 +476,28 @@ def _state_step_cuda(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weigh
 
 @_state_step_op.register_fake
 def _state_step_fake(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_proj_weight, dt_softplus):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("packloader::mamba2_state_step", mutates_args=("ssm_state",), device_types=None)
+def _mamba2_step_op(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor,
+                    B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
+                    dt_bias: Optional[torch.Tensor], dt_softplus: bool) -> torch.Tensor:
+    """One token through Mamba-2's scan (``ssm_state`` updated in place); this body is the reference."""
+    return mamba2_state_step_ref(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_softplus)
+
+
+@_mamba2_step_op.register_kernel("cuda")
+def _mamba2_step_cuda(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_softplus):
+    if not _kernel_or_reference("mamba2_state_step", (("x", x.dtype), ("ssm_state", ssm_state.dtype)),
+                                dstate=(ssm_state.shape[3], MAX_DSTATE)):
+        return mamba2_state_step_ref(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_softplus)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _mamba2_state_step_triton(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_softplus, out)
+
+
+@_mamba2_step_op.register_fake
+def _mamba2_step_fake(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_softplus):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
@@ -484,6 +609,61 @@ def selective_state_step(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Ten
     if torch.compiler.is_compiling():
         return _state_step_op(*args)
     return (_state_step_cuda if ssm_state.is_cuda else selective_state_step_ref)(*args)   # eager: as above
+
+
+def mamba2_state_step(ssm_state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor,
+                      B: torch.Tensor, C: torch.Tensor, *, D: Optional[torch.Tensor] = None,
+                      z: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+                      dt_softplus: bool = True) -> torch.Tensor:
+    """One decoding step of Mamba-2's scan; ``ssm_state`` is updated in place.
+
+    Every head has one time step and one ``A = -exp(A_log)``; the ``heads // groups`` heads of a group share its
+    ``B`` and ``C``. ``dt = softplus(dt + dt_bias)``, then per head ``h = h * exp(dt A) + dt x B`` and
+    ``y = h C + D x`` (times ``silu(z)``)::
+
+        >>> h = torch.zeros(1, 2, 1, 1)      # 2 heads of 1 channel, 1 state, 1 group
+        >>> y = mamba2_state_step(h, torch.ones(1, 2, 1), torch.tensor([[5.0, 1.0]]), torch.zeros(2),
+        ...                       torch.ones(1, 1, 1), torch.ones(1, 1, 1), dt_softplus=False)
+        >>> h.flatten().tolist(), y.flatten().tolist()     # A = -1: h = dt
+        ([5.0, 1.0], [5.0, 1.0])
+
+    Args:
+        ssm_state: (batch, heads, headdim, dstate), any strides; overwritten with the new state.
+        x: (batch, heads, headdim), the conv's output for this token.
+        dt: (batch, heads), before ``dt_bias`` and the softplus.
+        A_log: (heads,); ``A = -exp(A_log)`` in float32 (float64 for float64).
+        B, C: (batch, groups, dstate), ``groups`` dividing ``heads``; any strides.
+        D: (heads,) or (heads, headdim) skip, added as ``D * x``; optional.
+        z: (batch, heads, headdim) gate, ``y * silu(z)``; optional (transformers' Mamba-2 gates in its norm instead).
+        dt_bias: (heads,), added to ``dt`` before the softplus; optional.
+        dt_softplus: apply softplus to the time step.
+
+    Returns:
+        (batch, heads, headdim) in ``x``'s dtype.
+    """
+    if ssm_state.dim() != 4:
+        raise ValueError(f"ssm_state must be (batch, heads, headdim, dstate), got {tuple(ssm_state.shape)}")
+    batch, heads, headdim, dstate = ssm_state.shape
+    dev = ssm_state.device
+    _check("x", x, (batch, heads, headdim), dev)
+    _check("dt", dt, (batch, heads), dev)
+    _check("A_log", A_log, (heads,), dev)
+    if not isinstance(B, torch.Tensor) or B.dim() != 3 or B.shape[0] != batch or B.shape[2] != dstate \
+            or B.shape[1] < 1 or heads % B.shape[1]:
+        raise ValueError(f"B must be (batch={batch}, groups, dstate={dstate}) with groups dividing heads={heads}, "
+                         f"got {tuple(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__}")
+    _check("B", B, tuple(B.shape), dev)
+    _check("C", C, tuple(B.shape), dev)
+    if D is not None and isinstance(D, torch.Tensor) and D.dim() == 2:
+        _check("D", D, (heads, headdim), dev)
+    else:
+        _check("D", D, (heads,), dev)
+    _check("z", z, (batch, heads, headdim), dev)
+    _check("dt_bias", dt_bias, (heads,), dev)
+    args = (ssm_state, x, dt, A_log, B, C, D, z, dt_bias, bool(dt_softplus))
+    if torch.compiler.is_compiling():
+        return _mamba2_step_op(*args)
+    return (_mamba2_step_cuda if ssm_state.is_cuda else mamba2_state_step_ref)(*args)   # eager: as above
 
 
 def mamba_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,

@@ -718,8 +718,8 @@ class _SlotDecoder(_FixedRows):
 class _HFSlotDecoder(_FixedRows):
     """transformers' decoding over a fixed number of slots (``cuda_graph=True``), as :class:`_SlotDecoder` does for
     mamba-ssm: a cache of ``slots`` rows made by transformers itself (a one-token forward with ``use_cache=True``),
-    every step one CUDA graph replay of the model's one-token forward, whose converted Mamba-1 / FalconMamba mixers
-    run fused state updates in place on the cache's tensors (``ops.hf.fused_step_states``: a graph replays kernels,
+    every step one CUDA graph replay of the model's one-token forward, whose converted Mamba-1 / FalconMamba / Mamba-2
+    mixers run fused state updates in place on the cache's tensors (``ops.hf.fused_step_states``: a graph replays kernels,
     not transformers' Python). A prompt's prefilled states are written into its row of those tensors.
     ``capture=False`` runs the same bookkeeping eagerly (the CPU tests of it)."""
 
@@ -952,9 +952,9 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
             on first use (0.07-0.08 s for the decode of 24 layers on an H100) and kept on the model, as mamba-ssm
             keeps its own: a later call of the same shapes replays them; moving or replacing a parameter drops them.
             CUDA models only: mamba-ssm's ``MambaLMHeadModel``, and transformers' ``MambaForCausalLM`` /
-            ``FalconMambaForCausalLM`` (their decode from graphs, the prefill eager; transformers versions whose
-            cache gives each layer ``conv_states`` / ``recurrent_states``, else NotImplementedError);
-            ``Mamba2ForCausalLM`` is refused.
+            ``FalconMambaForCausalLM`` / ``Mamba2ForCausalLM`` (their decode from graphs, the prefill eager;
+            transformers versions whose cache gives each layer ``conv_states`` / ``recurrent_states``, else
+            NotImplementedError).
 
     Returns:
         one 1-D int64 tensor per prompt, on the model's device: the prompt followed by its new tokens.
@@ -964,8 +964,8 @@ def generate_packed(model, prompts: Prompts, max_new_tokens: Union[int, Sequence
             ``max_new_tokens``, ``capacity``, sampling arguments or ``batch_size``, naming the argument; a model not
             converted by :func:`ops.enable_packing`.
         NotImplementedError: a model whose layers cannot give per-prompt states (mamba-ssm's Mamba-2, attention);
-            ``cuda_graph=True`` on a model whose decode step a graph cannot replay (transformers' Mamba-2, or a
-            transformers version that steps Mamba through its own code).
+            ``cuda_graph=True`` on a model whose decode step a graph cannot replay (a transformers version, or a
+            Mamba-2 variant, that steps Mamba through its own code).
     """
     fam = _family(model)
     seqs = _as_token_list(prompts, "prompts")
@@ -1137,12 +1137,8 @@ def _generate_stream(model, fam, seqs, todo, budgets, cap, prefill_tokens, algor
 
 
 def _check_cuda_graph(fam: _Family, device: torch.device) -> None:
-    """``cuda_graph=True`` needs a CUDA model of mamba-ssm's family or transformers' Mamba-1 / FalconMamba (the CPU
-    tests replace this check)."""
-    if fam.mamba2:
-        raise NotImplementedError("generate_packed: cuda_graph=True supports mamba-ssm's MambaLMHeadModel and "
-                                  "transformers' Mamba / FalconMamba models; a Mamba2ForCausalLM steps through "
-                                  "transformers' own code, which a graph cannot replay (use cuda_graph=False)")
+    """``cuda_graph=True`` needs a CUDA model (the CPU tests replace this check); whether every layer's step is
+    fused (what a graph can replay) is checked on the decoder's cache (:class:`_HFSlotDecoder`)."""
     if device.type != "cuda":
         raise ValueError(f"generate_packed: cuda_graph=True needs the model on a CUDA device, it is on {device}")
 

@@ -464,38 +464,100 @@ def _mamba1_forward(self, base_forward, args, kwargs):
     return _outside_cpu_autocast(_mamba1_packed, self, hidden_states, bounds[0], mask)
 
 
-def _mamba1_decode_step(mixer, args, kwargs):
-    """A single-token step on a filled transformers cache through ``ops.decode``'s fused state updates (what
-    transformers' recurrent form computes: conv update, x_proj, FalconMamba's norms before dt_proj, state update),
-    or None where transformers' own code runs: not such a step, a padding mask, gradients enabled, a quantized model,
-    or a cache without the ``has_previous_state`` / ``layers[i].conv_states`` API (5.0's ``MambaCache``)."""
+def _decode_step_inputs(args, kwargs):
+    """``(hidden_states, cache)`` of a mixer call that is a single-token step ops.decode can run: one token,
+    no padding mask, gradients off; None otherwise."""
     hidden_states = args[0] if args else kwargs.get("hidden_states")
     cache = kwargs.get("cache", kwargs.get("cache_params", args[1] if len(args) > 1 else None))
     mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
     if (mask is not None or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3
             or hidden_states.shape[1] != 1 or torch.is_grad_enabled()):
         return None
-    fused = fused_step_states(mixer, cache)
+    return hidden_states, cache
+
+
+def _mamba1_decode_step(mixer, args, kwargs):
+    """A single-token step on a filled transformers cache through ``ops.decode``'s fused state updates (what
+    transformers' recurrent form computes: conv update, x_proj, FalconMamba's norms before dt_proj, state update),
+    or None where transformers' own code runs: not such a step, a padding mask, gradients enabled, a quantized model,
+    or a cache without the ``has_previous_state`` / ``layers[i].conv_states`` API (5.0's ``MambaCache``)."""
+    inputs = _decode_step_inputs(args, kwargs)
+    fused = None if inputs is None else fused_step_states(mixer, inputs[1])
     if fused is None:
         return None
     from .decode import mamba_step
     conv, ssm, norm = fused
-    return mamba_step(mixer, hidden_states, conv, ssm, bc_dt_norm=norm)
+    return mamba_step(mixer, inputs[0], conv, ssm, bc_dt_norm=norm)
+
+
+def _mamba2_decode_step(mixer, args, kwargs):
+    """transformers' ``Mamba2Mixer`` single-token step through ``ops.decode``'s fused kernels (:func:`mamba2_step`),
+    or None where transformers' own code runs (as :func:`_mamba1_decode_step`)."""
+    inputs = _decode_step_inputs(args, kwargs)
+    fused = None if inputs is None else fused_step_states(mixer, inputs[1])
+    if fused is None:
+        return None
+    return mamba2_step(mixer, inputs[0], fused[0], fused[1])
+
+
+def _mamba2_step_fusable(mixer) -> bool:
+    """Whether :func:`mamba2_step` computes this Mamba-2 mixer's step: silu conv, ``in_proj`` giving exactly
+    (gate, conv channels, heads) (no extra MLP), a state the kernel takes."""
+    from .decode import MAX_DSTATE
+    inner, conv_dim, heads = mixer.intermediate_size, mixer.conv_dim, mixer.num_heads
+    return (getattr(mixer, "activation", None) in ("silu", "swish")
+            and mixer.in_proj.out_features == inner + conv_dim + heads
+            and inner == heads * mixer.head_dim and heads % mixer.n_groups == 0
+            and mixer.ssm_state_size <= MAX_DSTATE and callable(getattr(mixer, "norm", None)))
+
+
+def mamba2_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+    """One decoding step of transformers' ``Mamba2Mixer`` (its recurrent form: ``in_proj``, conv update, the state
+    update per head, the gated RMS norm, ``out_proj``), the conv and state updates as ``ops.decode``'s fused
+    kernels (:func:`ops.decode.causal_conv1d_step`, :func:`ops.decode.mamba2_state_step`), in place on the cache's
+    tensors.
+
+    Args:
+        mixer: a ``Mamba2Mixer`` (``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``, ``norm``, ``out_proj``).
+        hidden_states: (batch, 1, hidden_size).
+        conv_state: (batch, conv_dim, conv_kernel); ssm_state: (batch, heads, head_dim, state_size).
+
+    Returns:
+        (batch, 1, hidden_size) in ``hidden_states``' dtype.
+    """
+    from .decode import causal_conv1d_step, mamba2_state_step
+    batch, dtype = hidden_states.shape[0], hidden_states.dtype
+    inner, conv_dim, heads = mixer.intermediate_size, mixer.conv_dim, mixer.num_heads
+    groups, dstate = mixer.n_groups, mixer.ssm_state_size
+    gate, xBC, dt = mixer.in_proj(hidden_states.squeeze(1)).split([inner, conv_dim, heads], dim=-1)
+    xBC = causal_conv1d_step(xBC, conv_state, mixer.conv1d.weight, mixer.conv1d.bias, "silu")
+    x, B, C = xBC.split([inner, groups * dstate, groups * dstate], dim=-1)
+    y = mamba2_state_step(ssm_state, x.view(batch, heads, mixer.head_dim), dt, mixer.A_log,
+                          B.view(batch, groups, dstate), C.view(batch, groups, dstate), D=mixer.D,
+                          dt_bias=mixer.dt_bias, dt_softplus=True)
+    y = mixer.norm(y.view(batch, 1, inner), gate.view(batch, 1, inner))
+    return mixer.out_proj(y.to(dtype))
 
 
 def fused_step_states(mixer, cache):
-    """``(conv_state, ssm_state, bc_dt_norm)`` where a Mamba-1 / FalconMamba ``mixer``'s single-token step on
-    ``cache`` runs as ``ops.decode``'s fused state updates, in place on those two tensors of the cache; None where
+    """``(conv_state, ssm_state, bc_dt_norm)`` where a Mamba-1 / FalconMamba / Mamba-2 ``mixer``'s single-token step
+    on ``cache`` runs as ``ops.decode``'s fused state updates, in place on those two tensors of the cache; None where
     transformers' own code runs it: no cache, a cache without the ``has_previous_state`` / ``layers[i].conv_states``
     API (5.0's ``MambaCache``), an empty or recording layer, a quantized model, norms other than FalconMamba's
-    modules. (``generate_packed(cuda_graph=True)`` replays these steps from a CUDA graph, so it needs them fused.)"""
+    modules, a Mamba-2 variant :func:`mamba2_step` does not compute, a hybrid model's mixer. (``generate_packed(
+    cuda_graph=True)`` replays these steps from a CUDA graph, so it needs them fused.)"""
     if (cache is None or hasattr(getattr(mixer, "config", None), "_is_quantized")
             or not (hasattr(cache, "has_previous_state") and hasattr(cache, "layers"))):
+        return None
+    kind = _mixer_kind(mixer)
+    if kind not in ("mamba1", "mamba2") or (kind == "mamba2" and not _mamba2_step_fusable(mixer)):
         return None
     idx = mixer.layer_idx
     if not cache.has_previous_state(idx) or getattr(cache.layers[idx], "record_past", False):
         return None
     layer = cache.layers[idx]
+    if kind == "mamba2":
+        return layer.conv_states[0], layer.recurrent_states[0], None
     norms = _falcon_norms(mixer)
     if norms == "modules":
         def norm(dt, B, C):
@@ -547,7 +609,8 @@ def _outside_cpu_autocast(fn, mixer, hidden_states, pos, mask):
 def _mamba2_forward(self, base_forward, args, kwargs):
     call = _packed_call(self, args, kwargs)
     if call is None:
-        return base_forward(self, *args, **kwargs)
+        out = _mamba2_decode_step(self, args, kwargs)
+        return base_forward(self, *args, **kwargs) if out is None else out
     bounds, hidden_states, mask = call
     from .convert import _refuse_carry
     _refuse_carry(bounds[2] if len(bounds) > 2 else None, f"{type(self).__name__} (Mamba-2)")

@@ -1,4 +1,5 @@
-"""ops.decode: the single-token state updates (causal_conv1d_step, selective_state_step) and PackedMamba.step.
+"""ops.decode: the single-token state updates (causal_conv1d_step, selective_state_step, mamba2_state_step),
+PackedMamba.step and transformers' Mamba-2 step (ops.hf.mamba2_step).
 
 CPU: the reference equals the torch step PackedMamba ran before (mamba-ssm's Mamba.step math) bit for bit, in
 float64 and float32; the custom ops pass torch.library.opcheck (schema, fake impl, mutation); decoding step by step
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 import ops
 from ops import PackedMamba
 from ops import decode as dec
-from ops.decode import causal_conv1d_step, selective_state_step
+from ops.decode import causal_conv1d_step, mamba2_state_step, selective_state_step
 
 F64 = torch.float64
 
@@ -136,6 +137,80 @@ def _op_samples(dtype=F64, device="cpu", strided=False):
     return conv, state
 
 
+def _mamba2_samples(dtype=F64, device="cpu", strided=False):
+    """(ssm_state, x, dt, A_log, B, C, D, z, dt_bias, dt_softplus) argument lists: 2 groups of 2 heads of 3 channels,
+    B / C / x strided views of one projection (as a conv output gives them), D per head or per channel."""
+    b, heads, hd, n, groups = 3, 4, 3, 5, 2
+    g = dict(dtype=dtype, device=device)
+    f32 = dict(dtype=F64 if dtype == F64 else torch.float32, device=device)
+    state = (torch.randn(b, heads, n, hd, **g).transpose(2, 3) if strided else torch.randn(b, heads, hd, n, **g))
+    xbc = torch.randn(b, heads * hd + 2 * groups * n, **g)
+    x = xbc[:, :heads * hd].view(b, heads, hd)
+    B = xbc[:, heads * hd:heads * hd + groups * n].view(b, groups, n)
+    C = xbc[:, heads * hd + groups * n:].view(b, groups, n)
+    dt = torch.randn(b, heads + 1, **g)[:, 1:]
+    return [(state, x, dt, torch.randn(heads, **f32), B, C, torch.randn(heads, **f32), torch.randn(b, heads, hd, **g),
+             torch.randn(heads, **g), True),
+            (state.clone(), x, dt, torch.randn(heads, **f32), B, C, torch.randn(heads, hd, **f32), None, None, False),
+            (state.clone(), x, dt, torch.randn(heads, **f32), B[:, :1], C[:, :1], None, None, None, True)]
+
+
+def test_mamba2_step_against_float64_math(seed):
+    """Mamba-2's step written out per head and channel (group of each head, scalar dt and A per head), with and
+    without D (per head, per channel), z, dt_bias and the softplus, one group or two."""
+    for ssm_state, x, dt, A_log, B, C, D, z, dt_bias, softplus in _mamba2_samples():
+        h0 = ssm_state.clone()
+        y = mamba2_state_step(ssm_state, x, dt, A_log, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=softplus)
+        b, heads, hd, n = h0.shape
+        per_group = heads // B.shape[1]
+        for r in range(b):
+            for hh in range(heads):
+                step = dt[r, hh] + (dt_bias[hh] if dt_bias is not None else 0.0)
+                step = F.softplus(step) if softplus else step
+                decay = torch.exp(-step * torch.exp(A_log[hh]))
+                grp = hh // per_group
+                for p in range(hd):
+                    h = h0[r, hh, p] * decay + step * x[r, hh, p] * B[r, grp]
+                    torch.testing.assert_close(ssm_state[r, hh, p], h, rtol=1e-12, atol=1e-12)
+                    out = (h * C[r, grp]).sum()
+                    if D is not None:
+                        out = out + x[r, hh, p] * (D[hh] if D.dim() == 1 else D[hh, p])
+                    if z is not None:
+                        out = out * F.silu(z[r, hh, p])
+                    torch.testing.assert_close(y[r, hh, p], out, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_mamba2_opcheck_and_fake(seed, strided):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for args in _mamba2_samples(strided=strided):
+        torch.library.opcheck(torch.ops.packloader.mamba2_state_step.default, args)
+    args = _mamba2_samples()[0]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        out = torch.ops.packloader.mamba2_state_step(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                                                       for t in args])
+    assert out.shape == args[1].shape and out.dtype == args[1].dtype
+
+
+def test_mamba2_bad_arguments_are_named():
+    state, x, dt, A_log, B, C, D, z, dt_bias, _ = _mamba2_samples(dtype=torch.float32)[0]
+    with pytest.raises(ValueError, match=r"ssm_state must be \(batch, heads, headdim, dstate\)"):
+        mamba2_state_step(state[0], x, dt, A_log, B, C)
+    with pytest.raises(ValueError, match=r"x must have shape \(3, 4, 3\)"):
+        mamba2_state_step(state, x[:, :2], dt, A_log, B, C)
+    with pytest.raises(ValueError, match=r"dt must have shape \(3, 4\)"):
+        mamba2_state_step(state, x, dt[:, :3], A_log, B, C)
+    with pytest.raises(ValueError, match=r"B must be \(batch=3, groups, dstate=5\) with groups dividing heads=4"):
+        mamba2_state_step(state, x, dt, A_log, torch.randn(3, 3, 5), C)
+    with pytest.raises(ValueError, match=r"C must have shape \(3, 2, 5\)"):
+        mamba2_state_step(state, x, dt, A_log, B, C[:, :1])
+    with pytest.raises(ValueError, match=r"D must have shape \(4,\)"):
+        mamba2_state_step(state, x, dt, A_log, B, C, D=torch.randn(5))
+    with pytest.raises(ValueError, match=r"dt_bias must have shape \(4,\)"):
+        mamba2_state_step(state, x, dt, A_log, B, C, dt_bias=torch.randn(2))
+
+
 @pytest.mark.parametrize("strided", [False, True])
 def test_opcheck(seed, strided):
     conv, state = _op_samples(strided=strided)
@@ -174,6 +249,19 @@ def test_compiled_step_traces_without_graph_breaks(seed):
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(conv, conv_e, rtol=0, atol=0)
             torch.testing.assert_close(ssm, ssm_e, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_mamba2_step_traces_without_graph_breaks(seed):
+    """mamba2_state_step under torch.compile(fullgraph=True) (aot_eager): eager's outputs and in-place states."""
+    state, x, dt, A_log, B, C, D, z, dt_bias, _ = _mamba2_samples(dtype=torch.float32)[0]
+    state_e = state.clone()
+    fn = lambda s, xx: mamba2_state_step(s, xx, dt, A_log, B, C, D=D, z=z, dt_bias=dt_bias)   # noqa: E731
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        xx = torch.randn_like(x)
+        torch.testing.assert_close(compiled(state, xx), fn(state_e, xx), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state, state_e, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("batch,prompt", [(1, 1), (3, 5), (2, 9)])
@@ -268,13 +356,30 @@ for b, d, n, w, r, bias, proj, strided in [(2, 40, 16, 4, 5, True, True, False),
         y = dec._state_step_triton(h_k, x, *args, torch.empty(b, d), launch=launch)
         worst = max(worst, ((y.double() - y_r).abs().max() / y_r.abs().max()).item(),
                     ((h_k.double() - h_r).abs().max() / h_r.abs().max()).item())
+for b, heads, hd, n, groups, dshape, gated, strided, bias in [
+        (2, 4, 8, 16, 2, "h", False, False, True), (3, 6, 5, 7, 3, "hp", True, True, False),
+        (1, 2, 64, 128, 1, None, False, False, True), (2, 8, 16, 256, 4, "h", True, True, True)]:
+    h = torch.randn(b, heads, n, hd).transpose(2, 3) if strided else torch.randn(b, heads, hd, n)
+    xbc = torch.randn(b, heads * hd + 2 * groups * n)
+    x = xbc[:, :heads * hd].view(b, heads, hd)
+    B = xbc[:, heads * hd:heads * hd + groups * n].view(b, groups, n)
+    C = xbc[:, heads * hd + groups * n:].view(b, groups, n)
+    D = None if dshape is None else (torch.randn(heads) if dshape == "h" else torch.randn(heads, hd))
+    args = [torch.randn(b, heads + 3)[:, 1:heads + 1], torch.randn(heads), B, C, D,
+            torch.randn(b, heads, hd) if gated else None, torch.randn(heads) if bias else None, True]
+    h_r = h.double()
+    y_r = dec.mamba2_state_step_ref(h_r, x.double(), *[a.double() if isinstance(a, torch.Tensor) else a for a in args])
+    h_k = h.clone()
+    y = dec._mamba2_state_step_triton(h_k, x, *args, torch.empty(b, heads, hd))
+    worst = max(worst, ((y.double() - y_r).abs().max() / y_r.abs().max()).item(),
+                ((h_k.double() - h_r).abs().max() / h_r.abs().max()).item())
 print("worst", worst)
 """
 
 
 def test_triton_kernels_in_the_interpreter():
     """The Triton kernels' logic (shift, dt projection fused or by one matmul, loads before or after it, channel
-    tails, strided states, every launch the shapes choose from) on the CPU through Triton's interpreter, against the float64 reference; where Triton is installed."""
+    tails, strided states, every launch the shapes choose from; Mamba-2's heads, groups, d_state up to 256) on the CPU through Triton's interpreter, against the float64 reference; where Triton is installed."""
     import os
     import pathlib
     import subprocess
@@ -380,6 +485,35 @@ def test_every_state_launch_matches_the_float64_reference(seed, cuda, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_mamba2_kernel_matches_the_float64_reference(seed, cuda, dtype, strided):
+    """mamba2_state_step's Triton kernel on the GPU against float64 math: the samples, and transformers' Mamba-2
+    sizes (80 heads of 64 channels, 8 groups, d_state 128; batch 1 and 16)."""
+    from ops.decode import HAS_TRITON
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
+    samples = _mamba2_samples(dtype, cuda, strided)
+    for batch in (1, 16):
+        g = dict(device=cuda, dtype=dtype)
+        samples.append((torch.randn(batch, 80, 64, 128, **g), torch.randn(batch, 80, 64, **g),
+                        torch.randn(batch, 80, **g), torch.randn(80, device=cuda), torch.randn(batch, 8, 128, **g),
+                        torch.randn(batch, 8, 128, **g), torch.randn(80, device=cuda), None,
+                        torch.randn(80, **g), True))
+    for args in samples:
+        ref_args = [a.double().clone() if isinstance(a, torch.Tensor) else a for a in args]
+        kern_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        out = torch.ops.packloader.mamba2_state_step(*kern_args)
+        with ops.use_backend("reference"):
+            expected = torch.ops.packloader.mamba2_state_step(*ref_args)
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol * scale)
+        hscale = ref_args[0].abs().max().item()
+        torch.testing.assert_close(kern_args[0].double(), ref_args[0], rtol=rtol, atol=rtol * hscale)
+
+
+@pytest.mark.gpu
 def test_cuda_unsupported_cases_name_the_override(cuda):
     layer = _layer(F64, device=cuda)
     conv, ssm = _random_states(layer, 2, F64, cuda)
@@ -469,27 +603,47 @@ def test_mamba_ssm_generate_tokens_identical(cuda, cg):
 # Hugging Face generate, and the benchmark's smoke mode
 
 
-@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def _hf_family_model(transformers, family, **kw):
+    """A small transformers Mamba / FalconMamba / Mamba-2 language model (random weights moved off their init)."""
+    if family == "mamba":
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(**kw))
+    elif family == "falcon_mamba":
+        model = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**kw))
+    else:
+        kw = dict(kw, head_dim=8, num_heads=2 * kw["hidden_size"] // 8, n_groups=2, chunk_size=8)
+        model = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**kw))
+        with torch.no_grad():   # A_log, D, dt_bias and the norm start at constants: make each matter
+            for name, p in model.named_parameters():
+                if "A_log" in name or name.endswith(".D") or "dt_bias" in name or "norm" in name:
+                    p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _count_fused_steps(monkeypatch, family):
+    """A list that grows by one for every fused single-token step (ops.decode.mamba_step / ops.hf.mamba2_step)."""
+    import ops.decode
+    import ops.hf
+    module, name = (ops.hf, "mamba2_step") if family == "mamba2" else (ops.decode, "mamba_step")
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "mamba2"])
 def test_hf_generate_tokens_identical_after_conversion(family, monkeypatch):
     """transformers' greedy generate on a converted float32 model gives the unconverted model's tokens; where the
     transformers version's cache has the has_previous_state / layers API (5.x after 5.0), every single-token step
-    runs through ops.decode (mamba_step), else transformers' own code."""
+    runs through ops.decode (mamba_step; Mamba-2: ops.hf.mamba2_step), else transformers' own code."""
     transformers = pytest.importorskip("transformers", exc_type=ImportError)
-    import ops.decode
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    kw = dict(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
-              eos_token_id=None, pad_token_id=0)
-    if family == "mamba":
-        model = transformers.MambaForCausalLM(transformers.MambaConfig(**kw))
-    else:
-        model = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**kw))
-    model.eval().generation_config.eos_token_id = None
+    model = _hf_family_model(transformers, family, vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2,
+                             expand=2, conv_kernel=4, eos_token_id=None, pad_token_id=0)
+    model.generation_config.eos_token_id = None
     converted = ops.enable_packing(copy.deepcopy(model))
-    calls = []
-    real = ops.decode.mamba_step
-    monkeypatch.setattr(ops.decode, "mamba_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_fused_steps(monkeypatch, family)
     prompt = torch.randint(1, 64, (3, 7))
     gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -513,27 +667,19 @@ def test_hf_generate_tokens_identical_after_conversion(family, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "mamba2"])
 def test_hf_generate_on_cuda_tokens_identical(cuda, family, monkeypatch):
     """transformers' generate on CUDA (float32, TF32 off): the converted model's steps run the Triton kernels and give
     the unconverted model's greedy tokens."""
     transformers = pytest.importorskip("transformers", exc_type=ImportError)
-    import ops.decode
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    kw = dict(vocab_size=256, hidden_size=128, state_size=16, num_hidden_layers=3, expand=2, conv_kernel=4,
-              eos_token_id=None, pad_token_id=0)
-    if family == "mamba":
-        model = transformers.MambaForCausalLM(transformers.MambaConfig(**kw))
-    else:
-        model = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**kw))
-    model = model.to(cuda).eval()
+    model = _hf_family_model(transformers, family, vocab_size=256, hidden_size=128, state_size=16, num_hidden_layers=3,
+                             expand=2, conv_kernel=4, eos_token_id=None, pad_token_id=0).to(cuda)
     model.generation_config.eos_token_id = None
     converted = ops.enable_packing(copy.deepcopy(model))
-    calls = []
-    real = ops.decode.mamba_step
-    monkeypatch.setattr(ops.decode, "mamba_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_fused_steps(monkeypatch, family)
     prompt = torch.randint(1, 256, (4, 9), device=cuda)
     gen = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
     with torch.no_grad():

@@ -747,15 +747,31 @@ def hf_steps_fused(model) -> bool:
     return all(fused_step_states(b.mixer, cache) is not None for b in model.backbone.layers)
 
 
-@pytest.mark.parametrize("kind", ["mamba", "falcon"])
+def hf_any(kind, seed):
+    """transformers' Mamba ("mamba"), FalconMamba ("falcon") or Mamba-2 ("mamba2") test model."""
+    return hf_mamba2(seed) if kind == "mamba2" else hf_model(kind, seed)
+
+
+def count_fused_steps(monkeypatch, kind):
+    """The batch sizes of the fused single-token steps (ops.decode.mamba_step, or ops.hf.mamba2_step) run from now."""
+    import ops.decode as dec
+    import ops.hf as hf
+    module, name = (hf, "mamba2_step") if kind == "mamba2" else (dec, "mamba_step")
+    steps = []
+    real_step = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: steps.append(a[1].shape[0]) or real_step(*a, **k))
+    return steps
+
+
+@pytest.mark.parametrize("kind", ["mamba", "falcon", "mamba2"])
 @pytest.mark.parametrize("batch_size", [None, 2])
 def test_hf_fixed_rows_decoder_gives_the_same_tokens(seed, monkeypatch, kind, batch_size):
-    """cuda_graph=True on transformers' Mamba / FalconMamba (the CPU runs its fixed-row bookkeeping eagerly): every
-    step goes through ops.decode's fused step on the cache's tensors (what the graph replays), and the tokens are
-    the eager decoder's, with per-prompt lengths (0 and 1 included), refills of freed rows and a stop token."""
-    import ops.decode as dec
+    """cuda_graph=True on transformers' Mamba / FalconMamba / Mamba-2 (the CPU runs its fixed-row bookkeeping
+    eagerly): every step goes through ops.decode's fused step on the cache's tensors (what the graph replays), and the
+    tokens are the eager decoder's, with per-prompt lengths (0 and 1 included), refills of freed rows and a stop
+    token."""
     slots_on_the_cpu(monkeypatch)
-    model = ops.enable_packing(hf_model(kind, seed))
+    model = ops.enable_packing(hf_any(kind, seed))
     prompts = prompts_of([5, 1, 2, 9, 3, 7], seed)
     budgets = [6, 0, 6, 1, 6, 5]
     if not hf_steps_fused(model):   # transformers 5.0's MambaCache: its own step code, which a graph cannot replay
@@ -763,9 +779,7 @@ def test_hf_fixed_rows_decoder_gives_the_same_tokens(seed, monkeypatch, kind, ba
             ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size, cuda_graph=True)
         return
     eager = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size)
-    steps = []
-    real_step = dec.mamba_step
-    monkeypatch.setattr(dec, "mamba_step", lambda *a, **k: steps.append(a[1].shape[0]) or real_step(*a, **k))
+    steps = count_fused_steps(monkeypatch, kind)
     fixed = ops.generate_packed(model, prompts, budgets, capacity=12, batch_size=batch_size, cuda_graph=True)
     slots = 5 if batch_size is None else batch_size   # the prompts with new tokens, or batch_size
     assert steps and set(steps) == {slots}             # every layer of every step, all rows, fused
@@ -780,24 +794,28 @@ def test_hf_fixed_rows_decoder_gives_the_same_tokens(seed, monkeypatch, kind, ba
 
 
 def test_hf_cuda_graph_is_refused_where_a_step_is_not_fused(seed, monkeypatch):
-    """cuda_graph=True needs every layer's step fused (a graph replays kernels, not transformers' Python): a
-    Mamba2ForCausalLM, or a cache whose layers transformers steps itself, is refused naming why."""
+    """cuda_graph=True needs every layer's step fused (a graph replays kernels, not transformers' Python): a cache
+    whose layers transformers steps itself, or a Mamba-2 variant the fused step does not compute, is refused naming
+    the layers."""
     import ops.hf as hf
-    with pytest.raises(NotImplementedError, match="Mamba2ForCausalLM steps through transformers' own code"):
-        ops.generate_packed(ops.enable_packing(hf_mamba2(seed)), [[1, 2]], 2, cuda_graph=True)
     slots_on_the_cpu(monkeypatch)
+    model = ops.enable_packing(hf_mamba2(seed))
+    with monkeypatch.context() as m:
+        m.setattr(hf, "_mamba2_step_fusable", lambda mixer: False)
+        with pytest.raises(NotImplementedError, match=r"layers \[0, 1\] step through transformers' own code"):
+            ops.generate_packed(model, [[1, 2]], 2, cuda_graph=True)
     monkeypatch.setattr(hf, "fused_step_states", lambda mixer, cache: None)
     with pytest.raises(NotImplementedError, match=r"layers \[0, 1\] step through transformers' own code"):
         ops.generate_packed(ops.enable_packing(hf_model("mamba", seed)), [[1, 2]], 2, cuda_graph=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["mamba", "falcon"])
+@pytest.mark.parametrize("kind", ["mamba", "falcon", "mamba2"])
 def test_gpu_hf_cuda_graph_tokens_equal_eager(cuda, seed, kind):
-    """transformers' Mamba / FalconMamba on CUDA, fp32: generate_packed(cuda_graph=True) (the decode captured once,
-    replayed every step, rows refilled) gives the eager decoder's tokens, which are the unconverted model's on each
-    prompt alone; a second call replays the kept graph."""
-    model = hf_model(kind, seed).to(cuda)
+    """transformers' Mamba / FalconMamba / Mamba-2 on CUDA, fp32: generate_packed(cuda_graph=True) (the decode
+    captured once, replayed every step, rows refilled) gives the eager decoder's tokens, which are the unconverted
+    model's on each prompt alone; a second call replays the kept graph."""
+    model = hf_any(kind, seed).to(cuda)
     plain = copy.deepcopy(model)
     plain.generation_config.eos_token_id = None
     ops.enable_packing(model)
