@@ -22,7 +22,8 @@ the graphs): eager decoding is host-bound, and timing one model's runs after the
 decide the ratio. ``tok/s`` counts new tokens of the whole ``generate`` call (prefill included; median over the
 rounds); ``decode tok/s`` takes the prefill out: (new - 1) tokens over the median, over the rounds, of the full
 call's time minus the time of the call that follows it and generates one token (the prefill and the first
-token). ``decode_ratio_rounds`` in the JSON gives every round's ratio. ``identical`` compares the greedy tokens of the two
+token). ``decode_ratio_rounds`` in the JSON gives every round's ratio. Where transformers' low-precision tokens differ,
+:func:`logit_errors` says why (both models' logits against a float32 copy, stepping through the same tokens). ``identical`` compares the greedy tokens of the two
 models. Table on stdout, JSON to ``--out`` (default ``benchmarks/results/generation/decode_<gpu>.json``).
 
 Before that, one mixer's single-token step alone (``mixer_step_us`` in the JSON; ``--mixer-iters`` steps per
@@ -167,7 +168,51 @@ def measure(impl, d_model, n_layer, batch, cg, args, device, dtype, models):
     a, b = seqs["unconverted"], seqs["converted"]
     row["identical"] = bool(a.shape == b.shape and torch.equal(a, b))
     row["tokens_differing"] = int((a != b).sum()) if a.shape == b.shape else -1
+    if impl.startswith("hf") and not row["identical"] and dtype != torch.float32:
+        row.update(logit_errors(models, a, args.prompt))
     return row
+
+
+def _hf_steps(model, seq, prompt_len):
+    """(batch, steps, vocab) float32 logits of transformers' ``model`` stepping through ``seq`` (batch, L) from its
+    cache: a prefill of ``prompt_len`` tokens, then one token at a time (teacher-forced: the same tokens for every
+    model)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "cache_params"
+    with torch.no_grad():
+        out = model(input_ids=seq[:, :prompt_len], use_cache=True)
+        cache = getattr(out, "cache", None) or getattr(out, "cache_params", None)
+        logits = [out.logits[:, -1].float()]
+        for t in range(prompt_len, seq.shape[1] - 1):
+            kw = {cache_kw: cache, "use_cache": True}
+            if "cache_position" in params:
+                kw["cache_position"] = torch.full((1,), t, dtype=torch.int64, device=seq.device)
+            logits.append(model(input_ids=seq[:, t:t + 1], **kw).logits[:, -1].float())
+    return torch.stack(logits, 1)
+
+
+def logit_errors(models, seq, prompt_len):
+    """Why greedy tokens differ in low precision: both models step through the same tokens (the unconverted model's
+    output), next to a float32 copy of the unconverted model. Each model's mean |logit - float32 logit| (over steps,
+    rows and the vocabulary), and how often its argmax is the float32 argmax; the step at which the two low-precision
+    models' argmaxes first differ."""
+    unconverted, converted = models
+    reference = copy.deepcopy(unconverted).float()
+    ref = _hf_steps(reference, seq, prompt_len)
+    del reference
+    out = {}
+    argmax = {}
+    for name, model in (("unconverted", unconverted), ("converted", converted)):
+        got = _hf_steps(model, seq, prompt_len)
+        out[f"{name}_logit_err_vs_fp32"] = (got - ref).abs().mean().item()
+        out[f"{name}_argmax_agree_fp32"] = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        argmax[name] = got.argmax(-1)
+    differ = (argmax["unconverted"] != argmax["converted"]).any(0).nonzero()
+    out["first_step_argmax_differs"] = int(differ[0]) if differ.numel() else None
+    out["fp32_logit_mean_abs"] = ref.abs().mean().item()
+    return out
 
 
 def _step_time(fn, device, iters, graph):
@@ -356,6 +401,13 @@ def main(argv=None):
     worst = min((r["decode_ratio"] for r in rows if r["decode_ratio"] is not None), default=float("nan"))
     print(f"\nworst decode ratio (converted / unconverted): {worst:.3f} (target >= {TARGET}); "
           f"greedy tokens identical in {sum(r['identical'] for r in rows)}/{len(rows)} cases")
+    for r in rows:
+        if "converted_logit_err_vs_fp32" in r:
+            print(f"{r['impl']} d_model {r['d_model']} batch {r['batch']}: tokens differ; teacher-forced mean |logit - "
+                  f"fp32| unconverted {r['unconverted_logit_err_vs_fp32']:.4g}, converted "
+                  f"{r['converted_logit_err_vs_fp32']:.4g} (fp32 |logit| {r['fp32_logit_mean_abs']:.3g}); argmax = fp32 "
+                  f"argmax {r['unconverted_argmax_agree_fp32']:.3f} / {r['converted_argmax_agree_fp32']:.3f}; the two "
+                  f"first differ at step {r['first_step_argmax_differs']}")
     result = {
         "benchmark": "bench_generate", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype, "smoke": args.smoke, "versions": _versions(), "target_decode_ratio": TARGET,

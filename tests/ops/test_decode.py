@@ -423,8 +423,11 @@ def _kernel_vs_reference(dtype, strided, cuda):
         assert torch.equal(out.double()[big], expected[big].sign() * float("inf"))
         scale = expected[~big].abs().max().item()
         torch.testing.assert_close(out.double()[~big], expected[~big], rtol=rtol, atol=rtol * scale)
-        hscale = ref_args[0].abs().max().item()
-        torch.testing.assert_close(kern_args[0].double(), ref_args[0], rtol=rtol, atol=rtol * hscale)
+        # the state is stored in the dtype too: beyond its range, an infinity of the sign
+        big = ref_args[0].abs() > torch.finfo(dtype).max
+        assert torch.equal(kern_args[0].double()[big], ref_args[0][big].sign() * float("inf"))
+        hscale = ref_args[0][~big].abs().max().item()
+        torch.testing.assert_close(kern_args[0].double()[~big], ref_args[0][~big], rtol=rtol, atol=rtol * hscale)
 
 
 @pytest.mark.gpu
@@ -712,5 +715,18 @@ def test_bench_generate_smoke(tmp_path):
         # the models alternate in every timed round: one decode time each a round
         assert len(r["converted_decode_s_rounds"]) == len(r["unconverted_decode_s_rounds"]) == r["rounds"] == 2
         assert len(r["decode_ratio_rounds"]) == r["rounds"]
+    # the low-precision diagnosis: logits against a float32 copy, both models through the same tokens; a broken
+    # "converted" model (its out_proj scaled) shows a larger error than the unconverted one
+    unconverted, converted = bench.hf_mamba2_models(32, 2, 64, torch.device("cpu"), torch.bfloat16, 0)
+    seq = torch.randint(1, 64, (2, 12))
+    err = bench.logit_errors((unconverted, converted), seq, 5)
+    assert 0 <= err["unconverted_logit_err_vs_fp32"] < 0.1 * err["fp32_logit_mean_abs"]
+    assert 0 <= err["converted_logit_err_vs_fp32"] < 0.1 * err["fp32_logit_mean_abs"]
+    assert 0.5 < err["converted_argmax_agree_fp32"] <= 1
+    with torch.no_grad():
+        for block in converted.backbone.layers:
+            block.mixer.out_proj.weight.mul_(3.0)
+    bad = bench.logit_errors((unconverted, converted), seq, 5)
+    assert bad["converted_logit_err_vs_fp32"] > 5 * bad["unconverted_logit_err_vs_fp32"]
     assert [(r["batch"], r["cg"]) for r in saved["mixer_step_us"]] == [(1, False), (3, False)]
     assert all(r["previous_torch_step_us"] > 0 and r["ops_decode_us"] > 0 for r in saved["mixer_step_us"])

@@ -482,13 +482,15 @@ def test_hf_greedy_equals_transformers_generate(seed, kind):
     assert all(torch.equal(a, o[:len(a)]) for a, o in zip(again, out))
 
 
-def hf_mamba2(seed, n_layers=2):
+def hf_mamba2(seed, n_layers=2, head_dim=8):
+    """transformers' Mamba2ForCausalLM, 32 channels in heads of ``head_dim`` (4: in_proj's 104 features a multiple
+    of 8, the strides causal-conv1d's kernel, which transformers runs where it is installed, needs)."""
     transformers = _hf()
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
     cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=16, state_size=8, num_hidden_layers=n_layers,
-                                    expand=2, conv_kernel=4, head_dim=8, num_heads=4, n_groups=2, chunk_size=8,
-                                    use_cache=True)
+                                    expand=2, conv_kernel=4, head_dim=head_dim, num_heads=32 // head_dim, n_groups=2,
+                                    chunk_size=8, use_cache=True)
     model = transformers.Mamba2ForCausalLM(cfg).eval()
     with torch.no_grad():
         model.backbone.embeddings.weight.normal_(0, 1.0)
@@ -747,9 +749,9 @@ def hf_steps_fused(model) -> bool:
     return all(fused_step_states(b.mixer, cache) is not None for b in model.backbone.layers)
 
 
-def hf_any(kind, seed):
+def hf_any(kind, seed, **mamba2):
     """transformers' Mamba ("mamba"), FalconMamba ("falcon") or Mamba-2 ("mamba2") test model."""
-    return hf_mamba2(seed) if kind == "mamba2" else hf_model(kind, seed)
+    return hf_mamba2(seed, **mamba2) if kind == "mamba2" else hf_model(kind, seed)
 
 
 def count_fused_steps(monkeypatch, kind):
@@ -815,7 +817,7 @@ def test_gpu_hf_cuda_graph_tokens_equal_eager(cuda, seed, kind):
     """transformers' Mamba / FalconMamba / Mamba-2 on CUDA, fp32: generate_packed(cuda_graph=True) (the decode
     captured once, replayed every step, rows refilled) gives the eager decoder's tokens, which are the unconverted
     model's on each prompt alone; a second call replays the kept graph."""
-    model = hf_any(kind, seed).to(cuda)
+    model = hf_any(kind, seed, head_dim=4).to(cuda)   # (causal-conv1d, under the unconverted model, needs it)
     plain = copy.deepcopy(model)
     plain.generation_config.eos_token_id = None
     ops.enable_packing(model)
