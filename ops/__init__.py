@@ -22,7 +22,8 @@ on a CUDA tensor):
   Face ``MambaForCausalLM`` / ``FalconMambaForCausalLM`` / ``Mamba2ForCausalLM`` or the Mamba-2 layers of its
   hybrids Bamba / NemotronH / GraniteMoeHybrid / FalconH1 / Zamba2 (``ops.hf``), in place.
 - ``ops.decode``: generation's single-token step (``causal_conv1d_step``, ``selective_state_step``, ``mamba_step``;
-  Triton kernels on CUDA, CUDA-graph safe), what ``PackedMamba.step`` and converted transformers mixers run.
+  Mamba-2's ``mamba2_state_step``; Triton kernels on CUDA, CUDA-graph safe), what ``PackedMamba.step`` and
+  converted transformers mixers run.
 - ``check_isolation(model_fn, batch)``: leak detector for any model on a packed batch.
 - boundaries: ``seq_idx_to_position_ids``, ``position_ids_to_seq_idx``, ``cu_seqlens_to_position_ids``,
   ``position_ids_to_cu_seqlens``, ``validate_position_ids``, ``resolve_position_ids``.
