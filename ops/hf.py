@@ -549,24 +549,32 @@ def fused_step_states(mixer, cache):
     if (cache is None or hasattr(getattr(mixer, "config", None), "_is_quantized")
             or not (hasattr(cache, "has_previous_state") and hasattr(cache, "layers"))):
         return None
-    kind = _mixer_kind(mixer)
-    if kind not in ("mamba1", "mamba2") or (kind == "mamba2" and not _mamba2_step_fusable(mixer)):
+    kind = mixer.__dict__.get("_packloader_step_kind")
+    if kind is None:   # what the mixer's class allows, found once (a decode step runs this for every layer)
+        kind = _mixer_kind(mixer)
+        if kind == "mamba2" and not _mamba2_step_fusable(mixer):
+            kind = None
+        elif kind == "mamba1":
+            kind = {"modules": "falcon", None: "mamba1"}.get(_falcon_norms(mixer))
+        kind = mixer.__dict__["_packloader_step_kind"] = kind or "unfused"
+    if kind == "unfused":
         return None
     idx = mixer.layer_idx
     if not cache.has_previous_state(idx) or getattr(cache.layers[idx], "record_past", False):
         return None
     layer = cache.layers[idx]
-    if kind == "mamba2":
-        return layer.conv_states[0], layer.recurrent_states[0], None
-    norms = _falcon_norms(mixer)
-    if norms == "modules":
-        def norm(dt, B, C):
-            return mixer.dt_layernorm(dt), mixer.b_layernorm(B), mixer.c_layernorm(C)
-    elif norms is None:
-        norm = None
-    else:
-        return None
-    return layer.conv_states[0], layer.recurrent_states[0], norm
+    return layer.conv_states[0], layer.recurrent_states[0], (_FalconStepNorms(mixer) if kind == "falcon" else None)
+
+
+class _FalconStepNorms:
+    """FalconMamba's RMS norms of dt, B and C (its modules), as ``mamba_step``'s ``bc_dt_norm``."""
+
+    def __init__(self, mixer):
+        self.mixer = mixer
+
+    def __call__(self, dt, B, C):
+        m = self.mixer
+        return m.dt_layernorm(dt), m.b_layernorm(B), m.c_layernorm(C)
 
 
 def _mamba1_carried(mixer, hidden_states, pos_and_carry, attention_mask):
