@@ -501,13 +501,19 @@ def _mamba2_decode_step(mixer, args, kwargs):
 
 
 def _mamba2_step_fusable(mixer) -> bool:
-    """Whether :func:`mamba2_step` computes this Mamba-2 mixer's step: silu conv, ``in_proj`` giving exactly
-    (gate, conv channels, heads) (no extra MLP), a state the kernel takes."""
-    from .decode import MAX_DSTATE
+    """Whether :func:`mamba2_step` computes this Mamba-2 mixer's step as transformers would: silu conv of a width the
+    kernel takes, ``in_proj`` giving exactly (gate, conv channels, heads) (no extra MLP), no clamp of the time step
+    (the recurrent form of transformers 5.24 and mamba-ssm's step ignore ``time_step_limit``; older versions' torch
+    step clamps), plain (not quantized) projections, a state the kernel takes."""
+    from .decode import MAX_DSTATE, MAX_WIDTH
     inner, conv_dim, heads = mixer.intermediate_size, mixer.conv_dim, mixer.num_heads
+    limit = getattr(mixer, "time_step_limit", None)
     return (getattr(mixer, "activation", None) in ("silu", "swish")
+            and type(mixer.in_proj) is nn.Linear and type(mixer.out_proj) is nn.Linear
             and mixer.in_proj.out_features == inner + conv_dim + heads
             and inner == heads * mixer.head_dim and heads % mixer.n_groups == 0
+            and mixer.conv1d.weight.shape[-1] <= MAX_WIDTH
+            and (limit is None or tuple(float(v) for v in limit) == (0.0, float("inf")))
             and mixer.ssm_state_size <= MAX_DSTATE and callable(getattr(mixer, "norm", None)))
 
 
@@ -544,8 +550,9 @@ def fused_step_states(mixer, cache):
     on ``cache`` runs as ``ops.decode``'s fused state updates, in place on those two tensors of the cache; None where
     transformers' own code runs it: no cache, a cache without the ``has_previous_state`` / ``layers[i].conv_states``
     API (5.0's ``MambaCache``), an empty or recording layer, a quantized model, norms other than FalconMamba's
-    modules, a Mamba-2 variant :func:`mamba2_step` does not compute, a hybrid model's mixer. (``generate_packed(
-    cuda_graph=True)`` replays these steps from a CUDA graph, so it needs them fused.)"""
+    modules, a Mamba-2 variant :func:`mamba2_step` does not compute (or, on CUDA, states its kernels do not take),
+    a hybrid model's mixer, a conv under accelerate's hooks. (``generate_packed(cuda_graph=True)`` replays these
+    steps from a CUDA graph, so it needs them fused.)"""
     if (cache is None or hasattr(getattr(mixer, "config", None), "_is_quantized")
             or not (hasattr(cache, "has_previous_state") and hasattr(cache, "layers"))):
         return None
@@ -556,6 +563,10 @@ def fused_step_states(mixer, cache):
             kind = None
         elif kind == "mamba1":
             kind = {"modules": "falcon", None: "mamba1"}.get(_falcon_norms(mixer))
+        elif kind != "mamba2":   # a hybrid's mixer, anything else: transformers' code
+            kind = None
+        if getattr(mixer.conv1d, "_hf_hook", None) is not None:   # accelerate's offload hooks: its forward only
+            kind = None
         kind = mixer.__dict__["_packloader_step_kind"] = kind or "unfused"
     if kind == "unfused":
         return None
@@ -563,7 +574,20 @@ def fused_step_states(mixer, cache):
     if not cache.has_previous_state(idx) or getattr(cache.layers[idx], "record_past", False):
         return None
     layer = cache.layers[idx]
-    return layer.conv_states[0], layer.recurrent_states[0], (_FalconStepNorms(mixer) if kind == "falcon" else None)
+    conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
+    if conv.shape[-1] != mixer.conv1d.weight.shape[-1]:
+        return None
+    if kind == "mamba2" and conv.is_cuda and not _mamba2_kernels_take(conv, ssm):
+        return None   # (Mamba-1 raises KernelUnsupportedError naming the override instead, as it did before)
+    return conv, ssm, (_FalconStepNorms(mixer) if kind == "falcon" else None)
+
+
+def _mamba2_kernels_take(conv: torch.Tensor, ssm: torch.Tensor) -> bool:
+    """Whether ops.decode's Triton kernels take these CUDA states (else transformers' Mamba-2 step runs, as before
+    packloader had a fused one)."""
+    from .contract import KERNEL_DTYPES
+    from .decode import HAS_TRITON
+    return HAS_TRITON and conv.dtype in KERNEL_DTYPES and ssm.dtype in KERNEL_DTYPES
 
 
 class _FalconStepNorms:

@@ -358,7 +358,8 @@ for b, d, n, w, r, bias, proj, strided in [(2, 40, 16, 4, 5, True, True, False),
                     ((h_k.double() - h_r).abs().max() / h_r.abs().max()).item())
 for b, heads, hd, n, groups, dshape, gated, strided, bias in [
         (2, 4, 8, 16, 2, "h", False, False, True), (3, 6, 5, 7, 3, "hp", True, True, False),
-        (1, 2, 64, 128, 1, None, False, False, True), (2, 8, 16, 256, 4, "h", True, True, True)]:
+        (1, 2, 64, 128, 1, None, False, False, True), (2, 8, 16, 256, 4, "h", True, True, True),
+        (2, 4, 50, 128, 2, "hp", True, False, True)]:   # 7 blocks of 8 channels, the last partial
     h = torch.randn(b, heads, n, hd).transpose(2, 3) if strided else torch.randn(b, heads, hd, n)
     xbc = torch.randn(b, heads * hd + 2 * groups * n)
     x = xbc[:, :heads * hd].view(b, heads, hd)
@@ -667,6 +668,58 @@ def test_hf_generate_tokens_identical_after_conversion(family, monkeypatch):
         warnings.simplefilter("ignore", FutureWarning)
         step = converted(prompt[:, :1], cache_params=out.cache_params, use_cache=True)
     assert not calls and step.logits.requires_grad
+
+
+def _hf_teacher_forced(model, seq, prompt_len):
+    """transformers' ``model`` stepping through ``seq`` from its cache after a prefill of ``prompt_len`` tokens:
+    (logits of every step, the cache)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "cache_params"
+    with torch.no_grad():
+        out = model(input_ids=seq[:, :prompt_len], use_cache=True)
+        cache = out.cache if getattr(out, "cache", None) is not None else out.cache_params
+        logits = [model(input_ids=seq[:, t:t + 1], use_cache=True, **{cache_kw: cache}).logits
+                  for t in range(prompt_len, seq.shape[1])]
+    return torch.cat(logits, 1), cache
+
+
+def test_hf_mamba2_step_equals_transformers_step(monkeypatch):
+    """ops.hf.mamba2_step against transformers' own Mamba-2 single-token step, both stepping through the same tokens
+    from their caches (float32): every step's logits and the final conv / scan states; then a variant the fused
+    step does not compute (a clamped time step, which older transformers' steps apply) runs transformers' code."""
+    transformers = pytest.importorskip("transformers", exc_type=ImportError)
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    kw = dict(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+              eos_token_id=None, pad_token_id=0)
+    model = _hf_family_model(transformers, "mamba2", **kw)
+    cache = transformers.DynamicCache(config=model.config) if hasattr(transformers, "DynamicCache") else None
+    if cache is None or not (hasattr(cache, "has_previous_state") and hasattr(cache, "layers")):
+        pytest.skip("this transformers version's Mamba-2 cache (5.0's) steps through transformers' own code")
+    converted = ops.enable_packing(copy.deepcopy(model))
+    calls = _count_fused_steps(monkeypatch, "mamba2")
+    seq = torch.randint(1, 64, (3, 15))
+    expected, cache_e = _hf_teacher_forced(model, seq, 6)
+    assert not calls
+    got, cache_g = _hf_teacher_forced(converted, seq, 6)
+    assert len(calls) == 2 * 9
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # the first layer's conv inputs are the same tensors (its shift is exact); the second's come through the first's
+    # output, equal to float32 rounding
+    assert torch.equal(cache_g.layers[0].conv_states[0], cache_e.layers[0].conv_states[0])
+    for layer in range(2):
+        torch.testing.assert_close(cache_g.layers[layer].conv_states[0], cache_e.layers[layer].conv_states[0],
+                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cache_g.layers[layer].recurrent_states[0], cache_e.layers[layer].recurrent_states[0],
+                                   rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    clamped = ops.enable_packing(_hf_family_model(transformers, "mamba2", time_step_limit=(0.0, 0.05), **kw))
+    calls.clear()
+    _hf_teacher_forced(clamped, seq, 6)
+    assert not calls
 
 
 @pytest.mark.gpu
