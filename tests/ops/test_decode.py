@@ -402,23 +402,26 @@ def test_triton_kernels_in_the_interpreter():
 # GPU
 
 
+def _kernel_and_reference(op, args):
+    """(the op's output on copies of ``args``, its float64 reference output, the two argument lists): the kernel, and
+    float64 copies under ``use_backend("reference")`` (float64 on CUDA: the reference)."""
+    ref_args = [a.double().clone() if isinstance(a, torch.Tensor) else a for a in args]
+    kern_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    out = op(*kern_args)
+    with ops.use_backend("reference"):
+        expected = op(*ref_args)
+    return out, expected, kern_args, ref_args
+
+
 def _kernel_vs_reference(dtype, strided, cuda):
     conv, state = _op_samples(dtype, cuda, strided)
     rtol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
     for args in conv:
-        ref_args = [a.double().clone() if isinstance(a, torch.Tensor) else a for a in args]
-        kern_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        out = torch.ops.packloader.causal_conv1d_step(*kern_args)
-        with ops.use_backend("reference"):   # float64 on CUDA: the reference
-            expected = torch.ops.packloader.causal_conv1d_step(*ref_args)
+        out, expected, kern_args, ref_args = _kernel_and_reference(torch.ops.packloader.causal_conv1d_step, args)
         torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol)
         torch.testing.assert_close(kern_args[1].double(), ref_args[1], rtol=0, atol=0)   # the shift is exact
     for args in state:
-        ref_args = [a.double().clone() if isinstance(a, torch.Tensor) else a for a in args]
-        kern_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        out = torch.ops.packloader.selective_state_step(*kern_args)
-        with ops.use_backend("reference"):
-            expected = torch.ops.packloader.selective_state_step(*ref_args)
+        out, expected, kern_args, ref_args = _kernel_and_reference(torch.ops.packloader.selective_state_step, args)
         # beyond the dtype's range (a float16 sample can reach it) the kernel's output is an infinity of the sign
         big = expected.abs() > torch.finfo(dtype).max
         assert torch.equal(out.double()[big], expected[big].sign() * float("inf"))
@@ -506,11 +509,7 @@ def test_mamba2_kernel_matches_the_float64_reference(seed, cuda, dtype, strided)
                         torch.randn(batch, 8, 128, **g), torch.randn(80, device=cuda), None,
                         torch.randn(80, **g), True))
     for args in samples:
-        ref_args = [a.double().clone() if isinstance(a, torch.Tensor) else a for a in args]
-        kern_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        out = torch.ops.packloader.mamba2_state_step(*kern_args)
-        with ops.use_backend("reference"):
-            expected = torch.ops.packloader.mamba2_state_step(*ref_args)
+        out, expected, kern_args, ref_args = _kernel_and_reference(torch.ops.packloader.mamba2_state_step, args)
         scale = expected.abs().max().item()
         torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol * scale)
         hscale = ref_args[0].abs().max().item()
