@@ -406,3 +406,27 @@ def test_gpu_packed_equals_per_sequence(family, attn, cuda):
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(model.eval().generate(prompt, **kw), original.eval().generate(prompt, **kw))
+
+
+def test_hybrid_mixers_step_through_transformers_code():
+    """ops.hf's fused single-token step is for transformers' Mamba / FalconMamba / Mamba2 mixers only: a hybrid's
+    Mamba-2 mixer on a filled cache gets no fused states (its step is transformers' own), nor does a Mamba-2 mixer
+    whose conv runs under accelerate's hooks."""
+    model = ops.enable_packing(make_hybrid("bamba").eval())
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(1, VOCAB, (2, 5)), use_cache=True)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)
+    if not (hasattr(cache, "has_previous_state") and hasattr(cache, "layers")):
+        pytest.skip("this transformers version's hybrid cache has no has_previous_state / layers API")
+    mixers = [m for m in model.modules() if ops_hf._mixer_kind(m) == "hybrid"]
+    assert mixers and all(ops_hf.fused_step_states(m, cache) is None for m in mixers)
+    from .test_generate import hf_mamba2
+    m2 = ops.enable_packing(hf_mamba2(0))
+    with torch.no_grad():
+        out = m2(input_ids=torch.randint(1, 16, (2, 5)), use_cache=True)
+    cache = out.cache if getattr(out, "cache", None) is not None else out.cache_params
+    mixer = m2.backbone.layers[0].mixer
+    assert ops_hf.fused_step_states(mixer, cache) is not None
+    hooked = m2.backbone.layers[1].mixer
+    hooked.conv1d._hf_hook = object()   # what accelerate's add_hook_to_module sets
+    assert ops_hf.fused_step_states(hooked, cache) is None
