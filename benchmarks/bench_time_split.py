@@ -9,6 +9,10 @@ host time included where the call is host-bound) and replayed from a CUDA graph 
 
     python3 benchmarks/bench_time_split.py --out benchmarks/results/scan_segments/time_split_h100.json
 
+``--reductions``: instead, the segment reductions alone (``time_split.segment_sums``, one segment a row over the
+whole row, both directions), the CUDA kernel against the Triton one, replayed from CUDA graphs, with the floor their
+exponentials set (16 a multiprocessor and clock at the GPU's maximum SM clock).
+
 Prints a table and writes JSON.
 """
 from __future__ import annotations
@@ -47,7 +51,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--reps", type=int, default=5, help="calls per graph replay")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--reductions", action="store_true", help="time the segment reductions alone (see above)")
     args = ap.parse_args(argv)
+    if args.reductions:
+        return reductions(args, argv)
 
     import ops
     from ops import selective_scan_interface as ssi, time_split
@@ -124,6 +131,58 @@ def main(argv=None):
         with open(args.out, "w") as fh:
             json.dump(doc, fh, indent=1)
         print("wrote", args.out)
+
+
+REDUCTION_SHAPES = "1x4096x4096,2x4096x4096,1x2048x16384,1x1536x4096"
+
+
+def reductions(args, argv):
+    from ops import time_split
+    shapes = args.shapes if args.shapes != SHAPES else REDUCTION_SHAPES
+    props = torch.cuda.get_device_properties(0)
+    sm = props.multi_processor_count
+    try:   # the maximum SM clock (MHz)
+        clock_ghz = float(subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+                                         capture_output=True, text=True, timeout=30).stdout.split()[0]) / 1e3
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        clock_ghz = 1.98   # an H100 SXM's
+    dt, N = torch.bfloat16, 16
+    results = []
+    print(f"{'shape':<14} {'direction':>9} | {'cuda ms':>8} {'triton ms':>9} {'floor ms':>8} | cuda/triton cuda/floor")
+    for shape in shapes.split(","):
+        Bz, D, L = (int(v) for v in shape.split("x"))
+        u, delta, A, Bm, Cm, Dp, z, dbias, dout = scan_inputs(Bz, D, L, N, dt)
+        start = torch.arange(Bz, device=u.device, dtype=torch.int64) * L
+        length = torch.full((Bz,), L, device=u.device, dtype=torch.int64)
+        floor_ms = Bz * D * L * N / (16 * sm * clock_ghz * 1e9) * 1e3
+        for forward in (True, False):
+            x, zz, bc = (u, None, Bm) if forward else (dout, z, Cm)
+            cuda = bench_graph(lambda: time_split.segment_sums(forward, delta, dbias, A, x, zz, bc, True, start,
+                                                               length, L), args.reps)
+            triton = bench_graph(lambda: time_split._segment_sums_triton(forward, delta, dbias, A, x, zz, bc, True,
+                                                                         start, length), args.reps)
+            e_c, _ = time_split.segment_sums(forward, delta, dbias, A, x, zz, bc, True, start, length, L)
+            e_t, _ = time_split._segment_sums_triton(forward, delta, dbias, A, x, zz, bc, True, start, length)
+            agree = ((e_c - e_t).abs().max() / e_t.abs().max()).item()
+            name = "forward" if forward else "backward"
+            results.append({"shape": [Bz, D, L], "direction": name, "cuda_ms": round(cuda, 4),
+                            "triton_ms": round(triton, 4), "floor_ms": round(floor_ms, 4),
+                            "max_rel_diff_cuda_triton": agree})
+            print(f"{shape:<14} {name:>9} | {cuda:8.3f} {triton:9.3f} {floor_ms:8.3f} | {cuda / triton:11.2f} "
+                  f"{cuda / floor_ms:9.2f}   (sums agree to {agree:.1e})", flush=True)
+    doc = {"benchmark": "bench_time_split --reductions", "device": torch.cuda.get_device_name(0),
+           "torch": torch.__version__, "sm_clock_ghz": clock_ghz,
+           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "code_commit": _commit(),
+           "command": " ".join(["python3", "benchmarks/bench_time_split.py"] + (argv or sys.argv[1:])),
+           "method": "graph replay (bench_ops.bench_graph), bf16 inputs, dstate 16, delta_bias, softplus, one segment a "
+                     "row; floor: B*D*L*16 exponentials at 16 a multiprocessor and clock", "results": results}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        print("wrote", args.out)
+    return doc
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from . import contract
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 SOURCES = ("binding.cpp", "selective_scan.cu", "causal_conv1d.cu", "conv_cf_regs.cu", "conv_cf_vec.cu", "conv_cl.cu",
-           "conv_states.cu")
+           "conv_states.cu", "segment_sums.cu")
 JIT_NAME = "packloader_ops_cuda"
 AOT_MODULE = "ops._C"
 

@@ -38,7 +38,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .contract import (SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, TIME_SPLIT_MAX_BLOCKS_PER_SM, scan_blocks,
+from .contract import (SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES, TIME_SPLIT_MAX_BLOCKS_PER_SM, scan_blocks,
                        scan_bwd_segments, scan_fwd_segments)
 from .decode import HAS_TRITON
 
@@ -327,12 +327,33 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 def segment_sums(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, start: torch.Tensor,
                  length: torch.Tensor, max_length: int):
-    """:func:`segment_sums_ref`, by one Triton kernel on CUDA tensors (float32 results; ``delta``, ``x``, ``z``:
-    (batch, dim, seqlen) of one dtype, any strides with the time axis unit-strided; ``bc`` (batch, dstate, seqlen)
-    or (batch, 1, dstate, seqlen) likewise; ``A`` / ``delta_bias`` float32 contiguous). No wait for the device."""
-    if not _use_triton(delta) or delta.dtype == torch.float64:
+    """:func:`segment_sums_ref`, by one CUDA kernel on CUDA tensors (``ops/csrc/segment_sums.cu``; float32 results;
+    ``delta``, ``x``, ``z``: (batch, dim, seqlen), any strides with the time axis unit-strided; ``bc`` (batch,
+    dstate, seqlen) or (batch, 1, dstate, seqlen) likewise; ``A`` / ``delta_bias`` float32). No wait for the device.
+    The reference elsewhere (float64, other devices)."""
+    if delta.device.type != "cuda" or delta.dtype == torch.float64 or A.shape[1] > SCAN_LANES:
         return segment_sums_ref(forward, delta, delta_bias, A, x, z, bc, softplus, start, length, max_length)
-    return _segment_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, start, length)
+    from .backends import load_kernels
+    return _segment_sums_ext(load_kernels(), forward, delta, delta_bias, A, x, z, bc, softplus, start, length)
+
+
+def _segment_sums_ext(ext, forward, delta, delta_bias, A, x, z, bc, softplus, start, length):
+    """:func:`segment_sums` by ``ext.segment_sums`` (the compiled extension, or the kernel emulation's)."""
+    batch, dim, L = delta.shape
+    dstate = A.shape[1]
+    S = start.numel()
+    bc = bc[:, 0] if bc.dim() == 4 else bc
+    dt = delta.dtype
+    delta, x = _unit_time(delta), _unit_time(x.to(dt))
+    z = None if forward or z is None else _unit_time(z.to(dt))
+    bc = _unit_time(bc if bc.dtype in (dt, torch.float32) else bc.float())
+    sums = torch.empty(S, dim, dstate, device=delta.device, dtype=torch.float32)
+    dts = torch.empty(S, dim, device=delta.device, dtype=torch.float32)
+    if S:
+        ext.segment_sums(bool(forward), delta, None if delta_bias is None else delta_bias.float().contiguous(),
+                         A.float().contiguous(), x, z, bc, bool(softplus), start.long().contiguous(),
+                         length.long().contiguous(), sums, dts)
+    return sums, dts
 
 
 def _unit_time(t: torch.Tensor) -> torch.Tensor:

@@ -287,6 +287,67 @@ void conv_states_bwd(Tensor dout, Tensor x, Tensor weight, OptT bias, bool silu,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// reductions over token segments (segment_sums.cu): delta, x, z (batch, dim, seqlen) of one dtype and bc (batch,
+// dstate, seqlen), any strides with time unit-strided; A (dim, dstate) and delta_bias (dim) float32 contiguous;
+// start, length (S,) int64 contiguous; sums (S, dim, dstate) and dt_sums (S, dim) float32 contiguous, written in full
+void segment_sums(bool forward, Tensor delta, OptT delta_bias, Tensor A, Tensor x, OptT z, Tensor bc, bool softplus,
+                  Tensor start, Tensor length, Tensor sums, Tensor dt_sums) {
+  c10::cuda::CUDAGuard guard(delta.device());
+  const int64_t S = start.size(0), dim = delta.size(1), dstate = A.size(1);
+  TORCH_CHECK(S <= 65535, "segment_sums: at most 65535 segments, got ", S);
+  TORCH_CHECK(dstate <= 16 && bc.dim() == 3 && bc.size(0) == delta.size(0) && bc.size(1) == dstate &&
+                  bc.size(2) == delta.size(2) && bc.stride(2) == 1,
+              "segment_sums: bc must be (batch, dstate <= 16, seqlen), time unit-strided");
+  TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type() && delta.stride(2) == 1 &&
+                  x.stride(2) == 1,
+              "segment_sums: delta and x must be (batch, dim, seqlen) of one dtype, time unit-strided");
+  if (z) TORCH_CHECK(!forward && z->sizes() == delta.sizes() && z->scalar_type() == delta.scalar_type() &&
+                         z->stride(2) == 1,
+                     "segment_sums: z (backward only) must be delta's shape and dtype, time unit-strided");
+  TORCH_CHECK(bc.scalar_type() == at::kFloat || bc.scalar_type() == delta.scalar_type(),
+              "segment_sums: bc must be float32 or delta's dtype");
+  TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() && A.size(0) == dim, "segment_sums: A (dim, dstate) float32");
+  if (delta_bias) TORCH_CHECK(delta_bias->scalar_type() == at::kFloat && delta_bias->is_contiguous() &&
+                                  delta_bias->numel() == dim, "segment_sums: delta_bias (dim,) float32");
+  TORCH_CHECK(start.scalar_type() == at::kLong && length.scalar_type() == at::kLong && start.is_contiguous() &&
+                  length.is_contiguous() && length.size(0) == S,
+              "segment_sums: start, length (S,) int64, contiguous");
+  TORCH_CHECK(sums.scalar_type() == at::kFloat && sums.is_contiguous() &&
+                  sums.sizes() == at::IntArrayRef({S, dim, dstate}) && dt_sums.scalar_type() == at::kFloat &&
+                  dt_sums.is_contiguous() && dt_sums.sizes() == at::IntArrayRef({S, dim}),
+              "segment_sums: sums (S, dim, dstate) and dt_sums (S, dim) float32, contiguous");
+  po::SegmentSumsParams p{};
+  p.batch = delta.size(0);
+  p.dim = dim;
+  p.seqlen = delta.size(2);
+  p.dstate = dstate;
+  p.segments = S;
+  p.forward = forward;
+  p.softplus = softplus;
+  p.in_dtype = dtype_code(delta);
+  p.w_f32 = bc.scalar_type() == at::kFloat;
+  p.delta_bs = delta.stride(0);
+  p.delta_ds = delta.stride(1);
+  p.x_bs = x.stride(0);
+  p.x_ds = x.stride(1);
+  p.z_bs = z ? z->stride(0) : 0;
+  p.z_ds = z ? z->stride(1) : 0;
+  p.bc_bs = bc.stride(0);
+  p.bc_ns = bc.stride(1);
+  p.delta = delta.data_ptr();
+  p.x = x.data_ptr();
+  p.z = ptr_or_null<const void>(z);
+  p.bc = bc.data_ptr();
+  p.A = A.data_ptr<float>();
+  p.delta_bias = ptr_or_null<const float>(delta_bias);
+  p.start = start.data_ptr<int64_t>();
+  p.length = length.data_ptr<int64_t>();
+  p.sums = sums.data_ptr<float>();
+  p.dt_sums = dt_sums.data_ptr<float>();
+  po::segment_sums_launch(p, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 #ifndef PACKLOADER_SOURCE_DIGEST
 #error "build through ops/_build.py, which defines PACKLOADER_SOURCE_DIGEST (ops/_build.py, source_digest)"
 #endif
@@ -303,4 +364,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv_bwd", &conv_bwd, "packed causal conv1d backward");
   m.def("conv_states_fwd", &conv_states_fwd, "the conv's carried states: the continued outputs, the final states");
   m.def("conv_states_bwd", &conv_states_bwd, "the conv's carried states: backward");
+  m.def("segment_sums", &segment_sums, "reductions over token segments of the scan's inputs (ops/time_split.py)");
 }

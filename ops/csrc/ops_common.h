@@ -124,4 +124,24 @@ struct ConvStateParams {
 void conv_states_fwd_launch(const ConvStateParams &p, cudaStream_t stream);
 void conv_states_bwd_launch(const ConvStateParams &p, cudaStream_t stream);
 
+// Reductions over token segments of the scan's inputs (segment_sums.cu; ops/time_split.py, segment_sums): for
+// segment s, length[s] tokens of one row from flat token index start[s] (row * seqlen + column), per channel d and
+// state n, forward: E = sum_t exp(A sum_{t' > t} dt_t') dt_t x_t bc_t (the state the segment ends in from zero;
+// x = u, bc = B), backward: D = sum_t exp(A sum_{t' <= t} dt_t') bc_t x_t silu(z_t) (the adjoint its first step
+// hands back; x = the output's gradient, bc = C, z optional); and the sum of dt over the segment. Sums are taken in
+// tiles of the segment, each tile's weights from the dt inside it times one factor for the dt beyond it.
+struct SegmentSumsParams {
+  int batch, dim, seqlen, dstate, segments;
+  bool forward, softplus;
+  int in_dtype;                 // delta, x, z (one dtype)
+  bool w_f32;                   // bc is float32 (else in_dtype)
+  int64_t delta_bs, delta_ds, x_bs, x_ds, z_bs, z_ds, bc_bs, bc_ns;   // strides (elements); time unit-strided
+  const void *delta, *x, *z, *bc;   // z may be null (backward only)
+  const float *A, *delta_bias;      // (dim, dstate); (dim) or null
+  const int64_t *start, *length;    // (segments,)
+  float *sums;                      // (segments, dim, dstate)
+  float *dt_sums;                   // (segments, dim)
+};
+void segment_sums_launch(const SegmentSumsParams &p, cudaStream_t stream);
+
 }  // namespace packloader_ops

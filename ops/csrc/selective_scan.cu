@@ -42,7 +42,6 @@ static_assert(kNSub == 4, "sub-chunk start selection below assumes 4 sub-chunks"
 constexpr int kPad = kDB + 1;           // padded row length (bank conflicts)
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ float softplus_(float x) { return x <= 20.f ? log1pf(__expf(x)) : x; }
 
 // One step of the recurrence, h <- exp2(dA2) h + bx, or h <- bx at a sequence start (keep == 0): a select that drops
 // the carried state (not a multiply by zero: an inf or NaN state stays in its sequence). The decay is computed either

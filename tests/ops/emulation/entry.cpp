@@ -117,3 +117,20 @@ extern "C" void emu_conv_states(int bwd, int dtype, int batch, int dim, int seql
   if (bwd) conv_states_bwd_launch(p, nullptr);
   else conv_states_fwd_launch(p, nullptr);
 }
+
+// reductions over token segments (segment_sums.cu): strides in elements, (batch, dim) for delta / x / z, (batch,
+// dstate) for bc; z null (forward, or no gate)
+extern "C" void emu_segment_sums(int forward, int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate,
+                                 int segments, int softplus, const void *delta, const int64_t *ds, const void *x,
+                                 const int64_t *xs, const void *z, const int64_t *zs, const void *bc,
+                                 const int64_t *bcs, const float *A, const float *delta_bias, const int64_t *start,
+                                 const int64_t *length, float *sums, float *dt_sums) {
+  SegmentSumsParams p{};
+  p.batch = batch; p.dim = dim; p.seqlen = seqlen; p.dstate = dstate; p.segments = segments;
+  p.forward = forward; p.softplus = softplus; p.in_dtype = in_dtype; p.w_f32 = w_f32;
+  p.delta_bs = ds[0]; p.delta_ds = ds[1]; p.x_bs = xs[0]; p.x_ds = xs[1]; p.z_bs = zs[0]; p.z_ds = zs[1];
+  p.bc_bs = bcs[0]; p.bc_ns = bcs[1];
+  p.delta = delta; p.x = x; p.z = z; p.bc = bc; p.A = A; p.delta_bias = delta_bias;
+  p.start = start; p.length = length; p.sums = sums; p.dt_sums = dt_sums;
+  segment_sums_launch(p, nullptr);
+}
