@@ -334,10 +334,11 @@ def segment_sums(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, 
     if delta.device.type != "cuda" or delta.dtype == torch.float64 or A.shape[1] > SCAN_LANES:
         return segment_sums_ref(forward, delta, delta_bias, A, x, z, bc, softplus, start, length, max_length)
     from .backends import load_kernels
-    return _segment_sums_ext(load_kernels(), forward, delta, delta_bias, A, x, z, bc, softplus, start, length)
+    return _segment_sums_ext(load_kernels(), forward, delta, delta_bias, A, x, z, bc, softplus, start, length,
+                             max_length)
 
 
-def _segment_sums_ext(ext, forward, delta, delta_bias, A, x, z, bc, softplus, start, length):
+def _segment_sums_ext(ext, forward, delta, delta_bias, A, x, z, bc, softplus, start, length, max_length):
     """:func:`segment_sums` by ``ext.segment_sums`` (the compiled extension, or the kernel emulation's)."""
     batch, dim, L = delta.shape
     dstate = A.shape[1]
@@ -352,7 +353,7 @@ def _segment_sums_ext(ext, forward, delta, delta_bias, A, x, z, bc, softplus, st
     if S:
         ext.segment_sums(bool(forward), delta, None if delta_bias is None else delta_bias.float().contiguous(),
                          A.float().contiguous(), x, z, bc, bool(softplus), start.long().contiguous(),
-                         length.long().contiguous(), sums, dts)
+                         length.long().contiguous(), min(int(max_length), L), sums, dts)
     return sums, dts
 
 

@@ -289,9 +289,10 @@ void conv_states_bwd(Tensor dout, Tensor x, Tensor weight, OptT bias, bool silu,
 
 // reductions over token segments (segment_sums.cu): delta, x, z (batch, dim, seqlen) of one dtype and bc (batch,
 // dstate, seqlen), any strides with time unit-strided; A (dim, dstate) and delta_bias (dim) float32 contiguous;
-// start, length (S,) int64 contiguous; sums (S, dim, dstate) and dt_sums (S, dim) float32 contiguous, written in full
+// start, length (S,) int64 contiguous, max_length at least the longest (a host int: it sets the parts); sums (S, dim,
+// dstate) and dt_sums (S, dim) float32 contiguous, written in full
 void segment_sums(bool forward, Tensor delta, OptT delta_bias, Tensor A, Tensor x, OptT z, Tensor bc, bool softplus,
-                  Tensor start, Tensor length, Tensor sums, Tensor dt_sums) {
+                  Tensor start, Tensor length, int64_t max_length, Tensor sums, Tensor dt_sums) {
   c10::cuda::CUDAGuard guard(delta.device());
   const int64_t S = start.size(0), dim = delta.size(1), dstate = A.size(1);
   TORCH_CHECK(S <= 65535, "segment_sums: at most 65535 segments, got ", S);
@@ -344,6 +345,15 @@ void segment_sums(bool forward, Tensor delta, OptT delta_bias, Tensor A, Tensor 
   p.length = length.data_ptr<int64_t>();
   p.sums = sums.data_ptr<float>();
   p.dt_sums = dt_sums.data_ptr<float>();
+  TORCH_CHECK(max_length >= 0 && max_length <= p.seqlen, "segment_sums: max_length must be in [0, seqlen]");
+  p.parts = po::segment_sums_parts(S, dim, max_length, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  Tensor part_sums, part_dt;
+  if (p.parts > 1) {   // scratch for the parts' sums (segment_sums.cu combines them)
+    part_sums = at::empty({p.parts, S, dim, dstate}, sums.options());
+    part_dt = at::empty({p.parts, S, dim}, sums.options());
+    p.part_sums = part_sums.data_ptr<float>();
+    p.part_dt = part_dt.data_ptr<float>();
+  }
   po::segment_sums_launch(p, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -141,7 +141,12 @@ struct SegmentSumsParams {
   const int64_t *start, *length;    // (segments,)
   float *sums;                      // (segments, dim, dstate)
   float *dt_sums;                   // (segments, dim)
+  int parts;                        // each segment cut into this many parts of whole tiles, run side by side (>= 1)
+  float *part_sums, *part_dt;       // parts > 1: scratch (parts, segments, dim, dstate) and (parts, segments, dim)
 };
 void segment_sums_launch(const SegmentSumsParams &p, cudaStream_t stream);
+// the parts a launch cuts each segment into: enough blocks for this many multiprocessors, the longest segment
+// max_length tokens (the caller's bound, known on the host)
+int segment_sums_parts(int segments, int dim, int max_length, int sm_count);
 
 }  // namespace packloader_ops

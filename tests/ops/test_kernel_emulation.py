@@ -409,17 +409,24 @@ class EmulatedExt:
         self._conv_states(True, dout, x, weight, bias, silu, initial_state, start, length, has, None, dx_head,
                           dw_part, dinitial_state)
 
-    def segment_sums(self, forward, delta, delta_bias, A, x, z, bc, softplus, start, length, sums, dt_sums):
+    parts = None   # the parts each segment is cut into (None: binding.cpp's rule for an H200's 132 multiprocessors)
+
+    def segment_sums(self, forward, delta, delta_bias, A, x, z, bc, softplus, start, length, max_length, sums,
+                     dt_sums):
         # binding.cpp's checks
         assert x.shape == delta.shape and x.dtype == delta.dtype and delta.stride(2) == x.stride(2) == 1
         assert z is None or (not forward and z.dtype == delta.dtype and z.stride(2) == 1)
         assert bc.dim() == 3 and bc.stride(2) == 1 and bc.dtype in (delta.dtype, torch.float32)
         assert sums.shape == (start.numel(), delta.shape[1], A.shape[1]) and sums.is_contiguous()
+        assert 0 <= max_length <= delta.shape[2] and int(length.max()) <= max_length
+        parts = self.parts or self.so.emu_segment_sums_parts(start.numel(), delta.shape[1], max_length, 132)
+        scratch = [torch.full((parts, start.numel(), delta.shape[1]) + extra, float("nan")) if parts > 1 else None
+                   for extra in ((A.shape[1],), ())]
         strides = [(ctypes.c_int64 * 2)(*t.stride()[:2]) for t in (delta, x, z if z is not None else x, bc)]
         emu_call(self.so, "emu_segment_sums", int(forward), DTYPE_CODE[delta.dtype], int(bc.dtype == torch.float32),
                  *delta.shape, A.shape[1], start.numel(), int(softplus), ptr(delta), strides[0], ptr(x), strides[1],
                  ptr(z), strides[2], ptr(bc), strides[3], ptr(A), ptr(delta_bias), ptr(start), ptr(length),
-                 ptr(sums), ptr(dt_sums))
+                 ptr(sums), ptr(dt_sums), parts, ptr(scratch[0]), ptr(scratch[1]))
 
 
 def run_emulated_bwd(so, inputs, pos, softplus, saved, dout, segments=1):
@@ -1187,15 +1194,18 @@ def test_fused_mixers_call_the_kernels_directly_on_emulated_kernels(cuda_path_on
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_emulated_segment_sums_match_float64(emulator, seed, dtype):
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_emulated_segment_sums_match_float64(emulator, seed, dtype, parts):
     """The segment reductions against their float64 reference (``segment_sums_ref``), both directions: segments of
     any length anywhere in a row (one token, a partial tile at either end, a whole row, longer than a tile), strided
     inputs (x and z halves of one tensor, B / C a part of another, as the fused mixer has them), dstate below 16,
-    with and without z / bias / softplus, bc in float32 or in the inputs' dtype. fp32 within 1e-5 of the largest
-    sum; bf16 inputs (rounded before the reference sees them) within 1e-5 too: the arithmetic is fp32 either way."""
+    with and without z / bias / softplus, bc in float32 or in the inputs' dtype; each segment in one part or cut into
+    2 or 3 (segments shorter than the parts leave some empty). fp32 within 1e-5 of the largest sum; bf16 inputs
+    (rounded before the reference sees them) within 1e-5 too: the arithmetic is fp32 either way."""
     from ops import time_split as ts
     g = torch.Generator().manual_seed(seed)
     ext = EmulatedExt(emulator)
+    ext.parts = parts
     batch, L = 3, 300
     start = torch.tensor([0 * L + 7, 1 * L + 0, 1 * L + 299, 2 * L + 40, 0 * L + 100, 2 * L + 0])
     length = torch.tensor([90, L, 1, 200, 64, 1])
@@ -1210,7 +1220,7 @@ def test_emulated_segment_sums_match_float64(emulator, seed, dtype):
         for forward in (True, False):
             for gated in ((False,) if forward else (True, False)):
                 args = (delta, bias, A, xz[:, :dim], xz[:, dim:] if gated else None, dbl[:, 3:3 + dstate], softplus)
-                s, d = ts._segment_sums_ext(ext, forward, *args, start, length)
+                s, d = ts._segment_sums_ext(ext, forward, *args, start, length, L)
                 s_r, d_r = ts.segment_sums_ref(forward, *[a.double() if torch.is_tensor(a) else a for a in args],
                                                start, length, L)
                 err_s = ((s.double() - s_r).abs().max() / s_r.abs().max()).item()
@@ -1218,7 +1228,7 @@ def test_emulated_segment_sums_match_float64(emulator, seed, dtype):
                 assert err_s < 1e-5 and err_d < 1e-5, (dim, dstate, forward, gated, err_s, err_d)
     # a check that can fail: a sum over the wrong tokens is far off
     s_bad, _ = ts._segment_sums_ext(ext, True, delta, bias, A, xz[:, :dim], None, dbl[:, 3:3 + dstate], softplus,
-                                       start + 1, length)
+                                       start + 1, length, L)
     s_r, _ = ts.segment_sums_ref(True, *[a.double() if torch.is_tensor(a) else a
                                          for a in (delta, bias, A, xz[:, :dim], None, dbl[:, 3:3 + dstate])],
                                  softplus, start, length, L)

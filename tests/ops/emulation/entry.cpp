@@ -119,12 +119,14 @@ extern "C" void emu_conv_states(int bwd, int dtype, int batch, int dim, int seql
 }
 
 // reductions over token segments (segment_sums.cu): strides in elements, (batch, dim) for delta / x / z, (batch,
-// dstate) for bc; z null (forward, or no gate)
+// dstate) for bc; z null (forward, or no gate); parts > 1 with scratch (parts, segments, dim, dstate) / (parts,
+// segments, dim)
 extern "C" void emu_segment_sums(int forward, int in_dtype, int w_f32, int batch, int dim, int seqlen, int dstate,
                                  int segments, int softplus, const void *delta, const int64_t *ds, const void *x,
                                  const int64_t *xs, const void *z, const int64_t *zs, const void *bc,
                                  const int64_t *bcs, const float *A, const float *delta_bias, const int64_t *start,
-                                 const int64_t *length, float *sums, float *dt_sums) {
+                                 const int64_t *length, float *sums, float *dt_sums, int parts, float *part_sums,
+                                 float *part_dt) {
   SegmentSumsParams p{};
   p.batch = batch; p.dim = dim; p.seqlen = seqlen; p.dstate = dstate; p.segments = segments;
   p.forward = forward; p.softplus = softplus; p.in_dtype = in_dtype; p.w_f32 = w_f32;
@@ -132,5 +134,10 @@ extern "C" void emu_segment_sums(int forward, int in_dtype, int w_f32, int batch
   p.bc_bs = bcs[0]; p.bc_ns = bcs[1];
   p.delta = delta; p.x = x; p.z = z; p.bc = bc; p.A = A; p.delta_bias = delta_bias;
   p.start = start; p.length = length; p.sums = sums; p.dt_sums = dt_sums;
+  p.parts = parts; p.part_sums = part_sums; p.part_dt = part_dt;
   segment_sums_launch(p, nullptr);
+}
+
+extern "C" int emu_segment_sums_parts(int segments, int dim, int max_length, int sm_count) {
+  return segment_sums_parts(segments, dim, max_length, sm_count);
 }
