@@ -9,7 +9,8 @@ cheaply: within a piece ``k`` of timesteps ``[t0, t1)``::
     h(t1 - 1) = P_k h(t0 - 1) + E_k      P_k = exp(A sum_t dt_t),   E_k = sum_t exp(A sum_{s > t} dt_s) dt_t B_t u_t
 
 so ``H_k`` (the state before piece ``k``) follows from ``H_0 = 0``, ``H_k = P_{k-1} H_{k-1} + E_{k-1}``. ``E`` and
-the sums of ``dt`` are plain reductions over time (no recurrence), one Triton kernel; then one pass of the scan
+the sums of ``dt`` are plain reductions over time (no recurrence), one CUDA kernel (``ops/csrc/segment_sums.cu``);
+then one pass of the scan
 kernel over all pieces side by side, each continuing from ``H_k`` (the carried-state slots of ``ops/contract.py``)::
 
     row      [ t0 ............................................................ L ]
@@ -24,11 +25,11 @@ back through its start with no gradient entering its end, ``D_k = sum_t exp(A su
 gradients gives every gradient exactly as the uncut backward does (up to rounding).
 
 Used by the CUDA implementation of the scan ops (``ops.selective_scan_interface``) for calls without carried states
-on rows known to be one sequence (``ops.boundaries.single_sequence_rows``), where Triton imports. The two kernels
-take any token spans (:func:`segment_sums`) and any chains of them (:func:`chain_prefix`): the fused mixer with
-carried states (``ops/carry.py``) runs a step's chains of pieces through them. The references
-(:func:`segment_sums_ref`, :func:`chain_prefix_ref`) are the oracle of the Triton kernels and run the same plan on any
-device (the CPU tests).
+on rows known to be one sequence (``ops.boundaries.single_sequence_rows``), where Triton imports (the prefix over
+pieces is a Triton kernel). The two kernels take any token spans (:func:`segment_sums`) and any chains of them
+(:func:`chain_prefix`): the fused mixer with carried states (``ops/carry.py``) runs a step's chains of pieces through
+them. The references (:func:`segment_sums_ref`, :func:`chain_prefix_ref`) are the oracle of the kernels and run the
+same plan on any device (the CPU tests; the CUDA reduction also on the emulated kernels).
 """
 from __future__ import annotations
 
@@ -47,10 +48,6 @@ __all__ = ["split_plan", "piece_layout", "piece_spans", "segment_sums", "segment
            "fwd_lanes", "forward_states", "backward_states", "MAX_PIECES"]
 
 MAX_PIECES = 64        # at most this many pieces a row (the plans stay far below)
-# the segment reductions' tile: SEGMENT_SUMS_CHANNELS channels x all states x SEGMENT_SUMS_TIME timesteps a program on
-# SEGMENT_SUMS_WARPS warps, measured at 2 x 4096 channels x 4096 tokens on an H100 (0.37 / 0.33 ms forward / backward;
-# 8-64 timesteps on 2-8 warps: 0.37-0.78 ms; 8 or 32 channels: at best 7 % faster)
-SEGMENT_SUMS_CHANNELS, SEGMENT_SUMS_TIME, SEGMENT_SUMS_WARPS = 16, 16, 4
 
 
 def split_plan(which: str, batch: int, dim: int, seqlen: int, sm_count: int) -> Optional[Tuple[int, int]]:
@@ -216,71 +213,6 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .decode import _softplus_f32
-
-    @triton.jit
-    def _segment_sums_kernel(delta_ptr, bias_ptr, A_ptr, x_ptr, z_ptr, bc_ptr, start_ptr, len_ptr, sums_ptr, dts_ptr,
-                             dim, L, dstate, s_delta_b, s_delta_d, s_x_b, s_x_d, s_z_b, s_z_d, s_bc_b, s_bc_n,
-                             HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_Z: tl.constexpr,
-                             FORWARD: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr):
-        # program: BD channels of one segment; walks it BT timesteps at a time (forward: from its end, weights from
-        # the dt after each timestep; backward: from its start, weights from the dt up to it)
-        pid_d, seg = tl.program_id(0), tl.program_id(1)
-        start = tl.load(start_ptr + seg).to(tl.int64)
-        n_tok = tl.load(len_ptr + seg).to(tl.int64)
-        b = start // L
-        t_lo = start % L
-        t_hi = t_lo + n_tok
-        d = pid_d * BD + tl.arange(0, BD)
-        n = tl.arange(0, BN)
-        tt = tl.arange(0, BT)
-        d_ok, n_ok = d < dim, n < dstate
-        A2 = tl.load(A_ptr + d[:, None] * dstate + n[None, :], mask=d_ok[:, None] & n_ok[None, :],
-                     other=0.0) * 1.4426950408889634
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + d, mask=d_ok, other=0.0)
-        d64 = d.to(tl.int64)
-        delta_row = b * s_delta_b + d64 * s_delta_d             # (BD,)
-        x_row = b * s_x_b + d64 * s_x_d
-        z_row = b * s_z_b + d64 * s_z_d
-        bc_row = b * s_bc_b + n.to(tl.int64) * s_bc_n             # (BN,)
-        acc = tl.zeros((BD, BN, BT), dtype=tl.float32)   # summed over time once, at the end: no sum a tile
-        carry = tl.zeros((BD,), dtype=tl.float32)
-        ntiles = tl.cdiv(n_tok, BT)
-        for i in range(0, ntiles):
-            if FORWARD:
-                t = t_hi - (i + 1) * BT + tt
-            else:
-                t = t_lo + i * BT + tt
-            t_ok = (t >= t_lo) & (t < t_hi)
-            m = d_ok[:, None] & t_ok[None, :]
-            dt = tl.load(delta_ptr + delta_row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                dt = dt + bias[:, None]
-            if SOFTPLUS:
-                dt = _softplus_f32(dt)
-            dt = tl.where(m, dt, 0.0)
-            xv = tl.load(x_ptr + x_row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
-            bcv = tl.load(bc_ptr + bc_row[:, None] + t[None, :], mask=n_ok[:, None] & t_ok[None, :],
-                          other=0.0).to(tl.float32)
-            if FORWARD:
-                # sum of dt after t: later tiles (carry) plus this tile's after t
-                after = carry[:, None] + (tl.cumsum(dt, axis=1, reverse=True) - dt)
-                w = tl.exp2(A2[:, :, None] * after[:, None, :])
-                term = (dt * xv)[:, None, :] * bcv[None, :, :]
-            else:
-                if HAS_Z:
-                    zv = tl.load(z_ptr + z_row[:, None] + t[None, :], mask=m, other=0.0).to(tl.float32)
-                    xv = xv * (zv * tl.sigmoid(zv))
-                upto = carry[:, None] + tl.cumsum(dt, axis=1)
-                w = tl.exp2(A2[:, :, None] * upto[:, None, :])
-                term = xv[:, None, :] * bcv[None, :, :]
-            acc += w * term
-            carry += tl.sum(dt, axis=1)
-        out = (seg * dim + d).to(tl.int64)
-        tl.store(sums_ptr + out[:, None] * dstate + n[None, :], tl.sum(acc, axis=2),
-                 mask=d_ok[:, None] & n_ok[None, :])
-        tl.store(dts_ptr + out, carry, mask=d_ok)
 
     @triton.jit
     def _chain_prefix_kernel(sums_ptr, dts_ptr, A_ptr, h0_ptr, off_ptr, out_ptr, dim, dstate, per_chain,
@@ -359,29 +291,6 @@ def _segment_sums_ext(ext, forward, delta, delta_bias, A, x, z, bc, softplus, st
 
 def _unit_time(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _segment_sums_triton(forward, delta, delta_bias, A, x, z, bc, softplus, start, length):
-    batch, dim, L = delta.shape
-    dstate = A.shape[1]
-    S = start.numel()
-    bc = bc[:, 0] if bc.dim() == 4 else bc
-    has_z = z is not None
-    delta, x, bc = _unit_time(delta), _unit_time(x), _unit_time(bc)
-    z = _unit_time(z) if has_z else x
-    sums = torch.empty(S, dim, dstate, device=delta.device, dtype=torch.float32)
-    dts = torch.empty(S, dim, device=delta.device, dtype=torch.float32)
-    if S == 0:
-        return sums, dts
-    BD, BT, warps = SEGMENT_SUMS_CHANNELS, SEGMENT_SUMS_TIME, SEGMENT_SUMS_WARPS
-    with _on(delta):
-        _segment_sums_kernel[(triton.cdiv(dim, BD), S)](
-            delta, delta_bias if delta_bias is not None else A, A.contiguous(), x, z, bc, start, length, sums, dts,
-            dim, L, dstate, delta.stride(0), delta.stride(1), x.stride(0), x.stride(1), z.stride(0), z.stride(1),
-            bc.stride(0), bc.stride(1),
-            HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus), HAS_Z=has_z, FORWARD=forward,
-            BD=BD, BN=max(16, triton.next_power_of_2(dstate)), BT=BT, num_warps=warps)
-    return sums, dts
 
 
 def piece_sums(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, pieces: int, piece: int):

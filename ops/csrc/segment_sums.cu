@@ -94,19 +94,17 @@ __global__ void __launch_bounds__(kSegThreads, 7) segment_sums_kernel(const Segm
 #pragma unroll
     for (int k = 0; k < kSegPer; ++k) {
       const int t = t0 + n * kSegPer + k;
-      float v = 0.f, g = 0.f;
-      if (d_ok && t >= t_lo && t < t_hi) {
-        v = to_f(raw.delta[k]) + bias;
-        v = p.softplus ? softplus_(v) : v;
-        g = to_f(raw.x[k]);
-        if constexpr (kHasZ) {
-          const float zv = to_f(raw.z[k]);
-          g *= zv * sigmoidf_(zv);
-        }
-        if constexpr (kForward) g *= v;
+      const bool ok = d_ok && t >= t_lo && t < t_hi;   // computed either way, then selected: no branch
+      float v = to_f(raw.delta[k]) + bias;
+      v = p.softplus ? softplus_(v) : v;
+      float g = to_f(raw.x[k]);
+      if constexpr (kHasZ) {
+        const float zv = to_f(raw.z[k]);
+        g *= zv * sigmoidf_(zv);
       }
-      dt[k] = v;
-      term[k] = g;
+      if constexpr (kForward) g *= v;
+      dt[k] = ok ? v : 0.f;
+      term[k] = ok ? g : 0.f;
     }
     float bcv[8];
 #pragma unroll

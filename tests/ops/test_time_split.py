@@ -1,8 +1,8 @@
 """ops.time_split: rows of one sequence cut along time into pieces that continue from their true states.
 
 CPU: the plan (the states each piece starts from, the gradients entering each piece's end) run through the reference
-scan ops equals the uncut scan, forward and backward, in float64; the Triton reductions in Triton's interpreter
-against their references. GPU: the CUDA ops with the cut against the same ops uncut, outputs and every gradient.
+scan ops equals the uncut scan, forward and backward, in float64; the Triton prefixes in Triton's interpreter against
+their references (the CUDA reductions: test_kernel_emulation.py). GPU: the CUDA ops with the cut against the same ops uncut, outputs and every gradient.
 """
 import importlib.util
 import os
@@ -134,45 +134,14 @@ np.seterr(over="raise", invalid="raise")   # an inf or a NaN in the interpreted 
 torch.manual_seed(0)
 worst = 0.0
 for forward in (True, False):
-    for (batch, dim, dstate, L, piece, has_z, has_bias, softplus) in [(1, 20, 16, 3 * 64 + 5, 64, True, True, True),
-                                                                   (2, 16, 5, 2 * 64, 64, False, False, False)]:
+    for (batch, dim, dstate, L, piece) in [(1, 20, 16, 3 * 64 + 5, 64), (2, 16, 5, 2 * 64, 64)]:
         pieces = -(-L // piece)
-        # delta goes through softplus, or is already a step size (positive)
-        delta = torch.randn(batch, dim, L) * 0.5 - 1 if softplus else torch.rand(batch, dim, L) * 0.2
-        bias = torch.randn(dim) * 0.3 if has_bias else None
+        s, d = torch.randn(batch, pieces, dim, dstate), torch.rand(batch, pieces, dim)
         A = -torch.rand(dim, dstate) * 4 - 0.05
-        x = torch.randn(batch, dim, L)
-        z = torch.randn(batch, dim, L) if has_z else None
-        bc = torch.randn(batch, 1, dstate, L)
-        start, length = ts.piece_spans(batch, L, pieces, piece, "cpu")
-        s, d = ts._segment_sums_triton(forward, delta, bias, A, x, z, bc, softplus, start, length)
-        s, d = s.view(batch, pieces, dim, dstate), d.view(batch, pieces, dim)
-        s_r, d_r = ts.piece_sums_ref(forward, delta.double(), None if bias is None else bias.double(), A.double(),
-                                     x.double(), None if z is None else z.double(), bc.double(), softplus, pieces,
-                                     piece)
-        worst = max(worst, ((s.double() - s_r).abs().max() / s_r.abs().max()).item(),
-                    ((d.double() - d_r).abs().max() / d_r.abs().max()).item())
         p = ts._chain_prefix_triton(s.flatten(0, 1), d.flatten(0, 1), A, None, pieces, None, False,
                                     not forward).view(s.shape)
-        p_r = ts.piece_prefix_ref(forward, s_r, d_r, A.double())
+        p_r = ts.piece_prefix_ref(forward, s.double(), d.double(), A.double())
         worst = max(worst, ((p.double() - p_r).abs().max() / p_r.abs().max()).item())
-# segments of any length at any place (the carry's chains), strided inputs (z and x halves of one tensor, B and C
-# parts of another, as the fused mixer has them), a segment of one token
-batch, dim, dstate, L = 3, 20, 16, 150
-xz = torch.randn(batch, 2 * dim, L)
-dbl = torch.randn(batch, L, 2 * dstate + 3).transpose(1, 2)
-delta = torch.randn(batch, dim, L) * 0.5 - 1
-A = -torch.rand(dim, dstate) * 4 - 0.05
-bias = torch.randn(dim) * 0.3
-start = torch.tensor([0 * L + 7, 1 * L + 0, 1 * L + 149, 2 * L + 40, 0 * L + 100])
-length = torch.tensor([90, 150, 1, 33, 50])
-for forward in (True, False):
-    args = (delta, bias, A, xz[:, :dim], xz[:, dim:] if not forward else None, dbl[:, 3:3 + dstate], True)
-    s, d = ts._segment_sums_triton(forward, *args, start, length)
-    s_r, d_r = ts.segment_sums_ref(forward, *[a.double() if torch.is_tensor(a) else a for a in args], start,
-                                   length, 150)
-    worst = max(worst, ((s.double() - s_r).abs().max() / s_r.abs().max()).item(),
-                ((d.double() - d_r).abs().max() / d_r.abs().max()).item())
 # chains of any lengths (the carry's), from given states, inclusive, both directions
 S, dim, dstate = 7, 20, 16
 sums, dts = torch.randn(S, dim, dstate), torch.rand(S, dim)
@@ -189,10 +158,10 @@ print("worst", worst)
 """
 
 
-def test_triton_reductions_in_the_interpreter():
-    """The Triton piece sums (both directions, tails, dstate below 16, with and without z / bias / softplus; segments
-    of any length anywhere in strided inputs) and the prefixes over pieces and over chains (from given states)
-    against their float64 references, on the CPU through Triton's interpreter."""
+def test_triton_prefixes_in_the_interpreter():
+    """The Triton prefixes over the pieces of a cut (both directions, a partial last piece, dstate below 16) and over
+    chains of any length (from given states) against their float64 references, on the CPU through Triton's
+    interpreter. (The reductions are a CUDA kernel: test_kernel_emulation.py, test_emulated_segment_sums_...)"""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed")
     root = pathlib.Path(__file__).resolve().parents[2]
