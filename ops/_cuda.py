@@ -4,7 +4,7 @@ Nothing here builds at import time: ``load()`` returns the extension, installed 
 just in time on first use (``ops._build`` says how). The extension's functions (``scan_fwd``, ``scan_bwd``,
 ``conv_runmask``, ``conv_fwd``, ``conv_bwd``, ``conv_states_fwd``, ``conv_states_bwd``) are called only by the CUDA
 implementations of the custom ops in ``ops/selective_scan_interface.py`` and ``ops/conv1d_interface.py`` (their
-contract: ``ops/contract.py``).
+contract: ``ops/contract.py``); ``segment_sums`` by ``ops/time_split.py`` (the cut along time, the carry's chains).
 """
 from __future__ import annotations
 
