@@ -39,7 +39,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .contract import (SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, SCAN_LANES, TIME_SPLIT_MAX_BLOCKS_PER_SM, scan_blocks,
+from .contract import (SCAN_CHUNK, SCAN_FWD_WARPS_PER_SM, TIME_SPLIT_MAX_BLOCKS_PER_SM, scan_blocks,
                        scan_bwd_segments, scan_fwd_segments)
 from .decode import HAS_TRITON
 
@@ -262,12 +262,26 @@ def segment_sums(forward: bool, delta, delta_bias, A, x, z, bc, softplus: bool, 
     """:func:`segment_sums_ref`, by one CUDA kernel on CUDA tensors (``ops/csrc/segment_sums.cu``; float32 results;
     ``delta``, ``x``, ``z``: (batch, dim, seqlen), any strides with the time axis unit-strided; ``bc`` (batch,
     dstate, seqlen) or (batch, 1, dstate, seqlen) likewise; ``A`` / ``delta_bias`` float32). No wait for the device.
-    The reference elsewhere (float64, other devices)."""
-    if delta.device.type != "cuda" or delta.dtype == torch.float64 or A.shape[1] > SCAN_LANES:
+    The reference wherever the scan itself runs its reference (``ops.use_backend("reference")``, other devices,
+    float64, dstate above the kernel's), under ``torch.compile`` and tensor subclasses, and where the kernels cannot
+    load."""
+    ext = _reduction_kernels(delta, A)
+    if ext is None:
         return segment_sums_ref(forward, delta, delta_bias, A, x, z, bc, softplus, start, length, max_length)
-    from .backends import load_kernels
-    return _segment_sums_ext(load_kernels(), forward, delta, delta_bias, A, x, z, bc, softplus, start, length,
-                             max_length)
+    return _segment_sums_ext(ext, forward, delta, delta_bias, A, x, z, bc, softplus, start, length, max_length)
+
+
+def _reduction_kernels(delta: torch.Tensor, A: torch.Tensor):
+    """The compiled extension where :func:`segment_sums` runs its kernel (the scan's dispatch rule, plain eager mode),
+    else None."""
+    from . import backends
+    try:
+        if not backends.calls_directly(delta) or backends.implementation(
+                "selective_scan", delta.device.type, delta.dtype, dstate=A.shape[1]) != "cuda":
+            return None
+        return backends.load_kernels()
+    except backends.KernelUnsupportedError:
+        return None
 
 
 def _segment_sums_ext(ext, forward, delta, delta_bias, A, x, z, bc, softplus, start, length, max_length):
@@ -280,8 +294,10 @@ def _segment_sums_ext(ext, forward, delta, delta_bias, A, x, z, bc, softplus, st
     delta, x = _unit_time(delta), _unit_time(x.to(dt))
     z = None if forward or z is None else _unit_time(z.to(dt))
     bc = _unit_time(bc if bc.dtype in (dt, torch.float32) else bc.float())
-    sums = torch.empty(S, dim, dstate, device=delta.device, dtype=torch.float32)
-    dts = torch.empty(S, dim, device=delta.device, dtype=torch.float32)
+    from ._cuda import kernel_outputs
+    with kernel_outputs():   # written in full by the kernel
+        sums = torch.empty(S, dim, dstate, device=delta.device, dtype=torch.float32)
+        dts = torch.empty(S, dim, device=delta.device, dtype=torch.float32)
     if S:
         ext.segment_sums(bool(forward), delta, None if delta_bias is None else delta_bias.float().contiguous(),
                          A.float().contiguous(), x, z, bc, bool(softplus), start.long().contiguous(),

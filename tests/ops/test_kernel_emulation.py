@@ -1233,3 +1233,33 @@ def test_emulated_segment_sums_match_float64(emulator, seed, dtype, parts):
                                          for a in (delta, bias, A, xz[:, :dim], None, dbl[:, 3:3 + dstate])],
                                  softplus, start, length, L)
     assert ((s_bad.double() - s_r).abs().max() / s_r.abs().max()).item() > 1e-2
+
+
+def test_segment_sums_follow_the_scans_backend_rule(cuda_path_on_cpu, monkeypatch):
+    """``time_split.segment_sums`` runs the kernel where the scan runs its kernels, and the reference under
+    ``ops.use_backend("reference")``. Before, it decided by the device alone: on CUDA tensors the carried mixer's
+    reference run still ran the compiled reduction (and needed the extension); here, CPU tensors never reached it."""
+    import ops
+    from ops import backends, time_split as ts
+    monkeypatch.setattr(backends, "DIRECT_DEVICE_TYPES", ("cuda", "cpu"))   # the emulated kernels take CPU tensors
+    # the fixture's rule, CPU tensors as CUDA ones, with the real rule's override
+    monkeypatch.setattr(backends, "implementation",
+                        lambda *a, **k: "reference" if backends.get_backend() == "reference" else "cuda")
+    calls = []
+    real = EmulatedExt.segment_sums
+    monkeypatch.setattr(EmulatedExt, "segment_sums", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    g = torch.Generator().manual_seed(0)
+    batch, dim, dstate, L = 2, 12, 16, 150
+    args = (torch.randn(batch, dim, L, generator=g) * 0.5 - 1, torch.randn(dim, generator=g) * 0.3,
+            -torch.rand(dim, dstate, generator=g) * 4 - 0.05, torch.randn(batch, dim, L, generator=g), None,
+            torch.randn(batch, dstate, L, generator=g), True)
+    start, length = torch.tensor([3, L + 20]), torch.tensor([140, 100])
+    want, want_dt = ts.segment_sums_ref(True, *args, start, length, 140)
+    got, got_dt = ts.segment_sums(True, *args, start, length, 140)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(got_dt, want_dt, rtol=1e-5, atol=1e-6)
+    with ops.use_backend("reference"):
+        ref, _ = ts.segment_sums(True, *args, start, length, 140)
+    assert calls == [1], "the reference backend ran the kernel"
+    assert torch.equal(ref, want)
