@@ -6,13 +6,13 @@
 //
 // A block: 8 channels x 16 states of one part of one segment, thread (channel c, state n); it walks its part in
 // tiles of 64 timesteps (forward from its end, backward from its start), each tile's inputs loaded while the tile
-// before is summed. Long segments on small grids are cut into parts (grid z, chosen by the caller) whose sums a second
-// small kernel combines (segment_parts_kernel). Per tile the 128 threads stage, per channel and
-// timestep, the sum of dt over the tile's timesteps after it (forward) or up to and including it (backward) and the
-// term it multiplies (dt u, or the gated output gradient), and B or C per timestep and state; then each thread sums
-// exp2(A2 w_t) term_t bc_t over the tile (one exp2 a product: 6 instructions) and adds that, times exp2(A2 s) for
-// the dt s beyond the tile, to its running sum. Every exponent is a sum of dt toward the segment's far end:
-// the rounding stays relative to the exponent's own size, as in the scan.
+// before is summed. Long segments on small grids are cut into parts (grid z; segment_sums_parts, from the caller's
+// bound on the longest segment) whose sums a second small kernel combines (segment_parts_kernel). Per tile the 128
+// threads stage, per channel and timestep, the sum of dt over the tile's timesteps after it (forward) or up to and
+// including it (backward) and the term it multiplies (dt u, or the gated output gradient), and B or C per timestep
+// and state; then each thread sums exp2(A2 w_t) term_t bc_t over the tile (one exp2 a product: 6 instructions) and
+// adds that, times exp2(A2 s) for the dt s beyond the tile, to its running sum. Every exponent is a sum of dt toward
+// the segment's far end: the rounding stays relative to the exponent's own size, as in the scan.
 #include "dispatch.cuh"
 
 #include "ops_common.h"
