@@ -10,8 +10,8 @@ cheaply: within a piece ``k`` of timesteps ``[t0, t1)``::
 
 so ``H_k`` (the state before piece ``k``) follows from ``H_0 = 0``, ``H_k = P_{k-1} H_{k-1} + E_{k-1}``. ``E`` and
 the sums of ``dt`` are plain reductions over time (no recurrence), one CUDA kernel (``ops/csrc/segment_sums.cu``);
-then one pass of the scan
-kernel over all pieces side by side, each continuing from ``H_k`` (the carried-state slots of ``ops/contract.py``)::
+then one pass of the scan kernel over all pieces side by side, each continuing from ``H_k`` (the carried-state slots
+of ``ops/contract.py``)::
 
     row      [ t0 ............................................................ L ]
     pieces   [ piece 0       | piece 1       | piece 2       | piece 3       ]
