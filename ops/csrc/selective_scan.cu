@@ -491,13 +491,25 @@ struct BwdSmem {
   // [buffer][warp][kind: dB_n, dB_n+8, dC_n, dC_n+8][n][j ^ red_swizzle(kind, n)]: a warp's 32 stores of one
   // timestep and its 32 loads in the block sum each hit 32 different banks
   float red[2][kWarps][4][8][kSub];
-  alignas(16) int slot_i[kChunk];   // carried states (kStates): the chunk's state_slots, -1 outside the segment
-  alignas(16) int slot_f[kChunk];   // (read as int4 for the chunk's any-slot test)
+  int slot_i[kChunk];   // carried states (kStates): the chunk's state_slots, -1 outside the segment
+  int slot_f[kChunk];
+  unsigned slot_bits[kChunk / 32];   // a ballot of the chunk's slots a warp of timesteps (kStates)
 };
 // 75 KiB for 16-bit inputs: three blocks (12 warps) an SM
 static_assert(sizeof(BwdSmem<__nv_bfloat16, __nv_bfloat16>) + 1024 <= 233472 / 3, "three backward blocks per SM");
 
 __device__ __forceinline__ int red_swizzle(int kind, int n) { return ((kind << 2) | (n >> 1)) & 15; }
+
+// threadIdx.x read anew (volatile: never shared with an earlier read), for values a rare path should derive itself
+__device__ __forceinline__ int thread_index_x() {
+#if defined(__CUDA_ARCH__)
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+#else
+  return threadIdx.x;   // the CPU emulation (tests/ops/test_kernel_emulation.py)
+#endif
+}
 
 // arr[i] for a run-time i, as selects (a run-time index would put the array in local memory)
 template <int N>
@@ -516,8 +528,9 @@ __device__ __forceinline__ void put(float (&arr)[N], int i, float v) {
 // kStates: carried states (ScanParams::state_slots). The recomputations load h from initial_state before a start
 // with a slot and keep it (as the forward does); the reverse walk adds the gradient of final_state to the adjoint at
 // a sequence's last token with a slot, and at a start with a slot stores the adjoint it would hand to the timestep
-// before (the gradient of the initial state) instead of handing it on. Block-uniform branches on the slots staged
-// in shared memory; without kStates the kernel is the plain one.
+// before (the gradient of the initial state) instead of handing it on. Only the 16-step sub-chunks that hold a slot
+// (a block-uniform mask made from the slots staged in shared memory) do this, in rolled loops; every other sub-chunk
+// runs the plain unrolled code, so the hot code is the plain kernel's. Without kStates the kernel is the plain one.
 template <typename in_t, typename w_t, bool kHasZ, bool kAsync, bool kStates>
 __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -547,9 +560,6 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   const float Ab = (d_ok && n + 8 < p.dstate) ? p.A[(int64_t)d * p.dstate + n + 8] : 0.f;
   const float A2a = Aa * kLog2e, A2b = Ab * kLog2e;
   const float Dd = (d_ok && p.D) ? p.D[d] : 0.f;
-  // carried states: this thread's two states of slot s in initial_state / final_state and their gradients
-  const bool sa_ok = d_ok && n < p.dstate, sb_ok = d_ok && n + 8 < p.dstate;
-  auto soff = [&](int slot) { return ((int64_t)slot * p.dim + d) * p.dstate + n; };
 
   const int64_t row = ((int64_t)b * p.dim) * L;
   const in_t *u = reinterpret_cast<const in_t *>(p.u) + row;
@@ -630,83 +640,183 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
       int si = -1;
       if constexpr (kStates) {
         si = in_seg && p.initial_state ? p.state_slots[(int64_t)b * L + t] : -1;
+        const int sf = in_seg && p.dfinal_state ? p.state_slots[((int64_t)p.batch + b) * L + t] : -1;
         sm.slot_i[tid] = si;
-        sm.slot_f[tid] = in_seg && p.dfinal_state ? p.state_slots[((int64_t)p.batch + b) * L + t] : -1;
+        sm.slot_f[tid] = sf;
+        // bit tt of warp w's word: timestep 32 w + tt loads or stores a state (warps 0 and 1 are whole here)
+        const unsigned any = __ballot_sync(0xffffffffu, si >= 0 || sf >= 0);
+        if (lane == 0) sm.slot_bits[warp] = any;
       }
       sm.sig_m[tid][kDB] = (!in_seg || (raw.pos[tid] == 0 && si < 0)) ? 0.f : 1.f;
     }
     __syncthreads();
     if (c > c_lo) stage(t0 - kChunk);   // overlaps with this chunk's backward
-    // a chunk where no timestep reads or writes a state runs the plain body (no per-timestep test): every thread
-    // ORs the chunk's slots (block-uniform)
-    bool any_slot = false;
+    // carried states: bit s of slot_subs says that sub-chunk s holds a timestep that loads or stores a state
+    // (block-uniform: from the ballots of the slots as they were staged). Such a sub-chunk takes a compact rolled
+    // path (below); the others, and every sub-chunk of a kernel without states, the unrolled plain code. One copy of
+    // the hot code: two unrolled bodies (plain and with states) on one multiprocessor thrashed its instruction cache
+    // (ncu, RESULTS.md)
+    unsigned slot_subs = 0;
     if constexpr (kStates) {
-      const int4 *si4 = reinterpret_cast<const int4 *>(sm.slot_i), *sf4 = reinterpret_cast<const int4 *>(sm.slot_f);
-#pragma unroll 4
-      for (int i = 0; i < kChunk / 4; ++i) {
-        const int4 x = si4[i], y = sf4[i];
-        any_slot |= ((x.x & x.y & x.z & x.w) & (y.x & y.y & y.z & y.w)) != -1;
-      }
+      static_assert(kChunk == 64 && kSub == 16, "two words of slot bits, two sub-chunks a word");
+      const unsigned w0 = sm.slot_bits[0], w1 = sm.slot_bits[1];
+      slot_subs = (w0 & 0xffffu ? 1u : 0u) | (w0 >> 16 ? 2u : 0u) | (w1 & 0xffffu ? 4u : 0u) | (w1 >> 16 ? 8u : 0u);
     }
+    // the rolled path's index of a thread's state n of slot `slot`, derived there from the thread's index read anew,
+    // so that nothing of it is kept live through the plain code (registers)
+    struct StateAt { int64_t i; bool a, b; };   // index of state n of the slot; states n / n + 8 exist
+    auto state_at = [&](int slot) -> StateAt {
+      const int t = thread_index_x(), nn = t & 7, dd = blockIdx.x * kDB + (t >> 3);
+      const bool ok = dd < p.dim;
+      return {((int64_t)slot * p.dim + dd) * p.dstate + nn, ok && nn < p.dstate, ok && nn + 8 < p.dstate};
+    };
+    auto state_pair = [&](const float *states, int slot, float &a, float &b) {
+      const StateAt at = state_at(slot);
+      a = at.a ? states[at.i] : 0.f;
+      b = at.b ? states[at.i + 8] : 0.f;
+    };
 
-    auto chunk_body = [&](auto states_tag) {
-      constexpr bool kSt = decltype(states_tag)::value;
-      // states at the start of every sub-chunk
-      float hsa[kNSub] = {}, hsb[kNSub] = {};
-      {
-        float ha = 0.f, hb = 0.f;
-        if (c > 0 && d_ok) {
-          const float *sv = p.saved + (((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes;
-          ha = sv[n];
-          hb = sv[n + 8];
-        }
-  #pragma unroll 1
-        for (int s = 0; s < kNSub; ++s) {
-          put(hsa, s, ha);
-          put(hsb, s, hb);
-          float yv[kSub];
-  #pragma unroll
+    // states at the start of every sub-chunk
+    float hsa[kNSub] = {}, hsb[kNSub] = {};
+    {
+      float ha = 0.f, hb = 0.f;
+      if (c > 0 && d_ok) {
+        const float *sv = p.saved + (((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes;
+        ha = sv[n];
+        hb = sv[n + 8];
+      }
+#pragma unroll 1
+      for (int s = 0; s < kNSub; ++s) {
+        put(hsa, s, ha);
+        put(hsb, s, hb);
+        float yv[kSub];
+        if (kStates && ((slot_subs >> s) & 1u)) {
+          // with slots: a sequence start with an initial-state slot continues from that state
+          float yl[kSub];
+#pragma unroll 1
           for (int j = 0; j < kSub; ++j) {
             const int tt = s * kSub + j;
             const float2 dd = sm.dt_dtu[tt][dl];
             const float4 bc = sm.BC[tt][n];
             const float keep = sm.sig_m[tt][kDB];
-            if constexpr (kSt) {
-              const int si = sm.slot_i[tt];
-              if (si >= 0) {   // block-uniform: the sequence starts from its initial state
-                ha = sa_ok ? p.initial_state[soff(si)] : 0.f;
-                hb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
-              }
-            }
+            const int si = sm.slot_i[tt];
+            if (si >= 0) state_pair(p.initial_state, si, ha, hb);
+            ha = scan_step(dd.x * A2a, dd.y * bc.x, ha, keep);
+            hb = scan_step(dd.x * A2b, dd.y * bc.z, hb, keep);
+            yl[j] = want_y ? __fadd_rn(__fmul_rn(ha, bc.y), __fmul_rn(hb, bc.w)) : 0.f;
+          }
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) yv[j] = yl[j];
+        } else {
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) {
+            const int tt = s * kSub + j;
+            const float2 dd = sm.dt_dtu[tt][dl];
+            const float4 bc = sm.BC[tt][n];
+            const float keep = sm.sig_m[tt][kDB];
             ha = scan_step(dd.x * A2a, dd.y * bc.x, ha, keep);
             hb = scan_step(dd.x * A2b, dd.y * bc.z, hb, keep);
             yv[j] = want_y ? __fadd_rn(__fmul_rn(ha, bc.y), __fmul_rn(hb, bc.w)) : 0.f;   // as the forward rounds it
           }
-          if (want_y) {
-            // dz needs the forward output y + D u in fp32: y = sum_n C h is recomputed here (the same states, the
-            // same reduction tree and, with no fused multiply-add, the same rounding as the forward, so out_rec is the
-            // forward's output bit for bit) and the forward output need not be kept for the backward
-            reduce_scatter8(yv, n);
-  #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int tt = s * kSub + 2 * n + r, t = t0 + tt;
-              if (d_ok && t >= seg_lo && t < seg_hi) {
-                const float o = p.D ? __fadd_rn(yv[r], __fmul_rn(Dd, sm.dy_u[tt][dl].y)) : yv[r];
-                if (kHasZ) dz[(int64_t)d * L + t] = from_f<in_t>(o * sm.gz[tt][dl]);
-                if (out_rec) out_rec[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
-              }
+        }
+        if (want_y) {
+          // dz needs the forward output y + D u in fp32: y = sum_n C h is recomputed here (the same states, the
+          // same reduction tree and, with no fused multiply-add, the same rounding as the forward, so out_rec is the
+          // forward's output bit for bit) and the forward output need not be kept for the backward
+          reduce_scatter8(yv, n);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int tt = s * kSub + 2 * n + r, t = t0 + tt;
+            if (d_ok && t >= seg_lo && t < seg_hi) {
+              const float o = p.D ? __fadd_rn(yv[r], __fmul_rn(Dd, sm.dy_u[tt][dl].y)) : yv[r];
+              if (kHasZ) dz[(int64_t)d * L + t] = from_f<in_t>(o * sm.gz[tt][dl]);
+              if (out_rec) out_rec[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
             }
           }
         }
       }
+    }
 
-  #pragma unroll 1
-      for (int s = kNSub - 1; s >= 0; --s) {
-        const float hsa_s = pick(hsa, s), hsb_s = pick(hsb, s);
+#pragma unroll 1
+    for (int s = kNSub - 1; s >= 0; --s) {
+      const float hsa_s = pick(hsa, s), hsb_s = pick(hsb, s);
+      float (*red)[4][8][kSub] = sm.red[s & 1];
+      // dB_n, dB_n+8, dC_n, dC_n+8 of timestep j of the sub-chunk, summed over the warp's 4 channels: lane keeps `kind`
+      auto reduce_dbc = [&](int j, float ga, float gb, float dtu, float dy, float ha, float hb) {
+        const bool hi = lane & 16;
+        const float v0 = ga * dtu, v1 = gb * dtu, v2 = dy * ha, v3 = dy * hb;
+        const float k0 = (hi ? v2 : v0) + __shfl_xor_sync(0xffffffffu, hi ? v0 : v2, 16);
+        const float k1 = (hi ? v3 : v1) + __shfl_xor_sync(0xffffffffu, hi ? v1 : v3, 16);
+        const bool hi2 = lane & 8;
+        red[warp][kind][n][j ^ red_swizzle(kind, n)] = (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, 8);
+      };
+      float gsum[kSub], gasum[kSub];   // per timestep, over this thread's two states: g B, and g h[t-1] a A
+      if (kStates && ((slot_subs >> s) & 1u)) {
+        // with slots, rolled: the states recomputed as above; the reverse walk adds the gradient of final_state to
+        // the adjoint at a sequence's last token with a slot (what comes from t + 1 is 0 there: a start or
+        // outside), and at a start with a slot stores the adjoint it would hand back (the gradient of the initial
+        // state, whose value is the state before the start) instead of handing it on
+        float hva[kSub], hvb[kSub], ava[kSub], avb[kSub], gsl[kSub], gasl[kSub];
+        float ha = hsa_s, hb = hsb_s;
+#pragma unroll 1
+        for (int j = 0; j < kSub; ++j) {
+          const int tt = s * kSub + j;
+          const float2 dd = sm.dt_dtu[tt][dl];
+          const float4 bc = sm.BC[tt][n];
+          const bool keep = sm.sig_m[tt][kDB] != 0.f;
+          ava[j] = exp2f(dd.x * A2a);
+          avb[j] = exp2f(dd.x * A2b);
+          const int si = sm.slot_i[tt];
+          if (si >= 0) state_pair(p.initial_state, si, ha, hb);
+          ha = keep ? fmaf(ava[j], ha, dd.y * bc.x) : dd.y * bc.x;   // scan_step's bits
+          hb = keep ? fmaf(avb[j], hb, dd.y * bc.z) : dd.y * bc.z;
+          hva[j] = ha;
+          hvb[j] = hb;
+        }
+#pragma unroll 1
+        for (int j = kSub - 1; j >= 0; --j) {
+          const int tt = s * kSub + j;
+          const float2 dyu = sm.dy_u[tt][dl];
+          const float2 dd = sm.dt_dtu[tt][dl];
+          const float4 bc = sm.BC[tt][n];
+          const bool keep = sm.sig_m[tt][kDB] != 0.f;
+          const int sf = sm.slot_f[tt], si = sm.slot_i[tt];
+          if (sf >= 0 && p.dfinal_state) {
+            float fa, fb;
+            state_pair(p.dfinal_state, sf, fa, fb);
+            gca += fa;
+            gcb += fb;
+          }
+          const float ga = fmaf(bc.y, dyu.x, gca), gb = fmaf(bc.w, dyu.x, gcb);
+          float hpa = j > 0 ? hva[j - 1] : hsa_s, hpb = j > 0 ? hvb[j - 1] : hsb_s;
+          if (si >= 0) state_pair(p.initial_state, si, hpa, hpb);
+          reduce_dbc(j, ga, gb, dd.y, dyu.x, hva[j], hvb[j]);
+          gsl[j] = fmaf(ga, bc.x, gb * bc.z);
+          const float gaa = keep ? ga * hpa * ava[j] : 0.f;
+          const float gab = keep ? gb * hpb * avb[j] : 0.f;
+          gasl[j] = fmaf(gaa, Aa, gab * Ab);
+          dAa_chunk = fmaf(gaa, dd.x, dAa_chunk);
+          dAb_chunk = fmaf(gab, dd.x, dAb_chunk);
+          gca = keep ? ga * ava[j] : 0.f;
+          gcb = keep ? gb * avb[j] : 0.f;
+          if (si >= 0) {
+            const StateAt at = state_at(si);
+            if (at.a && p.dinitial_state) p.dinitial_state[at.i] = gca;
+            if (at.b && p.dinitial_state) p.dinitial_state[at.i + 8] = gcb;
+            gca = 0.f;
+            gcb = 0.f;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          gsum[j] = gsl[j];
+          gasum[j] = gasl[j];
+        }
+      } else {
         float hva[kSub], hvb[kSub], ava[kSub], avb[kSub];
         {
           float ha = hsa_s, hb = hsb_s;
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < kSub; ++j) {
             const int tt = s * kSub + j;
             const float2 dd = sm.dt_dtu[tt][dl];
@@ -715,54 +825,23 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
             ava[j] = exp2f(dd.x * A2a);
             avb[j] = exp2f(dd.x * A2b);
             const float bxa = dd.y * bc.x, bxb = dd.y * bc.z;
-            if constexpr (kSt) {
-              const int si = sm.slot_i[tt];
-              if (si >= 0) {
-                ha = sa_ok ? p.initial_state[soff(si)] : 0.f;
-                hb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
-              }
-            }
             ha = keep ? fmaf(ava[j], ha, bxa) : bxa;   // scan_step's bits
             hb = keep ? fmaf(avb[j], hb, bxb) : bxb;
             hva[j] = ha;
             hvb[j] = hb;
           }
         }
-        float (*red)[4][8][kSub] = sm.red[s & 1];
-        float gsum[kSub], gasum[kSub];   // per timestep, over this thread's two states: g B, and g h[t-1] a A
-  #pragma unroll
+#pragma unroll
         for (int j = kSub - 1; j >= 0; --j) {
           const int tt = s * kSub + j;
           const float2 dyu = sm.dy_u[tt][dl];
           const float2 dd = sm.dt_dtu[tt][dl];
           const float4 bc = sm.BC[tt][n];
           const bool keep = sm.sig_m[tt][kDB] != 0.f;
-          int si = -1;
-          if constexpr (kSt) {
-            const int sf = sm.slot_f[tt];
-            if (sf >= 0 && p.dfinal_state) {   // block-uniform: the gradient of the final state enters here (what
-              gca += sa_ok ? p.dfinal_state[soff(sf)] : 0.f;      // comes from t + 1 is 0: a start or outside)
-              gcb += sb_ok ? p.dfinal_state[soff(sf) + 8] : 0.f;
-            }
-            si = sm.slot_i[tt];
-          }
           const float ga = fmaf(bc.y, dyu.x, gca), gb = fmaf(bc.w, dyu.x, gcb);
-          float hpa = j > 0 ? hva[j > 0 ? j - 1 : 0] : hsa_s;
-          float hpb = j > 0 ? hvb[j > 0 ? j - 1 : 0] : hsb_s;
-          if (kSt && si >= 0) {   // the state before this start is the initial state
-            hpa = sa_ok ? p.initial_state[soff(si)] : 0.f;
-            hpb = sb_ok ? p.initial_state[soff(si) + 8] : 0.f;
-          }
-          // dB_n, dB_n+8, dC_n, dC_n+8 of this timestep, summed over the warp's 4 channels: lane keeps `kind`
-          {
-            const bool hi = lane & 16;
-            const float v0 = ga * dd.y, v1 = gb * dd.y, v2 = dyu.x * hva[j], v3 = dyu.x * hvb[j];
-            const float k0 = (hi ? v2 : v0) + __shfl_xor_sync(0xffffffffu, hi ? v0 : v2, 16);
-            const float k1 = (hi ? v3 : v1) + __shfl_xor_sync(0xffffffffu, hi ? v1 : v3, 16);
-            const bool hi2 = lane & 8;
-            red[warp][kind][n][j ^ red_swizzle(kind, n)] =
-                (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, 8);
-          }
+          const float hpa = j > 0 ? hva[j > 0 ? j - 1 : 0] : hsa_s;
+          const float hpb = j > 0 ? hvb[j > 0 ? j - 1 : 0] : hsb_s;
+          reduce_dbc(j, ga, gb, dd.y, dyu.x, hva[j], hvb[j]);
           gsum[j] = fmaf(ga, bc.x, gb * bc.z);
           // at a reset nothing flows to or from the sequence before: the terms through h[t-1] are dropped, not
           // multiplied by zero (an inf or NaN on either side stays on its side)
@@ -773,53 +852,41 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
           dAb_chunk = fmaf(gab, dd.x, dAb_chunk);
           gca = keep ? ga * ava[j] : 0.f;
           gcb = keep ? gb * avb[j] : 0.f;
-          if (kSt && si >= 0) {   // the adjoint of the initial state: stored, not handed to the sequence before
-            if (sa_ok && p.dinitial_state) p.dinitial_state[soff(si)] = gca;
-            if (sb_ok && p.dinitial_state) p.dinitial_state[soff(si) + 8] = gcb;
-            gca = 0.f;
-            gcb = 0.f;
-          }
-        }
-        // sums over the 16 states: lane n gets timesteps s*16 + 2n and s*16 + 2n + 1
-        // du = dt sum_n g B + D dy;  d(delta before softplus) = (u sum_n g B + sum_n g h[t-1] a A) sigmoid
-        reduce_scatter8(gsum, n);
-        reduce_scatter8(gasum, n);
-  #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int tt = s * kSub + 2 * n + r, t = t0 + tt;
-          const float2 dyu = sm.dy_u[tt][dl];
-          const float duf = fmaf(sm.dt_dtu[tt][dl].x, gsum[r], dyu.x * Dd);
-          const float ddf = fmaf(dyu.y, gsum[r], gasum[r]) * sm.sig_m[tt][dl];
-          if (d_ok && t >= seg_lo && t < seg_hi) {
-            const int64_t off = (int64_t)d * L + t;
-            du[off] = from_f<in_t>(duf);
-            ddelta[off] = from_f<in_t>(ddf);
-            dD_chunk = fmaf(dyu.x, dyu.y, dD_chunk);
-            dbias_chunk += ddf;
-          }
-        }
-        __syncthreads();
-        // dB, dC over the block's 4 warps: 512 sums (kind, n, j), four a thread, 16 consecutive timesteps a row
-  #pragma unroll
-        for (int q = 0; q < 4 * 8 * kSub / kThreads; ++q) {
-          const int o = tid + q * kThreads, kn = o >> 4, rj = o & 15, rk = kn >> 3, rn = kn & 7;
-          const int sj = rj ^ red_swizzle(rk, rn);
-          float v = 0.f;
-  #pragma unroll
-          for (int w = 0; w < kWarps; ++w) v += red[w][rk][rn][sj];
-          const int state = rn + 8 * (rk & 1), t = t0 + s * kSub + rj;
-          if (state < p.dstate && t >= seg_lo && t < seg_hi) {
-            if (det_slot) det_slot[((int64_t)(rk >> 1) * p.dstate + state) * L + t] = v;
-            else atomicAdd((rk >> 1 ? dCp : dBp) + (int64_t)state * L + t, v);
-          }
         }
       }
-    };
-    if constexpr (kStates) {
-      if (any_slot) chunk_body(std::true_type{});   // block-uniform
-      else chunk_body(std::false_type{});
-    } else {
-      chunk_body(std::false_type{});
+      // sums over the 16 states: lane n gets timesteps s*16 + 2n and s*16 + 2n + 1
+      // du = dt sum_n g B + D dy;  d(delta before softplus) = (u sum_n g B + sum_n g h[t-1] a A) sigmoid
+      reduce_scatter8(gsum, n);
+      reduce_scatter8(gasum, n);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int tt = s * kSub + 2 * n + r, t = t0 + tt;
+        const float2 dyu = sm.dy_u[tt][dl];
+        const float duf = fmaf(sm.dt_dtu[tt][dl].x, gsum[r], dyu.x * Dd);
+        const float ddf = fmaf(dyu.y, gsum[r], gasum[r]) * sm.sig_m[tt][dl];
+        if (d_ok && t >= seg_lo && t < seg_hi) {
+          const int64_t off = (int64_t)d * L + t;
+          du[off] = from_f<in_t>(duf);
+          ddelta[off] = from_f<in_t>(ddf);
+          dD_chunk = fmaf(dyu.x, dyu.y, dD_chunk);
+          dbias_chunk += ddf;
+        }
+      }
+      __syncthreads();
+      // dB, dC over the block's 4 warps: 512 sums (kind, n, j), four a thread, 16 consecutive timesteps a row
+#pragma unroll
+      for (int q = 0; q < 4 * 8 * kSub / kThreads; ++q) {
+        const int o = tid + q * kThreads, kn = o >> 4, rj = o & 15, rk = kn >> 3, rn = kn & 7;
+        const int sj = rj ^ red_swizzle(rk, rn);
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += red[w][rk][rn][sj];
+        const int state = rn + 8 * (rk & 1), t = t0 + s * kSub + rj;
+        if (state < p.dstate && t >= seg_lo && t < seg_hi) {
+          if (det_slot) det_slot[((int64_t)(rk >> 1) * p.dstate + state) * L + t] = v;
+          else atomicAdd((rk >> 1 ? dCp : dBp) + (int64_t)state * L + t, v);
+        }
+      }
     }
     dAa_acc += dAa_chunk;
     dAb_acc += dAb_chunk;
