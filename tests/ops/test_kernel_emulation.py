@@ -992,6 +992,47 @@ def test_emulated_states_match_float64(cuda_path_on_cpu, fwd_lanes, monkeypatch,
     assert torch.equal(out_none, out_plain) and torch.equal(saved_none, saved_plain)
 
 
+@pytest.mark.parametrize("layout", ["dense", "one-slot-a-sub-chunk"])
+def test_emulated_states_in_every_sub_chunk(cuda_path_on_cpu, seed, layout):
+    """The backward handles a slot in a sub-chunk of 16 steps apart from the plain code (a rolled path for only the
+    sub-chunks that hold one): slots at every sub-chunk position of a chunk, at a sub-chunk's first and last step,
+    several in one sub-chunk, or one alone among plain sub-chunks; every gradient against float64 (fp32, 1e-5)."""
+    ssi = cuda_path_on_cpu
+    batch, dim, dstate, L = 2, 16, 16, 192
+    if layout == "dense":   # short sequences: starts and ends in every sub-chunk of every chunk
+        rows = [[], []]
+        for r in rows:
+            while sum(r) < L:
+                r.append(min(int(torch.randint(1, 24, ())), L - sum(r)))
+    else:   # one continued sequence starting at sub-chunk k of chunk k (k = 1, 2), nothing else in its sub-chunk
+        rows = [[16 + 64, L - 80], [32 + 128, L - 160]]
+    pos = position_ids_for(rows, "cpu").int().contiguous()
+    count = int((pos == 0).sum())
+    from ops.states import state_slots
+    has = torch.rand(count) < 0.6 if layout == "dense" else torch.tensor([False, True] * (count // 2))
+    slots = state_slots(pos, has, layout == "dense")
+    if layout == "dense":   # every sub-chunk position of a chunk holds a slot somewhere
+        at = ((slots[0] >= 0) | (slots[1] >= 0)).nonzero()[:, 1]
+        assert set((at % 64 // 16).tolist()) == {0, 1, 2, 3}
+    u = torch.randn(batch, dim, L)
+    delta = 0.5 * torch.randn(batch, dim, L) - 1.0
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, dstate, L), torch.randn(batch, dstate, L)
+    D, z, db = torch.randn(dim), torch.randn(batch, dim, L), 0.5 * torch.randn(dim)
+    h0 = torch.randn(count, dim, dstate)
+    num_final = count if layout == "dense" else 0
+    out, saved, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True, slots, h0, num_final)
+    dout = torch.randn_like(out)
+    dfinal = torch.randn(count, dim, dstate) if layout == "dense" else None
+    grads = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True, slots, h0, dfinal)
+    f64 = lambda t: None if t is None else t.double()  # noqa: E731
+    ref = ssi._scan_bwd_reference(*[f64(t) for t in (u, delta, A, B, C, D, z, db)], pos, True, saved,
+                                  dout.double(), True, slots, h0.double(), f64(dfinal))
+    for name, g, rg in zip(GRAD_NAMES + ["out", "dinitial_state"], grads, ref):
+        assert kernel_err(g, rg) <= 1e-5, (name, kernel_err(g, rg))
+    assert torch.equal(grads[8], out)
+
+
 def test_emulated_states_in_deterministic_mode(cuda_path_on_cpu, seed):
     """The backward with carried states in deterministic mode (dB / dC per block, no atomics): the same bits twice,
     the initial states' gradient the same bits as in the default mode (stored, never added), the rest equal to it."""
