@@ -750,6 +750,39 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
         const bool hi2 = lane & 8;
         red[warp][kind][n][j ^ red_swizzle(kind, n)] = (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, 8);
       };
+      // the recomputation's step at timestep tt (scan_step's bits), keeping the decays for the reverse walk
+      auto recompute_step = [&](int tt, float &ha, float &hb, float &a_a, float &a_b) {
+        const float2 dd = sm.dt_dtu[tt][dl];
+        const float4 bc = sm.BC[tt][n];
+        const bool keep = sm.sig_m[tt][kDB] != 0.f;
+        a_a = exp2f(dd.x * A2a);
+        a_b = exp2f(dd.x * A2b);
+        const float bxa = dd.y * bc.x, bxb = dd.y * bc.z;
+        ha = keep ? fmaf(a_a, ha, bxa) : bxa;
+        hb = keep ? fmaf(a_b, hb, bxb) : bxb;
+      };
+      // the reverse walk's step at timestep j of the sub-chunk, from the adjoints gca / gcb carried from j + 1: the
+      // states h (ha, hb) and h[t-1] (hpa, hpb), the decays; its sums over the thread's two states go to gs / gas
+      auto reverse_step = [&](int j, float ha, float hb, float hpa, float hpb, float a_a, float a_b, float &gs,
+                              float &gas) {
+        const int tt = s * kSub + j;
+        const float2 dyu = sm.dy_u[tt][dl];
+        const float2 dd = sm.dt_dtu[tt][dl];
+        const float4 bc = sm.BC[tt][n];
+        const bool keep = sm.sig_m[tt][kDB] != 0.f;
+        const float ga = fmaf(bc.y, dyu.x, gca), gb = fmaf(bc.w, dyu.x, gcb);
+        reduce_dbc(j, ga, gb, dd.y, dyu.x, ha, hb);
+        gs = fmaf(ga, bc.x, gb * bc.z);
+        // at a reset nothing flows to or from the sequence before: the terms through h[t-1] are dropped, not
+        // multiplied by zero (an inf or NaN on either side stays on its side)
+        const float gaa = keep ? ga * hpa * a_a : 0.f;
+        const float gab = keep ? gb * hpb * a_b : 0.f;
+        gas = fmaf(gaa, Aa, gab * Ab);
+        dAa_chunk = fmaf(gaa, dd.x, dAa_chunk);
+        dAb_chunk = fmaf(gab, dd.x, dAb_chunk);
+        gca = keep ? ga * a_a : 0.f;
+        gcb = keep ? gb * a_b : 0.f;
+      };
       float gsum[kSub], gasum[kSub];   // per timestep, over this thread's two states: g B, and g h[t-1] a A
       if (kStates && ((slot_subs >> s) & 1u)) {
         // with slots, rolled: the states recomputed as above; the reverse walk adds the gradient of final_state to
@@ -760,45 +793,24 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
         float ha = hsa_s, hb = hsb_s;
 #pragma unroll 1
         for (int j = 0; j < kSub; ++j) {
-          const int tt = s * kSub + j;
-          const float2 dd = sm.dt_dtu[tt][dl];
-          const float4 bc = sm.BC[tt][n];
-          const bool keep = sm.sig_m[tt][kDB] != 0.f;
-          ava[j] = exp2f(dd.x * A2a);
-          avb[j] = exp2f(dd.x * A2b);
-          const int si = sm.slot_i[tt];
+          const int si = sm.slot_i[s * kSub + j];
           if (si >= 0) state_pair(p.initial_state, si, ha, hb);
-          ha = keep ? fmaf(ava[j], ha, dd.y * bc.x) : dd.y * bc.x;   // scan_step's bits
-          hb = keep ? fmaf(avb[j], hb, dd.y * bc.z) : dd.y * bc.z;
+          recompute_step(s * kSub + j, ha, hb, ava[j], avb[j]);
           hva[j] = ha;
           hvb[j] = hb;
         }
 #pragma unroll 1
         for (int j = kSub - 1; j >= 0; --j) {
-          const int tt = s * kSub + j;
-          const float2 dyu = sm.dy_u[tt][dl];
-          const float2 dd = sm.dt_dtu[tt][dl];
-          const float4 bc = sm.BC[tt][n];
-          const bool keep = sm.sig_m[tt][kDB] != 0.f;
-          const int sf = sm.slot_f[tt], si = sm.slot_i[tt];
+          const int sf = sm.slot_f[s * kSub + j], si = sm.slot_i[s * kSub + j];
           if (sf >= 0 && p.dfinal_state) {
             float fa, fb;
             state_pair(p.dfinal_state, sf, fa, fb);
             gca += fa;
             gcb += fb;
           }
-          const float ga = fmaf(bc.y, dyu.x, gca), gb = fmaf(bc.w, dyu.x, gcb);
           float hpa = j > 0 ? hva[j - 1] : hsa_s, hpb = j > 0 ? hvb[j - 1] : hsb_s;
           if (si >= 0) state_pair(p.initial_state, si, hpa, hpb);
-          reduce_dbc(j, ga, gb, dd.y, dyu.x, hva[j], hvb[j]);
-          gsl[j] = fmaf(ga, bc.x, gb * bc.z);
-          const float gaa = keep ? ga * hpa * ava[j] : 0.f;
-          const float gab = keep ? gb * hpb * avb[j] : 0.f;
-          gasl[j] = fmaf(gaa, Aa, gab * Ab);
-          dAa_chunk = fmaf(gaa, dd.x, dAa_chunk);
-          dAb_chunk = fmaf(gab, dd.x, dAb_chunk);
-          gca = keep ? ga * ava[j] : 0.f;
-          gcb = keep ? gb * avb[j] : 0.f;
+          reverse_step(j, hva[j], hvb[j], hpa, hpb, ava[j], avb[j], gsl[j], gasl[j]);
           if (si >= 0) {
             const StateAt at = state_at(si);
             if (at.a && p.dinitial_state) p.dinitial_state[at.i] = gca;
@@ -818,40 +830,16 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
           float ha = hsa_s, hb = hsb_s;
 #pragma unroll
           for (int j = 0; j < kSub; ++j) {
-            const int tt = s * kSub + j;
-            const float2 dd = sm.dt_dtu[tt][dl];
-            const float4 bc = sm.BC[tt][n];
-            const bool keep = sm.sig_m[tt][kDB] != 0.f;
-            ava[j] = exp2f(dd.x * A2a);
-            avb[j] = exp2f(dd.x * A2b);
-            const float bxa = dd.y * bc.x, bxb = dd.y * bc.z;
-            ha = keep ? fmaf(ava[j], ha, bxa) : bxa;   // scan_step's bits
-            hb = keep ? fmaf(avb[j], hb, bxb) : bxb;
+            recompute_step(s * kSub + j, ha, hb, ava[j], avb[j]);
             hva[j] = ha;
             hvb[j] = hb;
           }
         }
 #pragma unroll
         for (int j = kSub - 1; j >= 0; --j) {
-          const int tt = s * kSub + j;
-          const float2 dyu = sm.dy_u[tt][dl];
-          const float2 dd = sm.dt_dtu[tt][dl];
-          const float4 bc = sm.BC[tt][n];
-          const bool keep = sm.sig_m[tt][kDB] != 0.f;
-          const float ga = fmaf(bc.y, dyu.x, gca), gb = fmaf(bc.w, dyu.x, gcb);
           const float hpa = j > 0 ? hva[j > 0 ? j - 1 : 0] : hsa_s;
           const float hpb = j > 0 ? hvb[j > 0 ? j - 1 : 0] : hsb_s;
-          reduce_dbc(j, ga, gb, dd.y, dyu.x, hva[j], hvb[j]);
-          gsum[j] = fmaf(ga, bc.x, gb * bc.z);
-          // at a reset nothing flows to or from the sequence before: the terms through h[t-1] are dropped, not
-          // multiplied by zero (an inf or NaN on either side stays on its side)
-          const float gaa = keep ? ga * hpa * ava[j] : 0.f;
-          const float gab = keep ? gb * hpb * avb[j] : 0.f;
-          gasum[j] = fmaf(gaa, Aa, gab * Ab);
-          dAa_chunk = fmaf(gaa, dd.x, dAa_chunk);
-          dAb_chunk = fmaf(gab, dd.x, dAb_chunk);
-          gca = keep ? ga * ava[j] : 0.f;
-          gcb = keep ? gb * avb[j] : 0.f;
+          reverse_step(j, hva[j], hvb[j], hpa, hpb, ava[j], avb[j], gsum[j], gasum[j]);
         }
       }
       // sums over the 16 states: lane n gets timesteps s*16 + 2n and s*16 + 2n + 1
