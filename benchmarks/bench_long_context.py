@@ -103,9 +103,12 @@ def to_device(batch, device):
 # --------------------------------------------------------------------------------------------------------------
 # part 1: the scan kernels with and without states
 
-def part_kernels(args, device):
+def kernel_cases(device, b=8, d=4096, n=16, L=4096):
+    """The scan's inputs at the bench_ops shape (bf16, z, two sequences a row) and the three cases: ``{name:
+    (forward extra args, backward extra args)}`` after ``(u, delta, A, B, C, D, z, delta_bias, pos, True)``
+    (forward) and ``(..., saved, dout, False)`` (backward). Also what ``benchmarks/gpu/profile_states.sh`` profiles.
+    Returns ``(args, dout, cases)``."""
     from ops.states import state_slots
-    b, d, n, L = 8, 4096, 16, 4096
     dt = torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
     u = torch.randn(b, d, L, device=device, generator=g).to(dt)
@@ -122,17 +125,21 @@ def part_kernels(args, device):
     none = state_slots(pos, torch.zeros(count, dtype=torch.bool, device=device), False)
     one = state_slots(pos, torch.arange(count, device=device) % 2 == 0, True)   # each row's first piece continues
     dout = torch.randn_like(u)
-    args_ = (u, delta, A, B, C, D, z, db, pos, True)
-
-    def fwd_bwd(extra, bwd_extra):
-        out, saved, _ = torch.ops.packloader.selective_scan_fwd(*args_, *extra)
-        torch.ops.packloader.selective_scan_bwd(*args_, saved, dout, False, *bwd_extra)
-
     cases = {
         "plain": ((), ()),
         "states, none used": ((none, h0, 0), (none, h0, None)),
         "states, a carried piece a row": ((one, h0, count), (one, h0, torch.randn(count, d, n, device=device))),
     }
+    return (u, delta, A, B, C, D, z, db, pos, True), dout, cases
+
+
+def part_kernels(args, device):
+    args_, dout, cases = kernel_cases(device)
+
+    def fwd_bwd(extra, bwd_extra):
+        out, saved, _ = torch.ops.packloader.selective_scan_fwd(*args_, *extra)
+        torch.ops.packloader.selective_scan_bwd(*args_, saved, dout, False, *bwd_extra)
+
     rows = []
     for name, (extra, bwd_extra) in cases.items():
         for _ in range(3):

@@ -6,32 +6,16 @@
 #
 #   bash benchmarks/gpu/profile_states.sh OUTDIR        # -> OUTDIR/ncu_states.txt
 #
-# Needs ncu and our kernels (ops) importable.
+# Needs ncu and our kernels (ops) importable; run from the repository root (the cases: bench_long_context.py).
 set -u
 out=${1:?usage: profile_states.sh OUTDIR}; mkdir -p "$out"
 cat > /tmp/profile_states_driver.py <<'PY'
+import sys
 import torch
-import ops  # noqa: F401  (registers the kernel ops)
-from ops.states import state_slots
-dev, dt = "cuda", torch.bfloat16
-b, d, n, L = 8, 4096, 16, 4096
-g = torch.Generator(device=dev).manual_seed(0)
-u = torch.randn(b, d, L, device=dev, generator=g).to(dt)
-delta = (0.5 * torch.randn(b, d, L, device=dev, generator=g) - 1).to(dt)
-A = -torch.exp(0.5 * torch.randn(d, n, device=dev, generator=g))
-B = torch.randn(b, n, L, device=dev, generator=g).to(dt)
-C = torch.randn(b, n, L, device=dev, generator=g).to(dt)
-D, z, db = torch.randn(d, device=dev), torch.randn(b, d, L, device=dev).to(dt), torch.randn(d, device=dev)
-pos = torch.arange(L, device=dev, dtype=torch.int32).repeat(b, 1)
-pos[:, 1000:] = torch.arange(L - 1000, device=dev)
-count = int((pos == 0).sum())
-h0 = torch.randn(count, d, n, device=dev)
-none = state_slots(pos, torch.zeros(count, dtype=torch.bool, device=dev), False)
-one = state_slots(pos, torch.arange(count, device=dev) % 2 == 0, True)
-dout = torch.randn_like(u)
-args = (u, delta, A, B, C, D, z, db, pos, True)
-cases = [((), ()), ((none, h0, 0), (none, h0, None)), ((one, h0, count), (one, h0, torch.randn(count, d, n, device=dev)))]
-for extra, bwd_extra in cases:   # profiled in this order: plain, none used, a carried piece a row (fwd, bwd each)
+sys.path.insert(0, "benchmarks")
+from bench_long_context import kernel_cases   # the benchmark's inputs and cases (also registers the kernel ops)
+args, dout, cases = kernel_cases("cuda")
+for extra, bwd_extra in cases.values():   # profiled in this order: plain, none used, a carried piece a row
     out, saved, _ = torch.ops.packloader.selective_scan_fwd(*args, *extra)
     torch.ops.packloader.selective_scan_bwd(*args, saved, dout, False, *bwd_extra)
 torch.cuda.synchronize()

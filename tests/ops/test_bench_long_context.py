@@ -35,3 +35,21 @@ def test_learning_part_runs_both_modes_and_writes_json_and_png(tmp_path):
         assert len(got[mode]["loss_by_position"]) == 90
     # the same initial weights and rows: the first steps differ only where a piece continues another
     assert res["learning"]["split"]["loss_by_position"] != res["learning"]["carry"]["loss_by_position"]
+
+
+def test_kernel_cases_run_and_differ_only_where_a_state_is_carried():
+    """The kernel part's cases (also what benchmarks/gpu/profile_states.sh profiles), at a toy width on the CPU's
+    reference: no state used gives the plain output; a carried piece a row changes it, in the rows' first piece."""
+    import torch
+    args, dout, cases = bench.kernel_cases("cpu", b=2, d=4, n=16, L=1100)
+    assert list(cases) == ["plain", "states, none used", "states, a carried piece a row"]
+    outs = {}
+    for name, (extra, bwd_extra) in cases.items():
+        out, saved, _ = torch.ops.packloader.selective_scan_fwd(*args, *extra)
+        grads = torch.ops.packloader.selective_scan_bwd(*args, saved, dout, False, *bwd_extra)
+        assert all(torch.isfinite(g.float()).all() for g in grads if g is not None)
+        outs[name] = out
+    assert torch.equal(outs["states, none used"], outs["plain"])
+    carried = outs["states, a carried piece a row"]
+    assert not torch.equal(carried[..., :1000], outs["plain"][..., :1000])
+    assert torch.equal(carried[..., 1000:], outs["plain"][..., 1000:])   # the second piece starts from zero
