@@ -78,6 +78,31 @@ def _peer(group, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not dist.group.WORLD else rank
 
 
+_PENDING_SENDS = []   # (work, tensor) of the sends not yet known to be complete, oldest first
+
+
+def _send_async(t: torch.Tensor, dst: int, group) -> None:
+    """Send ``t`` to global rank ``dst`` without making this rank's compute wait for the receiver.
+
+    A blocking ``dist.send`` on NCCL makes the current stream wait until the peer has posted its receive, so every
+    rank's compute would follow the slowest rank after it, layer by layer (and the backward the rank before it). The
+    send is queued on the communicator's own stream instead (which still waits for ``t`` to be computed); ``t`` and
+    the work stay referenced here until the send has completed (checked without blocking as later sends are queued),
+    so the allocator never hands its memory out while NCCL reads it. Sends to one peer complete in order."""
+    work = dist.isend(t, dst=dst, group=group if group is not dist.group.WORLD else None)
+    _PENDING_SENDS.append((work, t))
+    while _PENDING_SENDS and _PENDING_SENDS[0][0].is_completed():
+        _PENDING_SENDS.pop(0)
+
+
+def wait_for_sends() -> None:
+    """Block until every context-parallel send of this process has completed (and raise the error of one that
+    failed). Not needed between steps (the next step's receives depend on them); for a clean shutdown or a test."""
+    while _PENDING_SENDS:
+        work, _ = _PENDING_SENDS.pop(0)
+        work.wait()
+
+
 class _RecvFromPrevious(torch.autograd.Function):
     """The tensor the previous rank sends (shape, dtype given); backward: its gradient goes back to that rank.
     ``anchor`` (any tensor of this rank's graph that requires grad) ties the receive into the graph, so that its
@@ -95,7 +120,7 @@ class _RecvFromPrevious(torch.autograd.Function):
         g = grad.contiguous() if grad is not None else None
         if g is None:
             raise RuntimeError("context parallelism: no gradient for a received state")
-        dist.send(g, dst=ctx.src, group=ctx.group if ctx.group is not dist.group.WORLD else None)
+        _send_async(g, ctx.src, ctx.group)
         return None, None, None, None, None
 
 
@@ -107,7 +132,7 @@ class _SendToNext(torch.autograd.Function):
     def forward(ctx, t, group, dst):
         ctx.group, ctx.dst = group, dst
         ctx.shape, ctx.dtype = t.shape, t.dtype
-        dist.send(t.contiguous(), dst=dst, group=group if group is not dist.group.WORLD else None)
+        _send_async(t.contiguous(), dst, group)
         return t.new_zeros(())
 
     @staticmethod
