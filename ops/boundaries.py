@@ -264,6 +264,13 @@ def shared_row_positions(batch: int, seqlen: int, device) -> torch.Tensor:
     return got
 
 
+def note_single_sequence_rows(position_ids: torch.Tensor, single: bool) -> None:
+    """Record that ``position_ids`` (the int32 tensor the kernels get) holds one sequence in every row (``single``)
+    or not, for :func:`single_sequence_rows`, while it is alive and unchanged: for ids whose layout a caller learnt
+    without :func:`validate_position_ids` (a context-parallel chunk, whose first id restarts the row)."""
+    _single_rows.put(position_ids, bool(single))
+
+
 def single_sequence_rows(position_ids: torch.Tensor) -> bool:
     """Whether ``position_ids`` (the int32 tensor the kernels get) is known to hold one sequence in every row: the
     ids of :func:`shared_row_positions`, or ids :func:`validate_position_ids` checked and found so (while they are

@@ -251,6 +251,30 @@ def test_bad_arguments():
             dist.destroy_process_group()
 
 
+def test_chunk_geometry_tells_the_scan_which_rows_are_one_sequence():
+    """A chunk's ids restart at its first token, so the model's validation (which tells the scan that rows are one
+    sequence) never sees them: the geometry records it, and the scan then runs such rows whole instead of planning
+    to cut them at sequence starts (the layout of a larger grid, +25-30 % scan time on an H100)."""
+    from ops.boundaries import single_sequence_rows
+    from ops.context_parallel import _chunk_geometry
+    from ops.contract import scan_bwd_segments, scan_fwd_segments
+    from ops.selective_scan_interface import _segments
+    n = 4096
+    whole = torch.arange(4 * n)[None].expand(2, -1)              # two rows, each one sequence over 4 ranks
+    inside = whole.clone()
+    inside[1, n + 7:] -= n + 7                                   # row 1: a sequence starts inside rank 1's chunk
+    u = torch.empty(2, 64, n)
+    for rank in range(4):
+        chunk = whole[:, rank * n:(rank + 1) * n]
+        geo = _chunk_geometry(chunk, rank, 4)
+        assert single_sequence_rows(geo["pos"])
+        assert _segments(scan_fwd_segments, u, geo["pos"]) == 1 and _segments(scan_bwd_segments, u, geo["pos"]) == 1
+    geo = _chunk_geometry(inside[:, n:2 * n], 1, 4)
+    assert not single_sequence_rows(geo["pos"])
+    assert _segments(scan_fwd_segments, u, geo["pos"]) > 1       # (the planned cut a small grid gets)
+    assert single_sequence_rows(_chunk_geometry(inside[:, 2 * n:3 * n], 2, 4)["pos"])   # no start inside this one
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_gpus(world):
