@@ -18,7 +18,7 @@ sends the gradients back the same way::
 The ranks form a pipeline over the layers: rank ``k`` runs layer ``l`` once rank ``k - 1`` has finished it, so a step
 of ``n_layers`` layers over ``N`` ranks takes about ``n_layers + N - 1`` layer times instead of ``n_layers`` (the
 backward likewise, from the last rank): 48 layers over 4 GPUs would allow 94% of linear scaling; measured on H100s,
-0.77 (2 GPUs) and 0.67 (4) of one GPU's tokens/s per GPU (benchmarks/results/RESULTS.md). On GPUs the exchange is
+0.93 (2 GPUs) and 0.87 (4) of one GPU's tokens/s per GPU (benchmarks/results/RESULTS.md). On GPUs the exchange is
 NCCL send / receive. Outputs and gradients equal the unsplit row's on one
 process (float64: to rounding).
 
@@ -89,19 +89,12 @@ def _send_async(t: torch.Tensor, dst: int, group) -> None:
     rank's compute would follow the slowest rank after it, layer by layer (and the backward the rank before it). The
     send is queued on the communicator's own stream instead (which still waits for ``t`` to be computed); ``t`` and
     the work stay referenced here until the send has completed (checked without blocking as later sends are queued),
-    so the allocator never hands its memory out while NCCL reads it. Sends to one peer complete in order."""
+    so the allocator never hands its memory out while NCCL reads it. Sends to one peer complete in order. (On 4
+    H100s the step time did not measurably change against blocking sends: benchmarks/results/RESULTS.md.)"""
     work = dist.isend(t, dst=dst, group=group if group is not dist.group.WORLD else None)
     _PENDING_SENDS.append((work, t))
     while _PENDING_SENDS and _PENDING_SENDS[0][0].is_completed():
         _PENDING_SENDS.pop(0)
-
-
-def wait_for_sends() -> None:
-    """Block until every context-parallel send of this process has completed (and raise the error of one that
-    failed). Not needed between steps (the next step's receives depend on them); for a clean shutdown or a test."""
-    while _PENDING_SENDS:
-        work, _ = _PENDING_SENDS.pop(0)
-        work.wait()
 
 
 class _RecvFromPrevious(torch.autograd.Function):
