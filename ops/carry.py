@@ -299,9 +299,18 @@ class CarryStep:
         after this step."""
         out: Dict[int, Dict[int, tuple]] = {}
         stored = np.flatnonzero(self.store).tolist()
+        if not stored:
+            return out
+        every = stored == list(range(self.num_slots))
+        index = {}   # per device: the stored slots
         for layer, (convs, ssms) in self._final_layers.items():
-            for k in stored:
-                out.setdefault(int(self.doc_ids[k]), {})[layer] = (convs[k], ssms[k])
+            if not every:   # copied out: a view would keep every slot's states alive while the cache holds it
+                idx = index.get(convs.device)
+                if idx is None:
+                    idx = index[convs.device] = host_to_device(stored, convs.device, torch.int64)
+                convs, ssms = convs.index_select(0, idx), ssms.index_select(0, idx)
+            for j, k in enumerate(stored):
+                out.setdefault(int(self.doc_ids[k]), {})[layer] = (convs[j], ssms[j])
         return out
 
 

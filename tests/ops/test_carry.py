@@ -111,6 +111,9 @@ def test_pieces_across_steps_continue_from_the_cache_and_resume_exactly(seed):
     torch.testing.assert_close(out1[1], whole[6:22], rtol=1e-10, atol=1e-10)
     saved = cache.state_dict()
     assert list(saved["states"]) == [4] and set(saved["states"][4]) == {0, 1}
+    for layer in (0, 1):   # the cache holds the continuing piece's states only, not the step's other slots (piece 0)
+        for t in cache.get(4, layer):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     h2, _ = _tokens_of(doc[22:], step2, 4, 8, lambda n: torch.randn(n, 8, dtype=F64))
     b2 = _batch(step2, None)
     out2 = model(h2, b2["position_ids"], carry=cache.step(b2))
