@@ -18,7 +18,7 @@ sends the gradients back the same way::
 The ranks form a pipeline over the layers: rank ``k`` runs layer ``l`` once rank ``k - 1`` has finished it, so a step
 of ``n_layers`` layers over ``N`` ranks takes about ``n_layers + N - 1`` layer times instead of ``n_layers`` (the
 backward likewise, from the last rank): 48 layers over 4 GPUs would allow 94% of linear scaling; measured on H100s,
-0.93 (2 GPUs) and 0.87 (4) of one GPU's tokens/s per GPU (benchmarks/results/RESULTS.md). On GPUs the exchange is
+0.90-0.94 (2 GPUs) and 0.79-0.87 (4) of one GPU's tokens/s per GPU (benchmarks/results/RESULTS.md). On GPUs the exchange is
 NCCL send / receive. Outputs and gradients equal the unsplit row's on one
 process (float64: to rounding).
 
