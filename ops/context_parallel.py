@@ -18,9 +18,8 @@ sends the gradients back the same way::
 The ranks form a pipeline over the layers: rank ``k`` runs layer ``l`` once rank ``k - 1`` has finished it, so a step
 of ``n_layers`` layers over ``N`` ranks takes about ``n_layers + N - 1`` layer times instead of ``n_layers`` (the
 backward likewise, from the last rank): 48 layers over 4 GPUs would allow 94% of linear scaling; measured on H100s,
-0.90-0.94 (2 GPUs) and 0.79-0.87 (4) of one GPU's tokens/s per GPU (benchmarks/results/RESULTS.md). On GPUs the exchange is
-NCCL send / receive. Outputs and gradients equal the unsplit row's on one
-process (float64: to rounding).
+0.90-0.94 (2 GPUs) and 0.79-0.87 (4) of one GPU's tokens/s per GPU (benchmarks/results/RESULTS.md). On GPUs the
+exchange is NCCL send / receive. Outputs and gradients equal the unsplit row's on one process (float64: to rounding).
 
 Usage (every rank of ``group`` runs the same code on the same rows)::
 
@@ -140,11 +139,11 @@ class _SendToNext(torch.autograd.Function):
 # Geometry of a rank's chunk
 
 def _chunk_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
-    """Per row of this rank's chunk (no host sync): whether its first token continues the previous rank's sequence,
-    the length of its first sequence, the start of its last one, the scan's state slots (row ``r``'s initial state
-    read at its first token where it continues, its final state written at its last token where a next rank exists)
-    and the position ids the kernels take (the chunk's first token a sequence start: the state it continues from is
-    handed in)."""
+    """Per row of this rank's chunk: whether its first token continues the previous rank's sequence, the length of
+    its first sequence, the start of its last one, the scan's state slots (row ``r``'s initial state read at its first
+    token where it continues, its final state written at its last token where a next rank exists) and the position
+    ids the kernels take (the chunk's first token a sequence start: the state it continues from is handed in),
+    recorded as one sequence a row where they are (one host sync; none under ``torch.compile``)."""
     b, L = pos.shape
     cont = pos[:, 0] != 0
     if rank == 0:
