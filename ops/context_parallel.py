@@ -177,19 +177,35 @@ def _chunk_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
 
 
 _GEOMETRY = [None]   # (key, weakref to the position_ids, geometry) of the last step
+_DEFAULT_POSITIONS = {}   # (batch, chunk, rank, device) -> the chunk's ids where a call gives none (one tensor each)
 
 
-def _step_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
-    """:func:`_chunk_geometry`, made once per batch: every layer of a step gets the same ``position_ids`` tensor,
-    and its geometry (with the indices the layers' gathers and scatters cache in it) is reused while that tensor is
-    alive and unchanged (its version). Made per call under ``torch.compile`` and for inference tensors."""
+def _default_positions(b: int, L: int, rank: int, device) -> torch.Tensor:
+    """The ids of rows that are one sequence each, over this rank's chunk: the same tensor at every layer and step,
+    so that its geometry is made once (and its one host sync paid once)."""
+    key = (b, L, rank, str(device))
+    got = _DEFAULT_POSITIONS.get(key)
+    if got is None:
+        with torch.inference_mode(False):   # (kept across calls: usable outside inference mode too)
+            got = (torch.arange(L, device=device) + rank * L).expand(b, L)
+        if len(_DEFAULT_POSITIONS) >= 8:
+            _DEFAULT_POSITIONS.pop(next(iter(_DEFAULT_POSITIONS)))
+        _DEFAULT_POSITIONS[key] = got
+    return got
+
+
+def _step_geometry(pos: torch.Tensor, rank: int, world: int, device) -> dict:
+    """:func:`_chunk_geometry` on ``device``, made once per batch: every layer of a step gets the same
+    ``position_ids`` tensor, and its geometry (with the indices the layers' gathers and scatters cache in it) is
+    reused while that tensor is alive and unchanged (its version), wherever it lives. Made per call under
+    ``torch.compile`` and for inference tensors."""
     if torch.compiler.is_compiling() or pos.is_inference():
-        return _chunk_geometry(pos, rank, world)
-    key = (rank, world, pos._version, tuple(pos.shape), pos.device)
+        return _chunk_geometry(pos.to(device), rank, world)
+    key = (rank, world, pos._version, tuple(pos.shape), pos.device, torch.device(device))
     last = _GEOMETRY[0]   # (one read: another thread may replace it)
     if last is not None and last[0] == key and last[1]() is pos:
         return last[2]
-    value = _chunk_geometry(pos, rank, world)
+    value = _chunk_geometry(pos.to(device), rank, world)
     _GEOMETRY[0] = (key, weakref.ref(pos), value)
     return value
 
@@ -324,8 +340,8 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         raise ContextParallelError(f"each rank's chunk ({L} tokens) must hold at least the conv width - 1 = "
                                    f"{width - 1} tokens; use fewer ranks or longer rows")
     if position_ids is None:
-        position_ids = (torch.arange(L, device=hidden_states.device) + rank * L).expand(b, L)
-    g = _step_geometry(position_ids.to(hidden_states.device), rank, world)
+        position_ids = _default_positions(b, L, rank, hidden_states.device)
+    g = _step_geometry(position_ids, rank, world, hidden_states.device)
     A = -torch.exp(ssm_float(mixer.A_log))
     st = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
     # Whether the exchange runs a backward: the same rule on every rank (the sender and the receiver must agree),

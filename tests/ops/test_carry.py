@@ -378,5 +378,5 @@ def test_inference_mode_runs_the_composed_and_the_fused_paths():
         torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
     with torch.inference_mode():
         from ops.context_parallel import _step_geometry
-        g = _step_geometry((torch.arange(6) + 6).expand(2, 6), 1, 2)
+        g = _step_geometry((torch.arange(6) + 6).expand(2, 6), 1, 2, "cpu")
     assert bool(g["first"]["has"].all())

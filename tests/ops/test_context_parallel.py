@@ -275,6 +275,29 @@ def test_chunk_geometry_tells_the_scan_which_rows_are_one_sequence():
     assert single_sequence_rows(_chunk_geometry(inside[:, 2 * n:3 * n], 2, 4)["pos"])   # no start inside this one
 
 
+def test_geometry_is_made_once_for_rows_without_position_ids(monkeypatch):
+    """Without position_ids every layer and step gets the same default ids, so the chunk's geometry (and its one host
+    sync) is made once, not at every layer."""
+    import importlib
+    cp = importlib.import_module("ops.context_parallel")   # (ops.context_parallel is also the function)
+    made = []
+    real = cp._chunk_geometry
+    monkeypatch.setattr(cp, "_chunk_geometry", lambda *a: made.append(1) or real(*a))
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
+        try:
+            model, _, h, _ = _inputs()
+            want = model(h, None)
+            ops.context_parallel(model, dist.group.WORLD)
+            for _ in range(2):
+                out = model(h, None)
+                out.sum().backward()
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        finally:
+            dist.destroy_process_group()
+    assert len(made) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_gpus(world):
