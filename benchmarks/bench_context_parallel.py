@@ -21,6 +21,7 @@ Writes ``context_parallel.json`` into ``--out`` and prints the tables. Needs ``N
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -62,14 +63,33 @@ def _model(args, d_model, layers, seed=0):
     return Stack(d_model, layers, "cuda")
 
 
-def _set_cp(model, group, recompute=False):
-    """Context-parallel over ``group`` (None: the plain packed model), as ops.context_parallel sets it."""
+def _set_cp(model, group, recompute=False, exchange=None):
+    """Context-parallel over ``group`` (None: the plain packed model), the states over ``exchange`` (None: over
+    ``group``), as ops.context_parallel sets it."""
     for m in model.mixers:
         if group is None:
-            m.__dict__.pop("_packloader_cp_group", None)
+            for k in ("_packloader_cp_group", "_packloader_cp_exchange"):
+                m.__dict__.pop(k, None)
         else:
             m._packloader_cp_group = group
+            m._packloader_cp_exchange = exchange if exchange is not None else group
             m._packloader_cp_recompute = recompute
+
+
+def _exchange_variants(args, group):
+    """[(label, exchange group, inside)] for ``--exchange-max-ctas``: "default" is the group itself (NCCL's
+    channels); a ":outside" suffix exchanges around the layer's Function instead of inside it."""
+    from ops.context_parallel import _exchange_group
+    out = []
+    for v in args.exchange_max_ctas.split(","):
+        v, _, where = v.strip().partition(":")
+        inside = where != "outside"
+        tag = "" if inside else ", outside"
+        if v == "default":
+            out.append((tag, group, inside))
+        else:
+            out.append((f", exchange <= {int(v)} CTA" + tag, _exchange_group(group, int(v)), inside))
+    return out
 
 
 def _step(model, h, pos, dtype, total=None):
@@ -169,7 +189,8 @@ def _trace_step(args, model, h, pos, label, n, rank, group):
     from _trace import trace_call
 
     dist.barrier(group=group)
-    slug = "plain" if label.startswith("one GPU") else f"cp{n}"
+    slug = "plain" if label.startswith("one GPU") else f"cp{n}" + ("_cta" + label.split("<= ")[1].split()[0]
+                                                                 if "<= " in label else "")
     path = os.path.join(args.trace_dir, f"{slug}_rank{rank}.json.gz")
 
     def step():
@@ -208,20 +229,27 @@ def part_scaling(args, rank, world, groups):
             if args.profile and n == 1:
                 _set_cp(model, groups[n])
                 _profile(model, h, pos)
+            variants = _exchange_variants(args, groups[n])
             for recompute in (False, True):
-                _set_cp(model, groups[n], recompute)
-                sec, mem = _timed(model, _chunk(h, rank, n).contiguous(), _chunk(pos, rank, n).contiguous(),
-                                  args.iters, args.warmup)
-                t = torch.tensor([sec, mem], device="cuda")
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups[n])
-                sec, mem = t.tolist()
-                rows.append({"gpus": n, "mode": f"context-parallel over {n}" + (", recompute" if recompute else ""),
-                             "tokens": n * L, "step_s": sec, "peak_gib": mem, "tokens_per_s_per_gpu": L / sec})
-                if args.trace_dir and not recompute:
-                    traces.append(_trace_step(args, model, _chunk(h, rank, n).contiguous(),
-                                              _chunk(pos, rank, n).contiguous(), f"context-parallel over {n}", n,
-                                              rank, groups[n]))
+                for tag, exchange, inside in variants:
+                    if recompute and not inside:
+                        continue
+                    importlib.import_module("ops.context_parallel")._EXCHANGE_INSIDE = inside
+                    _set_cp(model, groups[n], recompute, exchange)
+                    sec, mem = _timed(model, _chunk(h, rank, n).contiguous(), _chunk(pos, rank, n).contiguous(),
+                                      args.iters, args.warmup)
+                    t = torch.tensor([sec, mem], device="cuda")
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups[n])
+                    sec, mem = t.tolist()
+                    rows.append({"gpus": n, "mode": f"context-parallel over {n}" + (", recompute" if recompute else "")
+                                 + tag, "tokens": n * L, "step_s": sec, "peak_gib": mem,
+                                 "tokens_per_s_per_gpu": L / sec})
+                    if args.trace_dir and not recompute:
+                        traces.append(_trace_step(args, model, _chunk(h, rank, n).contiguous(),
+                                                  _chunk(pos, rank, n).contiguous(), f"context-parallel over {n}"
+                                                  + tag, n, rank, groups[n]))
             _set_cp(model, None)
+            importlib.import_module("ops.context_parallel")._EXCHANGE_INSIDE = True
             del h
             torch.cuda.empty_cache()
         dist.barrier()
@@ -303,6 +331,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--trace-dir", default=None, help="scaling: profile one step on every rank (plain, and CP over "
                     "each N without recompute): Chrome traces there, the summaries printed and in the JSON")
+    ap.add_argument("--exchange-max-ctas", default="1", help="scaling: comma-separated, one row each: the most "
+                    "multiprocessors the states' NCCL kernels hold (ops.context_parallel's exchange_max_ctas); "
+                    "'default': the states over the group itself (NCCL's own channels)")
     ap.add_argument("--profile", action="store_true", help="print the CUDA kernels of one step, plain and CP over 1")
     ap.add_argument("--exact-d-model", type=int, default=512)
     ap.add_argument("--exact-layers", type=int, default=4)

@@ -78,6 +78,34 @@ def _peer(group, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not dist.group.WORLD else rank
 
 
+EXCHANGE_MAX_CTAS = 1   # multiprocessors an NCCL exchange kernel may hold (context_parallel's default)
+_EXCHANGE_GROUPS = {}   # (global ranks, max CTAs) -> the exchange's process group
+
+
+def _exchange_group(group, max_ctas: Optional[int]):
+    """The process group the states travel over: ``group`` itself (``max_ctas`` None, or not NCCL), else an NCCL
+    group over the same ranks whose kernels hold at most ``max_ctas`` multiprocessors (made once per ranks and
+    ``max_ctas``, by the group's ranks only).
+
+    A receive is queued when the host reaches it, well before its data comes, and NCCL's receive kernel waits on its
+    multiprocessors; with NCCL's default channels those are taken from the layers running meanwhile. The states are
+    a few hundred kilobytes a layer: one channel moves them in microseconds."""
+    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1):
+        raise ContextParallelError(f"exchange_max_ctas must be an int >= 1 or None, got {max_ctas!r}")
+    if max_ctas is None or dist.get_backend(group) != "nccl":
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (ranks, int(max_ctas))
+    got = _EXCHANGE_GROUPS.get(key)
+    if got is None:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.min_ctas, opts.config.max_ctas = 1, int(max_ctas)
+        got = _EXCHANGE_GROUPS[key] = dist.new_group(list(ranks), backend="nccl", pg_options=opts,
+                                                      use_local_synchronization=True,
+                                                      group_desc=f"packloader_cp_exchange_{max_ctas}cta")
+    return got
+
+
 _PENDING_SENDS = []   # (work, tensor) of the sends not yet known to be complete, oldest first
 
 
@@ -133,6 +161,27 @@ class _SendToNext(torch.autograd.Function):
         g = torch.empty(ctx.shape, dtype=ctx.dtype, device=grad_of_zero.device)
         dist.recv(g, src=ctx.dst, group=ctx.group if ctx.group is not dist.group.WORLD else None)
         return g, None, None
+
+
+class _Link:
+    """The exchange inside :class:`_ContextParallelMambaInnerFn`: a layer receives its states from the previous rank
+    (``prev``, global rank; None: rank 0) just before its conv and sends its own to the next (``next``; None: the last
+    rank) right after its scan; the backward receives their gradient just before the scan's backward and returns the
+    received states' once the conv's backward has them. So a rank waits for the rank before it only over the
+    conv, projections and scan of a layer, not over its in_proj and out_proj (and, backward, their gradients), which
+    run while the ranks before (backward: after) it still work on the layer."""
+
+    def __init__(self, group, prev: Optional[int], next: Optional[int], shape, dtype):
+        self.group = group if group is not dist.group.WORLD else None
+        self.prev, self.next, self.shape, self.dtype = prev, next, tuple(shape), dtype
+
+    def recv(self, src: int, device) -> torch.Tensor:
+        buf = torch.empty(self.shape, dtype=self.dtype, device=device)
+        dist.recv(buf, src=src, group=self.group)
+        return buf
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        _send_async(t.to(self.dtype).contiguous(), dst, self.group if self.group is not None else dist.group.WORLD)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -227,18 +276,24 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
     width - 1) and scan state ``ssm0`` (b, d, n) where the geometry says it continues; returns ``(out, ssm_final,
     tail)``: each row's scan state at its last token and the last width - 1 inputs of its last sequence (zeros before
     a short one's start), what the next rank continues from (``send``; empty otherwise). The backward takes their
-    gradients and returns those of ``conv0`` and ``ssm0``."""
+    gradients and returns those of ``conv0`` and ``ssm0``. With ``link`` (a :class:`_Link`) the Function exchanges
+    them itself: ``conv0`` / ``ssm0`` are received inside (pass None), ``ssm_final`` / ``tail`` are sent inside (empty
+    outputs), and the backward does the same with their gradients."""
 
     @staticmethod
     def forward(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
-                delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias, conv0, ssm0, geo, send):
+                delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias, conv0, ssm0, geo, send,
+                link=None):
         from .carry import _final_geometry, _fused_inputs, _fused_out_proj, _fused_projections, _tokens_of
         from .conv1d_interface import runmask_for
-        ctx.conv0_dtype = conv0.dtype if conv0 is not None else None
         (hidden_states, in_proj_weight, x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias, x, z, cw, cb,
          k) = _fused_inputs(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias,
                             x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias, A, D, delta_bias)
-        batch = x.shape[0]
+        batch, n = x.shape[0], A.shape[1]
+        if link is not None and link.prev is not None:   # the previous rank's states, after this layer's in_proj
+            got = link.recv(link.prev, x.device)
+            ssm0, conv0 = got[..., :n], got[..., n:]
+        ctx.conv0_dtype = conv0.dtype if conv0 is not None else None
         conv0 = conv0.to(x.dtype).contiguous() if conv0 is not None else None
         ssm0 = ssm0.contiguous() if ssm0 is not None else None
         runmask = runmask_for(x, cw, geo["pos"])
@@ -246,13 +301,16 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         x_dbl, delta, Bm, Cm = _fused_projections(xc, x_proj_weight, delta_proj_weight, A.shape[1])
         out_z, saved, ssm_final = kernel_calls.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, geo["pos"], True, geo["slots"], ssm0, batch if send else 0)
-        y = _fused_out_proj(out_z, out_proj_weight, out_proj_bias)
         if send:
             fflat, inside = _final_geometry(geo["last"], k)
             tail = torch.where(inside[:, :, None], _tokens_of(x, fflat, geo["last"], "tail"), 0.0).permute(0, 2, 1)
+            if link is not None:   # to the next rank before this layer's out_proj
+                link.send(torch.cat([ssm_final.to(link.dtype), tail.to(link.dtype)], -1), link.next)
+                ssm_final = tail = x.new_zeros((0,))
         else:
             ssm_final = tail = x.new_zeros((0,))
-        ctx.geo, ctx.k, ctx.send = geo, k, send
+        y = _fused_out_proj(out_z, out_proj_weight, out_proj_bias)
+        ctx.geo, ctx.k, ctx.send, ctx.link = geo, k, send, link
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
                               out_proj_weight, A, Bm, Cm, D, delta_bias, saved, runmask, conv0, ssm0)
         return y, ssm_final, tail.contiguous()
@@ -271,12 +329,14 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
         dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))
         dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
+        link = ctx.link
+        if link is not None and ctx.send:   # the gradient of what went to the next rank, before the scan's backward
+            got = link.recv(link.next, x.device)
+            d_final, d_tail = got[..., :A.shape[1]], got[..., A.shape[1]:]
         dfinal = d_final.contiguous() if ctx.send and d_final is not None else None
         dxc, ddelta, dA, dB, dC, dD, dz, ddb, out_z, dinit = kernel_calls.selective_scan_bwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, geo["pos"], True, saved, dout_y, True, geo["slots"], ssm0,
             dfinal)
-        dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)
-        del out_z
         dx_proj_weight, ddelta_proj_weight, dxc = _x_proj_backward(dB, dC, ddelta, dxc, x_dbl, xc, x_proj_weight,
                                                                    delta_proj_weight, w_dtype_xp, w_dtype_dt)
         first = geo["first"]
@@ -284,6 +344,10 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
         if conv0 is not None:   # the continued outputs' gradient goes through their recomputation (zeroed in dxc)
             dx_head, ddw, ddb_conv, dconv0 = kernel_calls.conv_states_bwd(
                 dxc, x, cw, cb, True, conv0, first["start"], first["length"], first["has"], True)
+            if link is not None:   # back to the previous rank before the rest of this layer's backward
+                link.send(torch.cat([dinit.to(link.dtype), dconv0.to(link.dtype)], -1), link.prev)
+        dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)
+        del out_z
         dx, dcw, dcb = kernel_calls.causal_conv1d_bwd(x, cw, cb, geo["pos"], True, dxc, runmask)
         dx = dx.contiguous()
         if conv0 is not None:
@@ -297,13 +361,15 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
             fflat, inside = _final_geometry(geo["last"], k)
             _put_tokens(dx, fflat, torch.where(inside[..., None], d_tail.permute(0, 2, 1), 0.0).to(dx.dtype),
                         accumulate=True, g=geo["last"], key="tail")
+        if link is not None:
+            dconv0 = dinit = None
         return _fused_grads(ctx, dx, dz, z, hidden_states, in_proj_weight, dcw, dcb, cb, dx_proj_weight,
                             ddelta_proj_weight, dout_proj_weight, dout_proj_bias, dA, dD, ddb) + (
-            dconv0, dinit if ssm0 is not None else None, None, None)
+            dconv0, dinit if ssm0 is not None else None, None, None, None)
 
 
 def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_ids: Optional[torch.Tensor],
-                                 group, recompute: bool = False) -> torch.Tensor:
+                                 group, recompute: bool = False, exchange=None) -> torch.Tensor:
     """A Mamba-1 mixer (:class:`ops.PackedMamba` or transformers' ``MambaMixer``) over this rank's chunk of every row.
 
     Receives, from the rank before, the scan state and the conv's last ``width - 1`` inputs at the end of its chunk
@@ -320,6 +386,8 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         group: the process group whose ranks hold the chunks, in rank order.
         recompute: keep only the layer's inputs (hidden states and the received states) for the backward and
             recompute the layer there (the exchange is not repeated): less activation memory for one more forward.
+        exchange: the process group the states travel over, over the ranks of ``group``; None: the one
+            :func:`context_parallel` gave the mixer, else ``group``.
 
     Returns:
         (batch, chunk, d_model).
@@ -328,6 +396,8 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
 
     group = group if group is not None else dist.group.WORLD
     rank, world = _group_rank_world(group)
+    if exchange is None:
+        exchange = mixer.__dict__.get("_packloader_cp_exchange", group)
     if _in_backward():
         raise ContextParallelError("a context-parallel mixer ran inside a backward (activation checkpointing of its "
                                    "block recomputes it, and the exchange cannot be repeated): switch checkpointing "
@@ -348,21 +418,28 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
     # from what every rank shares: the input's requires_grad and the mixer's trainable parameters
     trainable = [p for p in mixer.parameters() if p.requires_grad]
     needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or bool(trainable))
+    last = rank == world - 1
+    prev = _peer(group, rank - 1) if rank > 0 else None
+    nxt = _peer(group, rank + 1) if not last else None
+    weights = (mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, conv_bias, mixer.x_proj.weight,
+               mixer.dt_proj.weight, mixer.out_proj.weight, mixer.out_proj.bias, A, ssm_float(mixer.D),
+               ssm_float(mixer.dt_proj.bias))
+    shape = (b, d_inner, d_state + width - 1)
+    if not (recompute and torch.is_grad_enabled()) and _EXCHANGE_INSIDE:
+        # the exchange inside the layer's Function: its backward runs on a rank exactly when some input of the mixer
+        # requires grad, which is the rule below (the same on every rank)
+        return _ContextParallelMambaInnerFn.apply(hidden_states, *weights, None, None, g, not last,
+                                                  _Link(exchange, prev, nxt, shape, st))[0]
     anchor = hidden_states if hidden_states.requires_grad or not needs_grad else trainable[0]
     ssm0 = conv0 = None
     if rank > 0:   # what the previous rank's chunk ended with: its scan state and its last width-1 conv inputs
-        got = _RecvFromPrevious.apply(anchor, (b, d_inner, d_state + width - 1), st, group,
-                                      _peer(group, rank - 1))
+        got = _RecvFromPrevious.apply(anchor, shape, st, exchange, prev)
         ssm0, conv0 = got[..., :d_state], got[..., d_state:]
-    last = rank == world - 1
 
     def core(hidden_states, conv0, ssm0):
         """The fused mixer from the received states: no exchange inside, so that it may be recomputed in the
         backward (``recompute``)."""
-        return _ContextParallelMambaInnerFn.apply(
-            hidden_states, mixer.in_proj.weight, mixer.in_proj.bias, mixer.conv1d.weight, conv_bias,
-            mixer.x_proj.weight, mixer.dt_proj.weight, mixer.out_proj.weight, mixer.out_proj.bias, A,
-            ssm_float(mixer.D), ssm_float(mixer.dt_proj.bias), conv0, ssm0, g, not last)
+        return _ContextParallelMambaInnerFn.apply(hidden_states, *weights, conv0, ssm0, g, not last)
 
     if recompute and torch.is_grad_enabled():
         out, ssm_final, tail = torch.utils.checkpoint.checkpoint(core, hidden_states, conv0, ssm0, use_reentrant=False)
@@ -372,15 +449,19 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         payload = torch.cat([ssm_final.to(st), tail.to(st)], -1)
         if needs_grad and not payload.requires_grad:   # (the receiver sends a gradient back: take it)
             payload = payload.detach().requires_grad_(True)
-        sent = _SendToNext.apply(payload, group, _peer(group, rank + 1))
+        sent = _SendToNext.apply(payload, exchange, nxt)
         out = out + sent.to(out.dtype)
     return out
+
+
+_EXCHANGE_INSIDE = True   # temporary A/B switch (benchmarks/bench_context_parallel.py); removed after measuring
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The model and the batch
 
-def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False) -> torch.nn.Module:
+def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False,
+                     exchange_max_ctas: Optional[int] = EXCHANGE_MAX_CTAS) -> torch.nn.Module:
     """Make ``model``'s Mamba-1 mixers run context-parallel over ``group`` (in place; returns ``model``).
 
     Every :class:`ops.PackedMamba` in ``model`` (what :func:`ops.enable_packing` puts in a mamba-ssm model) and every
@@ -396,6 +477,10 @@ def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False) 
             backward (about half its activation memory, one more forward of those): the longest rows. (Activation
             checkpointing of whole blocks with ``torch.utils.checkpoint`` would repeat the exchange in the backward,
             which the other ranks do not answer: use this instead.)
+        exchange_max_ctas: on NCCL, the states travel over a process group of their own over the same ranks (made
+            here, once per ranks: every rank of ``group`` calls this) whose kernels hold at most this many
+            multiprocessors. A receive waits on the GPU from when the host queues it, and with NCCL's default
+            channels it holds multiprocessors the layers running meanwhile need. None: over ``group`` itself.
 
     Raises:
         ContextParallelError: no Mamba-1 mixer found, a Mamba-2 or FalconMamba mixer (not supported yet: their
@@ -411,6 +496,7 @@ def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False) 
             f"{type(model).__name__} has gradient checkpointing on ({', '.join(checkpointed[:3]) or 'the model'}): its "
             "recomputation would repeat the exchange between ranks in the backward; switch it off "
             "(gradient_checkpointing_disable()) and pass recompute=True instead")
+    exchange = _exchange_group(group, exchange_max_ctas)
     found = 0
     for name, m in model.named_modules():
         classes = {c.__name__ for c in type(m).__mro__}
@@ -422,6 +508,7 @@ def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False) 
                 raise ContextParallelError(f"{name}: a Hugging Face MambaMixer not converted: call "
                                            "ops.enable_packing(model) first")
             m._packloader_cp_group = group
+            m._packloader_cp_exchange = exchange
             m._packloader_cp_recompute = bool(recompute)
             found += 1
     if not found:
