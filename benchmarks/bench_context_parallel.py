@@ -230,7 +230,7 @@ def part_scaling(args, rank, world, groups):
                 _set_cp(model, groups[n])
                 _profile(model, h, pos)
             variants = _exchange_variants(args, groups[n])
-            for recompute in (False, True):
+            for recompute in (False, True) if args.scaling_recompute else (False,):
                 for tag, exchange, inside in variants:
                     if recompute and not inside:
                         continue
@@ -244,6 +244,9 @@ def part_scaling(args, rank, world, groups):
                     rows.append({"gpus": n, "mode": f"context-parallel over {n}" + (", recompute" if recompute else "")
                                  + tag, "tokens": n * L, "step_s": sec, "peak_gib": mem,
                                  "tokens_per_s_per_gpu": L / sec})
+                    if rank == 0:   # (as it goes: a run cut short keeps what it measured)
+                        print(f"  {rows[-1]['mode']}: {sec:.4f} s a step, against one GPU "
+                              f"{rows[0]['step_s'] / sec:.3f}", flush=True)
                     if args.trace_dir and not recompute:
                         traces.append(_trace_step(args, model, _chunk(h, rank, n).contiguous(),
                                                   _chunk(pos, rank, n).contiguous(), f"context-parallel over {n}"
@@ -334,6 +337,7 @@ def main():
     ap.add_argument("--exchange-max-ctas", default="1", help="scaling: comma-separated, one row each: the most "
                     "multiprocessors the states' NCCL kernels hold (ops.context_parallel's exchange_max_ctas); "
                     "'default': the states over the group itself (NCCL's own channels)")
+    ap.add_argument("--scaling-recompute", type=int, default=1, help="scaling: also the rows with recompute=True")
     ap.add_argument("--profile", action="store_true", help="print the CUDA kernels of one step, plain and CP over 1")
     ap.add_argument("--exact-d-model", type=int, default=512)
     ap.add_argument("--exact-layers", type=int, default=4)
