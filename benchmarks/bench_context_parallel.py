@@ -63,33 +63,20 @@ def _model(args, d_model, layers, seed=0):
     return Stack(d_model, layers, "cuda")
 
 
-def _set_cp(model, group, recompute=False, exchange=None):
-    """Context-parallel over ``group`` (None: the plain packed model), the states over ``exchange`` (None: over
-    ``group``), as ops.context_parallel sets it."""
+def _set_cp(model, group, recompute=False):
+    """Context-parallel over ``group`` (None: the plain packed model), as ops.context_parallel sets it."""
     for m in model.mixers:
         if group is None:
-            for k in ("_packloader_cp_group", "_packloader_cp_exchange"):
-                m.__dict__.pop(k, None)
+            m.__dict__.pop("_packloader_cp_group", None)
         else:
             m._packloader_cp_group = group
-            m._packloader_cp_exchange = exchange if exchange is not None else group
             m._packloader_cp_recompute = recompute
 
 
-def _exchange_variants(args, group):
-    """[(label, exchange group, inside)] for ``--exchange-max-ctas``: "default" is the group itself (NCCL's
-    channels); a ":outside" suffix exchanges around the layer's Function instead of inside it."""
-    from ops.context_parallel import _exchange_group
-    out = []
-    for v in args.exchange_max_ctas.split(","):
-        v, _, where = v.strip().partition(":")
-        inside = where != "outside"
-        tag = "" if inside else ", outside"
-        if v == "default":
-            out.append((tag, group, inside))
-        else:
-            out.append((f", exchange <= {int(v)} CTA" + tag, _exchange_group(group, int(v)), inside))
-    return out
+def _exchange_variants(args):
+    """[(label, inside)] for ``--exchange``: "inside" (the layer's Function exchanges its states itself) and / or
+    "outside" (around it, as before)."""
+    return [("" if v.strip() == "inside" else ", outside", v.strip() == "inside") for v in args.exchange.split(",")]
 
 
 def _step(model, h, pos, dtype, total=None):
@@ -189,8 +176,7 @@ def _trace_step(args, model, h, pos, label, n, rank, group):
     from _trace import trace_call
 
     dist.barrier(group=group)
-    slug = "plain" if label.startswith("one GPU") else f"cp{n}" + ("_cta" + label.split("<= ")[1].split()[0]
-                                                                 if "<= " in label else "")
+    slug = "plain" if label.startswith("one GPU") else f"cp{n}" + ("_outside" if "outside" in label else "")
     path = os.path.join(args.trace_dir, f"{slug}_rank{rank}.json.gz")
 
     def step():
@@ -229,13 +215,13 @@ def part_scaling(args, rank, world, groups):
             if args.profile and n == 1:
                 _set_cp(model, groups[n])
                 _profile(model, h, pos)
-            variants = _exchange_variants(args, groups[n])
+            variants = _exchange_variants(args)
             for recompute in (False, True) if args.scaling_recompute else (False,):
-                for tag, exchange, inside in variants:
+                for tag, inside in variants:
                     if recompute and not inside:
                         continue
                     importlib.import_module("ops.context_parallel")._EXCHANGE_INSIDE = inside
-                    _set_cp(model, groups[n], recompute, exchange)
+                    _set_cp(model, groups[n], recompute)
                     sec, mem = _timed(model, _chunk(h, rank, n).contiguous(), _chunk(pos, rank, n).contiguous(),
                                       args.iters, args.warmup)
                     t = torch.tensor([sec, mem], device="cuda")
@@ -334,9 +320,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--trace-dir", default=None, help="scaling: profile one step on every rank (plain, and CP over "
                     "each N without recompute): Chrome traces there, the summaries printed and in the JSON")
-    ap.add_argument("--exchange-max-ctas", default="1", help="scaling: comma-separated, one row each: the most "
-                    "multiprocessors the states' NCCL kernels hold (ops.context_parallel's exchange_max_ctas); "
-                    "'default': the states over the group itself (NCCL's own channels)")
+    ap.add_argument("--exchange", default="inside", help="scaling: comma-separated, one row each: 'inside' (the "
+                    "layer's Function exchanges its states) or 'outside' (around it)")
     ap.add_argument("--scaling-recompute", type=int, default=1, help="scaling: also the rows with recompute=True")
     ap.add_argument("--profile", action="store_true", help="print the CUDA kernels of one step, plain and CP over 1")
     ap.add_argument("--exact-d-model", type=int, default=512)

@@ -78,34 +78,6 @@ def _peer(group, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not dist.group.WORLD else rank
 
 
-EXCHANGE_MAX_CTAS = 1   # multiprocessors an NCCL exchange kernel may hold (context_parallel's default)
-_EXCHANGE_GROUPS = {}   # (global ranks, max CTAs) -> the exchange's process group
-
-
-def _exchange_group(group, max_ctas: Optional[int]):
-    """The process group the states travel over: ``group`` itself (``max_ctas`` None, or not NCCL), else an NCCL
-    group over the same ranks whose kernels hold at most ``max_ctas`` multiprocessors (made once per ranks and
-    ``max_ctas``, by the group's ranks only).
-
-    A receive is queued when the host reaches it, well before its data comes, and NCCL's receive kernel waits on its
-    multiprocessors; with NCCL's default channels those are taken from the layers running meanwhile. The states are
-    a few hundred kilobytes a layer: one channel moves them in microseconds."""
-    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1):
-        raise ContextParallelError(f"exchange_max_ctas must be an int >= 1 or None, got {max_ctas!r}")
-    if max_ctas is None or dist.get_backend(group) != "nccl":
-        return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    key = (ranks, int(max_ctas))
-    got = _EXCHANGE_GROUPS.get(key)
-    if got is None:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.min_ctas, opts.config.max_ctas = 1, int(max_ctas)
-        got = _EXCHANGE_GROUPS[key] = dist.new_group(list(ranks), backend="nccl", pg_options=opts,
-                                                      use_local_synchronization=True,
-                                                      group_desc=f"packloader_cp_exchange_{max_ctas}cta")
-    return got
-
-
 _PENDING_SENDS = []   # (work, tensor) of the sends not yet known to be complete, oldest first
 
 
@@ -369,7 +341,7 @@ class _ContextParallelMambaInnerFn(torch.autograd.Function):
 
 
 def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_ids: Optional[torch.Tensor],
-                                 group, recompute: bool = False, exchange=None) -> torch.Tensor:
+                                 group, recompute: bool = False) -> torch.Tensor:
     """A Mamba-1 mixer (:class:`ops.PackedMamba` or transformers' ``MambaMixer``) over this rank's chunk of every row.
 
     Receives, from the rank before, the scan state and the conv's last ``width - 1`` inputs at the end of its chunk
@@ -386,8 +358,6 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         group: the process group whose ranks hold the chunks, in rank order.
         recompute: keep only the layer's inputs (hidden states and the received states) for the backward and
             recompute the layer there (the exchange is not repeated): less activation memory for one more forward.
-        exchange: the process group the states travel over, over the ranks of ``group``; None: the one
-            :func:`context_parallel` gave the mixer, else ``group``.
 
     Returns:
         (batch, chunk, d_model).
@@ -396,8 +366,6 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
 
     group = group if group is not None else dist.group.WORLD
     rank, world = _group_rank_world(group)
-    if exchange is None:
-        exchange = mixer.__dict__.get("_packloader_cp_exchange", group)
     if _in_backward():
         raise ContextParallelError("a context-parallel mixer ran inside a backward (activation checkpointing of its "
                                    "block recomputes it, and the exchange cannot be repeated): switch checkpointing "
@@ -429,11 +397,11 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         # the exchange inside the layer's Function: its backward runs on a rank exactly when some input of the mixer
         # requires grad, which is the rule below (the same on every rank)
         return _ContextParallelMambaInnerFn.apply(hidden_states, *weights, None, None, g, not last,
-                                                  _Link(exchange, prev, nxt, shape, st))[0]
+                                                  _Link(group, prev, nxt, shape, st))[0]
     anchor = hidden_states if hidden_states.requires_grad or not needs_grad else trainable[0]
     ssm0 = conv0 = None
     if rank > 0:   # what the previous rank's chunk ended with: its scan state and its last width-1 conv inputs
-        got = _RecvFromPrevious.apply(anchor, shape, st, exchange, prev)
+        got = _RecvFromPrevious.apply(anchor, shape, st, group, prev)
         ssm0, conv0 = got[..., :d_state], got[..., d_state:]
 
     def core(hidden_states, conv0, ssm0):
@@ -449,7 +417,7 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         payload = torch.cat([ssm_final.to(st), tail.to(st)], -1)
         if needs_grad and not payload.requires_grad:   # (the receiver sends a gradient back: take it)
             payload = payload.detach().requires_grad_(True)
-        sent = _SendToNext.apply(payload, exchange, nxt)
+        sent = _SendToNext.apply(payload, group, nxt)
         out = out + sent.to(out.dtype)
     return out
 
@@ -460,8 +428,7 @@ _EXCHANGE_INSIDE = True   # temporary A/B switch (benchmarks/bench_context_paral
 # ----------------------------------------------------------------------------------------------------------------
 # The model and the batch
 
-def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False,
-                     exchange_max_ctas: Optional[int] = EXCHANGE_MAX_CTAS) -> torch.nn.Module:
+def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False) -> torch.nn.Module:
     """Make ``model``'s Mamba-1 mixers run context-parallel over ``group`` (in place; returns ``model``).
 
     Every :class:`ops.PackedMamba` in ``model`` (what :func:`ops.enable_packing` puts in a mamba-ssm model) and every
@@ -477,10 +444,6 @@ def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False,
             backward (about half its activation memory, one more forward of those): the longest rows. (Activation
             checkpointing of whole blocks with ``torch.utils.checkpoint`` would repeat the exchange in the backward,
             which the other ranks do not answer: use this instead.)
-        exchange_max_ctas: on NCCL, the states travel over a process group of their own over the same ranks (made
-            here, once per ranks: every rank of ``group`` calls this) whose kernels hold at most this many
-            multiprocessors. A receive waits on the GPU from when the host queues it, and with NCCL's default
-            channels it holds multiprocessors the layers running meanwhile need. None: over ``group`` itself.
 
     Raises:
         ContextParallelError: no Mamba-1 mixer found, a Mamba-2 or FalconMamba mixer (not supported yet: their
@@ -496,7 +459,6 @@ def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False,
             f"{type(model).__name__} has gradient checkpointing on ({', '.join(checkpointed[:3]) or 'the model'}): its "
             "recomputation would repeat the exchange between ranks in the backward; switch it off "
             "(gradient_checkpointing_disable()) and pass recompute=True instead")
-    exchange = _exchange_group(group, exchange_max_ctas)
     found = 0
     for name, m in model.named_modules():
         classes = {c.__name__ for c in type(m).__mro__}
@@ -508,7 +470,6 @@ def context_parallel(model: torch.nn.Module, group, *, recompute: bool = False,
                 raise ContextParallelError(f"{name}: a Hugging Face MambaMixer not converted: call "
                                            "ops.enable_packing(model) first")
             m._packloader_cp_group = group
-            m._packloader_cp_exchange = exchange
             m._packloader_cp_recompute = bool(recompute)
             found += 1
     if not found:

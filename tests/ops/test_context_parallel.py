@@ -62,10 +62,6 @@ def _check_rank(rank, world, device, dtype, tol, recompute=False):
     want_out, want_dh, want_grads = _reference(model, pos, h, dy)
     group = dist.group.WORLD
     ops.context_parallel(model, group, recompute=recompute)
-    if dist.get_backend(group) == "nccl":   # the states go over a group of their own, over the same ranks
-        exchange = model.layers[0]._packloader_cp_exchange
-        assert exchange is not group and exchange is model.layers[1]._packloader_cp_exchange
-        assert dist.get_process_group_ranks(exchange) == dist.get_process_group_ranks(group)
     n = L // world
     cut = slice(rank * n, (rank + 1) * n)
     _, pos_k, _ = ops.shard_batch(group, torch.zeros_like(pos), pos)
@@ -246,11 +242,7 @@ def test_bad_arguments():
                 _resolve_for_model(marked, torch.zeros(1, 4, dtype=torch.long), None,
                                    torch.zeros(1, 4, dtype=torch.int32), None)
             model, pos, h, _ = _inputs()
-            for bad in (0, -1, 1.5, True):
-                with pytest.raises(ops.ContextParallelError, match="exchange_max_ctas"):
-                    ops.context_parallel(model, group, exchange_max_ctas=bad)
             ops.context_parallel(model, group)
-            assert model.layers[0]._packloader_cp_exchange is group   # gloo: the states go over the group itself
             with pytest.raises(ops.ContextParallelError, match="position_ids"):
                 model.layers[0](h, seq_idx=torch.zeros_like(pos))
             # one rank: the context-parallel mixer is the plain one
