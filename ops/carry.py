@@ -174,6 +174,7 @@ class CarryStep:
         # a final state goes to the cache where the document continues after this step
         succ_in_batch = set(int(p) for p in self.pred if p >= 0)
         self.store = np.array([bool(cont[i]) and k not in succ_in_batch for k, i in enumerate(carried)], dtype=bool)
+        self._stored = np.flatnonzero(self.store)
         self.consumed_docs = consumed
         # for the composed mixer (carried_mamba_inner_ref): where the in-batch predecessors are (its first scan runs
         # only on their rows), and the pieces both continued in this batch and continuing one here ("middle" pieces:
@@ -210,7 +211,7 @@ class CarryStep:
         self._carried = torch.as_tensor(carried, dtype=torch.int64)
         self._num_sequences = num
         self._device_cache: Dict[torch.device, dict] = {}
-        self._final_layers: Dict[int, tuple] = {}   # layer -> (conv (K, d, w-1), ssm (K, d, n)), every slot
+        self._final_layers: Dict[int, tuple] = {}   # layer -> (conv (S, d, w-1), ssm (S, d, n)), the stored slots
         self._ran = False   # a mixer read its states: the step's forward ran
 
     def geometry(self, device: torch.device) -> dict:
@@ -275,13 +276,20 @@ class CarryStep:
         return torch.stack(convs), torch.stack(ssms)
 
     def keep(self, layer: int, conv_final: torch.Tensor, ssm_final: torch.Tensor) -> None:
-        """This layer's final states of every slot (detached, as the batched tensors: no per-slot work here); the
-        cache keeps those of the pieces that continue in a later step at the next :meth:`StateCache.step`."""
+        """Keeps this layer's final states (K, ...) of the slots that store (:attr:`store`: their document continues
+        after this step), detached and batched: one ``index_select`` (none where every slot stores, empty where none
+        does); no other slot's is needed after the step. The cache takes them at the next :meth:`StateCache.step`; a
+        generation's prefill, whose prompts all continue after, keeps every slot's."""
+        if len(self._stored) < self.num_slots:
+            dev = ssm_final.device
+            idx = _cached(self.geometry(dev), "stored", lambda: host_to_device(self._stored, dev, torch.int64))
+            conv_final, ssm_final = conv_final.index_select(0, idx), ssm_final.index_select(0, idx)
         self._final_layers[layer] = (conv_final.detach(), ssm_final.detach())
 
     def final_states(self, layer: int):
-        """(conv (K, d_inner, w-1), ssm (K, d_inner, d_state)): ``layer``'s final states of the K slots (the segments
-        with a state in or out, in ``cu_seqlens`` order: :attr:`slot_segments`), as the forward left them."""
+        """(conv (S, d_inner, w-1), ssm (S, d_inner, d_state)): ``layer``'s final states of the S slots that store
+        (:meth:`keep`; in slot order, the segments ``slot_segments[store]``), as the forward left them. Every slot
+        (S = K) where every piece continues after, as in a generation's prefill and a :class:`FixedLayoutStep`."""
         return self._final_layers[layer]
 
     @property
@@ -296,19 +304,10 @@ class CarryStep:
 
     def finals(self) -> Dict[int, Dict[int, tuple]]:
         """{doc: {layer: (conv (d, w-1), ssm (d, n))}}: the final states of the pieces whose document continues
-        after this step."""
+        after this step (views of the batched states :meth:`keep` stored: those slots only, no copy here)."""
         out: Dict[int, Dict[int, tuple]] = {}
-        stored = np.flatnonzero(self.store).tolist()
-        if not stored:
-            return out
-        every = stored == list(range(self.num_slots))
-        index = {}   # per device: the stored slots
+        stored = self._stored.tolist()
         for layer, (convs, ssms) in self._final_layers.items():
-            if not every:   # copied out: a view would keep every slot's states alive while the cache holds it
-                idx = index.get(convs.device)
-                if idx is None:
-                    idx = index[convs.device] = host_to_device(stored, convs.device, torch.int64)
-                convs, ssms = convs.index_select(0, idx), ssms.index_select(0, idx)
             for j, k in enumerate(stored):
                 out.setdefault(int(self.doc_ids[k]), {})[layer] = (convs[j], ssms[j])
         return out
