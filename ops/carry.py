@@ -175,6 +175,7 @@ class CarryStep:
         succ_in_batch = set(int(p) for p in self.pred if p >= 0)
         self.store = np.array([bool(cont[i]) and k not in succ_in_batch for k, i in enumerate(carried)], dtype=bool)
         self._stored = np.flatnonzero(self.store)
+        self.num_states_in = sum(s != "none" for s in self.source)   # the slots with a state in
         self.consumed_docs = consumed
         # for the composed mixer (carried_mamba_inner_ref): where the in-batch predecessors are (its first scan runs
         # only on their rows), and the pieces both continued in this batch and continuing one here ("middle" pieces:
@@ -215,7 +216,8 @@ class CarryStep:
         self._ran = False   # a mixer read its states: the step's forward ran
 
     def geometry(self, device: torch.device) -> dict:
-        """Device tensors of the plan (made once per device): the slots' token spans, the kernels' state_slots."""
+        """Device tensors of the plan (made once per device): the slots' token spans, the kernels' state_slots, the
+        slots with a state in (``has`` as a mask, ``has_idx`` as indices)."""
         got = self._device_cache.get(device)
         if got is None:
             pos = host_to_device(self._pos, device)
@@ -229,7 +231,7 @@ class CarryStep:
             has_idx = host_to_device([i for i, s in enumerate(self.source) if s != "none"], device, torch.int64)
             slots[0, start[has_idx]] = k[has_idx]    # indices made on the host: a mask as an index waits for the GPU
             slots[1, start + length - 1] = k
-            got = {"start": start, "length": length, "has": has,
+            got = {"start": start, "length": length, "has": has, "has_idx": has_idx,
                    "slots": slots.view(2, batch, seqlen), "pos": pos,
                    "depth_at": [host_to_device(self.depth == d, device)
                                 for d in range(1, int(self.depth.max(initial=0)) + 1)],
@@ -354,6 +356,7 @@ class FixedLayoutStep(CarryStep):
             slots[1].index_copy_(0, self._start + self._length - 1, torch.arange(k, dtype=torch.int32, device=device))
             none = torch.zeros(k, dtype=torch.bool, device=device)
             got = {"start": self._start, "length": self._length, "has": none,
+                   "has_idx": torch.zeros(0, dtype=torch.int64, device=device),
                    "slots": slots.view(2, rows, seqlen), "depth_at": [],
                    "pred": torch.zeros(k, dtype=torch.int64, device=device)}
             self._device_cache[device] = got
@@ -654,12 +657,29 @@ def _fused_grads(ctx, dx, dz, z, hidden_states, in_proj_weight, dcw, dcb, cb, dx
             dout_proj_bias, dA, dD if ctx.has_D else None, ddb if ctx.has_db else None)
 
 
+def _states_in(step: CarryStep, g: dict, init: torch.Tensor) -> Optional[torch.Tensor]:
+    """The initial states (K, ...) of the slots with a state in (``g["has_idx"]``), what the backward keeps of
+    ``init`` (the others are zeros): ``init`` itself where every slot has one, None where none does."""
+    if step.num_states_in == step.num_slots:
+        return init
+    return init.index_select(0, g["has_idx"]) if step.num_states_in else None
+
+
+def _every_slot(step: CarryStep, g: dict, states_in: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
+    """The initial states (K, ...) of every slot back from :func:`_states_in`'s: zeros for the slots without one."""
+    if step.num_states_in == step.num_slots:
+        return states_in
+    init = torch.zeros(shape, dtype=dtype, device=g["start"].device)
+    return init.index_copy_(0, g["has_idx"], states_in) if step.num_states_in else init
+
+
 class CarriedMambaInnerFn(torch.autograd.Function):
     """:class:`ops.mamba_inner.PackedMambaInnerFn` on a batch with continuations (``step``): the conv and the scan
     start the continued pieces from their states, chained through the batch (the predecessors' end states from
     reductions over their tokens: :func:`_chain_forward`), one scan; the backward gives each predecessor's end the
     gradient its continuation's start hands back (:func:`_chain_backward`, reductions again) and runs the scan's
-    backward once with those final-state gradients. Equal to ``carried_mamba_inner_ref`` (two scans, autograd)."""
+    backward once with those final-state gradients. The backward keeps the initial states of the slots with one
+    only (:func:`_states_in`). Equal to ``carried_mamba_inner_ref`` (two scans, autograd)."""
 
     @staticmethod
     def forward(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
@@ -682,17 +702,19 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         y = _fused_out_proj(out_z, out_proj_weight, out_proj_bias)
         step.keep(layer, conv_final, ssm_final)
         ctx.step, ctx.g, ctx.k = step, g, k
+        ctx.init_specs = [(t.shape, t.dtype) for t in (ssm_init, conv_init)]
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, ssm_init,
-                              conv_init)
+                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask,
+                              _states_in(step, g, ssm_init), _states_in(step, g, conv_init))
         return y
 
     @staticmethod
     def backward(ctx, dy):
         from .mamba_inner import _bmm_w, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
-         Cm, D, delta_bias, position_ids, saved, runmask, ssm_init, conv_init) = ctx.saved_tensors
+         Cm, D, delta_bias, position_ids, saved, runmask, ssm_in, conv_in) = ctx.saved_tensors
         step, g, k = ctx.step, ctx.g, ctx.k
+        ssm_init, conv_init = (_every_slot(step, g, t, *spec) for t, spec in zip((ssm_in, conv_in), ctx.init_specs))
         dt_rank = delta_proj_weight.shape[1]
         _, _, w_dtype_xp, w_dtype_dt, w_dtype_out, _ = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)

@@ -401,6 +401,20 @@ def _carried_forward(layout, fused=True):
     return step, carried_mamba_inner(layer, h, b["position_ids"], step, fused=fused), layer
 
 
+@pytest.mark.parametrize("layout", ["first"] + sorted(_SECOND))
+def test_fused_mixer_saves_the_initial_states_of_the_slots_with_one_only(layout):
+    """The states the fused mixer keeps for its backward (scan and conv) are those of the slots with a state in
+    (cached or from an in-batch predecessor), not the zeros of the others; none where no slot has one."""
+    step, y, layer = _carried_forward(layout)
+    d_inner, d_state, width = layer.d_inner, layer.d_state, layer.d_conv
+    with_state = sum(s != "none" for s in step.source)
+    assert with_state < step.num_slots or layout in ("from_cache", "gapped")
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    for shape in ((d_inner, d_state), (d_inner, width - 1)):
+        states = [t for t in saved if t.dim() == 3 and tuple(t.shape[1:]) == shape]
+        assert [t.shape[0] for t in states] == ([with_state] if with_state else []), shape
+
+
 @pytest.mark.parametrize("layout", sorted(_SECOND))
 def test_a_step_keeps_the_final_states_of_the_pieces_that_go_on_only(layout):
     """After the forward, the step holds (until the cache takes them) the final states of the slots whose document
