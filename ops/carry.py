@@ -174,6 +174,8 @@ class CarryStep:
         # a final state goes to the cache where the document continues after this step
         succ_in_batch = set(int(p) for p in self.pred if p >= 0)
         self.store = np.array([bool(cont[i]) and k not in succ_in_batch for k, i in enumerate(carried)], dtype=bool)
+        self._stored = np.flatnonzero(self.store)
+        self.num_states_in = sum(s != "none" for s in self.source)   # the slots with a state in
         self.consumed_docs = consumed
         # for the composed mixer (carried_mamba_inner_ref): where the in-batch predecessors are (its first scan runs
         # only on their rows), and the pieces both continued in this batch and continuing one here ("middle" pieces:
@@ -210,11 +212,12 @@ class CarryStep:
         self._carried = torch.as_tensor(carried, dtype=torch.int64)
         self._num_sequences = num
         self._device_cache: Dict[torch.device, dict] = {}
-        self._final_layers: Dict[int, tuple] = {}   # layer -> (conv (K, d, w-1), ssm (K, d, n)), every slot
+        self._final_layers: Dict[int, tuple] = {}   # layer -> (conv (S, d, w-1), ssm (S, d, n)), the stored slots
         self._ran = False   # a mixer read its states: the step's forward ran
 
     def geometry(self, device: torch.device) -> dict:
-        """Device tensors of the plan (made once per device): the slots' token spans, the kernels' state_slots."""
+        """Device tensors of the plan (made once per device): the slots' token spans, the kernels' state_slots, the
+        slots with a state in (``has`` as a mask, ``has_idx`` as indices)."""
         got = self._device_cache.get(device)
         if got is None:
             pos = host_to_device(self._pos, device)
@@ -228,7 +231,7 @@ class CarryStep:
             has_idx = host_to_device([i for i, s in enumerate(self.source) if s != "none"], device, torch.int64)
             slots[0, start[has_idx]] = k[has_idx]    # indices made on the host: a mask as an index waits for the GPU
             slots[1, start + length - 1] = k
-            got = {"start": start, "length": length, "has": has,
+            got = {"start": start, "length": length, "has": has, "has_idx": has_idx,
                    "slots": slots.view(2, batch, seqlen), "pos": pos,
                    "depth_at": [host_to_device(self.depth == d, device)
                                 for d in range(1, int(self.depth.max(initial=0)) + 1)],
@@ -275,13 +278,20 @@ class CarryStep:
         return torch.stack(convs), torch.stack(ssms)
 
     def keep(self, layer: int, conv_final: torch.Tensor, ssm_final: torch.Tensor) -> None:
-        """This layer's final states of every slot (detached, as the batched tensors: no per-slot work here); the
-        cache keeps those of the pieces that continue in a later step at the next :meth:`StateCache.step`."""
+        """Keeps this layer's final states (K, ...) of the slots that store (:attr:`store`: their document continues
+        after this step), detached and batched: one ``index_select`` (none where every slot stores, empty where none
+        does); no other slot's is needed after the step. The cache takes them at the next :meth:`StateCache.step`; a
+        generation's prefill, whose prompts all continue after, keeps every slot's."""
+        if len(self._stored) < self.num_slots:
+            dev = ssm_final.device
+            idx = _cached(self.geometry(dev), "stored", lambda: host_to_device(self._stored, dev, torch.int64))
+            conv_final, ssm_final = conv_final.index_select(0, idx), ssm_final.index_select(0, idx)
         self._final_layers[layer] = (conv_final.detach(), ssm_final.detach())
 
     def final_states(self, layer: int):
-        """(conv (K, d_inner, w-1), ssm (K, d_inner, d_state)): ``layer``'s final states of the K slots (the segments
-        with a state in or out, in ``cu_seqlens`` order: :attr:`slot_segments`), as the forward left them."""
+        """(conv (S, d_inner, w-1), ssm (S, d_inner, d_state)): ``layer``'s final states of the S slots that store
+        (:meth:`keep`; in slot order, the segments ``slot_segments[store]``), as the forward left them. Every slot
+        (S = K) where every piece continues after, as in a generation's prefill and a :class:`FixedLayoutStep`."""
         return self._final_layers[layer]
 
     @property
@@ -296,19 +306,10 @@ class CarryStep:
 
     def finals(self) -> Dict[int, Dict[int, tuple]]:
         """{doc: {layer: (conv (d, w-1), ssm (d, n))}}: the final states of the pieces whose document continues
-        after this step."""
+        after this step (views of the batched states :meth:`keep` stored: those slots only, no copy here)."""
         out: Dict[int, Dict[int, tuple]] = {}
-        stored = np.flatnonzero(self.store).tolist()
-        if not stored:
-            return out
-        every = stored == list(range(self.num_slots))
-        index = {}   # per device: the stored slots
+        stored = self._stored.tolist()
         for layer, (convs, ssms) in self._final_layers.items():
-            if not every:   # copied out: a view would keep every slot's states alive while the cache holds it
-                idx = index.get(convs.device)
-                if idx is None:
-                    idx = index[convs.device] = host_to_device(stored, convs.device, torch.int64)
-                convs, ssms = convs.index_select(0, idx), ssms.index_select(0, idx)
             for j, k in enumerate(stored):
                 out.setdefault(int(self.doc_ids[k]), {})[layer] = (convs[j], ssms[j])
         return out
@@ -355,6 +356,7 @@ class FixedLayoutStep(CarryStep):
             slots[1].index_copy_(0, self._start + self._length - 1, torch.arange(k, dtype=torch.int32, device=device))
             none = torch.zeros(k, dtype=torch.bool, device=device)
             got = {"start": self._start, "length": self._length, "has": none,
+                   "has_idx": torch.zeros(0, dtype=torch.int64, device=device),
                    "slots": slots.view(2, rows, seqlen), "depth_at": [],
                    "pred": torch.zeros(k, dtype=torch.int64, device=device)}
             self._device_cache[device] = got
@@ -655,12 +657,29 @@ def _fused_grads(ctx, dx, dz, z, hidden_states, in_proj_weight, dcw, dcb, cb, dx
             dout_proj_bias, dA, dD if ctx.has_D else None, ddb if ctx.has_db else None)
 
 
+def _states_in(step: CarryStep, g: dict, init: torch.Tensor) -> Optional[torch.Tensor]:
+    """The initial states (K, ...) of the slots with a state in (``g["has_idx"]``), what the backward keeps of
+    ``init`` (the others are zeros): ``init`` itself where every slot has one, None where none does."""
+    if step.num_states_in == step.num_slots:
+        return init
+    return init.index_select(0, g["has_idx"]) if step.num_states_in else None
+
+
+def _every_slot(step: CarryStep, g: dict, states_in: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
+    """The initial states (K, ...) of every slot back from :func:`_states_in`'s: zeros for the slots without one."""
+    if step.num_states_in == step.num_slots:
+        return states_in
+    init = torch.zeros(shape, dtype=dtype, device=g["start"].device)
+    return init.index_copy_(0, g["has_idx"], states_in) if step.num_states_in else init
+
+
 class CarriedMambaInnerFn(torch.autograd.Function):
     """:class:`ops.mamba_inner.PackedMambaInnerFn` on a batch with continuations (``step``): the conv and the scan
     start the continued pieces from their states, chained through the batch (the predecessors' end states from
     reductions over their tokens: :func:`_chain_forward`), one scan; the backward gives each predecessor's end the
     gradient its continuation's start hands back (:func:`_chain_backward`, reductions again) and runs the scan's
-    backward once with those final-state gradients. Equal to ``carried_mamba_inner_ref`` (two scans, autograd)."""
+    backward once with those final-state gradients. The backward keeps the initial states of the slots with one
+    only (:func:`_states_in`). Equal to ``carried_mamba_inner_ref`` (two scans, autograd)."""
 
     @staticmethod
     def forward(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
@@ -683,17 +702,19 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         y = _fused_out_proj(out_z, out_proj_weight, out_proj_bias)
         step.keep(layer, conv_final, ssm_final)
         ctx.step, ctx.g, ctx.k = step, g, k
+        ctx.init_specs = [(t.shape, t.dtype) for t in (ssm_init, conv_init)]
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, ssm_init,
-                              conv_init)
+                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask,
+                              _states_in(step, g, ssm_init), _states_in(step, g, conv_init))
         return y
 
     @staticmethod
     def backward(ctx, dy):
         from .mamba_inner import _bmm_w, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
-         Cm, D, delta_bias, position_ids, saved, runmask, ssm_init, conv_init) = ctx.saved_tensors
+         Cm, D, delta_bias, position_ids, saved, runmask, ssm_in, conv_in) = ctx.saved_tensors
         step, g, k = ctx.step, ctx.g, ctx.k
+        ssm_init, conv_init = (_every_slot(step, g, t, *spec) for t, spec in zip((ssm_in, conv_in), ctx.init_specs))
         dt_rank = delta_proj_weight.shape[1]
         _, _, w_dtype_xp, w_dtype_dt, w_dtype_out, _ = ctx.dtypes
         dy = dy.contiguous().to(x.dtype)

@@ -380,3 +380,63 @@ def test_inference_mode_runs_the_composed_and_the_fused_paths():
         from ops.context_parallel import _step_geometry
         g = _step_geometry((torch.arange(6) + 6).expand(2, 6), 1, 2, "cpu")
     assert bool(g["first"]["has"].all())
+
+
+def _carried_forward(layout, fused=True):
+    """(step, y, the layer) of one mixer on the second-step batch ``layout`` (``_SECOND``; ``"first"``: ``_FIRST``,
+    whose pieces all start from zero and continue after), its cache filled by ``_FIRST``."""
+    from ops.carry import carried_mamba_inner
+    torch.manual_seed(0)
+    cache = ops.StateCache()
+    layer = ops.PackedMamba(8, d_state=4, layer_idx=0, dtype=F64)
+    if layout == "first":
+        b = _batch(_FIRST, None)
+    else:
+        b1 = _batch(_FIRST, None)
+        carried_mamba_inner(layer, torch.randn(1, 16, 8, dtype=F64), b1["position_ids"], cache.step(b1))
+        cache.commit()
+        b = _batch(_SECOND[layout], None)
+    step = ops.CarryStep(b, cache)
+    h = torch.randn(b["position_ids"].shape + (8,), dtype=F64, requires_grad=True)
+    return step, carried_mamba_inner(layer, h, b["position_ids"], step, fused=fused), layer
+
+
+@pytest.mark.parametrize("layout", ["first"] + sorted(_SECOND))
+def test_fused_mixer_saves_the_initial_states_of_the_slots_with_one_only(layout):
+    """The states the fused mixer keeps for its backward (scan and conv) are those of the slots with a state in
+    (cached or from an in-batch predecessor), not the zeros of the others; none where no slot has one."""
+    step, y, layer = _carried_forward(layout)
+    d_inner, d_state, width = layer.d_inner, layer.d_state, layer.d_conv
+    with_state = sum(s != "none" for s in step.source)
+    assert with_state < step.num_slots or layout in ("from_cache", "gapped")
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    for shape in ((d_inner, d_state), (d_inner, width - 1)):
+        states = [t for t in saved if t.dim() == 3 and tuple(t.shape[1:]) == shape]
+        assert [t.shape[0] for t in states] == ([with_state] if with_state else []), shape
+
+
+@pytest.mark.parametrize("layout", sorted(_SECOND))
+def test_a_step_keeps_the_final_states_of_the_pieces_that_go_on_only(layout):
+    """After the forward, the step holds (until the cache takes them) the final states of the slots whose document
+    continues after the step, in their own storage: not every slot's; fused and composed mixers keep the same."""
+    kept = {}
+    for fused in (True, False):
+        step, _, layer = _carried_forward(layout, fused)
+        stored = int(step.store.sum())
+        assert stored < step.num_slots
+        conv, ssm = kept[fused] = step.final_states(0)
+        assert conv.shape == (stored, layer.d_inner, layer.d_conv - 1)
+        assert ssm.shape == (stored, layer.d_inner, layer.d_state)
+        for t in (conv, ssm):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert sorted(step.finals()) == sorted(int(d) for d in step.doc_ids[step.store])
+    for a, b in zip(kept[True], kept[False]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_step_whose_pieces_all_go_on_keeps_every_slot():
+    """A generation's prefill (every prompt continues after, none continued) keeps every slot's final states."""
+    step, _, layer = _carried_forward("first")
+    assert bool(step.store.all())
+    conv, ssm = step.final_states(0)
+    assert conv.shape[0] == ssm.shape[0] == step.num_slots == 3
