@@ -21,7 +21,6 @@ Writes ``context_parallel.json`` into ``--out`` and prints the tables. Needs ``N
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -71,12 +70,6 @@ def _set_cp(model, group, recompute=False):
         else:
             m._packloader_cp_group = group
             m._packloader_cp_recompute = recompute
-
-
-def _exchange_variants(args):
-    """[(label, inside)] for ``--exchange``: "inside" (the layer's Function exchanges its states itself) and / or
-    "outside" (around it, as before)."""
-    return [("" if v.strip() == "inside" else ", outside", v.strip() == "inside") for v in args.exchange.split(",")]
 
 
 def _step(model, h, pos, dtype, total=None):
@@ -176,7 +169,7 @@ def _trace_step(args, model, h, pos, label, n, rank, group):
     from _trace import trace_call
 
     dist.barrier(group=group)
-    slug = "plain" if label.startswith("one GPU") else f"cp{n}" + ("_outside" if "outside" in label else "")
+    slug = "plain" if label.startswith("one GPU") else f"cp{n}"
     path = os.path.join(args.trace_dir, f"{slug}_rank{rank}.json.gz")
 
     def step():
@@ -215,30 +208,23 @@ def part_scaling(args, rank, world, groups):
             if args.profile and n == 1:
                 _set_cp(model, groups[n])
                 _profile(model, h, pos)
-            variants = _exchange_variants(args)
             for recompute in (False, True) if args.scaling_recompute else (False,):
-                for tag, inside in variants:
-                    if recompute and not inside:
-                        continue
-                    importlib.import_module("ops.context_parallel")._EXCHANGE_INSIDE = inside
-                    _set_cp(model, groups[n], recompute)
-                    sec, mem = _timed(model, _chunk(h, rank, n).contiguous(), _chunk(pos, rank, n).contiguous(),
-                                      args.iters, args.warmup)
-                    t = torch.tensor([sec, mem], device="cuda")
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups[n])
-                    sec, mem = t.tolist()
-                    rows.append({"gpus": n, "mode": f"context-parallel over {n}" + (", recompute" if recompute else "")
-                                 + tag, "tokens": n * L, "step_s": sec, "peak_gib": mem,
-                                 "tokens_per_s_per_gpu": L / sec})
-                    if rank == 0:   # (as it goes: a run cut short keeps what it measured)
-                        print(f"  {rows[-1]['mode']}: {sec:.4f} s a step, against one GPU "
-                              f"{rows[0]['step_s'] / sec:.3f}", flush=True)
-                    if args.trace_dir and not recompute:
-                        traces.append(_trace_step(args, model, _chunk(h, rank, n).contiguous(),
-                                                  _chunk(pos, rank, n).contiguous(), f"context-parallel over {n}"
-                                                  + tag, n, rank, groups[n]))
+                _set_cp(model, groups[n], recompute)
+                sec, mem = _timed(model, _chunk(h, rank, n).contiguous(), _chunk(pos, rank, n).contiguous(),
+                                  args.iters, args.warmup)
+                t = torch.tensor([sec, mem], device="cuda")
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups[n])
+                sec, mem = t.tolist()
+                rows.append({"gpus": n, "mode": f"context-parallel over {n}" + (", recompute" if recompute else ""),
+                             "tokens": n * L, "step_s": sec, "peak_gib": mem, "tokens_per_s_per_gpu": L / sec})
+                if rank == 0:   # (as it goes: a run cut short keeps what it measured)
+                    print(f"  {rows[-1]['mode']}: {sec:.4f} s a step, against one GPU {rows[0]['step_s'] / sec:.3f}",
+                          flush=True)
+                if args.trace_dir and not recompute:
+                    traces.append(_trace_step(args, model, _chunk(h, rank, n).contiguous(),
+                                              _chunk(pos, rank, n).contiguous(), f"context-parallel over {n}", n,
+                                              rank, groups[n]))
             _set_cp(model, None)
-            importlib.import_module("ops.context_parallel")._EXCHANGE_INSIDE = True
             del h
             torch.cuda.empty_cache()
         dist.barrier()
@@ -320,8 +306,6 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--trace-dir", default=None, help="scaling: profile one step on every rank (plain, and CP over "
                     "each N without recompute): Chrome traces there, the summaries printed and in the JSON")
-    ap.add_argument("--exchange", default="inside", help="scaling: comma-separated, one row each: 'inside' (the "
-                    "layer's Function exchanges its states) or 'outside' (around it)")
     ap.add_argument("--scaling-recompute", type=int, default=1, help="scaling: also the rows with recompute=True")
     ap.add_argument("--profile", action="store_true", help="print the CUDA kernels of one step, plain and CP over 1")
     ap.add_argument("--exact-d-model", type=int, default=512)

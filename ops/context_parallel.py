@@ -393,7 +393,7 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
                mixer.dt_proj.weight, mixer.out_proj.weight, mixer.out_proj.bias, A, ssm_float(mixer.D),
                ssm_float(mixer.dt_proj.bias))
     shape = (b, d_inner, d_state + width - 1)
-    if not (recompute and torch.is_grad_enabled()) and _EXCHANGE_INSIDE:
+    if not (recompute and torch.is_grad_enabled()):
         # the exchange inside the layer's Function: its backward runs on a rank exactly when some input of the mixer
         # requires grad, which is the rule below (the same on every rank)
         return _ContextParallelMambaInnerFn.apply(hidden_states, *weights, None, None, g, not last,
@@ -420,9 +420,6 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         sent = _SendToNext.apply(payload, group, nxt)
         out = out + sent.to(out.dtype)
     return out
-
-
-_EXCHANGE_INSIDE = True   # temporary A/B switch (benchmarks/bench_context_parallel.py); removed after measuring
 
 
 # ----------------------------------------------------------------------------------------------------------------
