@@ -20,7 +20,9 @@ Carried states (:mod:`ops.states`)
     ``state_slots``: int32, contiguous, ``(2, b, L)``. Plane 0: at a sequence's first token, the slot of
     ``initial_state`` the sequence starts from (the scan's first step is ``h = exp(delta A) h0 + delta B u`` instead of
     the reset); -1 elsewhere (and everywhere without ``initial_state``). Plane 1: at a sequence's last token, the slot
-    of ``final_state`` its state is written to; -1 elsewhere. A slot appears at most once in each plane. The functional
+    of ``final_state`` its state is written to; -1 elsewhere. A slot appears at most once in each plane. Row edges:
+    ``(2, b)`` slots put states at rows' first and last tokens only (``[0][r]`` at row ``r``'s first token, ``[1][r]``
+    at its last; ``states.token_slots`` spreads them over the tokens); the plain kernels read them once a row. The functional
     ops number slots by sequence in ``cu_seqlens`` order (flash-linear-attention's convention, with a flag per
     sequence like vLLM's ``has_initial_state``); a caller that carries few sequences numbers just those. The conv
     kernels run as without states; the first ``w - 1`` outputs of each continued sequence are then recomputed from its
@@ -44,7 +46,8 @@ state_slots?=None, initial_state?=None, num_final_states=0) -> (out, saved, fina
       ends in; an empty ``(0,)`` tensor when ``num_final_states`` is 0. The chunk states in ``saved`` include the
       initial states' contribution.
     - Saved for backward (autograd): all inputs and ``saved``; not ``out``. Without ``state_slots`` the kernels are the
-      plain ones (a compile-time variant: no slot is loaded, the same code and bits as without states).
+      plain ones (a compile-time variant: no slot is loaded, the same code and bits as without states); so are they
+      with row-edge slots, which load and store states outside their loops.
 
 ``packloader::selective_scan_bwd(u, delta, A, B, C, D?, z?, delta_bias?, position_ids, delta_softplus, saved,
 dout, recompute_out=False, state_slots?=None, initial_state?=None, dfinal_state?=None) -> (du, ddelta, dA, dB, dC,

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from . import backends as _backends
 from . import time_split
 from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids, single_sequence_rows
-from .states import check_state, state_slots
+from .states import check_state, state_slots, token_slots
 from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
                        scan_chunks, scan_fwd_segments)
 
@@ -232,6 +232,8 @@ def _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta
                         initial_state=None, num_final_states=0):
     """The reference implementation of ``selective_scan_fwd`` (pure PyTorch, any float dtype)."""
     batch, dim, L = u.shape
+    if state_slots is not None:
+        state_slots = token_slots(state_slots, L)
     dstate = A.shape[1]
     ct, u_, _, _, _, _, Cx, _, _, _, h, _ = _scan_terms(u, delta, A, B, C, delta_bias, position_ids, delta_softplus,
                                                         state_slots, initial_state)
@@ -263,6 +265,8 @@ def _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta
     scanned backwards in time, dropped (not multiplied by zero) where the forward dropped the state. A final
     state's gradient enters the adjoint at its sequence's last token; an initial state's gradient is the adjoint
     its sequence's first step hands back (``dA gh``)."""
+    if state_slots is not None:
+        state_slots = token_slots(state_slots, u.shape[2])
     ct, u_, dt_raw, dt, A_, Bx, Cx, dA, dtu, reset, h, h0_tok = _scan_terms(
         u, delta, A, B, C, delta_bias, position_ids, delta_softplus, state_slots, initial_state)
     y = (h * Cx).sum(-1)
@@ -419,10 +423,14 @@ def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sl
     return out, saved, final
 
 
-def _state_args(state_slots):
-    """The kernels' slots: None for the plain scan (no state read or written)."""
+def _state_args(state_slots, z, seqlen: int):
+    """The kernels' slots: None for the plain scan (no state read or written). Row-edge slots (2, batch) take the
+    kernels' row-edge variant, compiled for the gated scan (``z`` given: the Mamba mixer's); without ``z`` they go
+    per token."""
     if state_slots is None:
         return None
+    if state_slots.dim() == 2 and z is None:
+        state_slots = token_slots(state_slots, seqlen)
     return state_slots.to(torch.int32).contiguous()
 
 
@@ -436,7 +444,7 @@ def _scan_fwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_soft
     if Ck.dtype != Bk.dtype:
         Ck = Ck.to(Bk.dtype)
     pos = position_ids.to(torch.int32).contiguous()
-    slots = _state_args(state_slots)
+    slots = _state_args(state_slots, z, u.shape[2])
     out, saved, final = _scan_fwd_kernel(ext, u, delta.to(u.dtype), _f32(A), Bk, Ck, _f32(D),
                                          None if z is None else z.to(u.dtype), _f32(delta_bias), pos, delta_softplus,
                                          slots, _f32(initial_state) if slots is not None else None,
@@ -528,7 +536,7 @@ def _scan_bwd_cuda(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_soft
     if Ck.dtype != Bk.dtype:
         Ck = Ck.to(Bk.dtype)
     pos = position_ids.to(torch.int32).contiguous()
-    slots = _state_args(state_slots)
+    slots = _state_args(state_slots, z, u.shape[2])
     du, ddelta, dA, dB, dC, dD, dz, ddb, out, dinit = _scan_bwd_kernel(
         ext, u, delta.to(u.dtype), _f32(A), Bk, Ck, _f32(D), None if z is None else z.to(u.dtype),
         _f32(delta_bias), pos, delta_softplus, saved, dout.to(u.dtype), recompute_out, slots,

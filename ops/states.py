@@ -16,7 +16,9 @@ sequence saying whether it starts from its state (vLLM's ``has_initial_state``):
 The kernels see this as :func:`state_slots`: two int32 planes over the tokens, the slot of the initial state read at
 a sequence's first token and the slot of the final state written at its last token (-1 elsewhere; contract:
 :mod:`ops.contract`). A model that carries only a few sequences' states numbers just those (its slots), so a step
-with one continued document holds one state per layer, not one per sequence.
+with one continued document holds one state per layer, not one per sequence. Where states sit only at row edges
+(a row's first token continues, its last hands on: context parallelism's chunks), the slots can be given per row
+instead, ``(2, batch)``, and the kernels read them once a row (:func:`token_slots` spreads them over the tokens).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["sequence_numbers", "sequence_spans", "state_slots", "check_state"]
+__all__ = ["sequence_numbers", "sequence_spans", "state_slots", "token_slots", "check_state"]
 
 
 _PAGEABLE_COPY_BYTES = 64 * 1024   # host_to_device: larger copies go through pinned memory
@@ -83,6 +85,19 @@ def state_slots(position_ids: torch.Tensor, has_initial_state: Optional[torch.Te
     else:
         fin = none
     return torch.stack([init, fin]).to(torch.int32).contiguous()
+
+
+def token_slots(slots: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """``state_slots`` (2, batch, seqlen) as given, or row-edge slots (2, batch) (states at row edges only:
+    context parallelism's chunks) spread over the tokens: plane 0's slot of row ``b`` at its first token, plane 1's
+    at its last, -1 elsewhere (the layout the reference scan reads)."""
+    if slots.dim() == 3:
+        return slots
+    tok = torch.full((2, slots.shape[1], seqlen), -1, dtype=slots.dtype, device=slots.device)
+    if seqlen:
+        tok[0, :, 0] = slots[0]
+        tok[1, :, seqlen - 1] = slots[1]
+    return tok
 
 
 def check_state(name: str, state: torch.Tensor, shape: tuple, dtypes: tuple, device: torch.device) -> None:

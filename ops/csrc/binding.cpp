@@ -50,16 +50,23 @@ static po::ScanParams scan_params(const Tensor &u, const Tensor &delta, const Te
   return p;
 }
 
-// carried states (ops/contract.py): state_slots (2, batch, seqlen) int32, initial_state / final_state (slots, dim,
-// dstate) float32 contiguous; all absent for the plain scan
-static void check_states(const Tensor &u, const Tensor &A, const OptT &slots, std::initializer_list<const OptT *> st) {
+// carried states (ops/contract.py): state_slots (2, batch, seqlen) int32, or (2, batch) for states at row edges
+// only, initial_state / final_state (slots, dim, dstate) float32 contiguous; all absent for the plain scan. Sets
+// p.state_slots or p.row_slots.
+static void check_states(po::ScanParams &p, const Tensor &u, const Tensor &A, const OptT &slots,
+                         std::initializer_list<const OptT *> st) {
+  p.state_slots = nullptr;
+  p.row_slots = nullptr;
   if (!slots.has_value()) {
     for (const OptT *t : st) TORCH_CHECK(!t->has_value(), "scan: states given without state_slots");
     return;
   }
+  const bool rows = slots->dim() == 2;
   TORCH_CHECK(slots->scalar_type() == at::kInt && slots->is_contiguous() && slots->device() == u.device() &&
-                  slots->sizes() == at::IntArrayRef({2, u.size(0), u.size(2)}),
-              "scan: state_slots must be int32 (2, batch, seqlen), contiguous, on u's device");
+                  (rows ? slots->sizes() == at::IntArrayRef({2, u.size(0)})
+                        : slots->sizes() == at::IntArrayRef({2, u.size(0), u.size(2)})),
+              "scan: state_slots must be int32 (2, batch, seqlen) or (2, batch), contiguous, on u's device");
+  (rows ? p.row_slots : p.state_slots) = slots->data_ptr<int>();
   for (const OptT *t : st)
     if (t->has_value())
       TORCH_CHECK((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() && (*t)->device() == u.device() &&
@@ -79,8 +86,8 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
   p.fwd_lanes = lanes;
   p.out = out.data_ptr();
   p.saved = saved.data_ptr<float>();
-  check_states(u, A, state_slots, {&initial_state, &final_state});
-  p.state_slots = ptr_or_null<const int>(state_slots);
+  check_states(p, u, A, state_slots, {&initial_state, &final_state});
+  TORCH_CHECK(p.row_slots == nullptr || z.has_value(), "scan_fwd: row-edge state_slots (2, batch) need z");
   p.initial_state = ptr_or_null<const float>(initial_state);
   p.final_state = ptr_or_null<float>(final_state);
   po::scan_fwd_launch(p, at::cuda::getCurrentCUDAStream());
@@ -117,10 +124,10 @@ void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
                 "scan_bwd: det_part must be float32 (batch, blocks, 2, dstate, seqlen), contiguous, on u's device");
   }
   p.det_part = ptr_or_null<float>(det_part);
-  check_states(u, A, state_slots, {&initial_state, &dfinal_state, &dinitial_state});
+  check_states(p, u, A, state_slots, {&initial_state, &dfinal_state, &dinitial_state});
+  TORCH_CHECK(p.row_slots == nullptr || z.has_value(), "scan_bwd: row-edge state_slots (2, batch) need z");
   TORCH_CHECK(initial_state.has_value() == dinitial_state.has_value(),
               "scan_bwd: dinitial_state must be given exactly when initial_state is");
-  p.state_slots = ptr_or_null<const int>(state_slots);
   p.initial_state = ptr_or_null<const float>(initial_state);
   p.dfinal_state = ptr_or_null<const float>(dfinal_state);
   p.dinitial_state = ptr_or_null<float>(dinitial_state);

@@ -41,6 +41,10 @@ struct ScanParams {
   const int *state_slots;            // (2, batch, seqlen) int32: [0] at a sequence start, the slot of initial_state it
                                      // starts from (-1: from zero); [1] at a sequence's last token, the slot of
                                      // final_state it ends in (-1: none); -1 at every other token
+  const int *row_slots;              // (2, batch) int32, instead of state_slots where states sit only at row edges
+                                     // (context parallelism's chunks): [0][b] the slot of initial_state row b's first
+                                     // token starts from, [1][b] the slot of final_state its last token ends in (-1:
+                                     // none). The plain kernels read them once a row, outside their loops
   const float *initial_state;        // (slots, dim, dstate) fp32: h before the sequence's first token
   float *final_state;                // forward: (slots, dim, dstate) fp32, h after the sequence's last token
   const float *dfinal_state;         // backward: the gradient of final_state (may be null: zero)

@@ -252,6 +252,18 @@ __device__ __forceinline__ void put_bc(float2 (*bc)[16], const RunBC<w_t> &r, in
   for (int k = 0; k < kFwdRun / 2; ++k) bc[tb + k][n] = make_float2(to_f(r.B.v[k]), to_f(r.C.v[k]));
 }
 
+// Which carried states a scan kernel handles (its kStates): none, per token (state_slots) or at row edges (row_slots)
+enum StatesKind : int { kNoStates = 0, kTokenStates = 1, kRowStates = 2 };
+
+// the variant a launch takes; row-edge states are compiled for the gated scan (z: the Mamba mixer's) only, the
+// Python side hands them per token otherwise (ops/selective_scan_interface.py, _state_args)
+template <typename F>
+inline void states_switch(const ScanParams &p, F &&f) {
+  if (p.row_slots != nullptr) f(std::integral_constant<int, kRowStates>{});
+  else if (p.state_slots != nullptr) f(std::integral_constant<int, kTokenStates>{});
+  else f(std::integral_constant<int, kNoStates>{});
+}
+
 // What a lane loads for one run: its share of its channel's u, delta (and z), its share of B / C and, lanes <
 // kFwdRun, the position id of timestep t0 + lane (and, with carried states, its two state slots).
 template <typename in_t, typename w_t, int kR>
@@ -259,15 +271,19 @@ struct FwdRunIn {
   Run<in_t, kR> u, delta, z;
   RunBC<w_t> bc;
   int pos;
-  int islot, fslot;   // kStates only: state_slots[0 / 1] of timestep t0 + lane (-1: none)
+  int islot, fslot;   // kTokenStates only: state_slots[0 / 1] of timestep t0 + lane (-1: none)
 };
 
-// kStates: carried states (ScanParams::state_slots). A sequence start with an initial-state slot loads h from
-// initial_state before its first step and keeps it (the step is h <- exp2(dA2) h0 + bx, not a reset); a sequence's
-// last token with a final-state slot stores h to final_state. Both are rare, warp-uniform branches on a ballot of
-// the run's slots; without kStates the kernel is the plain one (no loads, no ballots).
-template <typename in_t, typename w_t, bool kHasZ, bool kVec, int kP, bool kStates>
+// kStates (StatesKind): kNoStates, the plain kernel (no loads, no ballots). kTokenStates: carried states per token
+// (ScanParams::state_slots). A sequence start with an initial-state slot loads h from initial_state before its first
+// step and keeps it (the step is h <- exp2(dA2) h0 + bx, not a reset); a sequence's last token with a final-state slot
+// stores h to final_state. Both are rare, warp-uniform branches on a ballot of the run's slots. kRowStates: states at
+// row edges only (ScanParams::row_slots), the plain kernel with the states outside its loop: h loaded before the
+// row's first run (whose reset at t = 0 is skipped) and stored after its last (the steps past L leave it unchanged:
+// dt is 0 there). A variant of its own: in the plain kernel the few extra values cost registers (ptxas).
+template <typename in_t, typename w_t, bool kHasZ, bool kVec, int kP, int kStates>
 __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel(const ScanParams p) {
+  constexpr bool kTok = kStates == kTokenStates, kRow = kStates == kRowStates;
   using Lay = FwdLayout<kP>;
   constexpr int kS = Lay::kS, kCh = Lay::kCh, kR = Lay::kR;
   // [half of the warp][timestep of the run][state]: a second half only where a warp has 32 channels, used only when
@@ -316,10 +332,20 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
 #pragma unroll
   for (int j = 0; j < kS; ++j) h[j] = 0.f;
   // carried states: this row's slots; thread state k is state index sub + kP k of channel d
-  const int *slots_i = kStates ? p.state_slots + (int64_t)b * L : nullptr;
-  const int *slots_f = kStates ? p.state_slots + ((int64_t)p.batch + b) * L : nullptr;
+  const int *slots_i = kTok ? p.state_slots + (int64_t)b * L : nullptr;
+  const int *slots_f = kTok ? p.state_slots + ((int64_t)p.batch + b) * L : nullptr;
   auto state_ok = [&](int k) { return d_ok && sub + kP * k < p.dstate; };
   auto state_off = [&](int slot, int k) { return ((int64_t)slot * p.dim + d) * p.dstate + sub + kP * k; };
+  // row-edge states (plain kernel): bit 0 of cont0 keeps the state at the first run's t = 0 (cleared after it)
+  unsigned cont0 = 0;
+  if (kRow && p.initial_state != nullptr && seg_lo == 0) {
+    const int slot = p.row_slots[b];   // warp-uniform
+    if (slot >= 0) {
+#pragma unroll
+      for (int k = 0; k < kS; ++k) h[k] = state_ok(k) ? p.initial_state[state_off(slot, k)] : 0.f;
+      cont0 = 1u;
+    }
+  }
 
   using In = FwdRunIn<in_t, w_t, kR>;
   auto load = [&](In &r, int t0) {
@@ -329,7 +355,7 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
     if constexpr (kHasZ) load_run<kVec>(r.z, z, ts, L, d_ok);
     load_bc<kVec>(r.bc, Bp, Cp, t0, L, lane, p.dstate);
     r.pos = (lane < kFwdRun && t0 + lane < L) ? pos[t0 + lane] : 1;
-    if constexpr (kStates) {
+    if constexpr (kTok) {
       const bool in = lane < kFwdRun && t0 + lane < L;
       r.islot = in ? slots_i[t0 + lane] : -1;
       r.fslot = in ? slots_f[t0 + lane] : -1;
@@ -358,11 +384,13 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
       if constexpr (kHasZ) { const float zv = to_f(cur.z.v[k]); zs = zv * sigmoidf_(zv); }
       pre[j][ch] = make_float4(dtv, dtv * uv, __fmul_rn(Dd, uv), zs);
     }
-    const unsigned starts = __ballot_sync(0xffffffffu, cur.pos == 0);   // bit j: timestep t0 + j starts a sequence
+    // bit j: timestep t0 + j starts a sequence (not the row's first token where it continues a row-edge state)
+    const unsigned starts = __ballot_sync(0xffffffffu, cur.pos == 0) & ~cont0;
+    cont0 = 0;
     // carried states: bit j of inits / finals: timestep t0 + j loads / stores a state (slots kept: cur is reloaded)
     unsigned inits = 0, finals = 0;
     int my_islot = -1, my_fslot = -1;
-    if constexpr (kStates) {
+    if constexpr (kTok) {
       inits = __ballot_sync(0xffffffffu, cur.islot >= 0 && p.initial_state != nullptr);
       finals = __ballot_sync(0xffffffffu, cur.fslot >= 0 && p.final_state != nullptr);
       my_islot = cur.islot;
@@ -439,7 +467,7 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
         }
       }
     };
-    if constexpr (kStates) {
+    if constexpr (kTok) {
       if (inits | finals) steps(std::true_type{});   // warp-uniform
       else steps(std::false_type{});
     } else {
@@ -471,6 +499,14 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   In buf;
   load(buf, t_first);
   for (int t0 = t_first; t0 < seg_hi; t0 += kFwdRun) run(t0, buf);
+  if (kRow && p.final_state != nullptr && seg_hi == L) {   // the row's final state
+    const int slot = p.row_slots[p.batch + b];   // warp-uniform
+    if (slot >= 0) {
+#pragma unroll
+      for (int k = 0; k < kS; ++k)
+        if (state_ok(k)) p.final_state[state_off(slot, k)] = h[k];
+    }
+  }
 }
 
 // The backward: a thread carries two states of one channel (n and n + 8), 8 threads a channel, 128 threads the
@@ -491,9 +527,9 @@ struct BwdSmem {
   // [buffer][warp][kind: dB_n, dB_n+8, dC_n, dC_n+8][n][j ^ red_swizzle(kind, n)]: a warp's 32 stores of one
   // timestep and its 32 loads in the block sum each hit 32 different banks
   float red[2][kWarps][4][8][kSub];
-  int slot_i[kChunk];   // carried states (kStates): the chunk's state_slots, -1 outside the segment
+  int slot_i[kChunk];   // carried states (kTokenStates): the chunk's state_slots, -1 outside the segment
   int slot_f[kChunk];
-  unsigned slot_bits[kChunk / 32];   // a ballot of the chunk's slots a warp of timesteps (kStates)
+  unsigned slot_bits[kChunk / 32];   // a ballot of the chunk's slots a warp of timesteps (kTokenStates)
 };
 // 75 KiB for 16-bit inputs: three blocks (12 warps) an SM
 static_assert(sizeof(BwdSmem<__nv_bfloat16, __nv_bfloat16>) + 1024 <= 233472 / 3, "three backward blocks per SM");
@@ -525,14 +561,20 @@ __device__ __forceinline__ void put(float (&arr)[N], int i, float v) {
   for (int k = 0; k < N; ++k) arr[k] = k == i ? v : arr[k];
 }
 
-// kStates: carried states (ScanParams::state_slots). The recomputations load h from initial_state before a start
+// kTokenStates: carried states per token (ScanParams::state_slots). The recomputations load h from initial_state
+// before a start
 // with a slot and keep it (as the forward does); the reverse walk adds the gradient of final_state to the adjoint at
 // a sequence's last token with a slot, and at a start with a slot stores the adjoint it would hand to the timestep
 // before (the gradient of the initial state) instead of handing it on. Only the 16-step sub-chunks that hold a slot
 // (a block-uniform mask made from the slots staged in shared memory) do this, in rolled loops; every other sub-chunk
-// runs the plain unrolled code, so the hot code is the plain kernel's. Without kStates the kernel is the plain one.
-template <typename in_t, typename w_t, bool kHasZ, bool kAsync, bool kStates>
+// runs the plain unrolled code, so the hot code is the plain kernel's. kNoStates: the plain kernel. kRowStates:
+// states at row edges (ScanParams::row_slots), the plain kernel with the states outside its loops: the row's first
+// chunk recomputed from the initial state (its reset at t = 0 skipped) and the adjoint left after t = 0 stored as its
+// gradient; the walk starting from the final state's gradient, which the steps past L hand on unchanged (kept there:
+// dt is 0).
+template <typename in_t, typename w_t, bool kHasZ, bool kAsync, int kStates>
 __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams p) {
+  constexpr bool kTok = kStates == kTokenStates, kRow = kStates == kRowStates;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem<in_t, w_t> &sm = *reinterpret_cast<BwdSmem<in_t, w_t> *>(smem_raw);
   auto &raw = sm.raw;
@@ -580,6 +622,17 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   const bool want_y = kHasZ || out_rec != nullptr;   // the forward output is recomputed (block-uniform)
 
   float gca = 0.f, gcb = 0.f;   // adjoints carried from t+1 (already multiplied by a_{t+1})
+  // row-edge states (plain kernel; block-uniform): the slots of this row's initial / final state, -1: none
+  int edge_i = -1, edge_f = -1;
+  if constexpr (kRow) {
+    if (seg_lo == 0 && p.initial_state != nullptr) edge_i = p.row_slots[b];
+    if (seg_hi == L && p.dfinal_state != nullptr) edge_f = p.row_slots[p.batch + b];
+  }
+  auto edge_at = [&](int slot) { return ((int64_t)slot * p.dim + d) * p.dstate + n; };
+  if (edge_f >= 0) {
+    gca = (d_ok && n < p.dstate) ? p.dfinal_state[edge_at(edge_f)] : 0.f;
+    gcb = (d_ok && n + 8 < p.dstate) ? p.dfinal_state[edge_at(edge_f) + 8] : 0.f;
+  }
   // dA, dD, ddelta_bias: summed per chunk, then over the row's chunks (not one running sum of L terms: as accurate as
   // upstream's block reductions, test_scan_bf16_accuracy_no_worse_than_upstream_one_by_one)
   float dAa_acc = 0.f, dAb_acc = 0.f, dD_acc = 0.f, dbias_acc = 0.f;
@@ -638,7 +691,7 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
       const int t = t0 + tid;   // the segment
       const bool in_seg = t >= seg_lo && t < seg_hi;
       int si = -1;
-      if constexpr (kStates) {
+      if constexpr (kTok) {
         si = in_seg && p.initial_state ? p.state_slots[(int64_t)b * L + t] : -1;
         const int sf = in_seg && p.dfinal_state ? p.state_slots[((int64_t)p.batch + b) * L + t] : -1;
         sm.slot_i[tid] = si;
@@ -647,7 +700,9 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
         const unsigned any = __ballot_sync(0xffffffffu, si >= 0 || sf >= 0);
         if (lane == 0) sm.slot_bits[warp] = any;
       }
-      sm.sig_m[tid][kDB] = (!in_seg || (raw.pos[tid] == 0 && si < 0)) ? 0.f : 1.f;
+      bool keep = in_seg && !(raw.pos[tid] == 0 && si < 0);
+      if (kRow && ((t == 0 && edge_i >= 0) || (t >= L && edge_f >= 0))) keep = true;   // row-edge states
+      sm.sig_m[tid][kDB] = keep ? 1.f : 0.f;
     }
     __syncthreads();
     if (c > c_lo) stage(t0 - kChunk);   // overlaps with this chunk's backward
@@ -657,7 +712,7 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
     // the hot code: two unrolled bodies (plain and with states) on one multiprocessor thrashed its instruction cache
     // (ncu, RESULTS.md)
     unsigned slot_subs = 0;
-    if constexpr (kStates) {
+    if constexpr (kTok) {
       static_assert(kChunk == 64 && kSub == 16, "two words of slot bits, two sub-chunks a word");
       const unsigned w0 = sm.slot_bits[0], w1 = sm.slot_bits[1];
       slot_subs = (w0 & 0xffffu ? 1u : 0u) | (w0 >> 16 ? 2u : 0u) | (w1 & 0xffffu ? 4u : 0u) | (w1 >> 16 ? 8u : 0u);
@@ -684,13 +739,16 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
         const float *sv = p.saved + (((int64_t)b * p.dim + d) * p.nchunks + (c - 1)) * kLanes;
         ha = sv[n];
         hb = sv[n + 8];
+      } else if (c == 0 && edge_i >= 0 && d_ok) {   // the row's initial state
+        ha = n < p.dstate ? p.initial_state[edge_at(edge_i)] : 0.f;
+        hb = n + 8 < p.dstate ? p.initial_state[edge_at(edge_i) + 8] : 0.f;
       }
 #pragma unroll 1
       for (int s = 0; s < kNSub; ++s) {
         put(hsa, s, ha);
         put(hsb, s, hb);
         float yv[kSub];
-        if (kStates && ((slot_subs >> s) & 1u)) {
+        if (kTok && ((slot_subs >> s) & 1u)) {
           // with slots: a sequence start with an initial-state slot continues from that state
           float yl[kSub];
 #pragma unroll 1
@@ -784,7 +842,7 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
         gcb = keep ? gb * a_b : 0.f;
       };
       float gsum[kSub], gasum[kSub];   // per timestep, over this thread's two states: g B, and g h[t-1] a A
-      if (kStates && ((slot_subs >> s) & 1u)) {
+      if (kTok && ((slot_subs >> s) & 1u)) {
         // with slots, rolled: the states recomputed as above; the reverse walk adds the gradient of final_state to
         // the adjoint at a sequence's last token with a slot (what comes from t + 1 is 0 there: a start or
         // outside), and at a start with a slot stores the adjoint it would hand back (the gradient of the initial
@@ -881,6 +939,10 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
     dD_acc += dD_chunk;
     dbias_acc += dbias_chunk;
   }
+  if (edge_i >= 0 && d_ok && p.dinitial_state != nullptr) {   // the adjoint t = 0 hands back: the initial state's
+    if (n < p.dstate) p.dinitial_state[edge_at(edge_i)] = gca;
+    if (n + 8 < p.dstate) p.dinitial_state[edge_at(edge_i) + 8] = gcb;
+  }
   // per (batch row, segment): the caller sums them (no atomics: the same bits every run)
   const int64_t prow = (int64_t)b * gridDim.z + blockIdx.z;
   if (d_ok && n < p.dstate) p.dA[(prow * p.dim + d) * p.dstate + n] = dAa_acc;
@@ -920,11 +982,15 @@ void fwd_launch_lanes(const ScanParams &p, cudaStream_t st) {
   constexpr int kCh = FwdLayout<kP>::kCh;
   const dim3 grid((p.dim + kCh - 1) / kCh, p.batch, max(1, p.fwd_segments));
   bool_switch(p.z != nullptr, [&](auto has_z) {
+    constexpr bool kZ = decltype(has_z)::value;
     bool_switch(fwd_vectorized<in_t, w_t>(p), [&](auto vec) {
-      bool_switch(p.state_slots != nullptr, [&](auto states) {
-        auto kernel = scan_fwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(vec)::value, kP,
-                                      decltype(states)::value>;
-        kernel<<<grid, 32, 0, st>>>(p);
+      constexpr bool kV = decltype(vec)::value;
+      states_switch(p, [&](auto states) {
+        constexpr int kSt = decltype(states)::value;
+        if constexpr (kSt != kRowStates || kZ) {
+          auto kernel = scan_fwd_kernel<in_t, w_t, kZ, kV, kP, kSt>;
+          kernel<<<grid, 32, 0, st>>>(p);
+        }
       });
     });
   });
@@ -945,13 +1011,18 @@ void bwd_launch(const ScanParams &p, cudaStream_t st) {
   const dim3 grid((p.dim + kDB - 1) / kDB, p.batch, max(1, p.bwd_segments));
   const int smem = sizeof(BwdSmem<in_t, w_t>);
   bool_switch(p.z != nullptr, [&](auto has_z) {
+    constexpr bool kZ = decltype(has_z)::value;
     bool_switch(use_async<in_t, w_t>(p), [&](auto async) {
-      bool_switch(p.state_slots != nullptr, [&](auto states) {
-        auto kernel = scan_bwd_kernel<in_t, w_t, decltype(has_z)::value, decltype(async)::value,
-                                      decltype(states)::value>;
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-        kernel<<<grid, kThreads, smem, st>>>(p);
+      constexpr bool kA = decltype(async)::value;
+      states_switch(p, [&](auto states) {
+        constexpr int kSt = decltype(states)::value;
+        if constexpr (kSt != kRowStates || kZ) {
+          auto kernel = scan_bwd_kernel<in_t, w_t, kZ, kA, kSt>;
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+          cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+          kernel<<<grid, kThreads, smem, st>>>(p);
+        }
       });
     });
   });

@@ -668,6 +668,39 @@ def test_scan_states_vs_float64(dtype, shape):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 1024, 16, 4096), (3, 96, 13, 1000)], ids=["b2-d1024-L4096", "b3L1000"])
+def test_scan_row_edge_states_match_the_states_variant(dtype, shape):
+    """Row-edge slots ((2, batch): context parallelism) on the plain kernels against the same states per token on
+    the states variant: the output, saved and final states bit for bit, every gradient within rounding of the
+    atomics (dB / dC) and the initial states' gradient equal; and against float64."""
+    from ops import selective_scan_interface as ssi
+    from ops.states import token_slots
+    batch, dim, dstate, L = shape
+    inputs = make_scan_inputs(batch, dim, dstate, L, dtype)
+    lens = [[L], lengths_mix(L, "mixed"), lengths_mix(L, "tiny")][:batch]
+    pos = position_ids_for(lens, "cuda").int().contiguous()
+    edges = torch.tensor([[1, -1, 0][:batch], [0, 1, -1][:batch]], dtype=torch.int32, device="cuda")
+    per_token = token_slots(edges, L).contiguous()
+    h0, dfinal = torch.randn(2, dim, dstate, device="cuda"), torch.randn(2, dim, dstate, device="cuda")
+    got = torch.ops.packloader.selective_scan_fwd(*inputs, pos, True, edges, h0, 2)
+    want = torch.ops.packloader.selective_scan_fwd(*inputs, pos, True, per_token, h0, 2)
+    for name, a, b in zip(("out", "saved", "final_state"), got, want):
+        assert torch.equal(a, b), name
+    dout = torch.randn_like(got[0])
+    grads = torch.ops.packloader.selective_scan_bwd(*inputs, pos, True, got[1], dout, True, edges, h0, dfinal)
+    grads_tok = torch.ops.packloader.selective_scan_bwd(*inputs, pos, True, got[1], dout, True, per_token, h0,
+                                                        dfinal)
+    args64 = [None if t is None else t.double() for t in inputs]
+    ref = ssi._scan_bwd_reference(*args64, pos, True, got[1], dout.double(), True, edges, h0.double(),
+                                  dfinal.double())
+    for name, g, gt, rg in zip(GRAD_NAMES + ["out", "dinitial_state"], grads, grads_tok, ref):
+        assert not g.isnan().any(), name
+        assert kernel_err(g, gt) <= (1e-6 if dtype == torch.float32 else 1e-3) and kernel_err(g, rg) <= (1e-5 if dtype == torch.float32 else TOL[dtype]), (
+            name, kernel_err(g, gt), kernel_err(g, rg))
+    assert torch.equal(grads[8], got[0]) and torch.equal(grads[9], grads_tok[9])
+
+
 def test_scan_pieces_across_calls_match_the_whole_document_fp32():
     """A 4000-token document cut into pieces of 2048, 1, 3 and 1948 tokens, each packed into a later call among other
     sequences and started from the final state of the piece before: outputs and every gradient within 1e-5 of the

@@ -309,16 +309,18 @@ def test_scan_forward_layout_choice(emulator, sm_count):
 
 
 def check_states(u, A, state_slots, *states):
-    """binding.cpp's check_states: (2, batch, seqlen) int32 slots, (slots, dim, dstate) float32 contiguous states."""
+    """binding.cpp's check_states: (2, batch, seqlen) or (2, batch) int32 slots, (slots, dim, dstate) float32
+    contiguous states. Returns the kernels' (state_slots, row_slots)."""
     if state_slots is None:
         assert all(t is None for t in states), "states given without state_slots"
-        return
+        return None, None
     assert state_slots.dtype == torch.int32 and state_slots.is_contiguous()
-    assert state_slots.shape == (2, u.shape[0], u.shape[2])
+    assert state_slots.shape in ((2, u.shape[0], u.shape[2]), (2, u.shape[0]))
     for t in states:
         if t is not None:
             assert t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 3
             assert t.shape[1:] == (u.shape[1], A.shape[1])
+    return (None, state_slots) if state_slots.dim() == 2 else (state_slots, None)
 
 
 class EmulatedExt:
@@ -331,11 +333,12 @@ class EmulatedExt:
     def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved, segments, lanes,
                  state_slots=None, initial_state=None, final_state=None):
         assert segments >= 1 and lanes in (0, 1, 2, 4, 8)
-        check_states(u, A, state_slots, initial_state, final_state)
+        state_slots, row_slots = check_states(u, A, state_slots, initial_state, final_state)
+        assert row_slots is None or z is not None, "row-edge state_slots need z"
         emu_call(self.so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
                  u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
                  ptr(z), ptr(delta_bias), ptr(pos), ptr(out), ptr(saved), segments, lanes, ptr(state_slots),
-                 ptr(initial_state), ptr(final_state))
+                 ptr(initial_state), ptr(final_state), ptr(row_slots))
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
                  dB, dC, dD, ddelta_bias, det_part, segments, state_slots=None, initial_state=None,
@@ -343,13 +346,14 @@ class EmulatedExt:
         # binding.cpp's checks: the per-(row, segment) sums have batch * segments rows; the states
         assert dA.shape[0] == u.shape[0] * segments and all(t is None or t.shape[0] == dA.shape[0]
                                                              for t in (dD, ddelta_bias))
-        check_states(u, A, state_slots, initial_state, dfinal_state, dinitial_state)
+        state_slots, row_slots = check_states(u, A, state_slots, initial_state, dfinal_state, dinitial_state)
+        assert row_slots is None or z is not None, "row-edge state_slots need z"
         assert (initial_state is None) == (dinitial_state is None)
         emu_call(self.so, "emu_scan_bwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
                  u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
                  ptr(z), ptr(delta_bias), ptr(pos), ptr(saved), ptr(dout), ptr(out_rec), ptr(du), ptr(ddelta), ptr(dz),
                  ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_part), segments, ptr(state_slots),
-                 ptr(initial_state), ptr(dfinal_state), ptr(dinitial_state))
+                 ptr(initial_state), ptr(dfinal_state), ptr(dinitial_state), ptr(row_slots))
 
 
     @staticmethod
@@ -1031,6 +1035,67 @@ def test_emulated_states_in_every_sub_chunk(cuda_path_on_cpu, seed, layout):
     for name, g, rg in zip(GRAD_NAMES + ["out", "dinitial_state"], grads, ref):
         assert kernel_err(g, rg) <= 1e-5, (name, kernel_err(g, rg))
     assert torch.equal(grads[8], out)
+
+
+@pytest.mark.parametrize("dtype,segments,L", [(torch.float32, 1, 150), (torch.float32, 3, 128),
+                                              (torch.bfloat16, 4, 97), (torch.float32, 1, 1)],
+                         ids=["fp32-150", "fp32-segments3-128", "bf16-segments4-97", "fp32-length1"])
+def test_emulated_row_edge_states(cuda_path_on_cpu, fwd_lanes, monkeypatch, seed, dtype, segments, L):
+    """Row-edge slots ((2, batch): context parallelism's chunks) run the plain kernels, which load a row's initial
+    state before its first token and store its final state after its last: the output, saved states, final states
+    and every gradient (the initial states', with a gradient into the final states) equal those of the same states
+    given per token (the states variant) and the float64 reference; rows of one sequence and packed rows, lengths
+    past and at a chunk's end, rows cut into segments, rows without an initial or a final state; and the bits of the
+    plain kernels where no row has one."""
+    ssi = cuda_path_on_cpu
+    from ops.states import token_slots
+    monkeypatch.setattr(ssi, "scan_fwd_segments", lambda *a: segments)
+    monkeypatch.setattr(ssi, "scan_bwd_segments", lambda *a: segments)
+    batch, dim, dstate = 4, 24, 13
+    rows = [[L]] * 4 if L < 8 else [[L], [5, 1, 60, L - 66], [L - 3, 3], [1, L - 1]]
+    pos = position_ids_for(rows, "cpu").int().contiguous()
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, 2, dstate, L).to(dtype), torch.randn(batch, 2, dstate, L).to(dtype)
+    D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
+    # row 0: both states; row 1: an initial state only; row 2: a final state only; row 3: both (slots crossed)
+    edges = torch.tensor([[2, 0, -1, 1], [0, -1, 2, 1]], dtype=torch.int32)
+    per_token = token_slots(edges, L).contiguous()
+    assert per_token.shape == (2, batch, L) and int((per_token >= 0).sum()) == int((edges >= 0).sum())
+    h0, dfinal = torch.randn(4, dim, dstate), torch.randn(4, dim, dstate)   # slot 3: no row's
+    got = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True, edges, h0, 4)
+    want = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True, per_token, h0, 4)
+    f64 = lambda t: None if t is None else t.double()  # noqa: E731
+    args64 = [f64(t) for t in (u, delta, A, B, C, D, z, db)]
+    ref = ssi._scan_fwd_reference(*args64, pos, True, edges, h0.double(), 4)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-3}[dtype]
+    for name, g, w, r in zip(["out", "saved", "final_state"], got, want, ref):
+        assert torch.equal(g, w), name   # the same arithmetic in the same order as the states variant
+        assert kernel_err(g, r) <= (tol if name == "out" else 1e-5), (name, kernel_err(g, r))
+    out, saved, final = got
+    assert torch.equal(final[3], torch.zeros_like(final[3])) and bool((final[:3] != 0).all())
+    dout = torch.randn_like(out)
+    for dfin in (dfinal, None):
+        grads = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True, edges, h0, dfin)
+        grads_tok = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, saved, dout, True, per_token, h0,
+                                       dfin)
+        ref_grads = ssi._scan_bwd_reference(*args64, pos, True, saved, dout.double(), True, edges, h0.double(),
+                                            f64(dfin))
+        for name, g, gt, rg in zip(GRAD_NAMES + ["out", "dinitial_state"], grads, grads_tok, ref_grads):
+            assert not g.isnan().any(), name
+            assert kernel_err(g, rg) <= (1e-5 if name == "dinitial_state" and dtype == torch.float32 else tol), (
+                name, kernel_err(g, rg))
+            if name in ("du", "ddelta", "dz", "out", "dinitial_state", "dA", "dD", "ddelta_bias"):
+                torch.testing.assert_close(g, gt, rtol=1e-5, atol=1e-5, msg=name)
+        assert torch.equal(grads[8], out)   # the recomputed output is the forward's
+        assert torch.equal(grads[9][3], torch.zeros_like(grads[9][3]))   # slot 3 starts no row: a zero gradient
+    # no row has a state: the plain kernels' bits
+    none = torch.full_like(edges, -1)
+    plain = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    got_none = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True, none, h0, 4)
+    assert torch.equal(got_none[0], plain[0]) and torch.equal(got_none[1], plain[1])
+    assert torch.equal(got_none[2], torch.zeros_like(got_none[2]))
 
 
 def test_emulated_states_in_deterministic_mode(cuda_path_on_cpu, seed):

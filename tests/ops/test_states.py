@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ops
-from ops.states import sequence_spans, state_slots
+from ops.states import sequence_spans, state_slots, token_slots
 
 F64 = torch.float64
 
@@ -25,6 +25,16 @@ def test_state_slots_and_spans():
     assert state_slots(pos, None, False).eq(-1).all()
     start, length = sequence_spans(pos, 6)
     assert start.tolist() == [0, 3, 5, 6, 8, 9] and length.tolist() == [3, 2, 1, 2, 1, 3]
+
+
+def test_row_edge_slots_spread_over_the_tokens():
+    edges = torch.tensor([[3, -1, 0], [-1, 2, 1]], dtype=torch.int32)
+    tok = token_slots(edges, 4)
+    assert tok.dtype == torch.int32 and tok.shape == (2, 3, 4)
+    assert tok[0].tolist() == [[3, -1, -1, -1], [-1, -1, -1, -1], [0, -1, -1, -1]]
+    assert tok[1].tolist() == [[-1, -1, -1, -1], [-1, -1, -1, 2], [-1, -1, -1, 1]]
+    assert token_slots(edges, 1)[:, :, 0].tolist() == edges.tolist()
+    assert token_slots(tok, 4) is tok   # per-token slots pass through
 
 
 def _doc_inputs(dim, dstate, N):

@@ -35,13 +35,14 @@ extern "C" void emu_scan_fwd(int in_dtype, int w_f32, int batch, int dim, int se
                              int softplus, const void *u, const void *delta, const float *A, const void *B,
                              const void *C, const float *D, const void *z, const float *delta_bias, const int *pos,
                              void *out, float *saved, int segments, int lanes, const int *state_slots,
-                             const float *initial_state, float *final_state) {
+                             const float *initial_state, float *final_state, const int *row_slots) {
   ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
                              z, delta_bias, pos, saved);
   p.fwd_segments = segments;
   if (lanes) p.fwd_lanes = lanes;
   p.out = out;
   p.state_slots = state_slots; p.initial_state = initial_state; p.final_state = final_state;
+  p.row_slots = row_slots;
   scan_fwd_launch(p, nullptr);
 }
 
@@ -53,7 +54,7 @@ extern "C" void emu_scan_bwd(int in_dtype, int w_f32, int batch, int dim, int se
                              float *saved, const void *dout, void *out_rec, void *du, void *ddelta, void *dz,
                              float *dA, float *dB, float *dC, float *dD, float *ddelta_bias, float *det_part,
                              int segments, const int *state_slots, const float *initial_state,
-                             const float *dfinal_state, float *dinitial_state) {
+                             const float *dfinal_state, float *dinitial_state, const int *row_slots) {
   ScanParams p = scan_params(in_dtype, w_f32, batch, dim, seqlen, dstate, n_groups, softplus, u, delta, A, B, C, D,
                              z, delta_bias, pos, saved);
   p.dout = dout; p.out_rec = out_rec; p.du = du; p.ddelta = ddelta; p.dz = dz;
@@ -62,6 +63,7 @@ extern "C" void emu_scan_bwd(int in_dtype, int w_f32, int batch, int dim, int se
   p.bwd_segments = segments;   // dA / dD / ddelta_bias: batch * segments rows
   p.state_slots = state_slots; p.initial_state = initial_state; p.dfinal_state = dfinal_state;
   p.dinitial_state = dinitial_state;
+  p.row_slots = row_slots;
   scan_bwd_launch(p, nullptr);
 }
 
