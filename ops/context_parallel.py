@@ -192,6 +192,10 @@ def _chunk_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
     slots[0] = torch.where(cont, rows, torch.full_like(rows, -1)).to(torch.int32)
     if rank < world - 1:
         slots[1] = rows.to(torch.int32)
+    import os
+    if os.environ.get("PACKLOADER_CP_TOKEN_SLOTS"):   # TEMPORARY A/B (removed once measured)
+        from .states import token_slots
+        slots = token_slots(slots, L)
     return {"pos": local.contiguous(), "slots": slots.contiguous(),
             # the fused mixer's token geometry (ops.carry's helpers; their gather/scatter indices are kept in these
             # dicts, so made once a step): each row's first sequence, spliced from the received conv inputs ...

@@ -700,9 +700,11 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
         const unsigned any = __ballot_sync(0xffffffffu, si >= 0 || sf >= 0);
         if (lane == 0) sm.slot_bits[warp] = any;
       }
-      bool keep = in_seg && !(raw.pos[tid] == 0 && si < 0);
-      if (kRow && ((t == 0 && edge_i >= 0) || (t >= L && edge_f >= 0))) keep = true;   // row-edge states
-      sm.sig_m[tid][kDB] = keep ? 1.f : 0.f;
+      float keep = (!in_seg || (raw.pos[tid] == 0 && si < 0)) ? 0.f : 1.f;
+      if constexpr (kRow) {   // the row's continued first token; past L, the final state's gradient passes on
+        if ((t == 0 && edge_i >= 0) || (t >= L && edge_f >= 0)) keep = 1.f;
+      }
+      sm.sig_m[tid][kDB] = keep;
     }
     __syncthreads();
     if (c > c_lo) stage(t0 - kChunk);   // overlaps with this chunk's backward

@@ -1096,6 +1096,10 @@ def test_emulated_row_edge_states(cuda_path_on_cpu, fwd_lanes, monkeypatch, seed
     got_none = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True, none, h0, 4)
     assert torch.equal(got_none[0], plain[0]) and torch.equal(got_none[1], plain[1])
     assert torch.equal(got_none[2], torch.zeros_like(got_none[2]))
+    # without z (the row-edge variant is compiled for the gated scan only) the slots go per token
+    no_z = ssi._scan_fwd_cuda(u, delta, A, B, C, D, None, db, pos, True, edges, h0, 4)
+    no_z_tok = ssi._scan_fwd_cuda(u, delta, A, B, C, D, None, db, pos, True, per_token, h0, 4)
+    assert all(torch.equal(a, b) for a, b in zip(no_z, no_z_tok))
 
 
 def test_emulated_states_in_deterministic_mode(cuda_path_on_cpu, seed):
