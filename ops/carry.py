@@ -208,6 +208,8 @@ class CarryStep:
         self.pred_max = int(max((seg_len[carried[k]] for k in self.chain_pred), default=0))
         self.succ_max = int(max((seg_len[carried[k]] for k in self.chain_succ), default=0))
         self.has_continuations = any(s != "none" for s in self.source) or bool(self.store.any())
+        self._row_edges = self._row_edge_plan(seg_start[carried], seg_end[carried], len(flat_pos) // max(seqlen, 1),
+                                              seqlen)
         self._pos = torch.as_tensor(pos)
         self._carried = torch.as_tensor(carried, dtype=torch.int64)
         self._num_sequences = num
@@ -215,9 +217,31 @@ class CarryStep:
         self._final_layers: Dict[int, tuple] = {}   # layer -> (conv (S, d, w-1), ssm (S, d, n)), the stored slots
         self._ran = False   # a mixer read its states: the step's forward ran
 
+    def _row_edge_plan(self, start: np.ndarray, end: np.ndarray, batch: int, seqlen: int):
+        """The fused mixer's scan slots at row edges (``ops.contract``: the scan's plain loops, without the per-token
+        states variant's cost) where the step allows them: every slot with a state in starts a row (as a continuation
+        piece does: it fills its row). Then ``(init (batch,), final (batch,), mid, backward)``: the slot starting /
+        ending each row (-1: none); ``mid``, the stored slots that end inside a row, whose final state the forward
+        completes from reductions over their tokens; ``backward``, whether the backward takes the row edges too (every
+        slot a gradient enters the end of, an in-batch predecessor, ends a row). None where a state in starts inside a
+        row: the per-token slots then."""
+        has = np.array([src != "none" for src in self.source], dtype=bool)
+        if seqlen == 0 or (start[has] % seqlen).any():
+            return None
+        init = np.full(batch, -1, dtype=np.int32)
+        init[start[has] // seqlen] = np.flatnonzero(has)
+        at_end = end % seqlen == 0
+        final = np.full(batch, -1, dtype=np.int32)
+        final[end[at_end] // seqlen - 1] = np.flatnonzero(at_end)
+        mid = np.array([k for k in self._stored if not at_end[k]], dtype=np.int64)
+        backward = bool(all(at_end[k] for k in self.chain_pred))
+        return init, final, (mid, start[mid], end[mid] - start[mid]), backward
+
     def geometry(self, device: torch.device) -> dict:
-        """Device tensors of the plan (made once per device): the slots' token spans, the kernels' state_slots, the
-        slots with a state in (``has`` as a mask, ``has_idx`` as indices)."""
+        """Device tensors of the plan (made once per device): the slots' token spans, the kernels' state_slots (per
+        token; ``fwd_slots`` / ``bwd_slots``: what the fused mixer's scan takes, row edges where the plan allows them,
+        with ``mid``: the stored slots ending inside a row, or None), the slots with a state in (``has`` as a mask,
+        ``has_idx`` as indices)."""
         got = self._device_cache.get(device)
         if got is None:
             pos = host_to_device(self._pos, device)
@@ -241,6 +265,19 @@ class CarryStep:
             for name in ("chain_pred", "chain_succ"):
                 chain[name + "_start"], chain[name + "_length"] = start[chain[name]], length[chain[name]]
             got.update(chain)
+            got["fwd_slots"] = got["bwd_slots"] = got["slots"]
+            got["mid"] = None
+            if self._row_edges is not None:
+                init, final, (mid, mid_start, mid_length), backward = self._row_edges
+                rows = host_to_device(np.stack([init, final]), device, torch.int32)
+                got["fwd_slots"] = rows
+                if backward:
+                    got["bwd_slots"] = rows
+                if len(mid):
+                    got["mid"] = {"slot": host_to_device(mid, device, torch.int64),
+                                  "start": host_to_device(mid_start, device, torch.int64),
+                                  "length": host_to_device(mid_length, device, torch.int64),
+                                  "max_length": int(mid_length.max())}
             self._device_cache[device] = got
         return got
 
@@ -359,6 +396,8 @@ class FixedLayoutStep(CarryStep):
                    "has_idx": torch.zeros(0, dtype=torch.int64, device=device),
                    "slots": slots.view(2, rows, seqlen), "depth_at": [],
                    "pred": torch.zeros(k, dtype=torch.int64, device=device)}
+            got["fwd_slots"] = got["bwd_slots"] = got["slots"]
+            got["mid"] = None
             self._device_cache[device] = got
         return got
 
@@ -589,6 +628,17 @@ def _chain_forward(step, g, ssm0, xc, delta, A, Bm, delta_bias):
     return ssm0.index_copy(0, g["chain_succ"], ends.to(ssm0.dtype))
 
 
+def _mid_row_finals(mid, ssm_final, ssm_init, xc, delta, A, Bm, delta_bias):
+    """``ssm_final`` with the final states of the stored slots that end inside a row (``mid``), which a scan with
+    row-edge slots does not write: ``P h0 + E`` over each one's tokens (reductions, no scan)."""
+    from .time_split import segment_sums
+    E, dts = segment_sums(True, delta, delta_bias, A, xc, None, Bm, True, mid["start"], mid["length"],
+                          mid["max_length"])
+    P = torch.exp(dts[..., None] * A.to(dts.dtype))
+    fin = P * ssm_init.index_select(0, mid["slot"]).to(P.dtype) + E
+    return ssm_final.index_copy(0, mid["slot"], fin.to(ssm_final.dtype))
+
+
 def _chain_backward(step, g, dout_y, z, delta, A, Cm, delta_bias):
     """The gradient entering the end of every slot (K, d, n): for an in-batch predecessor, the adjoint its
     continuation's start hands back, ``D + P G``, ``D`` the continuation's from its own outputs (a reduction over its
@@ -698,7 +748,9 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         if g["depth_at"]:
             ssm_init = _chain_forward(step, g, ssm0, xc, delta, A, Bm, delta_bias)
         out_z, saved, ssm_final = kernel_calls.selective_scan_fwd(
-            xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, g["slots"], ssm_init, step.num_slots)
+            xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, g["fwd_slots"], ssm_init, step.num_slots)
+        if g["mid"] is not None:
+            ssm_final = _mid_row_finals(g["mid"], ssm_final, ssm_init, xc, delta, A, Bm, delta_bias)
         y = _fused_out_proj(out_z, out_proj_weight, out_proj_bias)
         step.keep(layer, conv_final, ssm_final)
         ctx.step, ctx.g, ctx.k = step, g, k
@@ -726,7 +778,7 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         # backward runs: one pass of it is then exact for the whole chain
         dfinal = _chain_backward(step, g, dout_y, z, delta, A, Cm, delta_bias) if g["depth_at"] else None
         dxc, ddelta, dA, dB, dC, dD, dz, ddb, out_z, _ = kernel_calls.selective_scan_bwd(
-            xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, saved, dout_y, True, g["slots"], ssm_init,
+            xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, True, saved, dout_y, True, g["bwd_slots"], ssm_init,
             dfinal)
         dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)
         del out_z

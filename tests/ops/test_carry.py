@@ -4,8 +4,7 @@ continues in a later step (the state from the cache), and the cache resumes exac
 float64 on the reference kernels."""
 from __future__ import annotations
 
-
-
+import numpy as np
 import pytest
 import torch
 
@@ -212,6 +211,14 @@ _SECOND = {
                     [(16, 9, 2, False)], [(16, -1, 0, False)]],
     "gapped": [[(4, 5, 1, True), (12, -1, 0, False)], [(3, 5, 2, False), (13, -1, 0, False)],
                [(6, -1, 0, False), (10, 7, 1, True)], [(5, 7, 2, False), (11, 8, 1, False)]],
+    # the loader's layout (every continuation piece a whole row): a chain from a piece 0 that ends its row, kept
+    # after the step at a row's end, and a piece 0 kept from inside a row (the scan's slots at row edges both ways)
+    "row_edges": [[(5, -1, 0, False), (11, 11, 0, True)], [(16, 11, 1, True)], [(16, 11, 2, True)],
+                  [(7, 12, 0, True), (9, -1, 0, False)]],
+    # ... a chain from a piece 0 inside a row (the backward per token) and a cached piece of 2 tokens kept from inside
+    # its row
+    "row_edges_mid_head": [[(11, 13, 0, True), (5, -1, 0, False)], [(16, 13, 1, True)],
+                           [(2, 7, 1, True), (14, -1, 0, False)], [(16, -1, 0, False)]],
 }
 
 
@@ -242,6 +249,36 @@ def test_fused_mixer_with_states_matches_the_composed_one(seed, layout):
     for doc in res[False][2]:   # the states kept for the next step agree too
         for x, y in zip(res[True][2][doc][0], res[False][2][doc][0]):
             torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout,forward,backward", [("row_edges", True, True), ("row_edges_mid_head", True, False),
+                                                     ("from_cache", True, True), ("chains", False, False)])
+def test_the_fused_scan_takes_row_edge_slots_where_the_states_sit_there(layout, forward, backward):
+    """Where every state in starts a row, the fused mixer's scan takes row-edge slots (its plain loops); the
+    backward too where every in-batch predecessor ends a row. They name the same initial states as the per-token
+    slots, final states at the rows' ends, and the stored slots ending inside a row are completed apart (``mid``)."""
+    from ops.carry import carried_mamba_inner
+    from ops.states import token_slots
+    cache = ops.StateCache()
+    b1 = _batch(_FIRST, None)
+    carried_mamba_inner(ops.PackedMamba(8, d_state=4, layer_idx=0, dtype=F64), torch.randn(1, 16, 8, dtype=F64),
+                        b1["position_ids"], cache.step(b1))
+    cache.commit()
+    step = ops.CarryStep(_batch(_SECOND[layout], None), cache)
+    g = step.geometry(torch.device("cpu"))
+    assert (g["fwd_slots"].dim() == 2) == forward and (g["bwd_slots"].dim() == 2) == backward
+    if not forward:
+        assert g["fwd_slots"] is g["slots"] and g["mid"] is None
+        return
+    tok = token_slots(g["fwd_slots"], 16)
+    assert torch.equal(tok[0], g["slots"][0])
+    ends = tok[1] >= 0
+    assert torch.equal(tok[1][ends], g["slots"][1][ends])
+    stored = set(np.flatnonzero(step.store).tolist())
+    mid = set() if g["mid"] is None else set(g["mid"]["slot"].tolist())
+    assert stored == (set(tok[1][ends].tolist()) & stored) | mid and not (mid & set(tok[1][ends].tolist()))
+    assert mid == {"row_edges": {3}, "row_edges_mid_head": {2}, "from_cache": {1}}[layout] or layout not in (
+        "row_edges", "row_edges_mid_head", "from_cache")
 
 
 @pytest.mark.gpu
