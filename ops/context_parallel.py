@@ -389,10 +389,6 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
     g = _step_geometry(position_ids, rank, world, hidden_states.device)
     A = -torch.exp(ssm_float(mixer.A_log))
     st = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
-    # Whether the exchange runs a backward: the same rule on every rank (the sender and the receiver must agree),
-    # from what every rank shares: the input's requires_grad and the mixer's trainable parameters
-    trainable = [p for p in mixer.parameters() if p.requires_grad]
-    needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or bool(trainable))
     last = rank == world - 1
     prev = _peer(group, rank - 1) if rank > 0 else None
     nxt = _peer(group, rank + 1) if not last else None
@@ -405,6 +401,11 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         # requires grad, which is needs_grad's rule (the same on every rank)
         return _ContextParallelMambaInnerFn.apply(hidden_states, *weights, None, None, g, not last,
                                                   _Link(group, prev, nxt, shape, st))[0]
+    # recompute (grad enabled): the exchange around the Function, which checkpointing recomputes in the backward.
+    # Whether the exchange runs a backward: the same rule on every rank (the sender and the receiver must agree),
+    # from what every rank shares: the input's requires_grad and the mixer's trainable parameters
+    trainable = [p for p in mixer.parameters() if p.requires_grad]
+    needs_grad = hidden_states.requires_grad or bool(trainable)
     anchor = hidden_states if hidden_states.requires_grad or not needs_grad else trainable[0]
     ssm0 = conv0 = None
     if rank > 0:   # what the previous rank's chunk ended with: its scan state and its last width-1 conv inputs
@@ -416,10 +417,7 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
         backward (``recompute``)."""
         return _ContextParallelMambaInnerFn.apply(hidden_states, *weights, conv0, ssm0, g, not last)
 
-    if recompute and torch.is_grad_enabled():
-        out, ssm_final, tail = torch.utils.checkpoint.checkpoint(core, hidden_states, conv0, ssm0, use_reentrant=False)
-    else:
-        out, ssm_final, tail = core(hidden_states, conv0, ssm0)
+    out, ssm_final, tail = torch.utils.checkpoint.checkpoint(core, hidden_states, conv0, ssm0, use_reentrant=False)
     if not last:   # (a chunk holds >= width - 1 tokens: its tail never reaches back into the previous chunk)
         payload = torch.cat([ssm_final.to(st), tail.to(st)], -1)
         if needs_grad and not payload.requires_grad:   # (the receiver sends a gradient back: take it)

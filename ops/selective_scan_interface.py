@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from . import backends as _backends
 from . import time_split
 from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids, single_sequence_rows
-from .states import check_state, state_slots, token_slots
+from .states import check_state, row_edge_slots, state_slots, token_slots
 from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
                        scan_chunks, scan_fwd_segments)
 
@@ -750,7 +750,11 @@ def packed_selective_scan(
         if initial_state is not None:   # default: every sequence starts from its state
             flags = has_initial_state if has_initial_state is not None else torch.ones(num, dtype=torch.bool,
                                                                                         device=pos.device)
-        args = args + (state_slots(pos, flags, output_final_state), initial_state, num if output_final_state else 0)
+        if single_sequence_rows(pos):   # known without a sync: the states sit at row edges (the plain loops)
+            slots = row_edge_slots(batch, flags, output_final_state, pos.device)
+        else:
+            slots = state_slots(pos, flags, output_final_state)
+        args = args + (slots, initial_state, num if output_final_state else 0)
     if backend is None or backend == "auto":
         res = selective_scan_fwd(*args)
     else:

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["sequence_numbers", "sequence_spans", "state_slots", "token_slots", "check_state"]
+__all__ = ["sequence_numbers", "sequence_spans", "state_slots", "row_edge_slots", "token_slots", "check_state"]
 
 
 _PAGEABLE_COPY_BYTES = 64 * 1024   # host_to_device: larger copies go through pinned memory
@@ -85,6 +85,18 @@ def state_slots(position_ids: torch.Tensor, has_initial_state: Optional[torch.Te
     else:
         fin = none
     return torch.stack([init, fin]).to(torch.int32).contiguous()
+
+
+def row_edge_slots(batch: int, has_initial_state: Optional[torch.Tensor], final_state: bool,
+                   device) -> torch.Tensor:
+    """:func:`state_slots` for rows that are one sequence each (sequence ``i`` is row ``i``), as row-edge slots
+    ``(2, batch)`` int32: row ``i``'s initial-state slot ``i`` where ``has_initial_state[i]``, its final-state slot
+    ``i`` with ``final_state`` (-1 elsewhere). The scan then runs its plain loops with the states outside them."""
+    rows = torch.arange(batch, dtype=torch.int32, device=device)
+    none = torch.full_like(rows, -1)
+    init = none if has_initial_state is None else torch.where(
+        has_initial_state.to(device=device, dtype=torch.bool), rows, none)
+    return torch.stack([init, rows if final_state else none]).contiguous()
 
 
 def token_slots(slots: torch.Tensor, seqlen: int) -> torch.Tensor:

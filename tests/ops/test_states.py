@@ -37,6 +37,36 @@ def test_row_edge_slots_spread_over_the_tokens():
     assert token_slots(tok, 4) is tok   # per-token slots pass through
 
 
+def test_rows_of_one_sequence_hand_the_scan_row_edge_slots(seed, monkeypatch):
+    """Rows known to be one sequence each (validated ids): the functional scan gives the op row-edge slots (2, batch),
+    whose kernels run the plain loops; outputs, final states and every gradient equal those of per-token slots."""
+    from ops import selective_scan_interface as ssi
+    batch, dim, n, L = 3, 4, 3, 7
+    t = lambda *s: torch.randn(*s, dtype=F64).requires_grad_(True)  # noqa: E731
+    inputs = [t(batch, dim, L), (0.5 * torch.randn(batch, dim, L, dtype=F64)).requires_grad_(True),
+              (-torch.rand(dim, n, dtype=F64)).requires_grad_(True), t(batch, n, L), t(batch, n, L), t(dim),
+              t(batch, dim, L), t(dim)]
+    h0, has = t(batch, dim, n), torch.tensor([True, False, True])
+    pos = torch.arange(L).expand(batch, L).contiguous()
+    seen = []
+    real = ssi.selective_scan_fwd
+    monkeypatch.setattr(ssi, "selective_scan_fwd", lambda *a: seen.append(a[10]) or real(*a))
+
+    def run():
+        out, final = ops.packed_selective_scan(*inputs, True, position_ids=pos, initial_state=h0,
+                                               has_initial_state=has, output_final_state=True)
+        loss = (out * torch.linspace(-1, 1, L, dtype=F64)).sum() + (final ** 2).sum()
+        return (out, final) + torch.autograd.grad(loss, inputs + [h0])
+
+    got = run()
+    assert seen[-1].shape == (2, batch) and seen[-1].tolist() == [[0, -1, 2], [0, 1, 2]]
+    monkeypatch.setattr(ssi, "single_sequence_rows", lambda p: False)
+    want = run()
+    assert seen[-1].shape == (2, batch, L)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def _doc_inputs(dim, dstate, N):
     """A document's scan inputs (float64 leaves, batch 1) and the shared parameters."""
     t = lambda *s: torch.randn(*s, dtype=F64).requires_grad_(True)  # noqa: E731
