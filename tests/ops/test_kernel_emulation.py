@@ -181,7 +181,7 @@ def run_emulated(so, u, delta, A, B, C, D, z, delta_bias, pos, softplus, segment
     saved = torch.full((batch, dim, -(-L // SCAN_CHUNK), SCAN_LANES), float("nan"))
     emu_call(so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), batch, dim, L, dstate, groups,
              int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z), ptr(delta_bias), ptr(pos),
-             ptr(out), ptr(saved), segments, 0, ptr(None), ptr(None), ptr(None))   # no carried states
+             ptr(out), ptr(saved), segments, 0, ptr(None), ptr(None), ptr(None), ptr(None))   # no carried states
     return out, saved
 
 
