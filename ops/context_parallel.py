@@ -18,8 +18,9 @@ sends the gradients back the same way::
 The exchange runs inside the layer's autograd Function: a rank receives after its in_proj and sends right after its
 scan (backward: receives before the scan's backward, sends once the conv's backward is done), so the ranks form a
 pipeline over the layers in which only the conv, projections and scan of a layer wait for the rank before (backward:
-after); in_proj and out_proj overlap. Measured on 4 H200s at the 1.4B width: 0.925 (2 GPUs) and 0.888-0.892 (4) of
-one GPU's tokens/s per GPU (benchmarks/results/RESULTS.md). On GPUs the exchange is NCCL send / receive. Outputs and
+after); in_proj and out_proj overlap. The scan takes the chunk's states as row-edge slots (its plain loops). Measured
+on 4 H200s at the 1.4B width: 0.972 (2 GPUs) and 0.928 (4) of one GPU's tokens/s per GPU
+(benchmarks/results/RESULTS.md). On GPUs the exchange is NCCL send / receive. Outputs and
 gradients equal the unsplit row's on one process (float64: to rounding).
 
 Usage (every rank of ``group`` runs the same code on the same rows)::
@@ -192,10 +193,6 @@ def _chunk_geometry(pos: torch.Tensor, rank: int, world: int) -> dict:
     slots[0] = torch.where(cont, rows, torch.full_like(rows, -1)).to(torch.int32)
     if rank < world - 1:
         slots[1] = rows.to(torch.int32)
-    import os
-    if os.environ.get("PACKLOADER_CP_TOKEN_SLOTS"):   # TEMPORARY A/B (removed once measured)
-        from .states import token_slots
-        slots = token_slots(slots, L)
     return {"pos": local.contiguous(), "slots": slots.contiguous(),
             # the fused mixer's token geometry (ops.carry's helpers; their gather/scatter indices are kept in these
             # dicts, so made once a step): each row's first sequence, spliced from the received conv inputs ...
@@ -398,7 +395,7 @@ def context_parallel_mamba_inner(mixer, hidden_states: torch.Tensor, position_id
     shape = (b, d_inner, d_state + width - 1)
     if not (recompute and torch.is_grad_enabled()):
         # the exchange inside the layer's Function: its backward runs on a rank exactly when some input of the mixer
-        # requires grad, which is needs_grad's rule (the same on every rank)
+        # requires grad (the input or a trainable weight: the same on every rank)
         return _ContextParallelMambaInnerFn.apply(hidden_states, *weights, None, None, g, not last,
                                                   _Link(group, prev, nxt, shape, st))[0]
     # recompute (grad enabled): the exchange around the Function, which checkpointing recomputes in the backward.
