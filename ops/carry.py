@@ -314,6 +314,21 @@ class CarryStep:
                 ssms.append(zs)
         return torch.stack(convs), torch.stack(ssms)
 
+    def cached_states_in(self, layer: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype, device: torch.device):
+        """[(conv (d, w-1), ssm (d, d_state))] of ``layer``, one pair per slot with a state in (slot order): the
+        cache's own tensors (no copy), where every such slot continues from the cache with states of these dtypes on
+        ``device``; else None. What the fused mixer keeps for its backward in their place: one piece of a document
+        a step then holds each state once, the cache's, until its backward."""
+        idx = [k for k, src in enumerate(self.source) if src != "none"]
+        if not idx or any(self.source[k] != "cache" for k in idx):
+            return None
+        pairs = [self.cache.get(int(self.doc_ids[k]), layer) for k in idx]
+        for p in pairs:
+            if (p is None or p[0].dtype != conv_dtype or p[1].dtype != ssm_dtype or p[0].device != device
+                    or p[1].device != device):
+                return None
+        return pairs
+
     def keep(self, layer: int, conv_final: torch.Tensor, ssm_final: torch.Tensor) -> None:
         """Keeps this layer's final states (K, ...) of the slots that store (:attr:`store`: their document continues
         after this step), detached and batched: one ``index_select`` (none where every slot stores, empty where none
@@ -755,17 +770,23 @@ class CarriedMambaInnerFn(torch.autograd.Function):
         step.keep(layer, conv_final, ssm_final)
         ctx.step, ctx.g, ctx.k = step, g, k
         ctx.init_specs = [(t.shape, t.dtype) for t in (ssm_init, conv_init)]
+        # the states in: references to the cache's own where they all come from it (no copy), else this step's
+        cached = step.cached_states_in(layer, conv_init.dtype, ssm_init.dtype, x.device)
+        refs = [t for pair in zip(*cached) for t in pair] if cached is not None else []
+        ssm_in, conv_in = (None, None) if refs else (_states_in(step, g, ssm_init), _states_in(step, g, conv_init))
         ctx.save_for_backward(hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight,
-                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask,
-                              _states_in(step, g, ssm_init), _states_in(step, g, conv_init))
+                              out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, runmask, ssm_in, conv_in,
+                              *refs)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         from .mamba_inner import _bmm_w, _wgrad, _x_proj_backward
         (hidden_states, in_proj_weight, x, z, cw, cb, x_dbl, x_proj_weight, delta_proj_weight, out_proj_weight, A, Bm,
-         Cm, D, delta_bias, position_ids, saved, runmask, ssm_in, conv_in) = ctx.saved_tensors
+         Cm, D, delta_bias, position_ids, saved, runmask, ssm_in, conv_in, *refs) = ctx.saved_tensors
         step, g, k = ctx.step, ctx.g, ctx.k
+        if refs:   # the cache's states (conv ones first), stacked for this layer's backward only
+            conv_in, ssm_in = torch.stack(refs[:len(refs) // 2]), torch.stack(refs[len(refs) // 2:])
         ssm_init, conv_init = (_every_slot(step, g, t, *spec) for t, spec in zip((ssm_in, conv_in), ctx.init_specs))
         dt_rank = delta_proj_weight.shape[1]
         _, _, w_dtype_xp, w_dtype_dt, w_dtype_out, _ = ctx.dtypes

@@ -219,6 +219,10 @@ _SECOND = {
     # its row
     "row_edges_mid_head": [[(11, 13, 0, True), (5, -1, 0, False)], [(16, 13, 1, True)],
                            [(2, 7, 1, True), (14, -1, 0, False)], [(16, -1, 0, False)]],
+    # the step after _FIRST as one piece of a document a step goes on: every continuation from the cache (the fused
+    # mixer keeps the cache's own states for its backward), and a new document's first piece that goes on
+    "cache_and_new_doc": [[(3, 5, 1, True), (5, 9, 0, True), (8, -1, 0, False)], [(2, 7, 1, False), (14, -1, 0, False)],
+                       [(16, 8, 1, False)], [(16, -1, 0, False)]],
 }
 
 
@@ -449,7 +453,9 @@ def test_fused_mixer_saves_the_initial_states_of_the_slots_with_one_only(layout)
     saved = [t for t in y.grad_fn.saved_tensors if t is not None]
     for shape in ((d_inner, d_state), (d_inner, width - 1)):
         states = [t for t in saved if t.dim() == 3 and tuple(t.shape[1:]) == shape]
-        assert [t.shape[0] for t in states] == ([with_state] if with_state else []), shape
+        cached = [t for t in saved if tuple(t.shape) == shape and not t.requires_grad]   # the cache's, a slot each
+        assert sum(t.shape[0] for t in states) + len(cached) == with_state, shape
+        assert not (states and cached), shape
 
 
 @pytest.mark.parametrize("layout", sorted(_SECOND))
@@ -477,3 +483,22 @@ def test_a_step_whose_pieces_all_go_on_keeps_every_slot():
     assert bool(step.store.all())
     conv, ssm = step.final_states(0)
     assert conv.shape[0] == ssm.shape[0] == step.num_slots == 3
+
+
+@pytest.mark.parametrize("layout", ["cache_and_new_doc", "from_cache", "gapped"])
+def test_fused_mixer_keeps_the_caches_states_without_a_copy(layout):
+    """Where every slot with a state in continues from the cache (one piece of a document a step), the states the
+    fused mixer keeps for its backward are the cache's own tensors (no copy: each state is held once until the
+    backward); where an in-batch predecessor hands one on, a copy of the slots' states. Either way the values are
+    the same (``test_fused_mixer_with_states_matches_the_composed_one``) and the backward runs."""
+    step, y, layer = _carried_forward(layout)
+    cached = [step.cache.get(int(step.doc_ids[k]), 0) for k, src in enumerate(step.source) if src == "cache"]
+    from_cache = all(src in ("cache", "none") for src in step.source)
+    assert from_cache == (layout != "gapped")
+    def where(t):
+        return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()
+    saved = {where(t) for t in y.grad_fn.saved_tensors if t is not None}
+    for pair in cached:
+        for t in pair:
+            assert (where(t) in saved) == from_cache
+    y.sum().backward()
