@@ -744,7 +744,8 @@ class CarriedMambaInnerFn(torch.autograd.Function):
     reductions over their tokens: :func:`_chain_forward`), one scan; the backward gives each predecessor's end the
     gradient its continuation's start hands back (:func:`_chain_backward`, reductions again) and runs the scan's
     backward once with those final-state gradients. The backward keeps the initial states of the slots with one
-    only (:func:`_states_in`). Equal to ``carried_mamba_inner_ref`` (two scans, autograd)."""
+    only (:func:`_states_in`), the cache's own tensors where they all come from it
+    (:meth:`CarryStep.cached_states_in`: no copy). Equal to ``carried_mamba_inner_ref`` (two scans, autograd)."""
 
     @staticmethod
     def forward(ctx, hidden_states, in_proj_weight, in_proj_bias, conv1d_weight, conv1d_bias, x_proj_weight,
