@@ -2,6 +2,7 @@
 // the parameters ops/csrc/binding.cpp fills, then the real launchers.
 #include "cuda_host.h"
 #include "ops_common.h"
+#include "dtype_utils.cuh"
 
 using namespace packloader_ops;
 
@@ -142,4 +143,9 @@ extern "C" void emu_segment_sums(int forward, int in_dtype, int w_f32, int batch
 
 extern "C" int emu_segment_sums_parts(int segments, int dim, int max_length, int sm_count) {
   return segment_sums_parts(segments, dim, max_length, sm_count);
+}
+
+// the kernels' softplus (dtype_utils.cuh), element by element
+extern "C" void emu_softplus(const float *x, float *y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = softplus_(x[i]);
 }
