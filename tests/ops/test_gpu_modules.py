@@ -161,8 +161,33 @@ def test_packed_mamba_packed_rows_vs_each_sequence_alone(seed, cuda, dtype):
         assert errs["out"] <= 1e-2 and errs["dh"] <= 1e-2, errs
 
 
+def upstream_one_by_one(layer: PackedMamba, rows, h, dout):
+    """mamba-ssm's Mamba with ``layer``'s weights run on each sequence of ``rows`` alone under bf16 autocast:
+    (out, d h, [d params] summed over the sequences), or None without mamba-ssm."""
+    try:
+        from mamba_ssm.modules.mamba_simple import Mamba
+    except ImportError:
+        return None
+    up = Mamba(**MAMBA_CFG, device=DEVICE)
+    up.load_state_dict(layer.state_dict())
+    out, gh = torch.empty_like(h), torch.empty_like(h)
+    gp = [torch.zeros_like(p) for p in up.parameters()]
+    for b, s, n in spans(rows):
+        with torch.autocast(DEVICE, dtype=BF16):
+            o1, gh1, gp1 = run(up, h[b:b + 1, s:s + n], list(up.parameters()), dout[b:b + 1, s:s + n])
+        out[b:b + 1, s:s + n], gh[b:b + 1, s:s + n] = o1, gh1
+        for a, g in zip(gp, gp1):
+            a += g
+    return out, gh, gp
+
+
 def test_packed_mamba_under_autocast(seed, cuda):
-    """fp32 weights, bf16 autocast (the usual training setup): gradients stay fp32, results match."""
+    """fp32 weights, bf16 autocast (the usual training setup): gradients stay fp32, results match.
+
+    The bounds: a Mamba block rounds to bf16 about six times. Over 100 seeds on an H200 (2026-11-28) the worst
+    tensor against float64 (dx_proj.weight) was at 1.23e-2 for ours and 1.25e-2 for mamba-ssm's Mamba run one
+    sequence at a time (4 and 6 seeds above 1e-2), and ours was at most 1.04x upstream's error on every tensor. So
+    every tensor is within 2e-2 of float64 and, where mamba-ssm is installed, within 1.25x upstream's error."""
     rows = [[100, 1, 2, 57], [160]]
     pos = positions(rows).to(DEVICE)
     layer = PackedMamba(**MAMBA_CFG, device=DEVICE)
@@ -178,7 +203,14 @@ def test_packed_mamba_under_autocast(seed, cuda):
     # every weight's gradient (the projections' are summed over the batch rows in float32 GEMM epilogues)
     errs.update({f"d{n}": rel(g, g_rf) for (n, _), g, g_rf in zip(layer.named_parameters(), gp, gp_rf)})
     show("autocast bf16 vs float64", errs)
-    assert max(errs.values()) <= 1e-2, errs
+    assert max(errs.values()) <= 2e-2, errs
+    up = upstream_one_by_one(layer, rows, h, dout)
+    if up is not None:
+        up_errs = {"out": rel(up[0], o_rf), "dh": rel(up[1], gh_rf)}
+        up_errs.update({f"d{n}": rel(g, g_rf) for (n, _), g, g_rf in zip(layer.named_parameters(), up[2], gp_rf)})
+        show("mamba-ssm one sequence at a time vs float64", up_errs)
+        worse = {k: (v, up_errs[k]) for k, v in errs.items() if v > 1.25 * up_errs[k]}
+        assert not worse, worse
 
 
 # ---------------------------------------------------------------------------------------------
