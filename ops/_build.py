@@ -3,7 +3,8 @@
 - **Just in time** (the default): the first kernel call on a CUDA tensor compiles ``ops/csrc`` with
   ``torch.utils.cpp_extension.load`` into a cache folder keyed by a hash of the sources, the flags, torch, CUDA and
   the GPU architecture (``~/.cache/packloader/ops-<hash>``, or ``$PACKLOADER_CACHE/ops-<hash>``). It needs ``nvcc``
-  on the node (``CUDA_HOME`` or ``PATH``) and takes about a minute, once.
+  on the node (``CUDA_HOME`` or ``PATH``) and takes about a minute, once; later processes import the module found
+  there directly (:func:`load_built`).
 - **Ahead of time**, for clusters whose nodes have no compiler:
   ``PACKLOADER_BUILD_CUDA=1 pip install --no-build-isolation .`` compiles the same sources with the same flags into
   the module ``ops._C`` (``setup.py`` calls :func:`cuda_extension`). ``TORCH_CUDA_ARCH_LIST`` picks the
@@ -150,6 +151,9 @@ def _load_jit():
     build = build_dir()
     build.mkdir(parents=True, exist_ok=True)
     check_build_lock(build)
+    built = load_built(build)
+    if built is not None:
+        return built
     major, minor = torch.cuda.get_device_capability()
     fresh = not any(build.glob("*.so"))
     if fresh:
@@ -172,6 +176,31 @@ def _load_jit():
     if fresh:
         print("packloader ops: CUDA kernels built.", file=sys.stderr, flush=True)
     return ext
+
+
+def jit_module_path(build: "pathlib.Path | None" = None) -> pathlib.Path:
+    """Where a just-in-time build leaves its module (torch names it after the extension): in ``build``, by default
+    :func:`build_dir`."""
+    return pathlib.Path(build if build is not None else build_dir()) / f"{JIT_NAME}.so"
+
+
+def load_built(build: pathlib.Path):
+    """The module a finished just-in-time build left in ``build``, imported as it is, without torch's build step (which
+    runs ninja over the sources in every process); None where there is none, a build holds the folder's lock, or it
+    does not import (torch's build step then rebuilds it or says why). The folder's name is the hash of everything the
+    module was built from (:func:`build_dir`), so a module found there is these sources' own, also when it was copied
+    from another machine with the same torch, CUDA and GPU (``benchmarks/gpu/run.sh`` carries it between machines)."""
+    so = jit_module_path(build)
+    if not so.is_file() or (pathlib.Path(build) / "lock").exists():
+        return None
+    import torch  # noqa: F401  (the module links against torch's libraries: load them first)
+    try:
+        spec = importlib.util.spec_from_file_location(JIT_NAME, so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError):
+        return None
+    return module
 
 
 def check_build_lock(build: pathlib.Path, now: float = None) -> None:

@@ -96,3 +96,53 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_reported(tmp_path, capsys
     with pytest.warns(UserWarning, match="removing the build lock"):
         _build.check_build_lock(tmp_path)
     assert not lock.exists()
+
+
+def _an_extension_module():
+    """(name, path) of a compiled extension module of this Python (a stand-in for the kernels' module), or a skip."""
+    import importlib.util
+
+    for name in ("_json", "math", "_bisect", "_struct"):
+        spec = importlib.util.find_spec(name)
+        origin = getattr(spec, "origin", None) or ""
+        if origin.endswith(".so"):
+            return name, pathlib.Path(origin)
+    pytest.skip("this Python has its extension modules built in: no .so to stand in for the kernels' module")
+
+
+def test_a_finished_build_is_imported_without_the_build_step(tmp_path, monkeypatch):
+    """A process whose build folder already holds the module imports it as it is (the folder's name is the hash of its
+    sources, flags, torch, CUDA and GPU): no ninja run, and a module carried from another machine is used. A build
+    holding the lock, no module, or one that does not import fall through to torch's build step."""
+    name, so = _an_extension_module()
+    monkeypatch.setattr(_build, "JIT_NAME", name)
+    assert _build.load_built(tmp_path) is None                     # nothing built yet
+    shutil.copy(so, tmp_path / f"{name}.so")
+    module = _build.load_built(tmp_path)
+    assert module is not None and module.__name__ == name and pathlib.Path(module.__file__) == tmp_path / f"{name}.so"
+    (tmp_path / "lock").write_text("")                            # a build is writing the folder: wait for it
+    assert _build.load_built(tmp_path) is None
+    cut = tmp_path / "cut"                                        # a link cut short (a new folder: the module
+    cut.mkdir()                                                   # above stays mapped into this process)
+    (cut / f"{name}.so").write_bytes(b"not a shared library")
+    assert _build.load_built(cut) is None
+
+
+def test_the_just_in_time_loader_takes_a_finished_build(tmp_path, monkeypatch):
+    """_load_jit returns the module in the build folder without calling torch's cpp_extension.load; without one it
+    builds (here: the call is recorded instead)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    name, so = _an_extension_module()
+    monkeypatch.setattr(_build, "JIT_NAME", name)
+    monkeypatch.setattr(_build, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(_build, "nvcc", lambda: "/usr/bin/nvcc")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw) or "built")
+    assert _build._load_jit() == "built" and len(calls) == 1 and calls[0]["build_directory"] == str(tmp_path)
+    shutil.copy(so, tmp_path / f"{name}.so")
+    module = _build._load_jit()
+    assert module.__name__ == name and len(calls) == 1
