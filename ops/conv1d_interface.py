@@ -561,8 +561,8 @@ def packed_causal_conv1d(
     Runs the ``packloader::causal_conv1d_fwd`` op (the compiled kernel on CUDA tensors, the reference
     elsewhere: see :mod:`ops.backends`); differentiable; traceable by ``torch.compile`` without graph breaks. In eager
     mode on CUDA the op's CUDA implementation and its backward run through a plain autograd Function: the same kernels
-    without the custom op's Python dispatch layers, whose host time exceeded the kernels' at training shapes (1.5x the
-    kernels' time, now 1.0x; ``benchmarks/results/RESULTS.md``).
+    without the custom op's Python dispatch layers, whose host time exceeded the kernels' at training shapes (now
+    1.02-1.09x the kernels' time at the benchmark's shape; ``benchmarks/results/RESULTS.md``, "Kernels").
 
     Args:
         x: (batch, dim, seqlen), channel-first (contiguous) or channel-last (``x.stride(1) == 1``,
