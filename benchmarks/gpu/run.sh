@@ -14,9 +14,8 @@
 #    A fresh build is packed (stripped, xz, 15 MB parts) into OUTDIR/up for the next machine ($UPSTREAM_PACK).
 # 2. Our kernels: built just in time (ops/_build.py), or ahead of time with AOT=1
 #    (PACKLOADER_BUILD_CUDA=1 pip install --no-build-isolation into a scratch folder). A just-in-time build is packed
-#    into OUTDIR/ops_build.tar.xz: its module in the folder named by the hash of what it was built from. Carry it as
-#    $OPS_BUILD (default .gpu/ops_build.tar.xz) and the next machine with the same sources, torch and GPU imports it
-#    (ops._build.load_built) instead of spending about two minutes building; other sources build afresh.
+#    into OUTDIR/ops_build.tar.xz; carried as $OPS_BUILD (default .gpu/ops_build.tar.xz) it saves the next machine the
+#    build where the sources are the same (ops_build.sh).
 # 3. The GPU tests: pytest -m gpu over $GPU_TESTS (default: tests/) -> OUTDIR/gpu_tests.log.
 # 4. The benchmarks (unless SKIP_BENCH=1): bench_ops, bench_mamba_stack, bench_compile -> OUTDIR/*.json.
 #
@@ -52,10 +51,8 @@ else
 fi
 
 t0=$(date +%s)
-if [ -f "${OPS_BUILD:-.gpu/ops_build.tar.xz}" ]; then
-  mkdir -p "$PACKLOADER_CACHE" && tar xJf "${OPS_BUILD:-.gpu/ops_build.tar.xz}" -C "$PACKLOADER_CACHE" \
-    && echo "our kernels: an earlier build unpacked (used where its hash matches these sources)" | tee -a "$log"
-fi
+. benchmarks/gpu/ops_build.sh
+ops_build_unpack | tee -a "$log"
 if [ "${AOT:-0}" = 1 ]; then
   PACKLOADER_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="${arch:0:-1}.${arch: -1}" MAX_JOBS=${MAX_JOBS:-8} \
     python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/aot . > "$out/aot_build.log" 2>&1
@@ -64,10 +61,7 @@ if [ "${AOT:-0}" = 1 ]; then
 fi
 python3 -c "from ops import _build; m = _build.load_extension(); print('our kernels:', m.__file__)" 2>&1 | tail -3 | tee -a "$log"
 echo "our build/load: $(( $(date +%s) - t0 )) s" | tee -a "$log"
-so=$(python3 -c "from ops import _build; print(_build.jit_module_path())" 2>/dev/null)
-if [ -f "$so" ]; then   # PACKLOADER_CACHE/ops-<hash>/<module>.so, packed as ops-<hash>/<module>.so
-  tar cJf "$out/ops_build.tar.xz" -C "$(dirname "$(dirname "$so")")" "$(basename "$(dirname "$so")")/$(basename "$so")"
-fi
+ops_build_pack "$out"
 
 # kernel tests first (they need no upstream), then wait for upstream, then the rest
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${GPU_TESTS:-tests/} ${PYTEST_ARGS:-} \
