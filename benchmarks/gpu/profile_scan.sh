@@ -2,7 +2,10 @@
 # Nsight Compute profile of the selective-scan kernels at bench_ops.py's size (B=8, D=4096, L=4096, dstate 16, bf16,
 # about 13 sequences per row): ours (forward and backward) and mamba-ssm's (no boundaries), one launch each.
 #
-#   bash benchmarks/gpu/profile_scan.sh OUTDIR        # -> OUTDIR/ncu_scan.txt
+#   bash benchmarks/gpu/profile_scan.sh OUTDIR        # -> OUTDIR/ncu_scan.txt, OUTDIR/ncu_scan_bwd_sass.csv
+#
+# The CSV is our backward kernel's SASS, one row an instruction with its executed count and stall samples (the source
+# page of ncu; the kernels are built with -lineinfo): where its instructions go, readable without ncu.
 #
 # Needs ncu, our kernels (ops) and mamba-ssm importable (benchmarks/gpu/run.sh sets that up).
 set -u
@@ -38,3 +41,6 @@ ncu --kernel-name regex:"scan_fwd_kernel|scan_bwd_kernel|selective_scan_fwd_kern
   --section InstructionStats --section SourceCounters --print-details all python3 /tmp/profile_scan_driver.py \
   > "$out/ncu_scan.txt" 2>&1
 echo "ncu rc=$?"; grep -E "^  [a-z_]+.*scan|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Stall|Executed Ipc A|Memory Throughput|Compute \(SM\) Th|Shared Memory Configuration Size|One or More Eligible" "$out/ncu_scan.txt" | head -80
+ncu --kernel-name regex:"scan_bwd_kernel" --launch-count 1 --section SourceCounters --section InstructionStats \
+  --page source --print-source sass --csv python3 /tmp/profile_scan_driver.py > "$out/ncu_scan_bwd_sass.csv" 2>&1
+echo "ncu source page rc=$? ($(wc -l < "$out/ncu_scan_bwd_sass.csv") lines)"
