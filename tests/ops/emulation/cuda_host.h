@@ -149,21 +149,23 @@ inline void emu_fault(const char *what, const void *addr, int align) {
 struct EmuCopy {
   void *dst;
   const void *src;
-  int bytes;
+  int size, bytes;   // the copy's size (4 or 16) and the bytes read from src (the rest zero-filled)
 };
 inline thread_local std::vector<EmuCopy> emu_pending;
 namespace packloader_ops {
-inline void cp_async4(void *dst, const void *src, int src_bytes) {
-  if (reinterpret_cast<uintptr_t>(src) % 4) emu_fault("cp.async source", src, 4);
-  if (reinterpret_cast<uintptr_t>(dst) % 4) emu_fault("cp.async destination", dst, 4);
-  std::memset(dst, 0xff, 4);
-  emu_pending.push_back({dst, src, src_bytes});
+inline void emu_cp_async(void *dst, const void *src, int size, int src_bytes) {
+  if (reinterpret_cast<uintptr_t>(src) % size) emu_fault("cp.async source", src, size);
+  if (reinterpret_cast<uintptr_t>(dst) % size) emu_fault("cp.async destination", dst, size);
+  std::memset(dst, 0xff, size);
+  emu_pending.push_back({dst, src, size, src_bytes});
 }
+inline void cp_async4(void *dst, const void *src, int src_bytes) { emu_cp_async(dst, src, 4, src_bytes); }
+inline void cp_async16(void *dst, const void *src, int src_bytes) { emu_cp_async(dst, src, 16, src_bytes); }
 inline void cp_async_commit() {}
 inline void cp_async_wait_all() {
   for (const EmuCopy &c : emu_pending) {
-    std::memset(c.dst, 0, 4);   // zero-filled past src_bytes
-    if (c.bytes > 0 && reinterpret_cast<uintptr_t>(c.src) % 4 == 0) std::memcpy(c.dst, c.src, c.bytes);
+    std::memset(c.dst, 0, c.size);   // zero-filled past src_bytes
+    if (c.bytes > 0 && reinterpret_cast<uintptr_t>(c.src) % c.size == 0) std::memcpy(c.dst, c.src, c.bytes);
   }
   emu_pending.clear();
 }
