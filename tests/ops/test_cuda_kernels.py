@@ -20,6 +20,8 @@ from ._helpers import misaligned_copy
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 1e-3}
+# about one rounding of the dtype, element by element: two computations of the same values by different paths
+ULP_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
 
 @pytest.fixture(autouse=True)
@@ -460,16 +462,27 @@ def check_conv(cuda_ops, batch, dim, L, width, dtype, kinds, *, channel_last, ha
     report(errs, raw)
     bad = {k: v for k, v in errs.items() if not v <= tol}
     assert not bad, f"relative error above {tol}: {bad}"
-    # each sequence alone
+    # each sequence alone: the same values, up to the rounding of the output dtype element by element (a sequence
+    # alone may take another kernel path, e.g. an odd length not vectorized, that sums its taps in another order; a
+    # norm bound over a 3-token slice failed on one bf16 element one ulp apart, 2.0e-3 of the slice's norm, seed
+    # 1801634241). A leak across a boundary is off by the order of the values themselves.
     for b, lens in enumerate(rows):
         for s, e in segments(lens):
             xs = x[b:b + 1, :, s:e]
             xs = xs.transpose(1, 2).contiguous().transpose(1, 2) if channel_last else xs.contiguous()
             p1 = torch.arange(e - s, device="cuda", dtype=torch.int32)[None]
             o1 = cuda_ops.causal_conv1d_fwd(xs, weight, bias, p1, activation)
-            assert rel_err(out[b:b + 1, :, s:e], o1) <= tol
+            assert_within_ulps(out[b:b + 1, :, s:e], o1, dtype)
             dx1, _, _ = cuda_ops.causal_conv1d_bwd(xs, weight, bias, dout[b:b + 1, :, s:e], p1, activation)
-            assert rel_err(dx[b:b + 1, :, s:e], dx1) <= tol
+            assert_within_ulps(dx[b:b + 1, :, s:e], dx1, dtype)
+
+
+def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """got == want element by element up to ULP_RTOL (about one rounding of dtype), near zero relative to want's
+    largest magnitude."""
+    want = want.float()
+    torch.testing.assert_close(got.float(), want, rtol=ULP_RTOL[dtype],
+                               atol=ULP_RTOL[dtype] * max(want.abs().max().item(), 1e-30))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -491,8 +504,6 @@ def test_conv_channel_first_kernels(cuda_ops, kernels, dtype, seqlen):
         check_conv(cuda_ops, 4, 24, seqlen, width, dtype, ("mixed", "tiny", "padded", "one"), channel_last=False,
                    misalign=kernels == "regs")
 
-
-ULP_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
 
 @pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 5000), (torch.float32, 4100), (torch.bfloat16, 2000),
