@@ -88,3 +88,49 @@ def test_benchmarks_call_the_binding_with_every_argument():
                     f"{path.name}:{node.lineno}: ext.{node.func.attr} with {len(node.args)} arguments, the binding "
                     f"takes {arity[node.func.attr]}")
     assert calls >= 3   # bench_scan_segments.py's scan_fwd (twice) and scan_bwd
+
+
+# ---- ab_kernels.sh's table (ab_summary.py): the medians and ratios of rounds run alternately ----
+
+def _ab_summary():
+    import importlib.util
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "ab_summary.py"
+    spec = importlib.util.spec_from_file_location("ab_summary", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bench_json(path, rows):
+    import json
+    path.write_text(json.dumps({"rows": [{"op": o, "impl": i, "phase": p, "ms": ms, "note": ""}
+                                         for o, i, p, ms in rows]}))
+
+
+def test_ab_summary_medians_and_ratio_per_row(tmp_path, capsys):
+    import json
+    ab = _ab_summary()
+    scan = ("selective_scan", "ours (packed, position_ids)")
+    for r, (b, w) in enumerate([(7.3, 6.4), (7.5, 6.1), (7.4, 6.3)], start=1):
+        _bench_json(tmp_path / f"base_{r}.json", [(*scan, "bwd", b), (*scan, "fwd", 1.3), ("conv", "x", "fwd", 0.2)])
+        _bench_json(tmp_path / f"work_{r}.json", [(*scan, "bwd", w), (*scan, "fwd", 1.4)])
+    # round 10 sorts after round 2 (numerically): the times stay in run order
+    _bench_json(tmp_path / "base_10.json", [(*scan, "bwd", 7.0), (*scan, "fwd", 1.3)])
+    _bench_json(tmp_path / "work_10.json", [(*scan, "bwd", 6.0), (*scan, "fwd", 1.4)])
+    assert ab.main([str(tmp_path)]) == 0
+    rows = {(r["phase"]): r for r in json.loads((tmp_path / "ab.json").read_text())["rows"]}
+    assert set(rows) == {"bwd", "fwd"}   # the conv row exists on one side only: left out
+    bwd = rows["bwd"]
+    assert bwd["base_ms"] == [7.3, 7.5, 7.4, 7.0] and bwd["work_ms"] == [6.4, 6.1, 6.3, 6.0]
+    assert bwd["base_median"] == pytest.approx(7.35) and bwd["work_median"] == pytest.approx(6.2)
+    assert bwd["work_over_base"] == pytest.approx(6.2 / 7.35, abs=1e-4)
+    assert rows["fwd"]["work_over_base"] == pytest.approx(1.4 / 1.3, abs=1e-4)
+    assert "6.400, 6.100, 6.300, 6.000" in capsys.readouterr().out
+
+
+def test_ab_summary_says_when_a_side_is_missing(tmp_path, capsys):
+    ab = _ab_summary()
+    _bench_json(tmp_path / "base_1.json", [("selective_scan", "ours", "bwd", 7.0)])
+    assert ab.main([str(tmp_path)]) == 1
+    assert "no rows found" in capsys.readouterr().out
+    assert not (tmp_path / "ab.json").exists()
