@@ -36,7 +36,11 @@ state_slots?=None, initial_state?=None, num_final_states=0) -> (out, saved, fina
     - ``A``: ``(d, n)``; ``D``, ``delta_bias`` (optional): ``(d,)``. float32 (float64 for the reference).
     - ``B``, ``C``: ``(b, n, L)`` or grouped ``(b, g, n, L)`` with ``d % g == 0``; ``u``'s dtype or float32.
     - ``delta_softplus``: ``delta <- softplus(delta + delta_bias)``.
-    - ``out``: ``(b, d, L)``, ``u``'s dtype, contiguous: ``y (+ D u)``, times ``silu(z)`` when ``z`` is given.
+    - Layout: ``u`` contiguous or channel-major (:func:`is_channel_major`: memory ``(d, b, L)``, the layout of the
+      fused mixer's projections, one ``(d, b * L)`` matrix); every ``(b, d, L)`` output has ``u``'s layout (a
+      contiguous one when ``u`` has any other, which the kernel path copies), and the kernel path lays ``delta``,
+      ``z`` (and ``dout``) out as ``u``.
+    - ``out``: ``(b, d, L)``, ``u``'s dtype and layout: ``y (+ D u)``, times ``silu(z)`` when ``z`` is given.
     - ``saved``: ``(b, d, ceil(L / SCAN_CHUNK), SCAN_LANES)`` float32, contiguous: the state ``h`` after the
       last timestep of every chunk of ``SCAN_CHUNK`` timesteps (lanes ``>= n`` are 0). It is the only thing the
       backward needs besides the inputs. Every implementation fills it the same way, so a forward run by the
@@ -53,7 +57,8 @@ state_slots?=None, initial_state?=None, num_final_states=0) -> (out, saved, fina
 dout, recompute_out=False, state_slots?=None, initial_state?=None, dfinal_state?=None) -> (du, ddelta, dA, dB, dC,
 dD, dz, ddelta_bias, out, dinitial_state)``
     - ``dout``: ``(b, d, L)`` (any strides), the gradient of ``out``.
-    - Each gradient has its input's shape and dtype. An optional input that was not given gets an empty
+    - Each gradient has its input's shape and dtype; ``du``, ``ddelta``, ``dz`` and ``out`` have ``u``'s layout (as
+      the forward's ``out``). An optional input that was not given gets an empty
       float32 tensor of shape ``(0,)`` in its place (custom ops cannot return None).
     - ``out``: with ``recompute_out``, the forward's ``out`` recomputed (the backward recomputes it anyway; the
       CUDA kernel gives the forward's bits exactly, but on rows of one sequence that the forward cut along time,
@@ -71,8 +76,9 @@ dD, dz, ddelta_bias, out, dinitial_state)``
       computes it once and hands it to both (the ops compute it themselves when it is not given).
 
 ``packloader::causal_conv1d_fwd(x, weight, bias?, position_ids, silu, runmask?) -> out``
-    - ``x``: ``(b, d, L)``, either channel-first contiguous or dense channel-last (memory ``(b, L, d)``,
-      ``x.stride() == (L*d, 1, d)``); the functional entry copies any other layout to channel-first.
+    - ``x``: ``(b, d, L)``, channel-first contiguous, dense channel-last (memory ``(b, L, d)``,
+      ``x.stride() == (L*d, 1, d)``) or channel-major (memory ``(d, b, L)``, :func:`is_channel_major`); the
+      functional entry copies any other layout to channel-first.
     - ``weight``: ``(d, w)`` with ``CONV_MIN_WIDTH <= w <= CONV_MAX_WIDTH`` on the kernel (any ``w`` for the
       reference); ``bias`` (optional): ``(d,)``. Any float dtype (the kernel computes in float32).
     - ``silu``: apply SiLU to the output.
@@ -144,6 +150,16 @@ TIME_SPLIT_MAX_BLOCKS_PER_SM = 1
 # The ops' outputs follow their inputs' strides (the conv) and the CUDA implementations read raw pointers: a compiler
 # (inductor) must hand them their inputs with exactly the strides seen when tracing.
 OP_TAGS = (getattr(torch.Tag, "needs_exact_strides", None) or torch.Tag.needs_fixed_stride_order,)
+
+
+def is_channel_major(t: torch.Tensor) -> bool:
+    """Whether a ``(b, d, L)`` tensor is laid out as ``(d, b, L)`` in memory (strides ``(L, b * L, 1)``): the fused
+    mixer's activations, each one ``(d, b * L)`` matrix, so that a projection or its weight gradient is one GEMM over
+    all ``b * L`` tokens. With ``b == 1`` it is also contiguous."""
+    if t.dim() != 3:
+        return False
+    b, d, L = t.shape
+    return (L <= 1 or t.stride(2) == 1) and (b <= 1 or t.stride(0) == L) and (d <= 1 or t.stride(1) == b * L)
 
 
 def conv_mask_stride(seqlen: int) -> int:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from . import backends as _backends
 from .boundaries import PackedBoundaries, TensorMemo, resolve_for_op, resolve_position_ids
 from .states import check_state, sequence_spans
-from .contract import CONV_MASK_RUN, CONV_SLOT_STEPS, OP_TAGS, conv_mask_stride
+from .contract import CONV_MASK_RUN, CONV_SLOT_STEPS, OP_TAGS, conv_mask_stride, is_channel_major
 
 __all__ = ["packed_causal_conv1d", "causal_conv1d_ref", "conv_runmask", "causal_conv1d_fwd", "causal_conv1d_bwd",
            "conv_states_fwd", "conv_states_bwd"]
@@ -119,11 +119,11 @@ def kernel_layout(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_layout(x: torch.Tensor) -> None:
-    if x.dim() != 3 or not (x.is_contiguous() or _is_dense_channel_last(x)):
+    if x.dim() != 3 or not (x.is_contiguous() or _is_dense_channel_last(x) or is_channel_major(x)):
         raise ValueError(
-            f"packloader::causal_conv1d: x must be (batch, dim, seqlen), channel-first contiguous or dense "
-            f"channel-last, got shape {tuple(x.shape)} strides {x.stride()} (ops.packed_causal_conv1d copies "
-            "other layouts)")
+            f"packloader::causal_conv1d: x must be (batch, dim, seqlen), channel-first contiguous, dense "
+            f"channel-last or channel-major, got shape {tuple(x.shape)} strides {x.stride()} "
+            "(ops.packed_causal_conv1d copies other layouts)")
 
 
 def _like(x: torch.Tensor) -> torch.Tensor:
@@ -192,9 +192,15 @@ def _conv_bwd_reference(x, weight, bias, position_ids, silu, dout):
 
 
 def _like_layout(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """t with x's memory layout (channel-first contiguous or channel-last)."""
+    """t with x's memory layout (channel-first contiguous, channel-last or channel-major)."""
     if x.is_contiguous():
         return t.contiguous()
+    if is_channel_major(x):
+        if is_channel_major(t):
+            return t
+        out = torch.empty_strided(x.shape, x.stride(), dtype=t.dtype, device=t.device)
+        out.copy_(t)
+        return out
     if _is_dense_channel_last(t):
         return t
     return t.transpose(1, 2).contiguous().transpose(1, 2)
@@ -517,7 +523,7 @@ def _conv_states_bwd_fake(dout, x, weight, bias, silu, initial_state, start, len
 def _reads_runmask(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the conv kernels that read a run mask take these inputs (channel-first rows on CUDA)."""
     # channel-last by the kernels' own rule (binding.cpp: stride(1) == 1 with more than one channel) reads no mask
-    if not x.is_cuda or not x.is_contiguous() or (x.stride(1) == 1 and x.shape[1] > 1):
+    if not x.is_cuda or not (x.is_contiguous() or is_channel_major(x)) or (x.stride(1) == 1 and x.shape[1] > 1):
         return False
     width = weight.shape[-1]
     return (_backends.unsupported_reason("causal_conv1d", x.dtype, width=width) is None

@@ -66,6 +66,35 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, out: Option
     return out
 
 
+def _wgrad_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, out: Optional[torch.Tensor] = None):
+    """a @ b, (m, k) x (k, n) -> (m, n) in ``out_dtype`` (into ``out`` if given): a weight gradient as one GEMM over
+    the batch's tokens (``k = b * L``). 16-bit CUDA inputs: the GEMM's float32 result itself (``out_dtype`` GEMM), no
+    rounding to 16 bits and no cast for float32 weights. Elsewhere, and under ``torch.compile`` (see
+    :func:`_wgrad`): a plain product, cast."""
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling():
+        if out is not None and out_dtype == torch.float32:
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        acc = torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        acc = a @ b
+    if out is None:
+        return acc.to(out_dtype)
+    out.copy_(acc)
+    return out
+
+
+def _channel_major(m: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """A ``(d, batch * seqlen)`` matrix seen as the ``(batch, d, seqlen)`` activation it holds (a view; channel-major,
+    :func:`ops.contract.is_channel_major`)."""
+    return m.view(m.shape[0], batch, seqlen).transpose(0, 1)
+
+
+def _matrix(t: torch.Tensor) -> torch.Tensor:
+    """A ``(batch, d, seqlen)`` activation as the ``(d, batch * seqlen)`` matrix of its channels (a view when it is
+    channel-major, else a copy)."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1)
+
+
 def _autocast_weights(dev, hidden_states, in_proj_weight, in_proj_bias, x_proj_weight, delta_proj_weight,
                       out_proj_weight, out_proj_bias):
     """Under autocast (CUDA in training, CPU alike) the activations and the projection weights in its one dtype."""
@@ -153,23 +182,31 @@ class PackedMambaInnerFn(torch.autograd.Function):
         dt_rank = delta_proj_weight.shape[1]
         d_state = A.shape[1]
         width = conv1d_weight.shape[-1]
+        # channel-major activations (ops/contract.py): x, z, the conv's and the scan's outputs each one (d_inner,
+        # batch * seqlen) matrix, so that every projection and weight gradient is one GEMM over all tokens
         hidden_states = hidden_states.contiguous()
-        x, z = _in_proj(hidden_states, in_proj_weight, in_proj_bias, d_inner)
+        h2 = hidden_states.view(batch * seqlen, d_model)
+        xz = torch.mm(in_proj_weight, h2.t())  # (2 d_inner, b l)
+        if in_proj_bias is not None:
+            xz = xz + in_proj_bias[:, None].to(xz.dtype)
+        x = _channel_major(xz[:d_inner], batch, seqlen)  # (b, d_inner, l) views
+        z = _channel_major(xz[d_inner:], batch, seqlen)
         cw = conv1d_weight.reshape(d_inner, width).contiguous()
         cb = conv1d_bias.contiguous() if conv1d_bias is not None else None
         # the conv's boundary words, made once for its forward, its recomputation and its backward
         runmask = _conv_ops.runmask_for(x, cw, position_ids)
-        xc = kernel_calls.causal_conv1d_fwd(x, cw, cb, position_ids, True, runmask)  # (b, d_inner, l)
-        x_dbl = torch.bmm(xc.transpose(1, 2), x_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))  # (b, l, r+2n)
-        delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))  # (b, d_inner, l)
-        Bm = x_dbl[..., dt_rank:dt_rank + d_state].transpose(1, 2).contiguous()  # (b, n, l)
-        Cm = x_dbl[..., dt_rank + d_state:].transpose(1, 2).contiguous()
+        xc = kernel_calls.causal_conv1d_fwd(x, cw, cb, position_ids, True, runmask)  # x's layout
+        x_dbl = torch.mm(_matrix(xc).t(), x_proj_weight.t())  # (b l, r + 2n)
+        delta = _channel_major(torch.mm(delta_proj_weight, x_dbl[:, :dt_rank].t()), batch, seqlen)
+        Bm = x_dbl[:, dt_rank:dt_rank + d_state].view(batch, seqlen, d_state).transpose(1, 2).contiguous()  # (b, n, l)
+        Cm = x_dbl[:, dt_rank + d_state:].view(batch, seqlen, d_state).transpose(1, 2).contiguous()
         out_z, saved, _ = kernel_calls.selective_scan_fwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, bool(delta_softplus)
         )
-        y = torch.bmm(out_z.transpose(1, 2), out_proj_weight.t().unsqueeze(0).expand(batch, -1, -1))  # (b, l, d_model)
+        y = torch.mm(_matrix(out_z).t(), out_proj_weight.t())  # (b l, d_model)
         if out_proj_bias is not None:
             y = y + out_proj_bias.to(y.dtype)
+        y = y.view(batch, seqlen, d_model)
         ctx.delta_softplus = bool(delta_softplus)
         ctx.checkpoint_lvl = checkpoint_lvl
         ctx.has_in_bias, ctx.has_out_bias, ctx.has_conv_bias = (
@@ -192,29 +229,49 @@ class PackedMambaInnerFn(torch.autograd.Function):
          out_proj_weight, A, Bm, Cm, D, delta_bias, position_ids, saved, xc, delta, runmask) = ctx.saved_tensors
         dt_rank = delta_proj_weight.shape[1]
         w_dtype_in, w_dtype_conv, w_dtype_xp, w_dtype_dt, w_dtype_out, h_dtype = ctx.dtypes
+        batch, seqlen, d_model = hidden_states.shape
+        d_inner, d_state = x.shape[1], A.shape[1]
         dy = dy.contiguous().to(x.dtype)
+        dy2 = dy.view(batch * seqlen, d_model)
+        h2 = hidden_states.view(batch * seqlen, d_model)
         if xc is None:
             xc = kernel_calls.causal_conv1d_fwd(x, cw, cb, position_ids, True, runmask)
-            delta = _bmm_w(delta_proj_weight, x_dbl[..., :dt_rank].transpose(1, 2))
+            delta = _channel_major(torch.mm(delta_proj_weight, x_dbl[:, :dt_rank].t()), batch, seqlen)
         # out_proj
-        dout_y = _bmm_w(out_proj_weight.t(), dy.transpose(1, 2))  # (b, d_inner, l)
-        dout_proj_bias = dy.sum(dim=(0, 1)) if ctx.has_out_bias else None
+        dout_y = _channel_major(torch.mm(out_proj_weight.t(), dy2.t()), batch, seqlen)  # (b, d_inner, l)
+        dout_proj_bias = dy2.sum(0) if ctx.has_out_bias else None
         # scan; it recomputes the forward's out_z (not kept from the forward: one (b, d_inner, l) less per layer)
         dxc, ddelta, dA, dB, dC, dD, dz, ddelta_bias, out_z, _ = kernel_calls.selective_scan_bwd(
             xc, delta, A, Bm, Cm, D, z, delta_bias, position_ids, ctx.delta_softplus, saved, dout_y, True
         )
-        dout_proj_weight = _wgrad(dy.transpose(1, 2), out_z.transpose(1, 2), w_dtype_out)  # (d_model, d_inner)
+        dout_proj_weight = _wgrad_mm(dy2.t(), _matrix(out_z).t(), w_dtype_out)  # (d_model, d_inner)
         del out_z
         # x_proj / dt_proj
-        dx_proj_weight, ddelta_proj_weight, dxc = _x_proj_backward(dB, dC, ddelta, dxc, x_dbl, xc, x_proj_weight,
-                                                                   delta_proj_weight, w_dtype_xp, w_dtype_dt)
+        dx_dbl = torch.empty_like(x_dbl)  # (b l, r + 2n)
+        rows = dx_dbl.view(batch, seqlen, -1)
+        rows[..., dt_rank:dt_rank + d_state] = dB.reshape(batch, d_state, seqlen).transpose(1, 2)
+        rows[..., dt_rank + d_state:] = dC.reshape(batch, d_state, seqlen).transpose(1, 2)
+        ddelta2 = _matrix(ddelta.to(x_dbl.dtype))  # (d_inner, b l)
+        ddelta_proj_weight = _wgrad_mm(ddelta2, x_dbl[:, :dt_rank], w_dtype_dt)  # (d_inner, r)
+        dx_dbl[:, :dt_rank] = torch.mm(ddelta2.t(), delta_proj_weight)
+        xc2 = _matrix(xc)
+        dx_proj_weight = _wgrad_mm(dx_dbl.t(), xc2.t(), w_dtype_xp)  # (r + 2n, d_inner)
+        # x_proj's input gradient added in place into the scan's (channel-major: its matrix is a view)
+        dxc = dxc.to(xc.dtype)
+        dxc2 = _matrix(dxc)
+        dxc2.addmm_(x_proj_weight.t(), dx_dbl.t())
+        dxc = _channel_major(dxc2, batch, seqlen)
         # conv
         dx, dcw, dcb = kernel_calls.causal_conv1d_bwd(x, cw, cb, position_ids, True, dxc, runmask)
-        dx = dx.contiguous()
-        dz = dz.contiguous().to(z.dtype)
         # in_proj
-        dhidden, din_proj_weight, din_proj_bias = _in_proj_backward(dx, dz, hidden_states, in_proj_weight,
-                                                                    w_dtype_in, ctx.has_in_bias)
+        dx2, dz2 = _matrix(dx), _matrix(dz.to(z.dtype))
+        din_proj_weight = torch.empty(in_proj_weight.shape, dtype=w_dtype_in, device=dx.device)
+        _wgrad_mm(dx2, h2, w_dtype_in, out=din_proj_weight[:d_inner])
+        _wgrad_mm(dz2, h2, w_dtype_in, out=din_proj_weight[d_inner:])
+        dhidden = torch.mm(dx2.t(), in_proj_weight[:d_inner])  # (b l, d_model)
+        dhidden.addmm_(dz2.t(), in_proj_weight[d_inner:])
+        dhidden = dhidden.view(batch, seqlen, d_model)
+        din_proj_bias = torch.cat([dx2.sum(1), dz2.sum(1)]).to(w_dtype_in) if ctx.has_in_bias else None
         return (
             dhidden.to(h_dtype),
             din_proj_weight,

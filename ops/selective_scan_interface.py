@@ -37,7 +37,8 @@ from . import backends as _backends
 from . import time_split
 from .boundaries import PackedBoundaries, resolve_for_op, resolve_position_ids, single_sequence_rows
 from .states import check_state, row_edge_slots, state_slots, token_slots
-from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, scan_blocks, scan_bwd_segments,
+from .contract import (OP_TAGS, SCAN_BLOCK_CHANNELS, SCAN_CHUNK, SCAN_LANES, is_channel_major, scan_blocks,
+                       scan_bwd_segments,
                        scan_chunks, scan_fwd_segments)
 
 __all__ = ["packed_selective_scan", "selective_scan_ref", "linear_scan", "selective_scan_fwd", "selective_scan_bwd"]
@@ -170,9 +171,37 @@ def _absent(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=like.device)
 
 
-def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` copied into a new contiguous tensor of ``dtype`` (the strides the fake implementation promises)."""
-    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+def _fresh(t: torch.Tensor, dtype: torch.dtype, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``t`` copied into a new tensor of ``dtype``, contiguous or with the layout of the outputs of ``like`` (the
+    strides the fake implementation promises)."""
+    out = _new_like(like, dtype) if like is not None else torch.empty(t.shape, dtype=dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def _out_strides(u: torch.Tensor) -> Tuple[int, ...]:
+    """The strides of the scan's ``(b, d, L)`` outputs for input ``u`` (ops/contract.py): ``u``'s where it is
+    channel-major, else contiguous."""
+    if is_channel_major(u) and not u.is_contiguous():
+        return tuple(u.stride())
+    b, d, L = u.shape
+    return (d * L, L, 1)
+
+
+def _new_like(u: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """An empty ``(b, d, L)`` output of the scan for input ``u`` (:func:`_out_strides`)."""
+    return torch.empty_strided(u.shape, _out_strides(u), dtype=dtype or u.dtype, device=u.device)
+
+
+def _as_layout(t: Optional[torch.Tensor], u: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t`` (``u``'s shape) laid out as the scan's outputs for ``u``: itself where it is, else a copy (the kernels
+    take every ``(b, d, L)`` tensor of a call in one layout)."""
+    if t is None:
+        return None
+    want = _out_strides(u)
+    if all(n <= 1 or s == w for n, s, w in zip(t.shape, t.stride(), want)):
+        return t
+    out = _new_like(u, t.dtype)
     out.copy_(t)
     return out
 
@@ -247,7 +276,7 @@ def _scan_fwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta
     if nchunks:
         ends = (torch.arange(1, nchunks + 1, device=u.device) * SCAN_CHUNK).clamp(max=L) - 1
         saved[..., :dstate] = h[:, :, ends].to(torch.float32)
-    return _fresh(y, u.dtype), saved, _final_states(h, state_slots, num_final_states, u)
+    return _fresh(y, u.dtype, u), saved, _final_states(h, state_slots, num_final_states, u)
 
 
 def _reduce_groups(X: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -312,12 +341,12 @@ def _scan_bwd_reference(u, delta, A, B, C, D, z, delta_bias, position_ids, delta
     dC = _reduce_groups(g.unsqueeze(-1) * h, C)
     ddelta = ddt * torch.sigmoid(dt_raw) if delta_softplus else ddt
     return (
-        _fresh(du, u.dtype), _fresh(ddelta, delta.dtype), _fresh(dA_param, A.dtype), _fresh(dB, B.dtype),
+        _fresh(du, u.dtype, u), _fresh(ddelta, delta.dtype, u), _fresh(dA_param, A.dtype), _fresh(dB, B.dtype),
         _fresh(dC, C.dtype),
         _fresh(dD, D.dtype) if D is not None else _absent(u),
-        _fresh(dz, z.dtype) if z is not None else _absent(u),
+        _fresh(dz, z.dtype, u) if z is not None else _absent(u),
         _fresh(ddelta.sum((0, 2)), delta_bias.dtype) if delta_bias is not None else _absent(u),
-        _fresh(out, u.dtype) if recompute_out else _absent(u),
+        _fresh(out, u.dtype, u) if recompute_out else _absent(u),
         dinit,
     )
 
@@ -385,6 +414,11 @@ def _channels(t: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tenso
     return None if t is None else t[:, a:b].contiguous()
 
 
+def _kernel_layout(u: torch.Tensor) -> torch.Tensor:
+    """``u`` where the kernels take its layout (contiguous or channel-major), else a contiguous copy."""
+    return u if u.is_contiguous() or is_channel_major(u) else u.contiguous()
+
+
 def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, slots=None, h0=None, num_final=0):
     """(out, saved, final_state or None) from the compiled kernel; B/C (batch, n_groups, dstate, seqlen), the rest
     prepared; slots / h0: the carried states (int32 (2, batch, seqlen) / float32 (slots, dim, dstate))."""
@@ -397,14 +431,14 @@ def _scan_fwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sl
                                   _channels(h0, a, b), num_final)
                  for g, (a, b) in enumerate(slices)]
         final = torch.cat([p[2] for p in parts], 1) if num_final else None
-        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), final
+        return _as_layout(torch.cat([p[0] for p in parts], 1), u), torch.cat([p[1] for p in parts], 1), final
     from ._cuda import kernel_outputs
 
-    u, delta = u.contiguous(), delta.contiguous()
-    z = None if z is None else z.contiguous()
+    u = _kernel_layout(u)
+    delta, z = _as_layout(delta, u), _as_layout(z, u)
     batch, dim, seqlen = u.shape
     with kernel_outputs():   # written in full by the kernel
-        out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+        out = _new_like(u)
         saved = torch.empty(batch, dim, scan_chunks(seqlen), SCAN_LANES, device=u.device, dtype=torch.float32)
     # a final-state slot that no sequence ends in stays zero
     final = torch.zeros(num_final, dim, A.shape[1], device=u.device, dtype=torch.float32) if num_final else None
@@ -469,17 +503,17 @@ def _scan_bwd_kernel(ext, u, delta, A, B, C, D, z, delta_bias, pos, softplus, sa
                 None if delta_bias is None else delta_bias[sl], pos, softplus, saved[:, sl], dout[:, sl],
                 recompute_out, slots, _channels(h0, a, b), _channels(dfinal, a, b)))
         cat = lambda i, d: None if parts[0][i] is None else torch.cat([p[i] for p in parts], d)  # noqa: E731
-        return (cat(0, 1), cat(1, 1), cat(2, 0), cat(3, 1), cat(4, 1), cat(5, 0), cat(6, 1), cat(7, 0), cat(8, 1),
-                cat(9, 1))
+        act = lambda i: _as_layout(cat(i, 1), u)  # noqa: E731   (b, d, L): the outputs' layout
+        return (act(0), act(1), cat(2, 0), cat(3, 1), cat(4, 1), cat(5, 0), act(6), cat(7, 0), act(8), cat(9, 1))
     from ._cuda import kernel_outputs
 
-    u, delta, dout = u.contiguous(), delta.contiguous(), dout.contiguous()
-    z = None if z is None else z.contiguous()
+    u = _kernel_layout(u)
+    delta, dout, z = _as_layout(delta, u), _as_layout(dout, u), _as_layout(z, u)
     with kernel_outputs():   # written in full by the kernel
-        du = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-        ddelta = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-        dz = torch.empty(u.shape, dtype=u.dtype, device=u.device) if z is not None else None
-        out = torch.empty(u.shape, dtype=u.dtype, device=u.device) if recompute_out else None
+        du = _new_like(u)
+        ddelta = _new_like(u)
+        dz = _new_like(u) if z is not None else None
+        out = _new_like(u) if recompute_out else None
     batch, dim, seqlen = u.shape
     # an initial-state slot that no sequence starts from gets a zero gradient
     dinit = torch.zeros(h0.shape, device=u.device, dtype=torch.float32) if h0 is not None else None
@@ -574,7 +608,7 @@ selective_scan_fwd.register_kernel("cuda")(_scan_fwd_cuda)
 def _scan_fwd_fake(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_softplus, state_slots=None,
                    initial_state=None, num_final_states=0):
     batch, dim, seqlen = u.shape
-    out = u.new_empty(u.shape)
+    out = _new_like(u)
     saved = u.new_empty((batch, dim, scan_chunks(seqlen), _lanes(A.shape[1])), dtype=torch.float32)
     final = (u.new_empty((num_final_states, dim, A.shape[1]), dtype=_compute_dtype(u.dtype)) if num_final_states
              else _absent(u))
@@ -604,8 +638,9 @@ def _scan_bwd_fake(u, delta, A, B, C, D, z, delta_bias, position_ids, delta_soft
                    recompute_out=False, state_slots=None, initial_state=None, dfinal_state=None):
     like = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)  # noqa: E731
     absent = lambda t: like(t) if t is not None else _absent(u)  # noqa: E731
-    return (like(u), like(delta), like(A), like(B), like(C), absent(D), absent(z), absent(delta_bias),
-            like(u) if recompute_out else _absent(u), absent(initial_state))
+    return (_new_like(u), _new_like(u, delta.dtype), like(A), like(B), like(C), absent(D),
+            _new_like(u, z.dtype) if z is not None else _absent(u), absent(delta_bias),
+            _new_like(u) if recompute_out else _absent(u), absent(initial_state))
 
 
 def _scan_setup_context(ctx, inputs, output):

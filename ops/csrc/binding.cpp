@@ -1,5 +1,6 @@
 // Thin torch binding: fills the parameter structs from tensors prepared (contiguous, right dtypes, outputs
 // allocated) by ops/_cuda.py and launches on the current stream.
+#include <limits>
 #include <optional>
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -23,6 +24,19 @@ static T *ptr_or_null(const OptT &t) {
   return t.has_value() ? reinterpret_cast<T *>(t->data_ptr()) : nullptr;
 }
 
+// u's layout, which every (batch, dim, seqlen) tensor of a scan shares (ScanParams::x_bs / x_ds): time unit-strided,
+// the strides equal wherever a size is above 1 (ops/_cuda.py lays them out alike)
+static void check_scan_layout(const Tensor &u, std::initializer_list<const Tensor *> ts) {
+  TORCH_CHECK(u.dim() == 3 && (u.size(2) <= 1 || u.stride(2) == 1), "scan: u must be (batch, dim, seqlen) with a "
+              "unit time stride, got strides ", u.strides());
+  for (const Tensor *t : ts) {
+    bool same = t->sizes() == u.sizes();
+    for (int i = 0; same && i < 3; ++i) same = u.size(i) <= 1 || t->stride(i) == u.stride(i);
+    TORCH_CHECK(same, "scan: every (batch, dim, seqlen) tensor must have u's shape and strides ", u.strides(),
+                ", got shape ", t->sizes(), " strides ", t->strides());
+  }
+}
+
 static po::ScanParams scan_params(const Tensor &u, const Tensor &delta, const Tensor &A, const Tensor &B,
                                   const Tensor &C, const OptT &D, const OptT &z, const OptT &delta_bias,
                                   const Tensor &pos, bool softplus, int64_t nchunks) {
@@ -38,6 +52,9 @@ static po::ScanParams scan_params(const Tensor &u, const Tensor &delta, const Te
   p.softplus = softplus;
   p.in_dtype = dtype_code(u);
   p.w_f32 = B.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(u.stride(1) <= std::numeric_limits<int>::max(), "scan: u's channel stride must be below 2^31");
+  p.x_bs = u.stride(0);
+  p.x_ds = (int)u.stride(1);
   p.u = u.data_ptr();
   p.delta = delta.data_ptr();
   p.B = B.data_ptr();
@@ -84,6 +101,8 @@ void scan_fwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
   p.fwd_segments = segments;
   p.fwd_lanes = lanes;
+  if (z.has_value()) check_scan_layout(u, {&delta, &*z, &out});
+  else check_scan_layout(u, {&delta, &out});
   p.out = out.data_ptr();
   p.saved = saved.data_ptr<float>();
   check_states(p, u, A, state_slots, {&initial_state, &final_state});
@@ -105,6 +124,12 @@ void scan_bwd(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, OptT D, OptT
               "scan_bwd: dA / dD / ddelta_bias need batch * segments rows (segments = ", segments, ")");
   po::ScanParams p = scan_params(u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved.size(2));
   p.bwd_segments = segments;
+  {
+    std::vector<const Tensor *> ts{&delta, &dout, &du, &ddelta};
+    for (const OptT *t : {&z, &out_rec, &dz})
+      if (t->has_value()) ts.push_back(&**t);
+    for (const Tensor *t : ts) check_scan_layout(u, {t});
+  }
   p.saved = saved.data_ptr<float>();
   p.dout = dout.data_ptr();
   p.out_rec = ptr_or_null<void>(out_rec);

@@ -20,6 +20,11 @@ struct ScanParams {
   bool softplus;
   int in_dtype;     // u, delta, z, dout, out, du, ddelta, dz
   bool w_f32;       // B, C are float32 (else in_dtype)
+  // strides (elements) of the batch and channel axes of every (batch, dim, seqlen) tensor: u, delta, z, out, dout,
+  // out_rec, du, ddelta, dz share one layout, time unit-strided: contiguous (dim * seqlen, seqlen) or channel-major
+  // (seqlen, batch * seqlen), the (dim, batch x time) matrices of the mixer's projections (ops/contract.py)
+  int64_t x_bs;
+  int x_ds;         // below 2^31 (binding.cpp): offsets d * x_ds + t in 64 bits, the stride in one register
   const void *u, *delta, *B, *C, *z;
   const float *A, *D, *delta_bias;   // D / delta_bias may be null
   const int *pos;

@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(32, FwdLayout<kP>::kMinBlocks) scan_fwd_kernel
   const float bias = (d_ok && has_bias) ? p.delta_bias[d] : 0.f;
   const float Dd = (d_ok && has_D) ? p.D[d] : 0.f;
 
-  const int64_t row = ((int64_t)b * p.dim + (d_ok ? d : 0)) * L;
+  const int64_t row = (int64_t)b * p.x_bs + (int64_t)(d_ok ? d : 0) * p.x_ds;
   const in_t *u = reinterpret_cast<const in_t *>(p.u) + row;
   const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
   const in_t *z = kHasZ ? reinterpret_cast<const in_t *>(p.z) + row : nullptr;
@@ -621,7 +621,8 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   const float A2a = Aa * kLog2e, A2b = Ab * kLog2e;
   const float Dd = (d_ok && p.D) ? p.D[d] : 0.f;
 
-  const int64_t row = ((int64_t)b * p.dim) * L;
+  const int64_t row = (int64_t)b * p.x_bs;   // channel d's row: + d * ds
+  const int ds = p.x_ds;
   const in_t *u = reinterpret_cast<const in_t *>(p.u) + row;
   const in_t *delta = reinterpret_cast<const in_t *>(p.delta) + row;
   const in_t *z = kHasZ ? reinterpret_cast<const in_t *>(p.z) + row : nullptr;
@@ -658,14 +659,15 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
   const int rows = p.dim - d0;
   // 16-byte copies (block-uniform): every staged row starts 16-byte aligned
   const bool vec16 = kAsync && L % (16 / sizeof(in_t)) == 0 && L % (16 / sizeof(w_t)) == 0 &&
+                     (row | (int64_t)ds) % (16 / sizeof(in_t)) == 0 &&
                      ((reinterpret_cast<uintptr_t>(p.u) | reinterpret_cast<uintptr_t>(p.delta) |
                        reinterpret_cast<uintptr_t>(p.z) | reinterpret_cast<uintptr_t>(p.dout) |
                        reinterpret_cast<uintptr_t>(p.B) | reinterpret_cast<uintptr_t>(p.C)) & 15) == 0;
   auto stage = [&](int t0) {
-    stage_rows<kAsync>(raw.in[0], u + (int64_t)d0 * L, L, rows, t0, L, tid, vec16);
-    stage_rows<kAsync>(raw.in[1], delta + (int64_t)d0 * L, L, rows, t0, L, tid, vec16);
-    if constexpr (kHasZ) stage_rows<kAsync>(raw.in[2], z + (int64_t)d0 * L, L, rows, t0, L, tid, vec16);
-    stage_rows<kAsync>(raw.in[3], dout + (int64_t)d0 * L, L, rows, t0, L, tid, vec16);
+    stage_rows<kAsync>(raw.in[0], u + (int64_t)d0 * ds, ds, rows, t0, L, tid, vec16);
+    stage_rows<kAsync>(raw.in[1], delta + (int64_t)d0 * ds, ds, rows, t0, L, tid, vec16);
+    if constexpr (kHasZ) stage_rows<kAsync>(raw.in[2], z + (int64_t)d0 * ds, ds, rows, t0, L, tid, vec16);
+    stage_rows<kAsync>(raw.in[3], dout + (int64_t)d0 * ds, ds, rows, t0, L, tid, vec16);
     stage_rows<kAsync>(raw.bc[0], Bp, L, p.dstate, t0, L, tid, vec16);
     stage_rows<kAsync>(raw.bc[1], Cp, L, p.dstate, t0, L, tid, vec16);
     stage_pos<kAsync>(raw.pos, pos, t0, L, tid);
@@ -819,8 +821,8 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
             const int tt = s * kSub + 2 * n + r, t = t0 + tt;
             if (d_ok && t >= seg_lo && t < seg_hi) {
               const float o = p.D ? __fadd_rn(yv[r], __fmul_rn(Dd, sm.dy_u[tt][dl].y)) : yv[r];
-              if (kHasZ) dz[(int64_t)d * L + t] = from_f<in_t>(o * sm.gz[tt][dl]);
-              if (out_rec) out_rec[(int64_t)d * L + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
+              if (kHasZ) dz[(int64_t)d * ds + t] = from_f<in_t>(o * sm.gz[tt][dl]);
+              if (out_rec) out_rec[(int64_t)d * ds + t] = from_f<in_t>(kHasZ ? o * sm.zs[tt][dl] : o);
             }
           }
         }
@@ -944,7 +946,7 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
         const float duf = fmaf(sm.dt_dtu[tt][dl].x, gsum[r], dyu.x * Dd);
         const float ddf = fmaf(dyu.y, gsum[r], gasum[r]) * sm.sig_m[tt][dl];
         if (d_ok && t >= seg_lo && t < seg_hi) {
-          const int64_t off = (int64_t)d * L + t;
+          const int64_t off = (int64_t)d * ds + t;
           du[off] = from_f<in_t>(duf);
           ddelta[off] = from_f<in_t>(ddf);
           dD_chunk = fmaf(dyu.x, dyu.y, dD_chunk);
@@ -1002,7 +1004,8 @@ __global__ void __launch_bounds__(kThreads, 3) scan_bwd_kernel(const ScanParams 
 template <typename in_t, typename w_t>
 bool use_async(const ScanParams &p) {
   auto aligned4 = [](const void *q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 4 == 0; };
-  return (sizeof(in_t) == 4 || p.seqlen % 2 == 0) && (sizeof(w_t) == 4 || p.seqlen % 2 == 0) && aligned4(p.u) &&
+  return (sizeof(in_t) == 4 || (p.seqlen % 2 == 0 && p.x_bs % 2 == 0 && p.x_ds % 2 == 0)) &&
+         (sizeof(w_t) == 4 || p.seqlen % 2 == 0) && aligned4(p.u) &&
          aligned4(p.delta) && aligned4(p.z) && aligned4(p.dout) && aligned4(p.B) && aligned4(p.C) && aligned4(p.pos);
 }
 
@@ -1011,7 +1014,8 @@ bool use_async(const ScanParams &p) {
 template <typename in_t, typename w_t>
 bool fwd_vectorized(const ScanParams &p) {
   auto aligned = [](const void *q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  return (int64_t)p.seqlen * sizeof(in_t) % 16 == 0 && (int64_t)p.seqlen * sizeof(w_t) % 16 == 0 && aligned(p.u) &&
+  return (int64_t)p.seqlen * sizeof(in_t) % 16 == 0 && (int64_t)p.seqlen * sizeof(w_t) % 16 == 0 &&
+         p.x_bs * (int64_t)sizeof(in_t) % 16 == 0 && p.x_ds * (int64_t)sizeof(in_t) % 16 == 0 && aligned(p.u) &&
          aligned(p.delta) && aligned(p.z) && aligned(p.out) && aligned(p.B) && aligned(p.C) && aligned(p.saved);
 }
 

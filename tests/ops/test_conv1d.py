@@ -290,6 +290,28 @@ def test_opcheck(seed, width, channel_last, bias, silu):
                           (x.detach(), w.detach(), None if b is None else b.detach(), pos, silu, dout, runmask))
 
 
+def test_channel_major_layout(seed):
+    """x laid out as (d, b, L) (the fused mixer's layout): opcheck, out and dx in that layout, the values of the
+    contiguous call."""
+    from ops.contract import is_channel_major
+
+    pos = positions([[1, 2, 6], [9]]).to(torch.int32)
+    x = torch.randn(2, 5, 9, dtype=F64)
+    xm = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert is_channel_major(xm) and not xm.is_contiguous()
+    w, b = torch.randn(5, 4, dtype=F64), torch.randn(5, dtype=F64)
+    torch.library.opcheck(torch.ops.packloader.causal_conv1d_fwd, (xm.clone().requires_grad_(True), w, b, pos, True))
+    out = torch.ops.packloader.causal_conv1d_fwd(xm, w, b, pos, True)
+    assert out.stride() == xm.stride() and torch.equal(out, torch.ops.packloader.causal_conv1d_fwd(x, w, b, pos, True))
+    dout = torch.randn(2, 5, 9, dtype=F64)
+    torch.library.opcheck(torch.ops.packloader.causal_conv1d_bwd, (xm, w, b, pos, True, dout))
+    got = torch.ops.packloader.causal_conv1d_bwd(xm, w, b, pos, True, dout)
+    want = torch.ops.packloader.causal_conv1d_bwd(x, w, b, pos, True, dout)
+    assert got[0].stride() == xm.stride()
+    for g, wt in zip(got, want):
+        torch.testing.assert_close(g, wt, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck_low_precision_and_length_1(seed, dtype):
     x = torch.randn(3, 4, 1).to(dtype).requires_grad_(True)
@@ -299,8 +321,8 @@ def test_opcheck_low_precision_and_length_1(seed, dtype):
 
 
 def test_the_op_refuses_layouts_outside_its_contract():
-    x = torch.randn(2, 6, 9)[:, :3]  # neither channel-first contiguous nor dense channel-last
-    with pytest.raises(ValueError, match="channel-first contiguous or dense channel-last"):
+    x = torch.randn(2, 6, 9)[:, :3]  # neither channel-first contiguous, dense channel-last nor channel-major
+    with pytest.raises(ValueError, match="channel-first contiguous, dense channel-last or channel-major"):
         torch.ops.packloader.causal_conv1d_fwd(x, torch.randn(3, 4), None, torch.zeros(2, 9, dtype=torch.int32), True)
 
 

@@ -330,15 +330,27 @@ class EmulatedExt:
     def __init__(self, so):
         self.so = so
 
+    def _scan_layout(self, u, *tensors):
+        """binding.cpp's check_scan_layout, and the kernels' x_bs / x_ds from u's strides."""
+        assert u.shape[2] <= 1 or u.stride(2) == 1
+        for t in tensors:
+            assert t is None or (t.shape == u.shape and all(n <= 1 or a == b for n, a, b in
+                                                            zip(u.shape, t.stride(), u.stride()))), "layouts differ"
+        self.so.emu_set_scan_layout(ctypes.c_int64(u.stride(0)), ctypes.c_int64(u.stride(1)))
+
     def scan_fwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, out, saved, segments, lanes,
                  state_slots=None, initial_state=None, final_state=None):
         assert segments >= 1 and lanes in (0, 1, 2, 4, 8)
+        self._scan_layout(u, delta, z, out)
         state_slots, row_slots = check_states(u, A, state_slots, initial_state, final_state)
         assert row_slots is None or z is not None, "row-edge state_slots need z"
-        emu_call(self.so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
-                 u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
-                 ptr(z), ptr(delta_bias), ptr(pos), ptr(out), ptr(saved), segments, lanes, ptr(state_slots),
-                 ptr(initial_state), ptr(final_state), ptr(row_slots))
+        try:
+            emu_call(self.so, "emu_scan_fwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
+                     u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C),
+                     ptr(D), ptr(z), ptr(delta_bias), ptr(pos), ptr(out), ptr(saved), segments, lanes,
+                     ptr(state_slots), ptr(initial_state), ptr(final_state), ptr(row_slots))
+        finally:
+            self.so.emu_set_scan_layout(ctypes.c_int64(0), ctypes.c_int64(0))   # contiguous for direct calls
 
     def scan_bwd(self, u, delta, A, B, C, D, z, delta_bias, pos, softplus, saved, dout, out_rec, du, ddelta, dz, dA,
                  dB, dC, dD, ddelta_bias, det_part, segments, state_slots=None, initial_state=None,
@@ -349,12 +361,16 @@ class EmulatedExt:
         state_slots, row_slots = check_states(u, A, state_slots, initial_state, dfinal_state, dinitial_state)
         assert row_slots is None or z is not None, "row-edge state_slots need z"
         assert (initial_state is None) == (dinitial_state is None)
-        emu_call(self.so, "emu_scan_bwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
-                 u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
-                 ptr(z), ptr(delta_bias), ptr(pos), ptr(saved), ptr(dout), ptr(out_rec), ptr(du), ptr(ddelta), ptr(dz),
-                 ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_part), segments, ptr(state_slots),
-                 ptr(initial_state), ptr(dfinal_state), ptr(dinitial_state), ptr(row_slots))
-
+        self._scan_layout(u, delta, z, dout, out_rec, du, ddelta, dz)
+        try:
+            emu_call(self.so, "emu_scan_bwd", DTYPE_CODE[u.dtype], int(B.dtype == torch.float32), *u.shape[:2],
+                     u.shape[2], A.shape[1], B.shape[1], int(softplus), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C),
+                     ptr(D), ptr(z), ptr(delta_bias), ptr(pos), ptr(saved), ptr(dout), ptr(out_rec), ptr(du),
+                     ptr(ddelta), ptr(dz), ptr(dA), ptr(dB), ptr(dC), ptr(dD), ptr(ddelta_bias), ptr(det_part),
+                     segments, ptr(state_slots), ptr(initial_state), ptr(dfinal_state), ptr(dinitial_state),
+                     ptr(row_slots))
+        finally:
+            self.so.emu_set_scan_layout(ctypes.c_int64(0), ctypes.c_int64(0))
 
     @staticmethod
     def _conv_args(x, weight, bias, pos, silu, runmask):
@@ -551,6 +567,35 @@ def test_cuda_path_on_emulated_kernels(cuda_path_on_cpu, seed, groups, dim):
     for name, a, b, c in zip(GRAD_NAMES + ["out"], default, det[0], det[1]):
         assert torch.equal(b, c), name
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("dtype,dim,groups,L", [(torch.bfloat16, 48, 1, 150), (torch.float32, 40, 2, 150),
+                                               (torch.bfloat16, 32, 1, 151)], ids=["bf16", "fp32-20-per-group", "odd-L"])
+def test_channel_major_layout_on_emulated_kernels(cuda_path_on_cpu, seed, dtype, dim, groups, L):
+    """u, delta, z and dout laid out as (d, b, L) (the fused mixer's layout, ops.contract.is_channel_major): the
+    kernels read and write it in place (x_bs / x_ds), every (b, d, L) output comes in it, with the bits of the
+    contiguous call (dB / dC: float atomics, any order); also group by group and with an odd L (plain loads)."""
+    ssi = cuda_path_on_cpu
+    batch, dstate = 3, 16
+    cm = lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)  # noqa: E731
+    u = torch.randn(batch, dim, L).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate))
+    B, C = torch.randn(batch, groups, dstate, L).to(dtype), torch.randn(batch, groups, dstate, L).to(dtype)
+    D, z, db = torch.randn(dim), torch.randn(batch, dim, L).to(dtype), 0.5 * torch.randn(dim)
+    pos = position_ids_for([lengths_mix(L, "mixed"), lengths_mix(L, "tiny"), lengths_mix(L, "padded")], "cpu")
+    dout = torch.randn(batch, dim, L).to(dtype)
+    want_out, want_saved, _ = ssi._scan_fwd_cuda(u, delta, A, B, C, D, z, db, pos, True)
+    want = ssi._scan_bwd_cuda(u, delta, A, B, C, D, z, db, pos, True, want_saved, dout, True)
+    out, saved, _ = ssi._scan_fwd_cuda(cm(u), cm(delta), A, B, C, D, cm(z), db, pos, True)
+    got = ssi._scan_bwd_cuda(cm(u), cm(delta), A, B, C, D, cm(z), db, pos, True, saved, cm(dout), True)
+    layout = cm(u).stride()
+    assert out.stride() == layout and torch.equal(out, want_out) and torch.equal(saved, want_saved)
+    for name, g, w in zip(GRAD_NAMES + ["out"], got, want):
+        if name in ("du", "ddelta", "dz", "out"):
+            assert g.stride() == layout and torch.equal(g, w), name
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("dtype,batch,L,pieces", [(torch.float32, 1, 3 * 64 + 37, 4), (torch.bfloat16, 1, 3 * 64 + 37, 4),

@@ -407,6 +407,39 @@ def test_opcheck(seed, case):
     torch.library.opcheck(torch.ops.packloader.selective_scan_bwd, (*fwd_args, saved, torch.randn_like(out)))
 
 
+def channel_major(t):
+    """t (b, d, L) laid out as (d, b, L) in memory, the fused mixer's layout (ops.contract.is_channel_major)."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@pytest.mark.parametrize("case", ["full", "bare", "grouped"])
+def test_channel_major_inputs_give_channel_major_outputs(seed, case):
+    """u, delta, z (and dout) laid out as (d, b, L): opcheck (the fake's strides are the reference's), every (b, d, L)
+    output in that layout, and the values of the contiguous call."""
+    from ops.contract import is_channel_major
+
+    batch, dim, dstate, seqlen, variant, dtype = OPCHECK_CASES[case]
+    inputs, softplus = make_inputs(batch, dim, dstate, seqlen, variant, dtype=dtype)
+    pos = positions([[1, 2, seqlen - 3]] + [[seqlen]] * (batch - 1)).to(torch.int32)
+    cm = [channel_major(t) if name in ("u", "delta", "z") and t is not None else t for name, t in zip(NAMES, inputs)]
+    assert is_channel_major(cm[0]) and not cm[0].is_contiguous()
+    torch.library.opcheck(torch.ops.packloader.selective_scan_fwd,
+                          (*[None if t is None else t.detach().clone().requires_grad_(True) for t in cm], pos, softplus))
+    out, saved, _ = torch.ops.packloader.selective_scan_fwd(*cm, pos, softplus)
+    want_out, want_saved, _ = torch.ops.packloader.selective_scan_fwd(*inputs, pos, softplus)
+    assert out.stride() == cm[0].stride() and torch.equal(out, want_out) and torch.equal(saved, want_saved)
+    dout = torch.randn_like(want_out)
+    torch.library.opcheck(torch.ops.packloader.selective_scan_bwd, (*cm, pos, softplus, saved, channel_major(dout), True))
+    got = torch.ops.packloader.selective_scan_bwd(*cm, pos, softplus, saved, channel_major(dout), True)
+    want = torch.ops.packloader.selective_scan_bwd(*inputs, pos, softplus, saved, dout, True)
+    for i, (g, w) in enumerate(zip(got, want)):
+        elementwise = i in (0, 1, 6, 8)   # du, ddelta, dz, out: u's layout, the same values; the rest sums over
+        tol = 0 if elementwise else 1e-12  # rows and time, in another order
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=f"output {i}")
+        if elementwise and g.numel():
+            assert g.stride() == cm[0].stride(), i
+
+
 def test_saved_holds_the_state_at_every_chunk_end(seed):
     """The contract of `saved`: the state after the last timestep of every SCAN_CHUNK-long chunk (lanes beyond
     dstate zero), float32; the same in every implementation, so a forward on one and a backward on the other

@@ -10,6 +10,9 @@ using namespace packloader_ops;
 // multiprocessors), so that the tests run every layout at small sizes
 static int emu_fwd_lanes = 0;
 extern "C" void emu_set_fwd_lanes(int lanes) { emu_fwd_lanes = lanes; }
+// the scans' (batch, dim) strides of every (batch, dim, seqlen) tensor (ScanParams::x_bs / x_ds); 0: contiguous
+static int64_t emu_scan_x_bs = 0, emu_scan_x_ds = 0;
+extern "C" void emu_set_scan_layout(int64_t x_bs, int64_t x_ds) { emu_scan_x_bs = x_bs; emu_scan_x_ds = x_ds; }
 extern "C" int emu_scan_fwd_lanes(int batch, int dim, int segments, int sm_count) {
   return scan_fwd_lanes(batch, dim, segments, sm_count);
 }
@@ -27,6 +30,8 @@ static ScanParams scan_params(int in_dtype, int w_f32, int batch, int dim, int s
   p.fwd_lanes = emu_fwd_lanes;
   p.dim_per_group = dim / n_groups; p.nchunks = (seqlen + kScanChunk - 1) / kScanChunk; p.softplus = softplus;
   p.in_dtype = in_dtype; p.w_f32 = w_f32;
+  p.x_bs = emu_scan_x_bs ? emu_scan_x_bs : (int64_t)dim * seqlen;   // emu_set_scan_layout; else contiguous
+  p.x_ds = emu_scan_x_ds ? (int)emu_scan_x_ds : seqlen;
   p.u = u; p.delta = delta; p.B = B; p.C = C; p.z = z; p.A = A; p.D = D; p.delta_bias = delta_bias; p.pos = pos;
   p.saved = saved;
   return p;
