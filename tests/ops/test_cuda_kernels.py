@@ -505,7 +505,6 @@ def test_conv_channel_first_kernels(cuda_ops, kernels, dtype, seqlen):
                    misalign=kernels == "regs")
 
 
-
 @pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 5000), (torch.float32, 4100), (torch.bfloat16, 2000),
                                           (torch.float32, 1000)])
 def test_conv_channel_first_kernels_elementwise(cuda_ops, dtype, seqlen):
@@ -796,3 +795,63 @@ def test_conv_states_on_the_kernels_vs_float64(dtype, channel_last):
     assert torch.equal(final, ref_final.to(dtype))
     for name, g, rg in zip(["dx", "dweight", "dbias", "dinitial_state"], grads, ref_grads):
         assert kernel_err(g, rg) <= TOL[dtype], (name, kernel_err(g, rg))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# channel-major activations (ops.contract.is_channel_major): the fused mixer's layout
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,seqlen", [(torch.bfloat16, 4096), (torch.bfloat16, 1001), (torch.float32, 600)])
+def test_channel_major_layout_matches_contiguous(cuda_ops, dtype, seqlen):
+    """u, delta, z, dout (and the conv's x) laid out as (d, b, L): the kernels read and write that layout in place,
+    every (b, d, L) output comes in it, with the contiguous call's bits (dB / dC, dA, dD, ddelta_bias: float atomics
+    or sums in another order: within 1e-5); an odd L takes the plain loads, 4096 the 16-byte copies. Then the fused
+    mixer, whose activations are channel-major, against the contiguous functional path."""
+    dev = torch.device("cuda")
+    cm = lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)  # noqa: E731
+    batch, dim, dstate = 3, 64, 16
+    pos = position_ids_for([lengths_mix(seqlen, k) for k in ("mixed", "tiny", "padded")], dev).to(torch.int32)
+    u = torch.randn(batch, dim, seqlen, device=dev).to(dtype)
+    delta = (0.5 * torch.randn(batch, dim, seqlen, device=dev) - 1.0).to(dtype)
+    A = -torch.exp(0.5 * torch.randn(dim, dstate, device=dev))
+    B, C = (torch.randn(batch, dstate, seqlen, device=dev).to(dtype) for _ in range(2))
+    D, db = torch.randn(dim, device=dev), 0.5 * torch.randn(dim, device=dev)
+    z, dout = torch.randn_like(u), torch.randn_like(u)
+    scan = torch.ops.packloader
+    want_out, want_saved, _ = scan.selective_scan_fwd(u, delta, A, B, C, D, z, db, pos, True)
+    out, saved, _ = scan.selective_scan_fwd(cm(u), cm(delta), A, B, C, D, cm(z), db, pos, True)
+    layout = cm(u).stride()
+    assert out.stride() == layout and torch.equal(out, want_out) and torch.equal(saved, want_saved)
+    want = scan.selective_scan_bwd(u, delta, A, B, C, D, z, db, pos, True, want_saved, dout, True)
+    got = scan.selective_scan_bwd(cm(u), cm(delta), A, B, C, D, cm(z), db, pos, True, saved, cm(dout), True)
+    for name, g, w in zip(GRAD_NAMES + ["out"], got, want):
+        if name in ("du", "ddelta", "dz", "out"):
+            assert g.stride() == layout and torch.equal(g, w), name
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+    w4 = torch.randn(dim, 4, device=dev)
+    xo = scan.causal_conv1d_fwd(cm(u), w4, D, pos, True)
+    assert xo.stride() == layout and torch.equal(xo, scan.causal_conv1d_fwd(u, w4, D, pos, True))
+    dx, dw, dbias = scan.causal_conv1d_bwd(cm(u), w4, D, pos, True, cm(dout))
+    dx0, dw0, dbias0 = scan.causal_conv1d_bwd(u, w4, D, pos, True, dout)
+    assert dx.stride() == layout and torch.equal(dx, dx0) and torch.equal(dw, dw0) and torch.equal(dbias, dbias0)
+    # the fused mixer (channel-major inside) against the functional path (contiguous), fp32, every gradient
+    if dtype == torch.float32:
+        from ops import packed_mamba_inner_fn, packed_mamba_inner_ref
+
+        d_model, d_inner, r = 32, dim, 4
+        params = [torch.randn(2 * d_inner, d_model, device=dev) * 0.1, None, torch.randn(d_inner, 1, 4, device=dev),
+                  torch.randn(d_inner, device=dev), torch.randn(r + 2 * dstate, d_inner, device=dev) * 0.1,
+                  torch.randn(d_inner, r, device=dev) * 0.3, torch.randn(d_model, d_inner, device=dev) * 0.1, None,
+                  A, D, db]
+        params = [p if p is None else p.clone().requires_grad_(True) for p in params]
+        h = torch.randn(batch, seqlen, d_model, device=dev, requires_grad=True)
+        g = torch.randn(batch, seqlen, d_model, device=dev)
+        outs = []
+        for fn in (packed_mamba_inner_fn, packed_mamba_inner_ref):
+            y = fn(h, *params, position_ids=pos)
+            grads = torch.autograd.grad(y, [h] + [p for p in params if p is not None], g)
+            outs.append((y, grads))
+        torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+        for a, b in zip(outs[0][1], outs[1][1]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
