@@ -8,7 +8,9 @@
 #
 # -> OUTDIR/base_<r>.json, OUTDIR/work_<r>.json (the benchmark's own JSON, bench_ops.py's rows), their logs, and
 #    OUTDIR/ab.json with the table ab_summary.py prints: each row's times, medians and work / base.
-# Only ops/csrc differs between the sides (the Python is the working tree's). Each side's build lands in
+# Only ops/csrc differs between the sides (the Python is the working tree's), or the paths in AB_PATHS (e.g.
+# AB_PATHS=ops: the whole package at BASE, for a change of the Python around the kernels; then time it with
+# benchmarks/bench_train.py, whose JSON ab_summary.py reads as well). Each side's build lands in
 # PACKLOADER_CACHE (default /tmp/plcache) under its own hash: an archive of BASE's build carried as $OPS_BUILD
 # (ops_build.sh) saves its build. Needs git in this checkout.
 set -u
@@ -22,9 +24,10 @@ export PYTHONUNBUFFERED=1 PACKLOADER_CACHE=${PACKLOADER_CACHE:-/tmp/plcache}
 here=$PWD
 tree=$(mktemp -d)/base
 mkdir -p "$tree" && cp -r ops packer_algos packloader benchmarks "$tree"/ || exit 1
-rm -rf "$tree/ops/csrc" && mkdir -p "$tree/ops/csrc" && git archive "$base" ops/csrc | tar x -C "$tree" \
-  || { echo "ab_kernels: cannot read ops/csrc at $base (git)"; exit 1; }
-echo "base $(git rev-parse --short "$base") ops/csrc in $tree; work: $here ($(git rev-parse --short HEAD) + changes)" \
+paths=${AB_PATHS:-ops/csrc}
+for p in $paths; do rm -rf "${tree:?}/$p"; done
+git archive "$base" $paths | tar x -C "$tree" || { echo "ab_kernels: cannot read $paths at $base (git)"; exit 1; }
+echo "base $(git rev-parse --short "$base") $paths in $tree; work: $here ($(git rev-parse --short HEAD) + changes)" \
   | tee "$out/ab.log"
 source benchmarks/gpu/ops_build.sh && ops_build_unpack | tee -a "$out/ab.log"
 build() { (cd "$1" && PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS=${MAX_JOBS:-8} \

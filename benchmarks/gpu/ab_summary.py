@@ -1,6 +1,6 @@
 """The table of an A/B run (ab_kernels.sh): OUTDIR/base_<r>.json and OUTDIR/work_<r>.json, each a bench_ops.py
-JSON (rows of op, impl, phase, ms), grouped by row; each side's times in run order, their medians and work / base.
-Writes OUTDIR/ab.json.
+JSON (rows of op, impl, phase, ms) or a bench_train.py one (results of width, lengths, mode: ms a step), grouped by
+row; each side's times in run order, their medians and work / base. Writes OUTDIR/ab.json.
 
     python3 benchmarks/gpu/ab_summary.py OUTDIR
 """
@@ -17,8 +17,13 @@ def load_side(out: Path, side: str) -> dict:
     times: dict = {}
     files = sorted(out.glob(f"{side}_*.json"), key=lambda p: int(p.stem.split("_")[-1]))
     for f in files:
-        for row in json.loads(f.read_text())["rows"]:
-            times.setdefault((row["op"], row["impl"], row["phase"]), []).append(row["ms"])
+        data = json.loads(f.read_text())
+        if "rows" in data:   # bench_ops.py
+            for row in data["rows"]:
+                times.setdefault((row["op"], row["impl"], row["phase"]), []).append(row["ms"])
+        for r in data.get("results", []):   # bench_train.py: a step's ms by (width, lengths, mode)
+            if not r.get("oom") and "ms_per_step" in r:
+                times.setdefault((f"{r['width']} {r['lengths']}", r["mode"], "step"), []).append(r["ms_per_step"])
     return times
 
 

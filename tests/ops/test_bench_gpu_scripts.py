@@ -128,6 +128,25 @@ def test_ab_summary_medians_and_ratio_per_row(tmp_path, capsys):
     assert "6.400, 6.100, 6.300, 6.000" in capsys.readouterr().out
 
 
+def test_ab_summary_reads_bench_train_results(tmp_path):
+    """bench_train.py's JSON (AB_PATHS=ops, a change of the fused mixer): a step's ms by width, lengths and mode;
+    a mode that ran out of memory is left out."""
+    import json
+    ab = _ab_summary()
+    for r, (b, w) in enumerate([(433.4, 427.3), (436.9, 428.1)], start=1):
+        for side, ms in (("base", b), ("work", w)):
+            (tmp_path / f"{side}_{r}.json").write_text(json.dumps({"results": [
+                {"width": "1.4b", "lengths": "gsm8k", "mode": "packed", "ms_per_step": ms},
+                {"width": "1.4b", "lengths": "gsm8k", "mode": "dense", "ms_per_step": 520.0 + r},
+                {"width": "2.8b", "lengths": "gsm8k", "mode": "packed", "oom": True}]}))
+    assert ab.main([str(tmp_path)]) == 0
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "ab.json").read_text())["rows"]}
+    assert set(rows) == {"packed", "dense"} and rows["packed"]["op"] == "1.4b gsm8k"
+    assert rows["packed"]["base_ms"] == [433.4, 436.9] and rows["packed"]["work_ms"] == [427.3, 428.1]
+    assert rows["packed"]["work_over_base"] == pytest.approx(427.7 / 435.15, abs=1e-4)
+    assert rows["dense"]["work_over_base"] == pytest.approx(1.0)
+
+
 def test_ab_summary_says_when_a_side_is_missing(tmp_path, capsys):
     ab = _ab_summary()
     _bench_json(tmp_path / "base_1.json", [("selective_scan", "ours", "bwd", 7.0)])
