@@ -81,6 +81,12 @@ def spans(rows):
     return out
 
 
+def channel_major(t: torch.Tensor) -> torch.Tensor:
+    """t (b, d, L) with its values laid out as (d, b, L) in memory: the fused mixer's layout
+    (ops.contract.is_channel_major)."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
 def misaligned_copy(t: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """t's values in a dense tensor whose data starts one element past an aligned address (what a slice of a flat
     buffer, or of a batch-1 tensor along dim 1, gives): contiguous, or with ``transpose`` channel-last (the last two

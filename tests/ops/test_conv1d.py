@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import ops
 from ops.conv1d_interface import causal_conv1d_ref
 
-from ._helpers import mixed_rows, positions, spans
+from ._helpers import channel_major, mixed_rows, positions, spans
 
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -297,7 +297,7 @@ def test_channel_major_layout(seed):
 
     pos = positions([[1, 2, 6], [9]]).to(torch.int32)
     x = torch.randn(2, 5, 9, dtype=F64)
-    xm = x.transpose(0, 1).contiguous().transpose(0, 1)
+    xm = channel_major(x)
     assert is_channel_major(xm) and not xm.is_contiguous()
     w, b = torch.randn(5, 4, dtype=F64), torch.randn(5, dtype=F64)
     torch.library.opcheck(torch.ops.packloader.causal_conv1d_fwd, (xm.clone().requires_grad_(True), w, b, pos, True))

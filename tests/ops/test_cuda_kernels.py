@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ops
-from ._helpers import misaligned_copy
+from ._helpers import channel_major as cm, misaligned_copy
 
 pytestmark = pytest.mark.gpu
 
@@ -808,7 +808,6 @@ def test_channel_major_layout_matches_contiguous(cuda_ops, dtype, seqlen):
     or sums in another order: within 1e-5); an odd L takes the plain loads, 4096 the 16-byte copies. Then the fused
     mixer, whose activations are channel-major, against the contiguous functional path."""
     dev = torch.device("cuda")
-    cm = lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)  # noqa: E731
     batch, dim, dstate = 3, 64, 16
     pos = position_ids_for([lengths_mix(seqlen, k) for k in ("mixed", "tiny", "padded")], dev).to(torch.int32)
     u = torch.randn(batch, dim, seqlen, device=dev).to(dtype)

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ops import _build
 from ops.contract import SCAN_CHUNK, SCAN_LANES, conv_mask_stride
 
-from ._helpers import misaligned_copy
+from ._helpers import channel_major as cm, misaligned_copy
 from .test_cuda_kernels import (GRAD_NAMES, TOL, conv_ref64, kernel_err, lengths_mix, position_ids_for, rel_err,
                                 scan_ref_grads, tile_edge_row)
 
@@ -577,7 +577,6 @@ def test_channel_major_layout_on_emulated_kernels(cuda_path_on_cpu, seed, dtype,
     contiguous call (dB / dC: float atomics, any order); also group by group and with an odd L (plain loads)."""
     ssi = cuda_path_on_cpu
     batch, dstate = 3, 16
-    cm = lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)  # noqa: E731
     u = torch.randn(batch, dim, L).to(dtype)
     delta = (0.5 * torch.randn(batch, dim, L) - 1.0).to(dtype)
     A = -torch.exp(0.5 * torch.randn(dim, dstate))

@@ -20,7 +20,7 @@ import torch
 import ops
 from ops.selective_scan_interface import linear_scan, selective_scan_ref
 
-from ._helpers import mixed_rows, positions, spans
+from ._helpers import channel_major, mixed_rows, positions, spans
 
 F64 = torch.float64
 TOL = dict(rtol=1e-9, atol=1e-11)
@@ -405,11 +405,6 @@ def test_opcheck(seed, case):
     torch.library.opcheck(torch.ops.packloader.selective_scan_fwd, (*ins, pos, softplus))
     out, saved, _ = torch.ops.packloader.selective_scan_fwd(*fwd_args)
     torch.library.opcheck(torch.ops.packloader.selective_scan_bwd, (*fwd_args, saved, torch.randn_like(out)))
-
-
-def channel_major(t):
-    """t (b, d, L) laid out as (d, b, L) in memory, the fused mixer's layout (ops.contract.is_channel_major)."""
-    return t.transpose(0, 1).contiguous().transpose(0, 1)
 
 
 @pytest.mark.parametrize("case", ["full", "bare", "grouped"])
